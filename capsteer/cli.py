@@ -1,0 +1,30 @@
+"""`capsteer` command line: one entry point, each concern registers its own commands."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="capsteer")
+    sub = parser.add_subparsers(dest="command", required=True)
+    from capsteer import demo_model
+
+    demo_model.add_command(sub)
+    try:
+        from capsteer.capture import cli as capture_cli
+    except ImportError:  # storage commands not installed in this build
+        capture_cli = None
+    if capture_cli is not None:
+        capture_cli.add_commands(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

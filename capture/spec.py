@@ -1,0 +1,347 @@
+"""Capture specs: what a request asks to capture, parsed and validated once.
+
+The server parses the request's `capture` object with `parse_capture_spec` (errors
+become HTTP 400 naming the field); the engine asks `PositionSpec.candidate` which
+rows to copy each step; the writer applies `PositionSpec.finalize` when the request
+ends, because only then is it known which position was the last one fed.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from capsteer.hooks import HookNameError, canonical_hook, resolve_layer
+
+POSITION_KINDS: tuple[str, ...] = ("all", "prompt", "generated", "last_prompt", "last", "explicit")
+LAYOUTS: tuple[str, ...] = ("packed", "per_file")
+DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
+_DTYPE_ALIASES: dict[str, str] = {
+    "fp32": "float32",
+    "float": "float32",
+    "f32": "float32",
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "half": "float16",
+    "f16": "float16",
+}
+SPEC_KEYS: tuple[str, ...] = ("hooks", "layers", "positions", "layout", "dtype", "tag")
+DEFAULT_SPEC: dict[str, Any] = {"hooks": ["resid_post"], "layers": "all", "positions": "all"}
+# Slugs become path components; this pattern cannot express a separator or "..".
+_SLUG_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
+_RANGE_RE = re.compile(r"\s*(-?\d+)\s*-\s*(-?\d+)\s*")
+_SLICE_RE = re.compile(r"\s*(-?\d+)?\s*:\s*(-?\d+)?\s*")
+_INT_RE = re.compile(r"\s*-?\d+\s*")
+MAX_EXPLICIT_POSITIONS = 1 << 20
+
+
+class SpecError(ValueError):
+    """A capture spec field is invalid; `field` names it for the client's 400 error."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: {reason}")
+        self.field = field
+        self.reason = reason
+
+
+def validate_slug(value: object, field: str) -> str:
+    """Return `value` if it is a safe single path component ([A-Za-z0-9._-]{1,64})."""
+    if not isinstance(value, str):
+        raise SpecError(field, f"must be a string, got {type(value).__name__}")
+    if not _SLUG_RE.fullmatch(value):
+        raise SpecError(field, f"{value!r} must match [A-Za-z0-9._-]{{1,64}}")
+    if value in (".", ".."):
+        raise SpecError(field, f"{value!r} is not allowed")
+    return value
+
+
+@dataclass(frozen=True)
+class PositionSpec:
+    """Which absolute positions (prompt then generated tokens) to keep."""
+
+    kind: str
+    explicit: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.kind not in POSITION_KINDS:
+            raise SpecError("capture.positions", f"unknown kind {self.kind!r}")
+        if (self.kind == "explicit") != bool(self.explicit):
+            raise SpecError("capture.positions", "explicit positions need a non-empty list")
+
+    def resolved(self, prompt_len: int) -> np.ndarray:
+        """Explicit positions as absolute indices (negatives count back from the prompt end)."""
+        arr = np.asarray(self.explicit, dtype=np.int64)
+        arr = np.where(arr < 0, arr + prompt_len, arr)
+        return np.unique(arr[arr >= 0])
+
+    def candidate(self, positions: np.ndarray, prompt_len: int) -> np.ndarray:
+        """Bool mask over `positions`: rows the engine should copy when they are fed."""
+        p = np.asarray(positions, dtype=np.int64)
+        if self.kind == "all":
+            return np.ones(p.shape, dtype=bool)
+        if self.kind == "prompt":
+            return p < prompt_len
+        if self.kind == "generated":
+            return p >= prompt_len
+        if self.kind == "last_prompt":
+            return p == prompt_len - 1
+        if self.kind == "last":
+            return p >= prompt_len - 1
+        return np.isin(p, self.resolved(prompt_len))
+
+    def finalize(self, positions: np.ndarray, prompt_len: int, fed_len: int) -> np.ndarray:
+        """Of the sorted unique captured positions, those to keep (sorted int64).
+
+        "last" keeps the highest fed position (fed_len - 1 when it was captured; the
+        highest captured one otherwise, e.g. when the request was cut short).
+        """
+        p = np.unique(np.asarray(positions, dtype=np.int64))
+        p = p[(p >= 0) & (p < fed_len)]
+        p = p[self.candidate(p, prompt_len)]
+        if self.kind == "last":
+            return p[-1:].copy()
+        return p
+
+    def to_json(self) -> str | list[int]:
+        """The normalized request form: a kind name or the list of explicit ints."""
+        return list(self.explicit) if self.kind == "explicit" else self.kind
+
+
+def _as_int(value: object, field: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        if isinstance(value, str) and _INT_RE.fullmatch(value):
+            return int(value)
+        raise SpecError(field, f"expected an integer, got {value!r}")
+    return int(value)
+
+
+def parse_positions(value: object) -> PositionSpec:
+    """Parse `capture.positions`: a kind name, an int, or a list of ints."""
+    field = "capture.positions"
+    if isinstance(value, str):
+        kind = value.strip().lower()
+        if kind in POSITION_KINDS and kind != "explicit":
+            return PositionSpec(kind)
+        if _INT_RE.fullmatch(kind):
+            return PositionSpec("explicit", (int(kind),))
+        accepted = ", ".join(k for k in POSITION_KINDS if k != "explicit")
+        raise SpecError(field, f"unknown positions {value!r}; accepted: {accepted} or a list of ints")
+    if isinstance(value, (list, tuple)):
+        if not value:
+            raise SpecError(field, "empty list")
+        if len(value) > MAX_EXPLICIT_POSITIONS:
+            raise SpecError(field, f"more than {MAX_EXPLICIT_POSITIONS} positions")
+        ints = sorted({_as_int(v, field) for v in value})
+        return PositionSpec("explicit", tuple(ints))
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        return PositionSpec("explicit", (int(value),))
+    raise SpecError(field, f"expected a string or a list of ints, got {type(value).__name__}")
+
+
+def parse_layers(value: object, num_layers: int, field: str = "capture.layers") -> tuple[int, ...]:
+    """Parse "all", an int, a list (ints or range strings), "a-b" (inclusive) or "a:b"."""
+    if num_layers <= 0:
+        raise SpecError(field, f"model has no layers (num_layers={num_layers})")
+
+    def one(index: int) -> int:
+        try:
+            return resolve_layer(index, num_layers)
+        except ValueError as exc:
+            raise SpecError(field, str(exc)) from None
+
+    def parse_str(text: str) -> list[int]:
+        s = text.strip().lower()
+        if s == "all":
+            return list(range(num_layers))
+        if _INT_RE.fullmatch(s):
+            return [one(int(s))]
+        m = _RANGE_RE.fullmatch(s)
+        if m:
+            a, b = one(int(m.group(1))), one(int(m.group(2)))
+            if a > b:
+                raise SpecError(field, f"empty range {text!r} (resolves to {a}-{b})")
+            return list(range(a, b + 1))
+        m = _SLICE_RE.fullmatch(s)
+        if m:
+            start = int(m.group(1)) if m.group(1) is not None else None
+            stop = int(m.group(2)) if m.group(2) is not None else None
+            for bound in (start, stop):
+                if bound is not None and not -num_layers <= bound <= num_layers:
+                    raise SpecError(
+                        field, f"layer {bound} out of range for a model with {num_layers} layers"
+                    )
+            picked = list(range(num_layers))[slice(start, stop)]
+            if not picked:
+                raise SpecError(field, f"empty slice {text!r}")
+            return picked
+        raise SpecError(field, f"cannot parse layers {text!r}; use \"all\", [ints], \"a-b\" or \"a:b\"")
+
+    if isinstance(value, str):
+        layers = parse_str(value)
+    elif isinstance(value, (list, tuple)):
+        if not value:
+            raise SpecError(field, "empty list")
+        layers = []
+        for item in value:
+            layers.extend(parse_str(item) if isinstance(item, str) else [one(_as_int(item, field))])
+    elif isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        layers = [one(int(value))]
+    else:
+        raise SpecError(field, f"expected \"all\", a list, \"a-b\" or \"a:b\", got {value!r}")
+    return tuple(sorted(set(layers)))
+
+
+def _hook_name(name: object, field: str) -> str:
+    if isinstance(name, str) and name.strip() == "post_mlp":
+        raise SpecError(field, "'post_mlp' is not accepted; use 'mlp_out' or 'resid_post'")
+    try:
+        return canonical_hook(name)
+    except HookNameError as exc:
+        raise SpecError(field, str(exc)) from None
+
+
+def parse_dtype(value: object) -> str:
+    """Parse `capture.dtype` (accepts short aliases like bf16, fp32)."""
+    if not isinstance(value, str):
+        raise SpecError("capture.dtype", f"expected a string, got {value!r}")
+    key = value.strip().lower()
+    key = _DTYPE_ALIASES.get(key, key)
+    if key not in DTYPES:
+        raise SpecError("capture.dtype", f"unknown dtype {value!r}; accepted: {', '.join(DTYPES)}")
+    return key
+
+
+def parse_layout(value: object, field: str = "capture.layout") -> str:
+    """Parse `capture.layout` ("packed" or "per_file")."""
+    if not isinstance(value, str) or value.strip().lower() not in LAYOUTS:
+        raise SpecError(field, f"unknown layout {value!r}; accepted: {', '.join(LAYOUTS)}")
+    return value.strip().lower()
+
+
+def _freeze(hooks: Mapping[str, Iterable[int]]) -> dict[str, tuple[int, ...]]:
+    return {h: tuple(sorted(set(int(x) for x in layers))) for h, layers in sorted(hooks.items())}
+
+
+@dataclass(frozen=True)
+class CaptureSpec:
+    """A validated capture request; `hooks` maps canonical hook -> sorted layer indices."""
+
+    hooks: dict[str, tuple[int, ...]]
+    positions: PositionSpec
+    layout: str = "packed"
+    dtype: str = "auto"
+    tag: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "hooks", _freeze(self.hooks))
+        if not self.hooks or not all(self.hooks.values()):
+            raise SpecError("capture.hooks", "no (hook, layer) pairs selected")
+        if self.layout not in LAYOUTS:
+            raise SpecError("capture.layout", f"unknown layout {self.layout!r}")
+        if self.dtype not in DTYPES:
+            raise SpecError("capture.dtype", f"unknown dtype {self.dtype!r}")
+        if self.tag is not None:
+            validate_slug(self.tag, "capture.tag")
+
+    def __hash__(self) -> int:
+        return hash(self.to_json())
+
+    def keys(self) -> list[tuple[str, int]]:
+        """Sorted (hook, layer) pairs to capture."""
+        return sorted((h, layer) for h, layers in self.hooks.items() for layer in layers)
+
+    def row_bytes(self, hidden_size: int, itemsize: int) -> int:
+        """Bytes captured per position (all keys), for budget estimates."""
+        return len(self.keys()) * hidden_size * itemsize
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe normalized form (hooks as a dict of explicit layer lists)."""
+        return {
+            "hooks": {h: list(layers) for h, layers in self.hooks.items()},
+            "positions": self.positions.to_json(),
+            "layout": self.layout,
+            "dtype": self.dtype,
+            "tag": self.tag,
+        }
+
+    def to_json(self) -> str:
+        """Canonical JSON, stable across processes (usable as a cache key)."""
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> CaptureSpec:
+        """Inverse of to_dict; trusts resolved layer indices (no num_layers needed)."""
+        hooks = {_hook_name(h, "capture.hooks"): tuple(int(x) for x in v) for h, v in d["hooks"].items()}
+        tag = d.get("tag")
+        return cls(
+            hooks=hooks,
+            positions=parse_positions(d.get("positions", "all")),
+            layout=parse_layout(d.get("layout", "packed")),
+            dtype=parse_dtype(d.get("dtype", "auto")),
+            tag=None if tag is None else validate_slug(tag, "capture.tag"),
+        )
+
+
+def parse_capture_spec(
+    obj: object,
+    *,
+    num_layers: int,
+    default_layout: str = "packed",
+    default: Mapping[str, Any] | None = None,
+) -> CaptureSpec:
+    """Validate a request's `capture` value (True or an object per api.md §2).
+
+    `True` means the server default spec. Fields a request leaves out come from
+    `default` (then DEFAULT_SPEC); `layers` is inherited only when `hooks` is a list.
+    """
+    base: Mapping[str, Any] = DEFAULT_SPEC if default is None else default
+    if obj is True:
+        obj = dict(base)
+    if not isinstance(obj, Mapping):
+        raise SpecError("capture", f"expected true or an object, got {obj!r}")
+    for key in obj:
+        if key not in SPEC_KEYS:
+            raise SpecError(f"capture.{key}", f"unknown field; accepted: {', '.join(SPEC_KEYS)}")
+
+    hooks_value = obj["hooks"] if "hooks" in obj else base.get("hooks", DEFAULT_SPEC["hooks"])
+    hooks: dict[str, set[int]] = {}
+    if isinstance(hooks_value, str):
+        hooks_value = [hooks_value]
+    if isinstance(hooks_value, Mapping):
+        if "layers" in obj:
+            raise SpecError(
+                "capture.layers", "not allowed when hooks is an object (give layers per hook)"
+            )
+        if not hooks_value:
+            raise SpecError("capture.hooks", "empty object")
+        for name, layers_value in hooks_value.items():
+            hook = _hook_name(name, "capture.hooks")
+            layers = parse_layers(layers_value, num_layers, f"capture.hooks.{name}")
+            hooks.setdefault(hook, set()).update(layers)
+    elif isinstance(hooks_value, (list, tuple)):
+        if not hooks_value:
+            raise SpecError("capture.hooks", "empty list")
+        layers_value = obj["layers"] if "layers" in obj else base.get("layers", "all")
+        layers = parse_layers(layers_value, num_layers)
+        for name in hooks_value:
+            hooks.setdefault(_hook_name(name, "capture.hooks"), set()).update(layers)
+    else:
+        raise SpecError("capture.hooks", f"expected a list or an object, got {hooks_value!r}")
+
+    positions = parse_positions(obj["positions"] if "positions" in obj else base.get("positions", "all"))
+    layout = parse_layout(obj["layout"] if "layout" in obj else base.get("layout", default_layout))
+    dtype = parse_dtype(obj["dtype"] if "dtype" in obj else base.get("dtype", "auto"))
+    tag_value = obj["tag"] if "tag" in obj else base.get("tag")
+    tag = None if tag_value is None else validate_slug(tag_value, "capture.tag")
+    return CaptureSpec(
+        hooks={h: tuple(sorted(v)) for h, v in hooks.items()},
+        positions=positions,
+        layout=layout,
+        dtype=dtype,
+        tag=tag,
+    )

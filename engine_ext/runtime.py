@@ -1,0 +1,210 @@
+"""The hook op and the persistent buffers it reads.
+
+Each hooked norm module calls `torch.ops.capsteer.tap(x, residual, site)` before
+its own forward. `x` is the sublayer output (attention or MLP) that the norm is
+about to add into the residual stream, so `x + residual` is the stream itself
+(vLLM keeps the stream deferred). The op steers by mutating `x` in place (so the
+fused add and the norm both see the steered stream) and copies captured rows.
+
+Per-request behaviour is data: steering entries live in persistent tables and
+each step only rewrites index buffers. Two modes read the same plan:
+- host mode (CPU, no graphs): the op touches only the rows the plan lists;
+- device mode (CUDA graphs): dense per-token index buffers at fixed addresses,
+  no host reads of device values and no allocation of persistent memory per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+SUB, STREAM = 0, 1  # what a capture/steer point reads: the sublayer output or the stream
+KINDS = (SUB, STREAM)
+
+
+def site_count(num_layers: int) -> int:
+    """Sites are the norm inputs: input_layernorm[L] = 2L, post_attention_layernorm[L] = 2L+1,
+    final norm = 2*num_layers."""
+    return 2 * num_layers + 1
+
+
+def hook_point(hook: str, layer: int) -> tuple[int, int]:
+    """(kind, site) where a hook's value is read; the same place steering acts."""
+    if hook == "resid_pre":
+        return STREAM, 2 * layer
+    if hook == "resid_mid":
+        return STREAM, 2 * layer + 1
+    if hook == "resid_post":
+        return STREAM, 2 * layer + 2
+    if hook == "attn_out":
+        return SUB, 2 * layer + 1
+    if hook == "mlp_out":
+        return SUB, 2 * layer + 2
+    raise ValueError(f"unknown hook {hook!r}")
+
+
+@dataclass
+class StepPlan:
+    """What the op does this step. Host-mode fields index rows of this step's batch."""
+
+    # (kind, site) -> (rows, entries) for steering; rows int64 [k], entries int64 [k]
+    steer: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # (kind, site) -> rows int64 [k] whose values are copied
+    capture: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    # (kind, site) -> offset of its rows in the staging buffer (device mode)
+    staging_offset: dict[tuple[int, int], int] = field(default_factory=dict)
+    staging_rows: int = 0
+
+    @property
+    def empty(self) -> bool:
+        return not self.steer and not self.capture
+
+
+class HookRuntime:
+    """Per-worker persistent state: steering tables, index buffers, captured rows."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        hidden_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        *,
+        max_tokens: int,
+        max_entries: int = 1024,
+        staging_rows: int = 0,
+        device_driven: bool = False,
+    ) -> None:
+        self.num_layers = num_layers
+        self.num_sites = site_count(num_layers)
+        self.hidden_size = hidden_size
+        self.dtype = dtype
+        self.device = device
+        self.device_driven = device_driven
+        self.max_tokens = max_tokens
+        # Entry 0 is the identity (alpha 0, u 0, w 0). y = x + alpha * (src . u) u + w
+        self.u = torch.zeros(max_entries, hidden_size, dtype=torch.float32, device=device)
+        self.w = torch.zeros_like(self.u)
+        self.alpha = torch.zeros(max_entries, dtype=torch.float32, device=device)
+        self.free_entries = list(range(max_entries - 1, 0, -1))
+        self.plan = StepPlan()
+        self.captured: dict[tuple[int, int], torch.Tensor] = {}
+        self.fired = [0] * self.num_sites  # host mode: sites reached this step (canary)
+        if device_driven:
+            shape = (2, self.num_sites, max_tokens)
+            self.steer_idx = torch.zeros(shape, dtype=torch.int64, device=device)
+            self.trash_row = staging_rows
+            self.cap_dst = torch.full(shape, staging_rows, dtype=torch.int64, device=device)
+            self.staging = torch.zeros(staging_rows + 1, hidden_size, dtype=dtype, device=device)
+
+    # ---- steering tables (written when a request arrives, not per step) ----
+    def alloc_entry(self, u: torch.Tensor, alpha: float, w: torch.Tensor) -> int:
+        if not self.free_entries:
+            raise RuntimeError("capsteer: steering table full (raise max_entries)")
+        idx = self.free_entries.pop()
+        self.u[idx].copy_(u.to(self.u))
+        self.w[idx].copy_(w.to(self.w))
+        self.alpha[idx] = alpha
+        return idx
+
+    def free_entry(self, idx: int) -> None:
+        self.u[idx].zero_()
+        self.w[idx].zero_()
+        self.alpha[idx] = 0.0
+        self.free_entries.append(idx)
+
+    # ---- per step ----
+    def set_plan(self, plan: StepPlan, num_tokens_padded: int) -> None:
+        self.plan = plan
+        self.captured = {}
+        self.fired = [0] * self.num_sites
+        if self.device_driven:
+            self._write_dense(plan, num_tokens_padded)
+
+    def _write_dense(self, plan: StepPlan, n: int) -> None:
+        if plan.staging_rows > self.trash_row:
+            raise RuntimeError("capsteer: capture staging buffer too small for this step")
+        steer = torch.zeros((2, self.num_sites, n), dtype=torch.int64)
+        dst = torch.full((2, self.num_sites, n), self.trash_row, dtype=torch.int64)
+        for (kind, site), (rows, entries) in plan.steer.items():
+            steer[kind, site, rows] = entries
+        for (kind, site), rows in plan.capture.items():
+            off = plan.staging_offset[(kind, site)]
+            dst[kind, site, rows] = torch.arange(off, off + len(rows))
+        self.steer_idx[:, :, :n].copy_(steer.pin_memory(), non_blocking=True)
+        self.cap_dst[:, :, :n].copy_(dst.pin_memory(), non_blocking=True)
+
+    def tap(self, x: torch.Tensor, residual: torch.Tensor | None, site: int) -> None:
+        if self.device_driven:
+            self._tap_dense(x, residual, site)
+        else:
+            self._tap_host(x, residual, site)
+
+    def _tap_host(self, x: torch.Tensor, residual: torch.Tensor | None, site: int) -> None:
+        self.fired[site] += 1
+        plan = self.plan
+        if plan.empty:
+            return
+        for kind in KINDS:
+            steer = plan.steer.get((kind, site))
+            if steer is not None:
+                rows, entries = steer
+                xs = x[rows].float()
+                src = xs if kind == SUB or residual is None else xs + residual[rows].float()
+                u = self.u[entries]
+                proj = (src * u).sum(-1, keepdim=True)
+                xs = xs + self.alpha[entries].unsqueeze(1) * proj * u + self.w[entries]
+                x[rows] = xs.to(x.dtype)
+            rows = plan.capture.get((kind, site))
+            if rows is not None:
+                val = x[rows]  # advanced indexing copies: later in-place kernels cannot touch it
+                if kind == STREAM and residual is not None:
+                    val = val + residual[rows]
+                self.captured[(kind, site)] = val
+
+    def _tap_dense(self, x: torch.Tensor, residual: torch.Tensor | None, site: int) -> None:
+        n = x.shape[0]
+        for kind in KINDS:
+            entries = self.steer_idx[kind, site, :n]
+            xf = x.float()
+            src = xf if kind == SUB or residual is None else xf + residual.float()
+            u = self.u[entries]
+            proj = (src * u).sum(-1, keepdim=True)
+            x.copy_((xf + self.alpha[entries].unsqueeze(1) * proj * u + self.w[entries]).to(x.dtype))
+            val = x if kind == SUB or residual is None else x + residual
+            self.staging.index_copy_(0, self.cap_dst[kind, site, :n], val)
+
+    def take_captured(self) -> dict[tuple[int, int], torch.Tensor]:
+        """Rows copied this step, per (kind, site); device mode slices the staging copy."""
+        if not self.device_driven:
+            out, self.captured = self.captured, {}
+            return out
+        plan = self.plan
+        if not plan.capture:
+            return {}
+        host = self.staging[: plan.staging_rows].to("cpu", non_blocking=False)
+        return {
+            key: host[plan.staging_offset[key]: plan.staging_offset[key] + len(rows)]
+            for key, rows in plan.capture.items()
+        }
+
+
+RUNTIME: HookRuntime | None = None
+
+
+def install_runtime(runtime: HookRuntime | None) -> None:
+    global RUNTIME
+    RUNTIME = runtime
+
+
+@torch.library.custom_op("capsteer::tap", mutates_args=("x",))
+def tap(x: torch.Tensor, residual: torch.Tensor | None, site: int) -> None:
+    """Steer `x` in place and copy captured rows at one site (see module docstring)."""
+    if RUNTIME is not None:
+        RUNTIME.tap(x, residual, site)
+
+
+@tap.register_fake
+def _tap_fake(x: torch.Tensor, residual: torch.Tensor | None, site: int) -> None:
+    return None

@@ -1,0 +1,266 @@
+"""Steering specs: parse and validate the request's `steering` field, normalize it
+for `SamplingParams.extra_args`, and derive the prefix-cache salt.
+
+A normalized spec is plain JSON (vectors as base64 float32) so it survives the
+trip through `vllm_xargs` and into every worker unchanged.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from capsteer.hooks import HookNameError, canonical_hook, parse_layers, resolve_layer
+
+OPS = ("add", "ablate", "clamp")
+POSITIONS = ("all", "prompt", "generated")
+_VECTOR_FIELDS = {"hook", "layer", "layers", "vector", "scale", "op", "value", "positions"}
+_B64_DTYPES = {"float32": np.float32, "float16": np.float16, "float64": np.float64, "bfloat16": None}
+
+# A registry lookup: name -> one vector [hidden] or per-layer vectors {layer: [hidden]}.
+VectorLookup = Callable[[str], "np.ndarray | Mapping[int, np.ndarray]"]
+
+
+class SteeringSpecError(ValueError):
+    """Invalid steering input; `field` names the offending request field."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: {reason}")
+        self.field = field
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class SteeringOp:
+    """One resolved operation at one (hook, layer)."""
+
+    hook: str
+    layer: int
+    op: str
+    vector: np.ndarray  # float32 [hidden]; unit length for ablate/clamp
+    scale: float
+    value: float
+    positions: str
+
+    def to_dict(self) -> dict:
+        return {
+            "hook": self.hook,
+            "layer": self.layer,
+            "op": self.op,
+            "scale": self.scale,
+            "value": self.value,
+            "positions": self.positions,
+            "vector_b64": base64.b64encode(self.vector.astype("<f4").tobytes()).decode(),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> SteeringOp:
+        vec = np.frombuffer(base64.b64decode(d["vector_b64"]), dtype="<f4").astype(np.float32)
+        return cls(d["hook"], int(d["layer"]), d["op"], vec, float(d["scale"]),
+                   float(d["value"]), d["positions"])
+
+
+@dataclass(frozen=True)
+class SteeringSpec:
+    """All operations of one request, in the order the request listed them."""
+
+    ops: tuple[SteeringOp, ...]
+
+    def to_dict(self) -> dict:
+        return {"ops": [op.to_dict() for op in self.ops]}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> SteeringSpec:
+        return cls(tuple(SteeringOp.from_dict(o) for o in d["ops"]))
+
+    def cache_salt(self) -> str:
+        """Equal for identical steering, different otherwise: blocks are shared only then."""
+        digest = hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode())
+        return "capsteer-steer-" + digest.hexdigest()[:32]
+
+    @property
+    def is_noop(self) -> bool:
+        """True when every op is an `add` with scale 0 (output must equal vanilla)."""
+        return all(op.op == "add" and op.scale == 0.0 for op in self.ops)
+
+
+def _parse_layers(item: Mapping, field: str, num_layers: int) -> list[int]:
+    if "layer" in item and "layers" in item:
+        raise SteeringSpecError(field, "give either 'layer' or 'layers', not both")
+    key = "layer" if "layer" in item else "layers"
+    raw = item[key]
+    if key == "layer" and (isinstance(raw, bool) or not isinstance(raw, int)):
+        raise SteeringSpecError(field + ".layer", "must be an integer")
+    try:
+        return parse_layers(raw, num_layers)
+    except ValueError as exc:
+        raise SteeringSpecError(f"{field}.{key}", str(exc)) from None
+
+
+def _finite_number(value: object, field: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise SteeringSpecError(field, "must be a number")
+    if not math.isfinite(value):
+        raise SteeringSpecError(field, "must be finite")
+    return float(value)
+
+
+def _check_vector(vec: np.ndarray, field: str, hidden: int) -> np.ndarray:
+    if vec.ndim != 1 or vec.shape[0] != hidden:
+        raise SteeringSpecError(field, f"vector has width {vec.shape[-1] if vec.ndim else 0}, "
+                                       f"the model's hidden size is {hidden}")
+    if not np.isfinite(vec).all():
+        raise SteeringSpecError(field, "vector holds non-finite numbers")
+    return vec.astype(np.float32)
+
+
+def _decode_b64(raw: Mapping, field: str) -> np.ndarray:
+    dtype = raw.get("dtype", "float32")
+    if dtype not in _B64_DTYPES:
+        raise SteeringSpecError(field + ".dtype", f"must be one of {', '.join(_B64_DTYPES)}")
+    try:
+        data = base64.b64decode(raw["b64"], validate=True)
+    except (ValueError, TypeError):
+        raise SteeringSpecError(field + ".b64", "is not valid base64") from None
+    if dtype == "bfloat16":
+        if len(data) % 2:
+            raise SteeringSpecError(field + ".b64", "byte length is not a multiple of 2")
+        bits = np.frombuffer(data, dtype="<u2").astype(np.uint32) << 16
+        return bits.view(np.float32)
+    np_dtype = np.dtype(_B64_DTYPES[dtype]).newbyteorder("<")
+    if len(data) % np_dtype.itemsize:
+        raise SteeringSpecError(field + ".b64", f"byte length is not a multiple of {np_dtype.itemsize}")
+    return np.frombuffer(data, dtype=np_dtype).astype(np.float32)
+
+
+def _resolve_vectors(
+    raw: object, field: str, layers: list[int], hidden: int, lookup: VectorLookup | None
+) -> dict[int, np.ndarray]:
+    """One float32 vector per layer."""
+    if isinstance(raw, list):
+        if not raw or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in raw):
+            raise SteeringSpecError(field, "must be a non-empty list of numbers")
+        vec = _check_vector(np.asarray(raw, dtype=np.float64), field, hidden)
+        return dict.fromkeys(layers, vec)
+    if isinstance(raw, Mapping) and "b64" in raw:
+        vec = _check_vector(_decode_b64(raw, field), field, hidden)
+        return dict.fromkeys(layers, vec)
+    if isinstance(raw, Mapping) and "name" in raw:
+        name = raw["name"]
+        if lookup is None:
+            raise SteeringSpecError(field + ".name", "no vector registry is configured")
+        try:
+            found = lookup(name)
+        except KeyError:
+            raise SteeringSpecError(field + ".name", f"unknown vector name {name!r}") from None
+        if isinstance(found, Mapping):
+            missing = [layer for layer in layers if layer not in found]
+            if missing:
+                raise SteeringSpecError(field + ".name",
+                                        f"vector {name!r} has no entry for layer(s) {missing}")
+            return {layer: _check_vector(np.asarray(found[layer]), field, hidden) for layer in layers}
+        vec = _check_vector(np.asarray(found), field, hidden)
+        return dict.fromkeys(layers, vec)
+    raise SteeringSpecError(field, "must be a list of numbers, {'name': ...} or {'b64': ..., 'dtype': ...}")
+
+
+def parse_steering_spec(
+    obj: object, *, num_layers: int, hidden_size: int, lookup: VectorLookup | None = None,
+    max_ops: int = 4096,
+) -> SteeringSpec | None:
+    """Validate a request's `steering` value; None when it asks for nothing."""
+    if obj is None:
+        return None
+    if not isinstance(obj, Mapping):
+        raise SteeringSpecError("steering", "must be an object with a 'vectors' list")
+    unknown = set(obj) - {"vectors"}
+    if unknown:
+        raise SteeringSpecError("steering", f"unknown field(s) {sorted(unknown)}")
+    items = obj.get("vectors")
+    if not isinstance(items, list):
+        raise SteeringSpecError("steering.vectors", "must be a list")
+    ops: list[SteeringOp] = []
+    projections: set[tuple[str, int, str]] = set()
+    for i, item in enumerate(items):
+        field = f"steering.vectors[{i}]"
+        if not isinstance(item, Mapping):
+            raise SteeringSpecError(field, "must be an object")
+        unknown = set(item) - _VECTOR_FIELDS
+        if unknown:
+            raise SteeringSpecError(field, f"unknown field(s) {sorted(unknown)}")
+        try:
+            hook = canonical_hook(item.get("hook", "resid_post"))
+        except HookNameError as exc:
+            raise SteeringSpecError(field + ".hook", str(exc)) from None
+        op = item.get("op", "add")
+        if op not in OPS:
+            raise SteeringSpecError(field + ".op", f"must be one of {', '.join(OPS)}")
+        positions = item.get("positions", "all")
+        if positions not in POSITIONS:
+            raise SteeringSpecError(field + ".positions", f"must be one of {', '.join(POSITIONS)}")
+        scale = _finite_number(item.get("scale", 1.0), field + ".scale")
+        value = _finite_number(item.get("value", 0.0), field + ".value")
+        if op == "clamp" and "value" not in item:
+            raise SteeringSpecError(field + ".value", "clamp needs a 'value'")
+        if "vector" not in item:
+            raise SteeringSpecError(field + ".vector", "is required")
+        if "layer" not in item and "layers" not in item:
+            if not (isinstance(item["vector"], Mapping) and "name" in item["vector"]):
+                raise SteeringSpecError(field + ".layer", "is required (or 'layers')")
+            layers = None
+        else:
+            layers = _parse_layers(item, field, num_layers)
+        if layers is None:
+            layers = list(range(num_layers))
+            vectors = _resolve_per_layer_name(item["vector"], field + ".vector", hidden_size,
+                                              lookup, num_layers)
+            layers = sorted(vectors)
+        else:
+            vectors = _resolve_vectors(item["vector"], field + ".vector", layers, hidden_size, lookup)
+        for layer in layers:
+            vec = vectors[layer]
+            if op in ("ablate", "clamp"):
+                norm = float(np.linalg.norm(vec))
+                if norm == 0.0:
+                    raise SteeringSpecError(field + ".vector", f"{op} needs a non-zero vector")
+                vec = vec / norm
+                for pos in (("prompt", "generated") if positions == "all" else (positions,)):
+                    key = (hook, layer, pos)
+                    if key in projections:
+                        raise SteeringSpecError(
+                            field + ".op",
+                            f"at most one ablate/clamp per hook, layer and position class "
+                            f"({hook}, layer {layer}, {pos})")
+                    projections.add(key)
+            ops.append(SteeringOp(hook, layer, op, vec.astype(np.float32), scale, value, positions))
+            if len(ops) > max_ops:
+                raise SteeringSpecError("steering.vectors", f"more than {max_ops} (vector, layer) ops")
+    return SteeringSpec(tuple(ops)) if ops else None
+
+
+def _resolve_per_layer_name(
+    raw: Mapping, field: str, hidden: int, lookup: VectorLookup | None, num_layers: int
+) -> dict[int, np.ndarray]:
+    if lookup is None:
+        raise SteeringSpecError(field + ".name", "no vector registry is configured")
+    try:
+        found = lookup(raw["name"])
+    except KeyError:
+        raise SteeringSpecError(field + ".name", f"unknown vector name {raw['name']!r}") from None
+    if not isinstance(found, Mapping):
+        raise SteeringSpecError(field.rsplit(".", 1)[0] + ".layer",
+                                "is required: the named vector holds a single vector")
+    out = {}
+    for layer, vec in found.items():
+        try:
+            resolved = resolve_layer(int(layer), num_layers)
+        except ValueError as exc:
+            raise SteeringSpecError(field + ".name", str(exc)) from None
+        out[resolved] = _check_vector(np.asarray(vec), field, hidden)
+    return out
