@@ -10,8 +10,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="capsteer")
     sub = parser.add_subparsers(dest="command", required=True)
     from capsteer import demo_model
+    from capsteer.server import launch
 
     demo_model.add_command(sub)
+    launch.add_command(sub)
     try:
         from capsteer.capture import cli as capture_cli
     except ImportError:  # storage commands not installed in this build
@@ -22,6 +24,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:  # every unknown flag belongs to `vllm serve`
+        args, passthrough = build_parser().parse_known_args(argv)
+        return int(args.func(args, passthrough) or 0)
     args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)
 

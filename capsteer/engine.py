@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from capsteer.capture.receipts import Receipt, find_receipt
 from capsteer.capture.sink import CapturedActivations
 from capsteer.capture.spec import CaptureSpec, parse_capture_spec
 from capsteer.engine_ext.plan import EXTRA_ARGS_KEY
@@ -30,6 +31,7 @@ class Request:
     sampling: dict[str, Any] = field(default_factory=dict)
     capture: object = None
     steering: object = None
+    durable: bool = False  # publish the capture to the capture root instead of returning it
 
 
 @dataclass
@@ -39,6 +41,10 @@ class Result:
     prompt_token_ids: list[int]
     capture_id: str | None = None
     captures: CapturedActivations | None = None
+    # Per generated token: {token_id: logprob} when the request asked for logprobs.
+    logprobs: list[dict[int, float]] | None = None
+    num_cached_tokens: int = 0
+    receipt: Receipt | None = None  # durable captures: status, directory, files
 
 
 @dataclass(frozen=True)
@@ -55,7 +61,8 @@ def new_capture_id() -> str:
 
 
 def build_payload(
-    capture: CaptureSpec | None, steering: SteeringSpec | None, capture_id: str | None = None
+    capture: CaptureSpec | None, steering: SteeringSpec | None, capture_id: str | None = None,
+    durable: bool = False,
 ) -> HookPayload | None:
     """extra_args + cache_salt. Captured prompts never reuse cached blocks (unique
     salt); steered prompts share blocks only with identical steering."""
@@ -70,6 +77,7 @@ def build_payload(
         capture_id = capture_id or new_capture_id()
         payload["capture"] = capture.to_dict()
         payload["capture_id"] = capture_id
+        payload["durable"] = durable
         salt = f"capsteer-capture-{capture_id}"
     return HookPayload({EXTRA_ARGS_KEY: payload}, salt, capture_id)
 
@@ -95,6 +103,13 @@ class Engine:
         self.hidden_size = int(hf.hidden_size)
         self.vector_lookup = vector_lookup
         self.tokenizer = self.llm.get_tokenizer()
+        self.capture_dir = extra["capsteer"].get("capture_dir")
+
+    def close(self) -> None:
+        """Stop the engine-core process now rather than at interpreter exit."""
+        core = getattr(self.llm.llm_engine, "engine_core", None)
+        if core is not None:
+            core.shutdown()
 
     def parse(self, req: Request) -> tuple[CaptureSpec | None, SteeringSpec | None]:
         capture = None
@@ -108,10 +123,12 @@ class Engine:
     def generate(self, requests: Sequence[Request], *, timeout: float = 120.0) -> list[Result]:
         from vllm import SamplingParams
 
-        prompts, params, capture_ids = [], [], []
+        prompts, params, capture_ids, durable = [], [], [], []
         for req in requests:
             capture, steering = self.parse(req)
-            payload = build_payload(capture, steering)
+            if req.durable and not self.capture_dir:
+                raise ValueError("durable captures need capsteer_config['capture_dir']")
+            payload = build_payload(capture, steering, durable=req.durable)
             prompt: dict[str, Any] = (
                 {"prompt_token_ids": list(req.prompt_token_ids)}
                 if req.prompt_token_ids is not None else {"prompt": req.prompt})
@@ -123,16 +140,33 @@ class Engine:
             prompts.append(prompt)
             params.append(SamplingParams(**sampling))
             capture_ids.append(payload.capture_id if payload else None)
+            durable.append(req.durable)
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        captures = self._collect([c for c in capture_ids if c], timeout)
+        captures = self._collect(
+            [c for c, d in zip(capture_ids, durable, strict=True) if c and not d], timeout)
+        receipts = {c: self._wait_receipt(c, timeout)
+                    for c, d in zip(capture_ids, durable, strict=True) if c and d}
         results = []
         for out, cid in zip(outputs, capture_ids, strict=True):
             completion = out.outputs[0]
             results.append(Result(
                 token_ids=list(completion.token_ids), text=completion.text,
                 prompt_token_ids=list(out.prompt_token_ids or []), capture_id=cid,
-                captures=captures.get(cid) if cid else None))
+                captures=captures.get(cid) if cid else None,
+                logprobs=[{t: lp.logprob for t, lp in step.items()} for step in completion.logprobs]
+                if completion.logprobs is not None else None,
+                num_cached_tokens=int(out.num_cached_tokens or 0),
+                receipt=receipts.get(cid) if cid else None))
         return results
+
+    def _wait_receipt(self, capture_id: str, timeout: float) -> Receipt:
+        """The manifest on disk is the source of truth: poll until it is visible."""
+        deadline = time.monotonic() + timeout
+        while (found := find_receipt(self.capture_dir, capture_id)) is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"capture {capture_id} not durable after {timeout:g} s")
+            time.sleep(0.01)
+        return found
 
     def _collect(self, capture_ids: list[str], timeout: float) -> dict[str, CapturedActivations]:
         """Captures close one engine step after their request finishes: poll until all are in."""

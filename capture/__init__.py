@@ -1,1 +1,42 @@
-"""capsteer.capture"""
+"""capsteer.capture: capture specs, the durable writer pool, layouts, receipts, reader.
+
+Data path: engine rows -> `CaptureWriter` (a `CaptureSink`) -> worker threads ->
+safetensors under temp names -> fsync, rename, fsync dir -> manifest.json last ->
+`Receipt`. See docs/capture-format.md for the on-disk format.
+"""
+
+from capsteer.capture.pool import POLICIES, Overloaded
+from capsteer.capture.reader import Capture, CaptureReadError, CorruptCapture, read
+from capsteer.capture.receipts import Receipt, find_receipt, wait_for_receipt
+from capsteer.capture.sink import (
+    CapturedActivations,
+    CaptureEnd,
+    CaptureRequest,
+    CaptureSink,
+    MemorySink,
+)
+from capsteer.capture.spec import CaptureSpec, PositionSpec, SpecError, parse_capture_spec
+from capsteer.capture.writer import CaptureWriter, estimate_bytes
+
+__all__ = [
+    "POLICIES",
+    "Capture",
+    "CaptureEnd",
+    "CaptureReadError",
+    "CaptureRequest",
+    "CaptureSink",
+    "CaptureSpec",
+    "CaptureWriter",
+    "CapturedActivations",
+    "CorruptCapture",
+    "MemorySink",
+    "Overloaded",
+    "PositionSpec",
+    "Receipt",
+    "SpecError",
+    "estimate_bytes",
+    "find_receipt",
+    "parse_capture_spec",
+    "read",
+    "wait_for_receipt",
+]

@@ -14,6 +14,7 @@ from typing import Protocol
 
 import numpy as np
 import torch
+
 from capsteer.capture.spec import CaptureSpec
 
 
@@ -132,7 +133,7 @@ class MemorySink:
             kept = spec.positions.finalize(np.array(sorted(by_pos), np.int64), prompt_len, fed)
             result.tensors[key] = torch.stack([by_pos[p] for p in kept.tolist()]) if len(
                 kept
-            ) else torch.zeros(0, pending.request.hidden_size)
+            ) else torch.zeros(0, pending.request.hidden_size, dtype=pending.request.model_dtype)
             result.positions = kept
         result.token_ids = np.asarray([end.token_ids[p] for p in result.positions], np.int64)
         with self._lock:

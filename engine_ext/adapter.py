@@ -109,7 +109,8 @@ class BatchLayout:
     query_start_loc: np.ndarray  # [num_reqs + 1]
     start_positions: np.ndarray  # [num_reqs]: position of each request's first row
     num_tokens_padded: int
-    input_ids_host: torch.Tensor | None
+    input_ids_host: torch.Tensor | None  # host copy when the runner keeps one (V1)
+    input_ids: torch.Tensor | None = None  # this step's input ids on the model's device
 
 
 def runner_kind(runner: object) -> str:
@@ -134,7 +135,8 @@ def install_pre_forward(runner: object, before: Callable[[BatchLayout], None]) -
                 query_start_loc=runner.query_start_loc.np[: n + 1].copy(),
                 start_positions=batch.num_computed_tokens_cpu[:n].copy(),
                 num_tokens_padded=num_padded,
-                input_ids_host=host_ids,
+                input_ids_host=host_ids if ids is None or ids.device.type == "cpu" else None,
+                input_ids=ids,
             ))
             return original(*args, **kwargs)
 
@@ -151,6 +153,7 @@ def install_pre_forward(runner: object, before: Callable[[BatchLayout], None]) -
             start_positions=np.asarray(ib.num_computed_tokens_np[:n]).copy(),
             num_tokens_padded=int(ib.num_tokens_after_padding),
             input_ids_host=None,
+            input_ids=ib.input_ids,
         ))
         return ib
 
@@ -205,5 +208,38 @@ def uses_cuda_graphs(worker: object) -> bool:
     return bool(worker.device.type == "cuda" and not worker.vllm_config.model_config.enforce_eager)
 
 
+def max_num_seqs(worker: object) -> int:
+    return int(worker.vllm_config.scheduler_config.max_num_seqs)
+
+
 def max_num_batched_tokens(worker: object) -> int:
     return int(worker.vllm_config.scheduler_config.max_num_batched_tokens)
+
+
+def dummy_forward(runner: object, num_tokens: int) -> None:
+    """One forward of `num_tokens` dummy tokens through the runner's real model path."""
+    if runner_kind(runner) == "v1":
+        runner._dummy_run(num_tokens, force_attention=True)  # else attention output is garbage
+    else:
+        runner._dummy_run(num_tokens)
+
+
+def eager_embedding(runner: object, num_tokens: int) -> torch.Tensor:
+    """The embedding of the dummy run's input ids, computed outside any compiled graph."""
+    ids = runner.input_ids.gpu[:num_tokens] if runner_kind(runner) == "v1" else (
+        runner.input_buffers.input_ids[:num_tokens])
+    with torch.no_grad():
+        return runner.model.model.embed_tokens(ids)
+
+
+def wrap_forward_calls(runner: object, around: Callable[[Callable], Callable]) -> None:
+    """Wrap whatever launches the model forward (eager call or CUDA-graph replay), so a
+    diagnostic (sync debug mode) covers exactly the forward and nothing of vLLM's own."""
+    if runner_kind(runner) == "v1":
+        runner._model_forward = around(runner._model_forward)
+        return
+    manager = getattr(runner, "cudagraph_manager", None)
+    for name in ("run_fullgraph", "run_pw_graph"):
+        if manager is not None and hasattr(manager, name):
+            setattr(manager, name, around(getattr(manager, name)))
+    runner.model.forward = around(runner.model.forward)

@@ -17,8 +17,8 @@ import numpy as np
 import torch
 
 from capsteer.capture.spec import CaptureSpec
-from capsteer.steering.spec import SteeringSpec
 from capsteer.engine_ext.runtime import STREAM, SUB, HookRuntime, StepPlan, hook_point
+from capsteer.steering.spec import SteeringSpec
 
 EXTRA_ARGS_KEY = "capsteer"
 PROMPT, GENERATED = 0, 1
@@ -26,13 +26,16 @@ PROMPT, GENERATED = 0, 1
 
 @dataclass
 class CaptureRoute:
-    """Where one request's rows for one (kind, site) sit in this step's copy."""
+    """Where one request's rows for one (kind, site) sit in this step's staging copy:
+    rows `staging_offset[point] + offset` onwards, one per entry of `positions`."""
 
     capture_id: str
     point: tuple[int, int]
     keys: tuple[tuple[str, int], ...]
     offset: int
     positions: np.ndarray
+    rows: np.ndarray  # batch rows they were copied from
+    slot: int = 0
 
 
 @dataclass
@@ -48,6 +51,8 @@ class RequestHooks:
     entries: dict[tuple[int, int, int], int] = field(default_factory=dict)
     fed_len: int = 0
     tokens: dict[int, int] = field(default_factory=dict)
+    durable: bool = False  # publish through the durable writer rather than keep in memory
+    slot: int = 0  # device mode: row of the per-request tables (0 = no hooks)
 
     @classmethod
     def from_extra_args(
@@ -60,6 +65,7 @@ class RequestHooks:
         if payload.get("capture"):
             hooks.capture = CaptureSpec.from_dict(payload["capture"])
             hooks.capture_id = payload["capture_id"]
+            hooks.durable = bool(payload.get("durable", False))
             points: dict[tuple[int, int], list[tuple[str, int]]] = defaultdict(list)
             for hook, layer in hooks.capture.keys():
                 points[hook_point(hook, layer)].append((hook, layer))
@@ -68,9 +74,11 @@ class RequestHooks:
             spec = SteeringSpec.from_dict(payload["steering"])
             for key, (u, alpha, w) in compose_entries(spec, runtime.hidden_size).items():
                 hooks.entries[key] = runtime.alloc_entry(u, alpha, w)
+        hooks.slot = runtime.alloc_slot(hooks.entries)
         return hooks
 
     def release(self, runtime: HookRuntime) -> None:
+        runtime.free_slot(self.slot)
         for idx in self.entries.values():
             runtime.free_entry(idx)
         self.entries.clear()
@@ -111,13 +119,19 @@ def build_step_plan(
     start_positions: np.ndarray,
     requests: Mapping[str, RequestHooks],
     input_ids: torch.Tensor | None,
-) -> tuple[StepPlan, list[CaptureRoute]]:
-    """Map this step's rows to steering entries and capture copies."""
+) -> StepPlan:
+    """Map this step's rows to steering entries and capture copies.
+
+    `input_ids` is the host copy of this step's tokens when the runner has one;
+    without it the plan lists `token_rows` for a device-side gather."""
     steer_rows: dict[tuple[int, int], list[np.ndarray]] = defaultdict(list)
     steer_ents: dict[tuple[int, int], list[np.ndarray]] = defaultdict(list)
     cap_rows: dict[tuple[int, int], list[np.ndarray]] = defaultdict(list)
     cap_count: dict[tuple[int, int], int] = defaultdict(int)
     routes: list[CaptureRoute] = []
+    hooked_rows: list[tuple[np.ndarray, int, np.ndarray]] = []
+    token_rows: list[np.ndarray] = []
+    token_owners: list[tuple[str, np.ndarray]] = []
     for i, req_id in enumerate(batch_req_ids):
         hooks = requests.get(req_id)
         if hooks is None:
@@ -128,6 +142,7 @@ def build_step_plan(
         rows = np.arange(start, end, dtype=np.int64)
         pos = int(start_positions[i]) + np.arange(end - start, dtype=np.int64)
         generated = pos >= hooks.prompt_len
+        hooked_rows.append((rows, hooks.slot, generated))
         for (kind, site, cls), entry in hooks.entries.items():
             sel = rows[generated] if cls == GENERATED else rows[~generated]
             if len(sel):
@@ -143,11 +158,18 @@ def build_step_plan(
         if input_ids is not None:
             for p, t in zip(sel_pos.tolist(), input_ids[sel_rows].tolist(), strict=True):
                 hooks.tokens[p] = t
+        else:  # tokens are gathered on the device and arrive with the rows
+            token_rows.append(sel_rows)
+            token_owners.append((req_id, sel_pos))
         for point, keys in hooks.points.items():
-            routes.append(CaptureRoute(hooks.capture_id, point, keys, cap_count[point], sel_pos))
+            routes.append(CaptureRoute(hooks.capture_id, point, keys, cap_count[point], sel_pos,
+                                       sel_rows, hooks.slot))
             cap_rows[point].append(sel_rows)
             cap_count[point] += len(sel_rows)
-    plan = StepPlan()
+    plan = StepPlan(routes=routes, hooked_rows=hooked_rows)
+    if token_rows:
+        plan.token_rows = torch.from_numpy(np.concatenate(token_rows))
+        plan.token_owners = token_owners
     for key, parts in steer_rows.items():
         plan.steer[key] = (torch.from_numpy(np.concatenate(parts)),
                            torch.from_numpy(np.concatenate(steer_ents[key])))
@@ -157,7 +179,7 @@ def build_step_plan(
         plan.staging_offset[key] = offset
         offset += cap_count[key]
     plan.staging_rows = offset
-    return plan, routes
+    return plan
 
 
 __all__ = ["STREAM", "SUB", "CaptureRoute", "RequestHooks", "build_step_plan", "compose_entries"]

@@ -16,7 +16,9 @@ each step only rewrites index buffers. Two modes read the same plan:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
+import numpy as np
 import torch
 
 SUB, STREAM = 0, 1  # what a capture/steer point reads: the sublayer output or the stream
@@ -55,6 +57,11 @@ class StepPlan:
     # (kind, site) -> offset of its rows in the staging buffer (device mode)
     staging_offset: dict[tuple[int, int], int] = field(default_factory=dict)
     staging_rows: int = 0
+    routes: list[Any] = field(default_factory=list)  # plan.CaptureRoute, per request and point
+    # (rows, slot, generated mask) of every request with hooks in this batch
+    hooked_rows: list[tuple[np.ndarray, int, np.ndarray]] = field(default_factory=list)
+    token_rows: torch.Tensor | None = None  # rows whose input ids the device must gather
+    token_owners: list[tuple[str, np.ndarray]] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
@@ -73,6 +80,7 @@ class HookRuntime:
         *,
         max_tokens: int,
         max_entries: int = 1024,
+        max_requests: int = 256,
         staging_rows: int = 0,
         device_driven: bool = False,
     ) -> None:
@@ -91,20 +99,35 @@ class HookRuntime:
         self.plan = StepPlan()
         self.captured: dict[tuple[int, int], torch.Tensor] = {}
         self.fired = [0] * self.num_sites  # host mode: sites reached this step (canary)
+        # Slot 0 means "no hooks": its steering entries are the identity, it captures nothing.
+        self.free_slots = list(range(max_requests, 0, -1))
         if device_driven:
-            shape = (2, self.num_sites, max_tokens)
-            self.steer_idx = torch.zeros(shape, dtype=torch.int64, device=device)
+            long = dict(dtype=torch.int64, device=device)
+            self.tok_slot = torch.zeros(max_tokens, **long)
+            self.tok_gen = torch.zeros(max_tokens, **long)
+            self.tok_rank = torch.full((max_tokens,), -1, **long)
+            # [slot, position class, kind, site] -> steering entry
+            self.slot_entry = torch.zeros(max_requests + 1, 2, 2, self.num_sites, **long)
+            # [slot, kind, site] -> first staging row of that request's copy, or -1
+            self.point_base = torch.full((max_requests + 1, 2, self.num_sites), -1, **long)
             self.trash_row = staging_rows
-            self.cap_dst = torch.full(shape, staging_rows, dtype=torch.int64, device=device)
             self.staging = torch.zeros(staging_rows + 1, hidden_size, dtype=dtype, device=device)
+            self.token_stage = torch.zeros(max(staging_rows, 1), **long)
+
+    def _upload(self, host: torch.Tensor) -> torch.Tensor:
+        """Host -> model device without a host sync: pinned (cached allocator) + async copy."""
+        if self.device.type != "cuda":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
 
     # ---- steering tables (written when a request arrives, not per step) ----
     def alloc_entry(self, u: torch.Tensor, alpha: float, w: torch.Tensor) -> int:
         if not self.free_entries:
             raise RuntimeError("capsteer: steering table full (raise max_entries)")
         idx = self.free_entries.pop()
-        self.u[idx].copy_(u.to(self.u))
-        self.w[idx].copy_(w.to(self.w))
+        row = self._upload(torch.stack([u.float(), w.float()]).cpu())
+        self.u[idx].copy_(row[0])
+        self.w[idx].copy_(row[1])
         self.alpha[idx] = alpha
         return idx
 
@@ -114,26 +137,67 @@ class HookRuntime:
         self.alpha[idx] = 0.0
         self.free_entries.append(idx)
 
+    def alloc_slot(self, entries: dict[tuple[int, int, int], int]) -> int:
+        """A per-request table row; device mode copies the request's entries into it once."""
+        if not self.device_driven:
+            return 0
+        if not self.free_slots:
+            raise RuntimeError("capsteer: more live requests with hooks than max_requests")
+        slot = self.free_slots.pop()
+        table = torch.zeros(2, 2, self.num_sites, dtype=torch.int64)
+        for (kind, site, cls), entry in entries.items():
+            table[cls, kind, site] = entry
+        self.slot_entry[slot].copy_(self._upload(table))
+        return slot
+
+    def free_slot(self, slot: int) -> None:
+        if self.device_driven and slot:
+            self.slot_entry[slot].zero_()
+            self.free_slots.append(slot)
+
     # ---- per step ----
     def set_plan(self, plan: StepPlan, num_tokens_padded: int) -> None:
         self.plan = plan
         self.captured = {}
         self.fired = [0] * self.num_sites
-        if self.device_driven:
+        if self.device_driven and num_tokens_padded:
             self._write_dense(plan, num_tokens_padded)
 
     def _write_dense(self, plan: StepPlan, n: int) -> None:
+        """Upload this step's per-token arrays: O(tokens) bytes, from pinned memory."""
         if plan.staging_rows > self.trash_row:
-            raise RuntimeError("capsteer: capture staging buffer too small for this step")
-        steer = torch.zeros((2, self.num_sites, n), dtype=torch.int64)
-        dst = torch.full((2, self.num_sites, n), self.trash_row, dtype=torch.int64)
-        for (kind, site), (rows, entries) in plan.steer.items():
-            steer[kind, site, rows] = entries
-        for (kind, site), rows in plan.capture.items():
-            off = plan.staging_offset[(kind, site)]
-            dst[kind, site, rows] = torch.arange(off, off + len(rows))
-        self.steer_idx[:, :, :n].copy_(steer.pin_memory(), non_blocking=True)
-        self.cap_dst[:, :, :n].copy_(dst.pin_memory(), non_blocking=True)
+            raise RuntimeError("capsteer: capture staging buffer too small for this step "
+                               f"({plan.staging_rows} rows > {self.trash_row}); raise staging_rows")
+        slot = np.zeros(n, np.int64)
+        gen = np.zeros(n, np.int64)
+        rank = np.full(n, -1, np.int64)
+        base = np.full(tuple(self.point_base.shape), -1, np.int64)
+        for rows, s, generated in plan.hooked_rows:
+            slot[rows] = s
+            gen[rows] = generated
+        for route in plan.routes:
+            rank[route.rows] = np.arange(len(route.rows))
+            kind, site = route.point
+            base[route.slot, kind, site] = plan.staging_offset[route.point] + route.offset
+        for dst, src in ((self.tok_slot, slot), (self.tok_gen, gen), (self.tok_rank, rank)):
+            dst[:n].copy_(self._upload(torch.from_numpy(src)))
+        self.point_base.copy_(self._upload(torch.from_numpy(base)))
+
+    def reset_dense(self) -> None:
+        """After a hooked step: rows of later steps map to slot 0 (no hooks) until re-planned."""
+        self.tok_slot.zero_()
+        self.tok_rank.fill_(-1)
+        self.plan = StepPlan()
+
+    def gather_tokens(self, input_ids: torch.Tensor) -> int:
+        """Copy the input ids of captured rows next to the activations (device mode)."""
+        rows = self.plan.token_rows
+        if rows is None:
+            return 0
+        idx = self._upload(rows)
+        k = len(rows)
+        self.token_stage[:k].copy_(input_ids[idx])
+        return k
 
     def tap(self, x: torch.Tensor, residual: torch.Tensor | None, site: int) -> None:
         if self.device_driven:
@@ -165,29 +229,24 @@ class HookRuntime:
 
     def _tap_dense(self, x: torch.Tensor, residual: torch.Tensor | None, site: int) -> None:
         n = x.shape[0]
+        slot, gen, rank = self.tok_slot[:n], self.tok_gen[:n], self.tok_rank[:n]
         for kind in KINDS:
-            entries = self.steer_idx[kind, site, :n]
+            entries = self.slot_entry[slot, gen, kind, site]
             xf = x.float()
             src = xf if kind == SUB or residual is None else xf + residual.float()
             u = self.u[entries]
             proj = (src * u).sum(-1, keepdim=True)
             x.copy_((xf + self.alpha[entries].unsqueeze(1) * proj * u + self.w[entries]).to(x.dtype))
             val = x if kind == SUB or residual is None else x + residual
-            self.staging.index_copy_(0, self.cap_dst[kind, site, :n], val)
+            base = self.point_base[slot, kind, site]
+            dst = torch.where((base >= 0) & (rank >= 0), base + rank,
+                              torch.full_like(base, self.trash_row))
+            self.staging.index_copy_(0, dst, val)
 
     def take_captured(self) -> dict[tuple[int, int], torch.Tensor]:
-        """Rows copied this step, per (kind, site); device mode slices the staging copy."""
-        if not self.device_driven:
-            out, self.captured = self.captured, {}
-            return out
-        plan = self.plan
-        if not plan.capture:
-            return {}
-        host = self.staging[: plan.staging_rows].to("cpu", non_blocking=False)
-        return {
-            key: host[plan.staging_offset[key]: plan.staging_offset[key] + len(rows)]
-            for key, rows in plan.capture.items()
-        }
+        """Host mode: rows copied this step, per (kind, site), in plan order."""
+        out, self.captured = self.captured, {}
+        return out
 
 
 RUNTIME: HookRuntime | None = None

@@ -12,12 +12,16 @@ from __future__ import annotations
 import logging
 import time
 
+import torch
+
 from capsteer.capture.sink import CaptureEnd, CaptureRequest, CaptureSink, MemorySink
 from capsteer.engine_ext import adapter
-from capsteer.engine_ext.plan import CaptureRoute, RequestHooks, build_step_plan
+from capsteer.engine_ext.canary import CanaryFailed, faulty_site, run_canary
+from capsteer.engine_ext.harvest import Harvester
+from capsteer.engine_ext.plan import RequestHooks, build_step_plan
 from capsteer.engine_ext.runtime import HookRuntime, StepPlan, install_runtime
 
-logger = logging.getLogger("capsteer.engine_ext")
+logger = logging.getLogger("vllm.capsteer")  # under vLLM's configured logger
 
 
 class EngineHooks:
@@ -36,21 +40,47 @@ class EngineHooks:
             self.sites.num_layers, self.sites.hidden_size, dtype, worker.device,
             max_tokens=max_tokens,
             max_entries=int(self.config.get("max_steering_entries", 1024)),
+            max_requests=adapter.max_num_seqs(worker),
             staging_rows=int(self.config.get("staging_rows", max_tokens * 4)),
             device_driven=self.device_driven,
         )
         self.model_name = adapter.model_name(worker)
-        self.sink: CaptureSink = MemorySink()
+        self.memory = MemorySink()
+        self.writer: CaptureSink | None = _durable_writer(self.config)
+        self.sinks: dict[str, CaptureSink] = {}  # capture_id -> the sink its request chose
         self.requests: dict[str, RequestHooks] = {}
         self.prompts: dict[str, tuple[int, ...]] = {}
-        self.routes: list[CaptureRoute] = []
         self.planned = False
+        self.pinned_plan = False  # the canary sets its own plan; real steps must not replace it
+        self.num_tokens_gathered = 0
+        self.harvester = Harvester(self.runtime.staging.shape[0], self.sites.hidden_size, dtype) \
+            if self.device_driven else None
+        skipped = faulty_site()
         for site, norm in enumerate(self.sites.norms):
-            adapter.hook_norm(norm, site)
+            if site != skipped:
+                adapter.hook_norm(norm, site)
         install_runtime(self.runtime)
-        adapter.install_pre_forward(worker.model_runner, self._before_forward)
+        # Diagnostic: torch's sync debug mode "error" over the hook code and the forward of
+        # every step with hooks; any host sync there raises (GPU validation uses it).
+        self.sync_debug = bool(self.config.get("sync_debug", False)) and self.device_driven
+        self.sync_checked_steps = 0
+        before = self._no_sync(self._before_forward) if self.sync_debug else self._before_forward
+        adapter.install_pre_forward(worker.model_runner, before)
+        if self.sync_debug:
+            adapter.wrap_forward_calls(worker.model_runner, self._no_sync)
         logger.info("capsteer: hooked %d sites on %d layers (%s mode)", len(self.sites.norms),
                     self.sites.num_layers, "device" if self.device_driven else "host")
+
+    def _no_sync(self, fn):
+        def wrapped(*args, **kwargs):
+            if not self.requests:
+                return fn(*args, **kwargs)
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return wrapped
 
     # ---- step hooks ----
     def before_step(self, scheduler_output: object) -> None:
@@ -65,34 +95,70 @@ class EngineHooks:
             self.requests[req_id] = hooks
             if hooks.capture is not None:
                 self.prompts[req_id] = tuple(prompt)
-                self.sink.open(CaptureRequest(
+                sink = self.writer if hooks.durable and self.writer is not None else self.memory
+                self.sinks[hooks.capture_id] = sink
+                sink.open(CaptureRequest(
                     capture_id=hooks.capture_id, request_id=req_id, model=self.model_name,
                     spec=hooks.capture, prompt_token_ids=tuple(prompt),
                     model_dtype=self.runtime.dtype, hidden_size=self.sites.hidden_size,
                     num_layers=self.sites.num_layers))
 
     def _before_forward(self, layout: adapter.BatchLayout) -> None:
+        if self.pinned_plan:
+            return
         if not self.requests:
-            self.routes = []
             self.planned = False
             return
-        plan, self.routes = build_step_plan(
-            layout.req_ids, layout.query_start_loc, layout.start_positions, self.requests,
-            layout.input_ids_host)
+        plan = build_step_plan(layout.req_ids, layout.query_start_loc, layout.start_positions,
+                               self.requests, layout.input_ids_host)
         self.runtime.set_plan(plan, layout.num_tokens_padded)
+        self.num_tokens_gathered = 0
+        if plan.token_rows is not None and layout.input_ids is not None:
+            self.num_tokens_gathered = self.runtime.gather_tokens(layout.input_ids)
         self.planned = True
 
     def after_step(self) -> None:
         if not self.planned:
             return
-        captured = self.runtime.take_captured()
-        for route in self.routes:
-            rows = captured[route.point][route.offset: route.offset + len(route.positions)]
-            for hook, layer in route.keys:
-                self.sink.write(route.capture_id, hook, layer, route.positions, rows)
-        self.routes = []
+        if self.sync_debug:
+            self.sync_checked_steps += 1
+            self._no_sync(self._after_step)()
+        else:
+            self._after_step()
+
+    def _after_step(self) -> None:
         self.planned = False
-        self.runtime.set_plan(StepPlan(), 0)
+        plan = self.runtime.plan
+        if not self.device_driven:
+            captured = self.runtime.take_captured()
+            self._deliver(plan, lambda r: captured[r.point][r.offset: r.offset + len(r.positions)])
+            self.runtime.set_plan(StepPlan(), 0)
+            return
+        self.runtime.reset_dense()
+        if not plan.routes:
+            return
+        owners = [(self.requests[rid], pos) for rid, pos in plan.token_owners]
+
+        def deliver(rows: torch.Tensor, tokens: torch.Tensor) -> None:
+            start = 0
+            for hooks, positions in owners:
+                for p, t in zip(positions.tolist(), tokens[start: start + len(positions)].tolist(),
+                                strict=True):
+                    hooks.tokens[p] = t
+                start += len(positions)
+            self._deliver(plan, lambda r: rows[
+                plan.staging_offset[r.point] + r.offset:
+                plan.staging_offset[r.point] + r.offset + len(r.positions)].clone())
+
+        self.harvester.submit_copy(self.runtime.staging, plan.staging_rows,
+                                   self.runtime.token_stage, self.num_tokens_gathered, deliver)
+
+    def _deliver(self, plan: StepPlan, rows_for) -> None:
+        for route in plan.routes:
+            rows = rows_for(route)
+            sink = self.sinks[route.capture_id]
+            for hook, layer in route.keys:
+                sink.write(route.capture_id, hook, layer, route.positions, rows)
 
     def _finish(self, req_id: str) -> None:
         hooks = self.requests.pop(req_id, None)
@@ -102,9 +168,30 @@ class EngineHooks:
         if hooks.capture is None:
             return
         prompt = self.prompts.pop(req_id)
-        tokens = list(prompt[: hooks.fed_len]) + [
-            hooks.tokens.get(p, -1) for p in range(len(prompt), hooks.fed_len)]
-        self.sink.close(CaptureEnd(hooks.capture_id, tuple(tokens)))
+        sink = self.sinks.pop(hooks.capture_id)
+
+        def close() -> None:
+            tokens = list(prompt[: hooks.fed_len]) + [
+                hooks.tokens.get(p, -1) for p in range(len(prompt), hooks.fed_len)]
+            sink.close(CaptureEnd(hooks.capture_id, tuple(tokens)))
+
+        if self.device_driven:
+            self.harvester.submit_call(close)  # after every row of this request is delivered
+        else:
+            close()
+
+
+def _durable_writer(config: dict) -> CaptureSink | None:
+    """The durable writer pool when a capture root is configured."""
+    root = config.get("capture_dir")
+    if not root:
+        return None
+    from capsteer.capture.writer import CaptureWriter
+
+    return CaptureWriter(
+        root, budget_bytes=int(config.get("capture_budget", 1 << 30)),
+        policy=str(config.get("capture_overload", "block")),
+        workers=int(config.get("capture_workers", 2)))
 
 
 class CapsteerWorker(adapter.platform_worker_base()):  # type: ignore[misc]
@@ -118,6 +205,16 @@ class CapsteerWorker(adapter.platform_worker_base()):  # type: ignore[misc]
         self.capsteer = EngineHooks(self)
         logger.info("capsteer: hooks installed in %.3f s", time.perf_counter() - started)
 
+    def compile_or_warm_up_model(self, *args, **kwargs):
+        out = super().compile_or_warm_up_model(*args, **kwargs)
+        started = time.perf_counter()
+        try:
+            run_canary(self.capsteer)
+        except CanaryFailed as exc:
+            raise CanaryFailed(f"capsteer start-up canary failed, refusing to start: {exc}") from None
+        logger.info("capsteer: start-up canary passed in %.3f s", time.perf_counter() - started)
+        return out
+
     def execute_model(self, scheduler_output, *args, **kwargs):
         self.capsteer.before_step(scheduler_output)
         out = super().execute_model(scheduler_output, *args, **kwargs)
@@ -127,11 +224,12 @@ class CapsteerWorker(adapter.platform_worker_base()):  # type: ignore[misc]
     # ---- collective_rpc surface ----
     def capsteer_take_captures(self, capture_ids: list[str]) -> dict:
         """Finished in-memory captures (the in-process engine polls this)."""
-        sink = self.capsteer.sink
-        if not isinstance(sink, MemorySink):
-            return {}
-        return {cid: cap.to_wire() for cid, cap in sink.take(capture_ids).items()}
+        return {cid: cap.to_wire() for cid, cap in self.capsteer.memory.take(capture_ids).items()}
 
-    def capsteer_sites_fired(self) -> list[int]:
-        return list(self.capsteer.runtime.fired)
+    def capsteer_stats(self) -> dict:
+        """Diagnostics: steps checked under sync debug mode, harvester errors, live requests."""
+        hooks = self.capsteer
+        return {"sync_checked_steps": hooks.sync_checked_steps,
+                "harvest_errors": [repr(e) for e in (hooks.harvester.errors if hooks.harvester else [])],
+                "live_requests": len(hooks.requests), "mode": "device" if hooks.device_driven else "host"}
 

@@ -1,0 +1,147 @@
+"""GPU validation of the engine extension (run on the lent GPU through ../shared/gpu/).
+
+bf16, torch.compile + CUDA graphs on (vLLM's defaults), sync debug mode "error" over
+the hook code and the forward of every step with hooks. Checks:
+- every hook, layer and position of captured requests against HF transformers (bf16,
+  same GPU): relative error per (hook, layer);
+- steering: greedy tokens and log-probs against an HF forward hook doing the same;
+- a batched run equals each request run alone (tokens; capture relative error);
+- no host sync in steered+captured steps, no harvest errors.
+Writes a JSON report to $OUT (or ./bench/results) and prints a table.
+
+    python bench/gpu_validate.py [--layers 8] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+
+def rel_err(a, b) -> float:
+    a, b = a.float(), b.float()
+    return float((a - b).norm() / b.norm().clamp_min(1e-6))
+
+
+def main() -> None:
+    import torch
+
+    from capsteer.demo_model import DemoShape, write_demo_model
+    from capsteer.engine import Engine, Request
+    from capsteer.hooks import HOOKS
+    from capsteer.reference import hf_activations, hf_greedy, load_hf
+    from capsteer.steering.spec import parse_steering_spec
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--model-dir", default="/tmp/capsteer-gpu-model")
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
+    args = ap.parse_args()
+    report: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
+    t0 = time.time()
+    shape = DemoShape(hidden_size=1024, num_layers=args.layers, num_heads=16, num_kv_heads=8,
+                      head_dim=64, intermediate_size=3072, vocab_size=1024,
+                      max_position_embeddings=4096)
+    write_demo_model(args.model_dir, "qwen3", seed=3, shape=shape, dtype="bfloat16")
+    report["model_write_s"] = round(time.time() - t0, 1)
+
+    t0 = time.time()
+    engine = Engine(args.model_dir, dtype="bfloat16", gpu_memory_utilization=0.5,
+                    max_model_len=2048, seed=0, capsteer_config={"sync_debug": True})
+    report["engine_start_s"] = round(time.time() - t0, 1)
+    import vllm
+
+    cc = engine.llm.llm_engine.vllm_config.compilation_config
+    report["vllm"] = vllm.__version__
+    report["cudagraph_mode"] = str(cc.cudagraph_mode)
+    report["compile_mode"] = str(getattr(cc, "mode", getattr(cc, "level", None)))
+    print(json.dumps(report), flush=True)
+
+    hf = load_hf(args.model_dir, dtype=torch.bfloat16, device="cuda")
+    hidden, layers = shape.hidden_size, shape.num_layers
+    gen = torch.Generator().manual_seed(0)
+
+    def vec(scale: float = 1.0) -> list[float]:
+        v = torch.randn(hidden, generator=gen)
+        return (v / v.norm() * scale).tolist()
+
+    prompts = [[int(t) for t in torch.randint(5, 700, (n,), generator=gen)] for n in
+               (37, 300, 12, 90, 150, 64)]
+    all_hooks = {"hooks": list(HOOKS), "layers": "all", "positions": "all"}
+    steer_add = {"vectors": [{"hook": "resid_post", "layer": layers // 2, "vector": vec(),
+                              "scale": 40.0}]}
+    steer_clamp = {"vectors": [{"hook": "resid_mid", "layer": 1, "vector": vec(), "op": "clamp",
+                                "value": 30.0}]}
+    greedy = lambda n, **kw: {"max_tokens": n, "temperature": 0.0, "ignore_eos": True, **kw}  # noqa: E731
+    requests = [
+        Request(prompt_token_ids=prompts[0], sampling=greedy(16), capture=all_hooks),
+        Request(prompt_token_ids=prompts[1], sampling=greedy(8), capture=all_hooks),
+        Request(prompt_token_ids=prompts[2], sampling=greedy(32, logprobs=5), steering=steer_add),
+        Request(prompt_token_ids=prompts[3], sampling=greedy(32, logprobs=5), steering=steer_clamp),
+        Request(prompt_token_ids=prompts[4], sampling=greedy(12), steering=steer_add,
+                capture={"hooks": ["resid_post", "mlp_out"], "layers": "all"}),
+        Request(prompt_token_ids=prompts[5], sampling=greedy(20)),
+    ]
+    t0 = time.time()
+    batched = engine.generate(requests)
+    report["batched_generate_s"] = round(time.time() - t0, 2)
+
+    # 1. captures vs HF (bf16, same GPU)
+    cap_errs: dict[str, float] = {}
+    for req, res in zip(requests, batched, strict=True):
+        if res.captures is None:
+            continue
+        fed = res.prompt_token_ids + res.token_ids[:-1]
+        spec = parse_steering_spec(req.steering, num_layers=layers, hidden_size=hidden)
+        ref = hf_activations(hf, fed, steering=spec, prompt_len=len(res.prompt_token_ids))
+        assert res.captures.positions.tolist() == list(range(len(fed))), "positions"
+        assert res.captures.token_ids.tolist() == fed, "token ids"
+        for key, got in res.captures.tensors.items():
+            err = rel_err(got, ref[key].cpu())
+            name = f"{key[0]}"
+            cap_errs[name] = max(cap_errs.get(name, 0.0), err)
+    report["capture_max_rel_err_by_hook"] = {k: round(v, 5) for k, v in cap_errs.items()}
+
+    # 2. steering vs HF greedy (bf16 kernels differ, so report agreement)
+    steer_rows = []
+    for req, res in zip(requests, batched, strict=True):
+        if req.steering is None or res.logprobs is None:
+            continue
+        spec = parse_steering_spec(req.steering, num_layers=layers, hidden_size=hidden)
+        ref_tokens, ref_lp = hf_greedy(hf, req.prompt_token_ids, len(res.token_ids), steering=spec)
+        plain, _ = hf_greedy(hf, req.prompt_token_ids, len(res.token_ids))
+        agree = next((i for i, (a, b) in enumerate(zip(res.token_ids, ref_tokens, strict=True))
+                      if a != b), len(ref_tokens))
+        lp_diff = max(abs(lp - float(ref_lp[i][t])) for i in range(agree)
+                      for t, lp in res.logprobs[i].items()) if agree else None
+        steer_rows.append({"op": req.steering["vectors"][0].get("op", "add"),
+                           "tokens": len(ref_tokens), "agree_prefix": agree,
+                           "max_logprob_diff_on_agreeing_steps": lp_diff,
+                           "steering_changed_hf_output": plain != ref_tokens})
+    report["steering_vs_hf"] = steer_rows
+
+    # 3. batch isolation
+    iso = []
+    for req, together in zip(requests, batched, strict=True):
+        (alone,) = engine.generate([req])
+        row = {"same_tokens": alone.token_ids == together.token_ids}
+        if together.captures is not None:
+            row["capture_max_rel_err"] = max(
+                rel_err(v, alone.captures.tensors[k]) for k, v in together.captures.tensors.items())
+        iso.append(row)
+    report["batched_vs_alone"] = iso
+
+    # 4. sync debug + harvest stats
+    report["worker_stats"] = engine.llm.collective_rpc("capsteer_stats")
+    print(json.dumps(report, indent=1), flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_validate.json").write_text(json.dumps(report, indent=1))
+    engine.close()
+
+
+if __name__ == "__main__":
+    main()

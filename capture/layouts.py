@@ -1,0 +1,117 @@
+"""Safetensors files written as a stream, and which tensors go in which file.
+
+The header (shapes and offsets) is known once positions are finalized, so a file
+can be written front to back from row runs without first concatenating each
+tensor in memory. The output is plain safetensors: any safetensors reader opens it.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+PACKED_FILE = "activations.safetensors"
+MANIFEST_FILE = "manifest.json"
+
+ST_DTYPE: dict[torch.dtype, str] = {
+    torch.float32: "F32",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float64: "F64",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.uint8: "U8",
+}
+TORCH_DTYPE: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+DTYPE_NAME: dict[torch.dtype, str] = {v: k for k, v in TORCH_DTYPE.items()}
+
+
+def key_name(hook: str, layer: int) -> str:
+    """Tensor name of a (hook, layer) pair: "{hook}.{layer}"."""
+    return f"{hook}.{layer}"
+
+
+def parse_key_name(name: str) -> tuple[str, int]:
+    hook, _, layer = name.rpartition(".")
+    return hook, int(layer)
+
+
+def per_file_name(hook: str, layer: int) -> str:
+    return f"{key_name(hook, layer)}.safetensors"
+
+
+def files_for(layout: str, keys: list[tuple[str, int]]) -> dict[str, list[tuple[str, int]]]:
+    """Data file name -> the (hook, layer) keys it holds, for a single-request layout."""
+    if layout == "packed":
+        return {PACKED_FILE: list(keys)}
+    if layout == "per_file":
+        return {per_file_name(h, layer): [(h, layer)] for h, layer in keys}
+    raise ValueError(f"unknown layout {layout!r}")
+
+
+def as_bytes(t: torch.Tensor) -> memoryview:
+    """Zero-copy little-endian bytes of a contiguous CPU tensor (bf16 included)."""
+    t = t.contiguous()
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+@dataclass
+class TensorPlan:
+    """One tensor of a file: its header entry plus a source of its bytes in order."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    chunks: Callable[[], Iterable[memoryview | bytes]]
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * torch.empty(0, dtype=self.dtype).element_size()
+
+
+def tensor_plan(name: str, t: torch.Tensor) -> TensorPlan:
+    """A plan for a tensor already in memory (positions, token ids, small tensors)."""
+    return TensorPlan(name, t.dtype, tuple(t.shape), lambda: [as_bytes(t)])
+
+
+def header_bytes(plans: list[TensorPlan], metadata: dict[str, str] | None) -> bytes:
+    """The safetensors prefix: u64 length, then JSON padded with spaces to 8 bytes."""
+    header: dict[str, object] = {}
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    offset = 0
+    for p in plans:
+        header[p.name] = {
+            "dtype": ST_DTYPE[p.dtype],
+            "shape": list(p.shape),
+            "data_offsets": [offset, offset + p.nbytes],
+        }
+        offset += p.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def stream_safetensors(
+    plans: list[TensorPlan], metadata: dict[str, str] | None = None
+) -> Iterator[memoryview | bytes]:
+    """Yield a whole safetensors file as byte pieces, checking each tensor's length."""
+    yield header_bytes(plans, metadata)
+    for p in plans:
+        written = 0
+        for piece in p.chunks():
+            written += len(memoryview(piece).cast("B"))
+            yield piece
+        if written != p.nbytes:
+            raise ValueError(f"tensor {p.name}: produced {written} bytes, header says {p.nbytes}")

@@ -1,0 +1,154 @@
+"""Capture metrics (names fixed by api.md §6) in a registry of their own.
+
+The writer usually lives in a vLLM worker process while /metrics is served by the
+API process, so besides the prometheus_client objects there is `snapshot()` (a
+plain JSON-safe dict) and `SnapshotCollector`, which re-exports snapshots taken
+in other processes from the server's registry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+
+REGISTRY = CollectorRegistry(auto_describe=True)
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+REQUESTS = Counter(
+    "capsteer_capture_requests_total",
+    "Finished captures by final status (ok, error, dropped, rejected).",
+    ["status"],
+    registry=REGISTRY,
+)
+BYTES = Counter(
+    "capsteer_capture_bytes_total", "Bytes of published capture data files.", registry=REGISTRY
+)
+FILES = Counter(
+    "capsteer_capture_files_total",
+    "Capture data files published (safetensors; manifests not counted).",
+    registry=REGISTRY,
+)
+PUBLISH_SECONDS = Histogram(
+    "capsteer_capture_publish_seconds",
+    "Request end to capture durable on disk (manifest fsynced).",
+    buckets=_LATENCY_BUCKETS,
+    registry=REGISTRY,
+)
+INFLIGHT_BYTES = Gauge(
+    "capsteer_capture_inflight_bytes",
+    "Row bytes held in memory by the capture writer (bounded by its budget).",
+    registry=REGISTRY,
+)
+DROPPED = Counter(
+    "capsteer_capture_dropped_total",
+    "Captures dropped instead of published, by reason.",
+    ["reason"],
+    registry=REGISTRY,
+)
+REJECTED = Counter(
+    "capsteer_capture_rejected_total",
+    "Captures refused up front because the in-flight budget was exhausted.",
+    registry=REGISTRY,
+)
+FSYNC_SECONDS = Histogram(
+    "capsteer_fsync_seconds",
+    "Duration of each fsync (files and directories) done by the capture writer.",
+    buckets=_LATENCY_BUCKETS,
+    registry=REGISTRY,
+)
+
+
+def render() -> bytes:
+    """Prometheus text exposition of this process's capture metrics."""
+    return generate_latest(REGISTRY)
+
+
+def snapshot() -> dict[str, Any]:
+    """All capture metrics as a JSON-safe dict, for export from another process.
+
+    Shape: {name: {"type", "help", "samples": [{"name", "labels", "value"}]}}.
+    """
+    out: dict[str, Any] = {}
+    for metric in REGISTRY.collect():
+        out[metric.name] = {
+            "type": metric.type,
+            "help": metric.documentation,
+            "samples": [
+                {"name": s.name, "labels": dict(s.labels), "value": float(s.value)}
+                for s in metric.samples
+                if not s.name.endswith("_created")
+            ],
+        }
+    return out
+
+
+def sample_value(snap: dict[str, Any], sample: str, **labels: str) -> float:
+    """One value from a snapshot (0.0 when absent), e.g. sample_value(s, "x_total", status="ok")."""
+    for metric in snap.values():
+        for s in metric["samples"]:
+            if s["name"] == sample and s["labels"] == labels:
+                return float(s["value"])
+    return 0.0
+
+
+def _merged(snapshots: Iterable[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    merged: dict[str, dict[str, Any]] = {}
+    for snap in snapshots:
+        for name, metric in snap.items():
+            entry = merged.setdefault(
+                name, {"type": metric["type"], "help": metric["help"], "values": {}}
+            )
+            for s in metric["samples"]:
+                key = (s["name"], tuple(sorted(s["labels"].items())))
+                entry["values"][key] = entry["values"].get(key, 0.0) + s["value"]
+    return merged
+
+
+class SnapshotCollector:
+    """Exposes the sum of snapshots from other processes (register on the server's registry).
+
+    `source` returns the latest snapshot of each writer process; counters and
+    histograms are summed, gauges too (in-flight bytes add up across workers).
+    """
+
+    def __init__(self, source: Callable[[], Iterable[dict[str, Any]]]) -> None:
+        self._source = source
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterable[Metric]:
+        for name, entry in _merged(self._source()).items():
+            values: dict[tuple[str, tuple[tuple[str, str], ...]], float] = entry["values"]
+            kind = entry["type"]
+            if kind == "counter":
+                labels = sorted({k for _, lab in values for k, _ in lab})
+                fam = CounterMetricFamily(name, entry["help"], labels=labels)
+                for (sname, lab), v in values.items():
+                    if sname.endswith("_total"):
+                        fam.add_metric([dict(lab)[k] for k in labels], v)
+                yield fam
+            elif kind == "gauge":
+                labels = sorted({k for _, lab in values for k, _ in lab})
+                fam_g = GaugeMetricFamily(name, entry["help"], labels=labels)
+                for (_, lab), v in values.items():
+                    fam_g.add_metric([dict(lab)[k] for k in labels], v)
+                yield fam_g
+            elif kind == "histogram":
+                buckets = sorted(
+                    ((dict(lab)["le"], v) for (sname, lab), v in values.items() if sname.endswith("_bucket")),
+                    key=lambda b: float(b[0]),
+                )
+                total = sum(v for (sname, _), v in values.items() if sname.endswith("_sum"))
+                fam_h = HistogramMetricFamily(name, entry["help"])
+                fam_h.add_metric([], buckets, total)
+                yield fam_h

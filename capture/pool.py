@@ -1,0 +1,169 @@
+"""Writer pool: worker threads plus the in-flight byte budget and its overload policy.
+
+The budget counts row bytes the capture writer holds in memory: rows of open
+requests ("open") and rows of finished requests waiting to be published
+("sealed"). Policies when a new chunk does not fit:
+- block: wait while publishing will free enough; otherwise ask the writer to spill
+  open requests to disk (waiting on them would deadlock: only the blocked engine
+  thread could finish them). Never loses data; memory stays under the budget.
+- drop: the request's capture is dropped (counted; its receipt says dropped).
+- reject: like drop, and `admit` refuses new captures up front (HTTP 429).
+"""
+
+from __future__ import annotations
+
+import enum
+import queue
+import threading
+from collections.abc import Callable
+
+from capsteer.capture import metrics
+
+POLICIES = ("block", "drop", "reject")
+
+
+class Overloaded(RuntimeError):
+    """The budget cannot take a new capture now (reject policy); retry later."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class Grant(enum.Enum):
+    TAKEN = "taken"  # bytes accounted; keep the rows in memory
+    REFUSED = "refused"  # drop/reject policy and no room
+    DIRECT = "direct"  # block policy, chunk alone exceeds what memory may hold: spill it
+
+
+class Budget:
+    """Thread-safe byte accounting with block / drop / reject semantics."""
+
+    def __init__(self, limit_bytes: int, policy: str = "block") -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"unknown overload policy {policy!r}; accepted: {', '.join(POLICIES)}")
+        if limit_bytes <= 0:
+            raise ValueError("budget must be positive")
+        self.limit = int(limit_bytes)
+        self.policy = policy
+        self._cond = threading.Condition()
+        self.open_bytes = 0
+        self.sealed_bytes = 0
+        self.peak = 0
+
+    @property
+    def inflight(self) -> int:
+        return self.open_bytes + self.sealed_bytes
+
+    def _take(self, n: int) -> None:
+        self.open_bytes += n
+        self.peak = max(self.peak, self.inflight)
+        metrics.INFLIGHT_BYTES.set(self.inflight)
+
+    def admit(self, estimated_bytes: int) -> bool:
+        """Whether a new capture of about `estimated_bytes` should be accepted now.
+
+        Only the reject policy refuses (and counts capsteer_capture_rejected_total);
+        block and drop accept and deal with overload as rows arrive.
+        """
+        if self.policy != "reject":
+            return True
+        with self._cond:
+            ok = self.inflight + max(0, int(estimated_bytes)) <= self.limit
+        if not ok:
+            metrics.REJECTED.inc()
+            metrics.REQUESTS.labels(status="rejected").inc()
+        return ok
+
+    def acquire(self, n: int, spill: Callable[[int], int]) -> Grant:
+        """Account `n` more open bytes, applying the policy when they do not fit.
+
+        `spill(k)` must move at least k bytes of open rows to disk if it can and
+        return how many it freed (already released through `release_open`).
+        """
+        with self._cond:
+            if self.inflight + n <= self.limit:
+                self._take(n)
+                return Grant.TAKEN
+            if self.policy != "block":
+                return Grant.REFUSED
+            if n > self.limit:
+                return Grant.DIRECT
+        while True:
+            with self._cond:
+                if self.inflight + n <= self.limit:
+                    self._take(n)
+                    return Grant.TAKEN
+                must_spill = self.open_bytes + n - self.limit
+                if must_spill <= 0:
+                    # Publishing (sealed bytes) will free enough: wait for it.
+                    self._cond.wait(timeout=1.0)
+                    continue
+            if spill(must_spill) <= 0:
+                return Grant.DIRECT
+
+    def release_open(self, n: int) -> None:
+        """Open bytes left memory (spilled, dropped, aborted)."""
+        if n:
+            with self._cond:
+                self.open_bytes -= n
+                metrics.INFLIGHT_BYTES.set(self.inflight)
+                self._cond.notify_all()
+
+    def seal(self, n: int) -> None:
+        """Open bytes of a finished request now wait for publishing."""
+        with self._cond:
+            self.open_bytes -= n
+            self.sealed_bytes += n
+
+    def release_sealed(self, n: int) -> None:
+        """Sealed bytes were written out (or abandoned)."""
+        if n:
+            with self._cond:
+                self.sealed_bytes -= n
+                metrics.INFLIGHT_BYTES.set(self.inflight)
+                self._cond.notify_all()
+
+
+class WorkerThreads:
+    """A fixed set of daemon threads running submitted jobs in FIFO order."""
+
+    def __init__(self, workers: int, name: str = "capsteer-writer") -> None:
+        if workers < 1:
+            raise ValueError("need at least one writer thread")
+        self._queue: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self._idle = threading.Condition()
+        self._outstanding = 0
+        self._threads = [
+            threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True) for i in range(workers)
+        ]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        with self._idle:
+            self._outstanding += 1
+        self._queue.put(job)
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            try:
+                job()
+            finally:
+                with self._idle:
+                    self._outstanding -= 1
+                    self._idle.notify_all()
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until every submitted job finished; False on timeout."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._outstanding == 0, timeout)
+
+    def stop(self, timeout: float | None = None) -> None:
+        for _ in self._threads:
+            self._queue.put(None)
+        for t in self._threads:
+            t.join(timeout)

@@ -1,0 +1,189 @@
+"""Reading captures back: `read(path)` -> tensors or arrays by (hook, layer).
+
+The manifest is the source of truth: a directory without one is not a capture
+(it may be a crashed publish). Checksums are verified before any data is served,
+so a researcher never silently trains on a corrupted file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors import safe_open
+
+from capsteer.capture.layouts import MANIFEST_FILE, key_name, parse_key_name
+from capsteer.hooks import canonical_hook, resolve_layer
+
+_HASH_BLOCK = 4 << 20
+
+
+class CaptureReadError(RuntimeError):
+    """The path is not a readable, complete capture (missing or bad manifest, bad status)."""
+
+
+class CorruptCapture(CaptureReadError):
+    """A file listed in the manifest is missing, has the wrong size, or the wrong sha256."""
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb", buffering=0) as fh:
+        while True:
+            block = fh.read(_HASH_BLOCK)
+            if not block:
+                return h.hexdigest()
+            h.update(block)
+
+
+def load_manifest(path: str | Path) -> tuple[Path, dict[str, Any]]:
+    """(capture directory, manifest dict) for a capture directory or its manifest path."""
+    p = Path(path)
+    directory = p.parent if p.name == MANIFEST_FILE else p
+    mpath = directory / MANIFEST_FILE
+    try:
+        manifest = json.loads(mpath.read_text())
+    except FileNotFoundError:
+        raise CaptureReadError(f"{directory}: no {MANIFEST_FILE} (not a capture, or not published)") from None
+    except ValueError as exc:
+        raise CorruptCapture(f"{mpath}: unreadable manifest: {exc}") from None
+    if not isinstance(manifest, dict) or "files" not in manifest:
+        raise CorruptCapture(f"{mpath}: not a capsteer manifest")
+    return directory, manifest
+
+
+def verify_files(directory: Path, manifest: dict[str, Any]) -> list[str]:
+    """Problems with the files a manifest lists (empty list when all verify)."""
+    problems: list[str] = []
+    for entry in manifest.get("files", []):
+        name = entry.get("name", "")
+        if not name or "/" in name or name.startswith("."):
+            problems.append(f"{name!r}: bad file name in manifest")
+            continue
+        path = directory / name
+        try:
+            size = os.stat(path).st_size
+        except FileNotFoundError:
+            problems.append(f"{name}: missing")
+            continue
+        if size != entry.get("bytes"):
+            problems.append(f"{name}: {size} bytes, manifest says {entry.get('bytes')}")
+            continue
+        digest = sha256_file(path)
+        if digest != entry.get("sha256"):
+            problems.append(f"{name}: sha256 {digest[:16]}… does not match manifest")
+    return problems
+
+
+@dataclass
+class Capture:
+    """One published capture. Index with (hook, layer); aliases and negative layers work."""
+
+    path: Path
+    manifest: dict[str, Any]
+
+    @property
+    def capture_id(self) -> str:
+        return str(self.manifest["capture_id"])
+
+    @property
+    def status(self) -> str:
+        return str(self.manifest.get("status", "ok"))
+
+    @property
+    def dtype(self) -> str:
+        return str(self.manifest.get("dtype", ""))
+
+    @property
+    def positions(self) -> np.ndarray:
+        """Absolute positions (prompt then generated), one per row, int64."""
+        return np.asarray(self.manifest.get("positions", []), dtype=np.int64)
+
+    @property
+    def token_ids(self) -> np.ndarray:
+        """Input token id at each captured position, int64."""
+        return np.asarray(self.manifest.get("token_ids", []), dtype=np.int64)
+
+    def keys(self) -> list[tuple[str, int]]:
+        return [parse_key_name(k) for k in self.manifest.get("keys", [])]
+
+    def _resolve(self, hook: str, layer: int) -> tuple[str, str]:
+        h = canonical_hook(hook)
+        n_layers = int(self.manifest.get("num_layers") or 0)
+        resolved = resolve_layer(int(layer), n_layers) if n_layers else int(layer)
+        name = key_name(h, resolved)
+        entry = self.manifest.get("tensors", {}).get(name)
+        if entry is None:
+            raise KeyError(f"{name} was not captured; captured: {', '.join(self.manifest.get('keys', []))}")
+        return name, str(entry["file"])
+
+    def tensor(self, hook: str, layer: int) -> torch.Tensor:
+        """[n_positions, hidden] torch tensor in the stored dtype (bf16 stays bf16)."""
+        name, fname = self._resolve(hook, layer)
+        with safe_open(self.path / fname, framework="pt") as fh:
+            return fh.get_tensor(name)
+
+    def numpy(self, hook: str, layer: int) -> np.ndarray:
+        """[n_positions, hidden] numpy array; bf16 (which numpy lacks) comes as float32."""
+        t = self.tensor(hook, layer)
+        return (t.float() if t.dtype == torch.bfloat16 else t).numpy()
+
+    def tensors(self) -> dict[tuple[str, int], torch.Tensor]:
+        return {k: self.tensor(*k) for k in self.keys()}
+
+    def __getitem__(self, key: tuple[str, int]) -> torch.Tensor:
+        return self.tensor(*key)
+
+    def __contains__(self, key: object) -> bool:
+        try:
+            self._resolve(*key)  # type: ignore[misc]
+        except (KeyError, ValueError, TypeError):
+            return False
+        return True
+
+    def verify(self) -> list[str]:
+        """Checksums and tensor metadata against the manifest; empty list when sound."""
+        problems = verify_files(self.path, self.manifest)
+        if problems:
+            return problems
+        for fname in {e["file"] for e in self.manifest.get("tensors", {}).values()}:
+            try:
+                with safe_open(self.path / fname, framework="pt") as fh:
+                    pos = fh.get_tensor("positions")
+                    if pos.tolist() != self.manifest.get("positions"):
+                        problems.append(f"{fname}: positions differ from manifest")
+                    names = set(fh.keys())
+                    for name, entry in self.manifest["tensors"].items():
+                        if entry["file"] == fname and name not in names:
+                            problems.append(f"{fname}: tensor {name} missing")
+            except Exception as exc:
+                problems.append(f"{fname}: unreadable safetensors: {exc}")
+        return problems
+
+
+def read(path: str | Path, *, verify: bool = True) -> Any:
+    """Open a published capture directory (or its manifest.json) -> Capture.
+
+    A sharded job directory gives a `ShardedCapture` instead. Raises
+    CaptureReadError when there is no ok manifest and CorruptCapture when
+    `verify` finds a file that does not match it.
+    """
+    directory, manifest = load_manifest(path)
+    if manifest.get("format") == "capsteer.sharded":
+        from capsteer.capture.sharded import read_sharded
+
+        return read_sharded(directory, verify=verify)
+    cap = Capture(directory, manifest)
+    if cap.status != "ok":
+        raise CaptureReadError(f"{directory}: capture status {cap.status}: {manifest.get('error')}")
+    if verify:
+        problems = cap.verify()
+        if problems:
+            raise CorruptCapture(f"{directory}: " + "; ".join(problems))
+    return cap

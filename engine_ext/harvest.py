@@ -1,0 +1,83 @@
+"""Moves captured rows off the GPU without stalling the step loop.
+
+After each forward the step thread only enqueues a device-to-host copy of the
+staging rows into a pinned ring slot and records an event; a harvester thread
+waits on that event, copies the rows it needs into tensors the sink owns, and
+calls the sink in step order (so a request's `close` always follows its rows).
+The step thread waits only when every ring slot is still being harvested
+(backpressure), never on the GPU itself.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class _Slot:
+    rows: torch.Tensor
+    tokens: torch.Tensor
+    free: threading.Event
+
+
+class Harvester:
+    """Pinned ring of staging copies plus one thread that feeds the sink in order."""
+
+    def __init__(self, rows: int, hidden: int, dtype: torch.dtype, ring: int = 2) -> None:
+        self.slots = [
+            _Slot(torch.empty(rows, hidden, dtype=dtype, pin_memory=True),
+                  torch.empty(rows, dtype=torch.int64, pin_memory=True), threading.Event())
+            for _ in range(ring)
+        ]
+        for slot in self.slots:
+            slot.free.set()
+        self.next = 0
+        self.queue: queue.Queue = queue.Queue()
+        self.errors: list[BaseException] = []
+        self.thread = threading.Thread(target=self._run, name="capsteer-harvest", daemon=True)
+        self.thread.start()
+
+    def submit_copy(
+        self, staging: torch.Tensor, rows: int, tokens: torch.Tensor, num_tokens: int,
+        deliver: Callable[[torch.Tensor, torch.Tensor], None],
+    ) -> None:
+        """Enqueue staging[:rows] and tokens[:num_tokens] -> pinned on the current stream;
+        `deliver(rows, tokens)` gets host views it must copy from before returning."""
+        slot = self.slots[self.next]
+        self.next = (self.next + 1) % len(self.slots)
+        slot.free.wait()
+        slot.free.clear()
+        slot.rows[:rows].copy_(staging[:rows], non_blocking=True)
+        slot.tokens[:num_tokens].copy_(tokens[:num_tokens], non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self.queue.put((event, slot, (rows, num_tokens), deliver))
+
+    def submit_call(self, fn: Callable[[], None]) -> None:
+        """Run `fn` on the harvester thread after everything submitted before it."""
+        self.queue.put((None, None, (0, 0), fn))
+
+    def drain(self) -> None:
+        done = threading.Event()
+        self.submit_call(done.set)
+        done.wait()
+
+    def _run(self) -> None:
+        while True:
+            event, slot, (rows, num_tokens), fn = self.queue.get()
+            try:
+                if event is None:
+                    fn()
+                    continue
+                event.synchronize()
+                try:
+                    fn(slot.rows[:rows], slot.tokens[:num_tokens])
+                finally:
+                    slot.free.set()
+            except BaseException as exc:  # keep harvesting; surface the error to the worker
+                self.errors.append(exc)

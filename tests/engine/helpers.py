@@ -1,0 +1,43 @@
+"""Shared request builders and comparisons for the engine tests."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from capsteer.hooks import HOOKS
+from capsteer.reference import hf_activations
+
+ALL_HOOKS = {"hooks": list(HOOKS), "layers": "all", "positions": "all"}
+ATOL = 1e-4
+
+
+def token_prompt(seed: int, length: int, vocab: int = 400) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(5, vocab) for _ in range(length)]
+
+
+def greedy(max_tokens: int, **extra) -> dict:
+    return {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, **extra}
+
+
+def fed_tokens(result) -> list[int]:
+    """Tokens that went through the model: prompt, then every generated token but the last."""
+    return list(result.prompt_token_ids) + list(result.token_ids[:-1])
+
+
+def assert_matches_hf(hf_model, result, keys=None, steering=None) -> int:
+    """Every captured (hook, layer) equals HF on the same sequence; returns values compared."""
+    caps = result.captures
+    assert caps is not None, "no captures returned"
+    fed = fed_tokens(result)
+    ref = hf_activations(hf_model, fed, steering=steering, prompt_len=len(result.prompt_token_ids))
+    assert caps.token_ids.tolist() == [fed[p] for p in caps.positions.tolist()]
+    compared = 0
+    for key in keys or sorted(caps.tensors):
+        got = caps.tensors[key]
+        want = ref[key][torch.as_tensor(caps.positions)]
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=ATOL, msg=lambda m, k=key: f"{k}: {m}")
+        compared += got.numel()
+    return compared

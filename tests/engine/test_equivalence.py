@@ -1,0 +1,55 @@
+"""Every hook, every layer, every position equals HF transformers on the same weights."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from capsteer.engine import Request
+from capsteer.hooks import HOOKS
+
+from .conftest import capsteer_engine
+from .helpers import ALL_HOOKS, assert_matches_hf, fed_tokens, greedy, token_prompt
+
+pytestmark = pytest.mark.engine
+
+@pytest.mark.parametrize("engine_name", ["qwen3", "llama", "qwen3-eager"])
+def test_all_hooks_layers_positions_equal_hf(engine_pool, model_dirs, hf_models, engine_name):
+    family = engine_name.split("-")[0]
+    engine = capsteer_engine(engine_pool, model_dirs, family, eager=engine_name.endswith("eager"))
+    requests = [
+        Request(prompt_token_ids=token_prompt(1, 12), sampling=greedy(6), capture=ALL_HOOKS),
+        # 150 prompt tokens with max_num_batched_tokens=64: prefilled in three chunks.
+        Request(prompt_token_ids=token_prompt(2, 150), sampling=greedy(4), capture=ALL_HOOKS),
+        Request(prompt="what is a residual stream", sampling=greedy(5), capture=ALL_HOOKS),
+    ]
+    results = engine.generate(requests)
+    hf = hf_models[family]
+    for res in results:
+        caps = res.captures
+        assert sorted(caps.tensors) == sorted((h, layer) for h in HOOKS for layer in range(4))
+        np.testing.assert_array_equal(caps.positions, np.arange(len(fed_tokens(res))))
+        assert assert_matches_hf(hf, res) > 0
+
+
+@pytest.mark.parametrize(
+    ("positions", "expect"),
+    [
+        ("prompt", lambda p, f: list(range(p))),
+        ("generated", lambda p, f: list(range(p, f))),
+        ("last_prompt", lambda p, f: [p - 1]),
+        ("last", lambda p, f: [f - 1]),
+        ([0, -1, 13], lambda p, f: [0, p - 1, 13]),
+    ],
+    ids=["prompt", "generated", "last_prompt", "last", "explicit"],
+)
+def test_position_selection(engine_pool, model_dirs, hf_models, positions, expect):
+    engine = capsteer_engine(engine_pool, model_dirs, "qwen3")
+    spec = {"hooks": {"resid_post": [0, -1], "mlp_out": "1-2"}, "positions": positions}
+    (res,) = engine.generate([Request(prompt_token_ids=token_prompt(3, 10), sampling=greedy(6),
+                                      capture=spec)])
+    fed = len(fed_tokens(res))
+    assert res.captures.positions.tolist() == expect(10, fed)
+    assert sorted(res.captures.tensors) == [("mlp_out", 1), ("mlp_out", 2), ("resid_post", 0),
+                                            ("resid_post", 3)]
+    assert_matches_hf(hf_models["qwen3"], res)

@@ -1,0 +1,52 @@
+"""Start-up is refused, with a message that says why, when hooks cannot work."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytestmark = [pytest.mark.engine, pytest.mark.uses_engine("other")]
+
+START = textwrap.dedent("""
+    from capsteer.engine import Engine
+    if __name__ == "__main__":
+        Engine({model!r}, dtype="float32", gpu_memory_utilization=0.2, max_model_len=256)
+        print("ENGINE STARTED")
+""")
+
+
+def start_engine(model_dir: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", START.format(model=model_dir)],
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, **(env or {})})
+
+
+@pytest.fixture(scope="module")
+def gpt2_dir(tmp_path_factory, model_dirs) -> str:
+    import transformers
+
+    out = tmp_path_factory.mktemp("gpt2")
+    tok = transformers.AutoTokenizer.from_pretrained(model_dirs["qwen3"])
+    tok.save_pretrained(out)
+    cfg = transformers.GPT2Config(vocab_size=len(tok), n_embd=128, n_layer=2, n_head=4,
+                                  n_positions=512, eos_token_id=tok.eos_token_id)
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(out)
+    return str(out)
+
+
+def test_unsupported_architecture_is_refused(gpt2_dir):
+    proc = start_engine(gpt2_dir)
+    assert "ENGINE STARTED" not in proc.stdout
+    assert proc.returncode != 0
+    assert "capsteer cannot hook architecture GPT2LMHeadModel" in proc.stdout + proc.stderr
+
+
+def test_canary_refuses_when_a_hook_does_not_fire(model_dirs):
+    proc = start_engine(model_dirs["qwen3"], env={"CAPSTEER_FAULT_INJECT": "skip_site:3"})
+    assert "ENGINE STARTED" not in proc.stdout
+    assert proc.returncode != 0
+    assert "capsteer start-up canary failed, refusing to start" in proc.stdout + proc.stderr

@@ -1,0 +1,183 @@
+"""The per-step planner and steering composition, without an engine."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from capsteer.capture.spec import parse_capture_spec
+from capsteer.engine_ext.plan import (
+    GENERATED,
+    PROMPT,
+    RequestHooks,
+    build_step_plan,
+    compose_entries,
+)
+from capsteer.engine_ext.runtime import STREAM, SUB, HookRuntime, hook_point
+from capsteer.steering.spec import parse_steering_spec
+
+HIDDEN, LAYERS = 8, 3
+
+
+def runtime() -> HookRuntime:
+    return HookRuntime(LAYERS, HIDDEN, torch.float32, torch.device("cpu"), max_tokens=64)
+
+
+def hooks_for(req_id, prompt_len, capture=None, steering=None, rt=None):
+    extra = {"capsteer": {}}
+    if capture is not None:
+        extra["capsteer"]["capture"] = parse_capture_spec(capture, num_layers=LAYERS).to_dict()
+        extra["capsteer"]["capture_id"] = "cap-" + req_id
+    if steering is not None:
+        extra["capsteer"]["steering"] = parse_steering_spec(
+            steering, num_layers=LAYERS, hidden_size=HIDDEN).to_dict()
+    return RequestHooks.from_extra_args(req_id, extra, prompt_len, rt or runtime())
+
+
+def test_hook_points_share_sites():
+    assert hook_point("resid_post", 0) == hook_point("resid_pre", 1) == (STREAM, 2)
+    assert hook_point("attn_out", 1) == (SUB, 3)
+    assert hook_point("mlp_out", LAYERS - 1) == (SUB, 2 * LAYERS)
+
+
+def test_plan_maps_rows_to_requests_and_positions():
+    rt = runtime()
+    a = hooks_for("a", 5, capture={"hooks": ["resid_post"], "layers": [0], "positions": "generated"},
+                  rt=rt)
+    b = hooks_for("b", 3, capture={"hooks": ["resid_pre"], "layers": [1], "positions": "all"}, rt=rt)
+    ids = torch.arange(100, 112)
+    # batch: plain request (2 rows), a decoding at position 5 (1 row), b prefilling 0..2
+    plan = build_step_plan(["plain", "a", "b"], np.array([0, 2, 3, 6]),
+                                   np.array([7, 5, 0]), {"a": a, "b": b}, ids)
+    # resid_post(0) and resid_pre(1) are one copy: (STREAM, 2) holds a's row then b's rows
+    assert list(plan.capture) == [(STREAM, 2)]
+    assert plan.capture[(STREAM, 2)].tolist() == [2, 3, 4, 5]
+    assert [(r.capture_id, r.offset, r.positions.tolist()) for r in plan.routes] == [
+        ("cap-a", 0, [5]), ("cap-b", 1, [0, 1, 2])]
+    assert a.tokens == {5: 102} and b.tokens == {0: 103, 1: 104, 2: 105}
+    assert a.fed_len == 6 and b.fed_len == 3
+
+
+def test_steering_rows_follow_position_class():
+    rt = runtime()
+    s = hooks_for("s", 4, steering={"vectors": [
+        {"hook": "resid_post", "layer": 0, "vector": [1.0] * HIDDEN, "positions": "generated"},
+        {"hook": "attn_out", "layer": 2, "vector": [1.0] * HIDDEN}]}, rt=rt)
+    plan = build_step_plan(["s"], np.array([0, 3]), np.array([2]), {"s": s}, None)
+    rows, entries = plan.steer[(STREAM, 2)]
+    assert rows.tolist() == [2]  # only position 4 is generated
+    assert entries.tolist() == [s.entries[(STREAM, 2, GENERATED)]]
+    assert plan.steer[(SUB, 5)][0].tolist() == [0, 1, 2]
+    s.release(rt)
+    assert len(rt.free_entries) == 1023
+
+
+def test_compose_add_then_ablate_then_add():
+    u = np.zeros(HIDDEN)
+    u[0] = 2.0
+    spec = parse_steering_spec({"vectors": [
+        {"hook": "resid_mid", "layer": 1, "vector": [1.0] * HIDDEN, "scale": 2.0},
+        {"hook": "resid_mid", "layer": 1, "vector": u.tolist(), "op": "ablate"},
+        {"hook": "resid_mid", "layer": 1, "vector": [0.5] * HIDDEN},
+    ]}, num_layers=LAYERS, hidden_size=HIDDEN)
+    ((key, (uu, alpha, w)), *rest) = compose_entries(spec, HIDDEN).items()
+    x = torch.randn(HIDDEN)
+    want = x + 2.0
+    want = want - (want @ (torch.tensor(u) / 2).float()) * (torch.tensor(u) / 2).float()
+    want = want + 0.5
+    got = x + alpha * (x @ uu) * uu + w
+    torch.testing.assert_close(got, want)
+    assert key[:2] == (STREAM, 3) and len(rest) == 1 and rest[0][0][2] == GENERATED
+    assert key[2] == PROMPT
+
+
+@pytest.mark.parametrize("bad", [
+    {"vectors": [{"hook": "post_mlp", "layer": 0, "vector": [0.0] * HIDDEN}]},
+    {"vectors": [{"layer": 9, "vector": [0.0] * HIDDEN}]},
+    {"vectors": [{"layer": 0, "vector": [0.0] * (HIDDEN + 1)}]},
+    {"vectors": [{"layer": 0, "vector": [float("nan")] * HIDDEN}]},
+    {"vectors": [{"layer": 0, "vector": [1.0] * HIDDEN, "op": "ablate"},
+                 {"layer": 0, "vector": [1.0] * HIDDEN, "op": "clamp", "value": 1}]},
+    {"vectors": [{"layer": 0, "vector": [0.0] * HIDDEN, "op": "ablate"}]},
+    {"vectors": [{"layer": 0, "vector": [1.0] * HIDDEN, "scale": float("inf")}]},
+    {"vectors": [{"layer": 0, "vector": {"name": "x"}}]},
+    {"vectors": [{"layer": 0, "vector": {"b64": "!!"}}]},
+    {"vectors": [{"layer": 0, "vector": [1.0] * HIDDEN, "colour": 1}]},
+])
+def test_bad_steering_names_the_field(bad):
+    from capsteer.steering.spec import SteeringSpecError
+
+    with pytest.raises(SteeringSpecError) as err:
+        parse_steering_spec(bad, num_layers=LAYERS, hidden_size=HIDDEN)
+    assert err.value.field.startswith("steering.vectors")
+
+
+def test_steering_roundtrip_and_salt():
+    spec = parse_steering_spec({"vectors": [{"layers": "0:2", "vector": [0.25] * HIDDEN}]},
+                               num_layers=LAYERS, hidden_size=HIDDEN)
+    again = type(spec).from_dict(spec.to_dict())
+    assert [op.layer for op in again.ops] == [0, 1]
+    assert again.cache_salt() == spec.cache_salt()
+    other = parse_steering_spec({"vectors": [{"layers": "0:2", "vector": [0.5] * HIDDEN}]},
+                                num_layers=LAYERS, hidden_size=HIDDEN)
+    assert other.cache_salt() != spec.cache_salt()
+
+
+def test_version_and_architecture_refused():
+    from torch import nn
+
+    from capsteer.engine_ext.adapter import UnsupportedError, check_architecture, check_vllm_version
+
+    check_vllm_version("0.32.0")
+    check_vllm_version("0.26.0")
+    with pytest.raises(UnsupportedError, match=r"supports vLLM 0\.26\.x and 0\.32\.x"):
+        check_vllm_version("0.30.1")
+
+    class GPT2LMHeadModel(nn.Module):
+        pass
+
+    with pytest.raises(UnsupportedError, match="cannot hook architecture GPT2LMHeadModel"):
+        check_architecture(GPT2LMHeadModel())
+
+
+def test_device_mode_equals_host_mode():
+    """The graph-safe dense path steers and captures exactly what the host path does."""
+    torch.manual_seed(0)
+    modes = {}
+    for dense in (False, True):
+        rt = HookRuntime(LAYERS, HIDDEN, torch.float32, torch.device("cpu"), max_tokens=16,
+                         max_requests=4, staging_rows=64, device_driven=dense)
+        reqs = {
+            "a": hooks_for("a", 3, rt=rt, capture={"hooks": ["resid_mid", "attn_out"],
+                                                   "positions": "generated"},
+                           steering={"vectors": [{"hook": "attn_out", "layer": 1,
+                                                  "vector": [0.3] * HIDDEN, "scale": 2.0}]}),
+            "b": hooks_for("b", 2, rt=rt, steering={"vectors": [
+                {"hook": "resid_mid", "layer": 1, "vector": [1.0] + [0.0] * (HIDDEN - 1),
+                 "op": "clamp", "value": 4.0}]}),
+            "c": hooks_for("c", 4, rt=rt, capture={"hooks": ["resid_pre"], "layers": [1]}),
+        }
+        plan = build_step_plan(["a", "plain", "b", "c"], np.array([0, 3, 5, 9, 12]),
+                               np.array([2, 0, 0, 1]), reqs, None)
+        rt.set_plan(plan, 13)
+        gen = torch.Generator().manual_seed(1)
+        x = torch.randn(13, HIDDEN, generator=gen)
+        res = torch.randn(13, HIDDEN, generator=gen)
+        out = {}
+        for site in range(2 * LAYERS + 1):
+            rt.tap(x, res, site)
+        if dense:
+            staged = rt.staging[: plan.staging_rows]
+            out = {(*r.point, r.capture_id): staged[plan.staging_offset[r.point] + r.offset:
+                                                     plan.staging_offset[r.point] + r.offset
+                                                     + len(r.positions)] for r in plan.routes}
+        else:
+            got = rt.take_captured()
+            out = {(*r.point, r.capture_id): got[r.point][r.offset: r.offset + len(r.positions)]
+                   for r in plan.routes}
+        modes[dense] = (x.clone(), out)
+    torch.testing.assert_close(modes[True][0], modes[False][0])
+    assert sorted(modes[True][1]) == sorted(modes[False][1]) and modes[True][1]
+    for key, value in modes[False][1].items():
+        torch.testing.assert_close(modes[True][1][key], value)
