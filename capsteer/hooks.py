@@ -6,6 +6,10 @@ reference fork. See docs/ and ../shared/design/api.md §2.
 
 from __future__ import annotations
 
+import re
+
+import numpy as np
+
 HOOKS: tuple[str, ...] = ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out")
 ALIASES: dict[str, str] = {
     "pre_attn": "resid_pre",
@@ -42,35 +46,65 @@ def resolve_layer(index: int, num_layers: int) -> int:
     return resolved
 
 
-def parse_layers(raw: object, num_layers: int) -> list[int]:
-    """Resolve a layer selection: "all", [ints], "a-b" (inclusive) or "a:b" (b exclusive).
+_INT_RE = re.compile(r"\s*-?\d+\s*")
+_RANGE_RE = re.compile(r"\s*(-?\d+)\s*-\s*(-?\d+)\s*")
+_SLICE_RE = re.compile(r"\s*(-?\d+)?\s*:\s*(-?\d+)?\s*")
 
-    Negative numbers count from the end. Raises ValueError saying what is wrong.
+
+def parse_layers(value: object, num_layers: int) -> tuple[int, ...]:
+    """Resolve a layer selection to sorted unique indices.
+
+    Accepts "all", an int, "a-b" (inclusive), "a:b" (a Python slice, either end
+    optional) and lists mixing ints and such strings; negatives count from the end.
+    Raises ValueError saying what is wrong.
     """
-    if raw == "all":
-        return list(range(num_layers))
-    if isinstance(raw, int) and not isinstance(raw, bool):
-        return [resolve_layer(raw, num_layers)]
-    if isinstance(raw, list) and raw and all(
-        isinstance(v, int) and not isinstance(v, bool) for v in raw
-    ):
-        return sorted({resolve_layer(v, num_layers) for v in raw})
-    if isinstance(raw, str):
-        text = raw.strip()
-        sep = ":" if ":" in text else ("-" if "-" in text[1:] else None)
-        if sep is not None:
-            cut = text.index(sep, 1 if sep == "-" else 0)
-            lo_s, hi_s = text[:cut], text[cut + 1:]
-            try:
-                lo_i, hi_i = int(lo_s), int(hi_s)
-            except ValueError:
-                raise ValueError(f"bad layer range {raw!r}") from None
-            lo = resolve_layer(lo_i, num_layers)
-            if sep == "-":
-                hi = resolve_layer(hi_i, num_layers) + 1
-            else:
-                hi = hi_i + num_layers if hi_i < 0 else min(hi_i, num_layers)
-            if lo >= hi:
-                raise ValueError(f"empty layer range {raw!r}")
-            return list(range(lo, hi))
-    raise ValueError("must be 'all', an integer, a non-empty list of integers, 'a-b' or 'a:b'")
+    if num_layers <= 0:
+        raise ValueError(f"model has no layers (num_layers={num_layers})")
+
+    def one(index: int) -> int:
+        return resolve_layer(index, num_layers)
+
+    def parse_str(text: str) -> list[int]:
+        s = text.strip().lower()
+        if s == "all":
+            return list(range(num_layers))
+        if _INT_RE.fullmatch(s):
+            return [one(int(s))]
+        m = _RANGE_RE.fullmatch(s)
+        if m:
+            a, b = one(int(m.group(1))), one(int(m.group(2)))
+            if a > b:
+                raise ValueError(f"empty range {text!r} (resolves to {a}-{b})")
+            return list(range(a, b + 1))
+        m = _SLICE_RE.fullmatch(s)
+        if m:
+            start = int(m.group(1)) if m.group(1) is not None else None
+            stop = int(m.group(2)) if m.group(2) is not None else None
+            for bound in (start, stop):
+                if bound is not None and not -num_layers <= bound <= num_layers:
+                    raise ValueError(
+                        f"layer {bound} out of range for a model with {num_layers} layers")
+            picked = list(range(num_layers))[slice(start, stop)]
+            if not picked:
+                raise ValueError(f"empty slice {text!r}")
+            return picked
+        raise ValueError(f"cannot parse layers {text!r}; use \"all\", [ints], \"a-b\" or \"a:b\"")
+
+    def as_int(item: object) -> int:
+        if isinstance(item, bool) or not isinstance(item, (int, np.integer)):
+            raise ValueError(f"expected an integer, got {item!r}")
+        return int(item)
+
+    if isinstance(value, str):
+        layers = parse_str(value)
+    elif isinstance(value, (list, tuple)):
+        if not value:
+            raise ValueError("empty list")
+        layers = []
+        for item in value:
+            layers.extend(parse_str(item) if isinstance(item, str) else [one(as_int(item))])
+    elif isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        layers = [one(int(value))]
+    else:
+        raise ValueError(f"expected \"all\", a list, \"a-b\" or \"a:b\", got {value!r}")
+    return tuple(sorted(set(layers)))

@@ -16,7 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from capsteer.hooks import HookNameError, canonical_hook, resolve_layer
+from capsteer.hooks import HookNameError, canonical_hook
+from capsteer.hooks import parse_layers as hooks_parse_layers
 
 POSITION_KINDS: tuple[str, ...] = ("all", "prompt", "generated", "last_prompt", "last", "explicit")
 LAYOUTS: tuple[str, ...] = ("packed", "per_file")
@@ -145,55 +146,10 @@ def parse_positions(value: object) -> PositionSpec:
 
 def parse_layers(value: object, num_layers: int, field: str = "capture.layers") -> tuple[int, ...]:
     """Parse "all", an int, a list (ints or range strings), "a-b" (inclusive) or "a:b"."""
-    if num_layers <= 0:
-        raise SpecError(field, f"model has no layers (num_layers={num_layers})")
-
-    def one(index: int) -> int:
-        try:
-            return resolve_layer(index, num_layers)
-        except ValueError as exc:
-            raise SpecError(field, str(exc)) from None
-
-    def parse_str(text: str) -> list[int]:
-        s = text.strip().lower()
-        if s == "all":
-            return list(range(num_layers))
-        if _INT_RE.fullmatch(s):
-            return [one(int(s))]
-        m = _RANGE_RE.fullmatch(s)
-        if m:
-            a, b = one(int(m.group(1))), one(int(m.group(2)))
-            if a > b:
-                raise SpecError(field, f"empty range {text!r} (resolves to {a}-{b})")
-            return list(range(a, b + 1))
-        m = _SLICE_RE.fullmatch(s)
-        if m:
-            start = int(m.group(1)) if m.group(1) is not None else None
-            stop = int(m.group(2)) if m.group(2) is not None else None
-            for bound in (start, stop):
-                if bound is not None and not -num_layers <= bound <= num_layers:
-                    raise SpecError(
-                        field, f"layer {bound} out of range for a model with {num_layers} layers"
-                    )
-            picked = list(range(num_layers))[slice(start, stop)]
-            if not picked:
-                raise SpecError(field, f"empty slice {text!r}")
-            return picked
-        raise SpecError(field, f"cannot parse layers {text!r}; use \"all\", [ints], \"a-b\" or \"a:b\"")
-
-    if isinstance(value, str):
-        layers = parse_str(value)
-    elif isinstance(value, (list, tuple)):
-        if not value:
-            raise SpecError(field, "empty list")
-        layers = []
-        for item in value:
-            layers.extend(parse_str(item) if isinstance(item, str) else [one(_as_int(item, field))])
-    elif isinstance(value, (int, np.integer)) and not isinstance(value, bool):
-        layers = [one(int(value))]
-    else:
-        raise SpecError(field, f"expected \"all\", a list, \"a-b\" or \"a:b\", got {value!r}")
-    return tuple(sorted(set(layers)))
+    try:
+        return hooks_parse_layers(value, num_layers)
+    except ValueError as exc:
+        raise SpecError(field, str(exc)) from None
 
 
 def _hook_name(name: object, field: str) -> str:
