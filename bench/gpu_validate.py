@@ -39,6 +39,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--model-dir", default="/tmp/capsteer-gpu-model")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
+    ap.add_argument("--eager", action="store_true", help="enforce_eager (no CUDA graphs)")
+    ap.add_argument("--canary-warn", action="store_true", help="diagnose a failing canary")
     args = ap.parse_args()
     report: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
     t0 = time.time()
@@ -49,8 +51,10 @@ def main() -> None:
     report["model_write_s"] = round(time.time() - t0, 1)
 
     t0 = time.time()
+    config = {"sync_debug": True, **({"canary": "warn"} if args.canary_warn else {})}
     engine = Engine(args.model_dir, dtype="bfloat16", gpu_memory_utilization=0.5,
-                    max_model_len=2048, seed=0, capsteer_config={"sync_debug": True})
+                    max_model_len=2048, seed=0, capsteer_config=config,
+                    enforce_eager=args.eager)
     report["engine_start_s"] = round(time.time() - t0, 1)
     import vllm
 
@@ -61,6 +65,8 @@ def main() -> None:
     print(json.dumps(report), flush=True)
 
     hf = load_hf(args.model_dir, dtype=torch.bfloat16, device="cuda")
+    # fp32 "truth" on the same weights: bf16 drift of vLLM and of HF side by side.
+    hf32 = load_hf(args.model_dir, dtype=torch.float32, device="cuda")
     hidden, layers = shape.hidden_size, shape.num_layers
     gen = torch.Generator().manual_seed(0)
 
@@ -89,8 +95,9 @@ def main() -> None:
     batched = engine.generate(requests)
     report["batched_generate_s"] = round(time.time() - t0, 2)
 
-    # 1. captures vs HF (bf16, same GPU)
+    # 1. captures vs HF (bf16, same GPU) and vs HF fp32, next to HF bf16 vs HF fp32
     cap_errs: dict[str, float] = {}
+    truth_errs: dict[str, list[float]] = {}
     for req, res in zip(requests, batched, strict=True):
         if res.captures is None:
             continue
@@ -99,11 +106,17 @@ def main() -> None:
         ref = hf_activations(hf, fed, steering=spec, prompt_len=len(res.prompt_token_ids))
         assert res.captures.positions.tolist() == list(range(len(fed))), "positions"
         assert res.captures.token_ids.tolist() == fed, "token ids"
+        ref32 = hf_activations(hf32, fed, steering=spec, prompt_len=len(res.prompt_token_ids))
         for key, got in res.captures.tensors.items():
             err = rel_err(got, ref[key].cpu())
             name = f"{key[0]}"
             cap_errs[name] = max(cap_errs.get(name, 0.0), err)
-    report["capture_max_rel_err_by_hook"] = {k: round(v, 5) for k, v in cap_errs.items()}
+            pair = truth_errs.setdefault(name, [0.0, 0.0])
+            pair[0] = max(pair[0], rel_err(got, ref32[key].cpu()))
+            pair[1] = max(pair[1], rel_err(ref[key].cpu(), ref32[key].cpu()))
+    report["capture_max_rel_err_vs_hf_bf16"] = {k: round(v, 5) for k, v in cap_errs.items()}
+    report["capture_max_rel_err_vs_hf_fp32__capsteer_bf16_vs_hf_bf16"] = {
+        k: [round(a, 5), round(b, 5)] for k, (a, b) in truth_errs.items()}
 
     # 2. steering vs HF greedy (bf16 kernels differ, so report agreement)
     steer_rows = []
@@ -113,6 +126,10 @@ def main() -> None:
         spec = parse_steering_spec(req.steering, num_layers=layers, hidden_size=hidden)
         ref_tokens, ref_lp = hf_greedy(hf, req.prompt_token_ids, len(res.token_ids), steering=spec)
         plain, _ = hf_greedy(hf, req.prompt_token_ids, len(res.token_ids))
+        truth, _ = hf_greedy(hf32, req.prompt_token_ids, len(res.token_ids), steering=spec)
+
+        def prefix(a, b):
+            return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
         agree = next((i for i, (a, b) in enumerate(zip(res.token_ids, ref_tokens, strict=True))
                       if a != b), len(ref_tokens))
         lp_diff = max(abs(lp - float(ref_lp[i][t])) for i in range(agree)
@@ -120,7 +137,9 @@ def main() -> None:
         steer_rows.append({"op": req.steering["vectors"][0].get("op", "add"),
                            "tokens": len(ref_tokens), "agree_prefix": agree,
                            "max_logprob_diff_on_agreeing_steps": lp_diff,
-                           "steering_changed_hf_output": plain != ref_tokens})
+                           "steering_changed_hf_output": plain != ref_tokens,
+                           "agree_prefix_vs_hf_fp32__capsteer_bf16_vs_hf_bf16":
+                               [prefix(res.token_ids, truth), prefix(ref_tokens, truth)]})
     report["steering_vs_hf"] = steer_rows
 
     # 3. batch isolation
@@ -139,7 +158,8 @@ def main() -> None:
     print(json.dumps(report, indent=1), flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_validate.json").write_text(json.dumps(report, indent=1))
+    name = "gpu_validate_eager.json" if args.eager else "gpu_validate.json"
+    (out / name).write_text(json.dumps(report, indent=1))
     engine.close()
 
 

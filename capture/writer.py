@@ -76,6 +76,12 @@ def estimate_bytes(
     return spec.row_bytes(hidden_size, itemsize) * n
 
 
+def default_workers() -> int:
+    """Writer threads: every published byte is sha256-hashed (about 1.2 GB/s a thread),
+    so the pool needs several cores to keep up with a fast disk (bench/results)."""
+    return max(2, min(8, (os.cpu_count() or 2) // 2))
+
+
 class CaptureDataError(RuntimeError):
     """The rows handed over cannot form a consistent capture (an engine bug)."""
 
@@ -171,7 +177,7 @@ class CaptureWriter:
         *,
         budget_bytes: int = 1 << 30,
         policy: str = "block",
-        workers: int = 2,
+        workers: int | None = None,
         fs: FileSystem = DEFAULT_FS,
         sweep: bool = True,
         keep_receipts: int = 10_000,
@@ -190,7 +196,7 @@ class CaptureWriter:
         self.receipts = ReceiptBoard(keep_receipts)
         self._caps: dict[str, _Capture] = {}
         self._caps_lock = threading.Lock()
-        self._pool = WorkerThreads(workers)
+        self._pool = WorkerThreads(workers or default_workers())
         self._host = socket.gethostname()
         self.spilled_bytes = 0
 

@@ -204,8 +204,10 @@ def capsteer_config(worker: object) -> dict:
     return dict(extra.get("capsteer", {})) if isinstance(extra, dict) else {}
 
 
-def uses_cuda_graphs(worker: object) -> bool:
-    return bool(worker.device.type == "cuda" and not worker.vllm_config.model_config.enforce_eager)
+def device_driven(worker: object) -> bool:
+    """On CUDA the hooks always read device buffers (graph-safe, no pageable copies),
+    CUDA graphs or not; on CPU the host-driven path touches only planned rows."""
+    return worker.device.type == "cuda"
 
 
 def max_num_seqs(worker: object) -> int:

@@ -39,7 +39,8 @@ class CanaryFailed(RuntimeError):
 
 
 def _tolerance(dtype: torch.dtype) -> float:
-    return 1e-4 if dtype == torch.float32 else 3e-2
+    """Relative (norm) tolerance: bf16/fp16 round every stored stream value."""
+    return 1e-4 if dtype == torch.float32 else 2e-2
 
 
 def _canary_request(runtime, steer: torch.Tensor | None) -> RequestHooks:
@@ -78,7 +79,7 @@ def _forward(hooks, steer: torch.Tensor | None = None) -> dict[tuple[int, int], 
             captured = {p: host[off: off + n] for p, off in plan.staging_offset.items()}
             runtime.reset_dense()
         else:
-            captured = {p: v.float() for p, v in runtime.take_captured().items()}
+            captured = {p: v.float().cpu() for p, v in runtime.take_captured().items()}
             runtime.set_plan(StepPlan(), 0)
     finally:
         request.release(runtime)
@@ -101,7 +102,7 @@ def run_canary(hooks) -> None:
                                "captured nothing or non-finite values")
 
     def close(a: torch.Tensor, b: torch.Tensor) -> bool:
-        return bool(torch.allclose(a, b, atol=tol, rtol=tol))
+        return float((a - b).norm()) <= tol * max(float(b.norm()), 1e-6)
 
     for layer in range(runtime.num_layers):
         pre, mid, post = (base[(STREAM, 2 * layer + i)] for i in range(3))
@@ -113,9 +114,20 @@ def run_canary(hooks) -> None:
     if not close(base[(STREAM, 0)], embedded):
         raise CanaryFailed("resid_pre(0) differs from the eagerly computed embedding")
 
-    vec = torch.linspace(-1.0, 1.0, runtime.hidden_size)
+    # Scaled well above the stream so low-precision rounding cannot hide or fake it.
+    scale = 8.0 * float(base[(STREAM, 2)].abs().mean()) + 1.0
+    vec = torch.linspace(-1.0, 1.0, runtime.hidden_size) * scale
     steered = _forward(hooks, steer=vec)
-    if not close(steered[(STREAM, 2)], base[(STREAM, 2)] + vec.to(runtime.dtype).float()):
-        raise CanaryFailed("steering at resid_pre(1) did not add its vector")
+    # Within one forward (dummy batches may differ between runs): the stream entering
+    # layer 1 is what layer 0 produced plus exactly the steering vector.
+    produced = steered[(STREAM, 1)] + steered[(SUB, 2)]
+    want = vec.to(runtime.dtype).float().expand(n, -1)
+    added = steered[(STREAM, 2)] - produced
+    if not close(added, want):
+        raise CanaryFailed(
+            "steering at resid_pre(1) did not add its vector "
+            f"(added norm {float(added.norm()):.4g}, vector norm {float(want.norm()):.4g}, "
+            f"max error {float((added - want).abs().max()):.4g}, "
+            f"stream max {float(steered[(STREAM, 2)].abs().max()):.4g})")
     if close(steered[(STREAM, num_sites - 1)], base[(STREAM, num_sites - 1)]):
         raise CanaryFailed("steering at resid_pre(1) did not change the final stream")
