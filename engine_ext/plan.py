@@ -53,6 +53,7 @@ class RequestHooks:
     tokens: dict[int, int] = field(default_factory=dict)
     durable: bool = False  # publish through the durable writer rather than keep in memory
     slot: int = 0  # device mode: row of the per-request tables (0 = no hooks)
+    steering_key: str | None = None  # requests with the same steering share table entries
 
     @classmethod
     def from_extra_args(
@@ -72,16 +73,18 @@ class RequestHooks:
             hooks.points = {p: tuple(keys) for p, keys in points.items()}
         if payload.get("steering"):
             spec = SteeringSpec.from_dict(payload["steering"])
-            for key, (u, alpha, w) in compose_entries(spec, runtime.hidden_size).items():
-                hooks.entries[key] = runtime.alloc_entry(u, alpha, w)
+            hooks.steering_key = spec.cache_salt()
+            hooks.entries = runtime.acquire_entries(
+                hooks.steering_key, lambda: compose_entries(spec, runtime.hidden_size))
         hooks.slot = runtime.alloc_slot(hooks.entries)
         return hooks
 
     def release(self, runtime: HookRuntime) -> None:
         runtime.free_slot(self.slot)
-        for idx in self.entries.values():
-            runtime.free_entry(idx)
-        self.entries.clear()
+        if self.steering_key is not None:
+            runtime.release_entries(self.steering_key)
+        self.entries = {}
+        self.steering_key = None
 
 
 def compose_entries(

@@ -96,6 +96,8 @@ class HookRuntime:
         self.w = torch.zeros_like(self.u)
         self.alpha = torch.zeros(max_entries, dtype=torch.float32, device=device)
         self.free_entries = list(range(max_entries - 1, 0, -1))
+        # Identical steering specs share entries: key -> (entries, refcount)
+        self.shared: dict[str, tuple[dict, int]] = {}
         self.plan = StepPlan()
         self.captured: dict[tuple[int, int], torch.Tensor] = {}
         self.fired = [0] * self.num_sites  # host mode: sites reached this step (canary)
@@ -130,6 +132,25 @@ class HookRuntime:
         self.w[idx].copy_(row[1])
         self.alpha[idx] = alpha
         return idx
+
+    def acquire_entries(self, key: str, build) -> dict:
+        """Entries for a steering spec, shared by every live request with the same spec."""
+        found = self.shared.get(key)
+        if found is None:
+            entries = {k: self.alloc_entry(u, alpha, w) for k, (u, alpha, w) in build().items()}
+            self.shared[key] = (entries, 1)
+            return entries
+        self.shared[key] = (found[0], found[1] + 1)
+        return found[0]
+
+    def release_entries(self, key: str) -> None:
+        entries, count = self.shared[key]
+        if count > 1:
+            self.shared[key] = (entries, count - 1)
+            return
+        del self.shared[key]
+        for idx in entries.values():
+            self.free_entry(idx)
 
     def free_entry(self, idx: int) -> None:
         self.u[idx].zero_()

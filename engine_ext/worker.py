@@ -39,8 +39,9 @@ class EngineHooks:
         self.runtime = HookRuntime(
             self.sites.num_layers, self.sites.hidden_size, dtype, worker.device,
             max_tokens=max_tokens,
-            max_entries=int(self.config.get("max_steering_entries", 1024)),
-            max_requests=adapter.max_num_seqs(worker),
+            max_entries=int(self.config.get("max_steering_entries", 4096)),
+            # running plus preempted requests keep their slot until they finish
+            max_requests=2 * adapter.max_num_seqs(worker),
             staging_rows=int(self.config.get("staging_rows", max_tokens * 4)),
             device_driven=self.device_driven,
         )
@@ -89,7 +90,12 @@ class EngineHooks:
         for req_id, prompt, extra in adapter.new_requests(scheduler_output):
             if req_id in self.requests:
                 continue  # resumed after preemption: keep what was captured
-            hooks = RequestHooks.from_extra_args(req_id, extra, len(prompt), self.runtime)
+            try:
+                hooks = RequestHooks.from_extra_args(req_id, extra, len(prompt), self.runtime)
+            except Exception:  # validated at the front end; a bad payload must not stop the engine
+                logger.exception("capsteer: request %s has an unusable hook payload; "
+                                 "it runs without hooks", req_id)
+                continue
             if hooks is None:
                 continue
             self.requests[req_id] = hooks

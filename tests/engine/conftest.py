@@ -47,7 +47,7 @@ class EnginePool:
 def model_dirs(tmp_path_factory) -> dict[str, str]:
     return {
         family: str(write_demo_model(tmp_path_factory.mktemp(family), family, seed=7))
-        for family in ("qwen3", "llama")
+        for family in ("qwen3", "llama", "qwen2")
     }
 
 
@@ -86,7 +86,7 @@ def vanilla_engine(pool: EnginePool, model_dirs, family: str):
 
 
 # Run engine tests grouped by the engine they need, so each engine starts once per session.
-ENGINE_ORDER = ("qwen3", "qwen3-durable", "qwen3-eager", "llama", "vanilla", "other")
+ENGINE_ORDER = ("qwen3", "qwen3-durable", "qwen3-eager", "llama", "qwen2", "vanilla", "other")
 
 
 def _engine_group(item) -> int:

@@ -13,7 +13,7 @@ from .helpers import ALL_HOOKS, assert_matches_hf, fed_tokens, greedy, token_pro
 
 pytestmark = pytest.mark.engine
 
-@pytest.mark.parametrize("engine_name", ["qwen3", "llama", "qwen3-eager"])
+@pytest.mark.parametrize("engine_name", ["qwen3", "llama", "qwen2", "qwen3-eager"])
 def test_all_hooks_layers_positions_equal_hf(engine_pool, model_dirs, hf_models, engine_name):
     family = engine_name.split("-")[0]
     engine = capsteer_engine(engine_pool, model_dirs, family, eager=engine_name.endswith("eager"))

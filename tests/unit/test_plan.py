@@ -73,6 +73,23 @@ def test_steering_rows_follow_position_class():
     assert len(rt.free_entries) == 1023
 
 
+def test_identical_steering_shares_entries():
+    rt = runtime()
+    steering = {"vectors": [{"hook": "resid_post", "layers": "all", "vector": [0.5] * HIDDEN}]}
+    a = hooks_for("a", 4, steering=steering, rt=rt)
+    b = hooks_for("b", 9, steering=steering, rt=rt)
+    c = hooks_for("c", 4, rt=rt, steering={"vectors": [
+        {"hook": "resid_post", "layers": "all", "vector": [0.25] * HIDDEN}]})
+    assert a.entries == b.entries and set(a.entries.values()).isdisjoint(c.entries.values())
+    used = 1023 - len(rt.free_entries)
+    assert used == 2 * 2 * LAYERS  # two specs x two position classes x layers
+    a.release(rt)
+    assert 1023 - len(rt.free_entries) == used  # b still holds them
+    b.release(rt)
+    c.release(rt)
+    assert len(rt.free_entries) == 1023
+
+
 def test_compose_add_then_ablate_then_add():
     u = np.zeros(HIDDEN)
     u[0] = 2.0
