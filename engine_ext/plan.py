@@ -9,6 +9,7 @@ are never fed, and captured requests never hit the cache: their salt is unique).
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -60,6 +61,8 @@ class RequestHooks:
         cls, req_id: str, extra_args: Mapping | None, prompt_len: int, runtime: HookRuntime
     ) -> RequestHooks | None:
         payload = (extra_args or {}).get(EXTRA_ARGS_KEY)
+        if isinstance(payload, str):  # `vllm_xargs` carries flat values: JSON text
+            payload = json.loads(payload)
         if not payload:
             return None
         hooks = cls(req_id=req_id, prompt_len=prompt_len)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 from capsteer.engine_ext.version import hooks_code_hash
 
@@ -18,15 +17,15 @@ CPU_DEFAULTS = ["--gpu-memory-utilization", "0.3", "--max-model-len", "2048"]
 
 
 def vllm_argv(model: str, passthrough: list[str]) -> list[str]:
-    """argv for `vllm serve` with the capsteer worker and its config folded in."""
-    argv = ["serve", model, *passthrough]
+    """Arguments of `vllm serve` with the capsteer worker and its config folded in."""
+    argv = [model, *passthrough]
     if "--worker-cls" not in passthrough:
         argv += ["--worker-cls", WORKER_CLS]
     extra: dict = {}
     if "--additional-config" in passthrough:
         i = passthrough.index("--additional-config")
         extra = json.loads(passthrough[i + 1])
-        del argv[2 + i: 2 + i + 2]
+        del argv[1 + i: 1 + i + 2]
     extra.setdefault("capsteer", {})["hooks_code"] = hooks_code_hash()
     return [*argv, "--additional-config", json.dumps(extra)]
 
@@ -41,7 +40,7 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace, passthrough: list[str] | None = None) -> int:
-    from vllm.entrypoints.cli.main import main as vllm_main
+    from capsteer.engine_ext.adapter import run_vllm_serve
 
     extra = list(passthrough or [])
     if args.cpu_defaults:
@@ -52,6 +51,5 @@ def _run(args: argparse.Namespace, passthrough: list[str] | None = None) -> int:
           f"-H 'Content-Type: application/json' -d "
           f"'{{\"model\": \"{args.model}\", \"prompt\": \"hello world\", \"max_tokens\": 16}}'",
           flush=True)
-    sys.argv = ["vllm", *vllm_argv(args.model, extra)]
-    vllm_main()
+    run_vllm_serve(vllm_argv(args.model, extra))
     return 0

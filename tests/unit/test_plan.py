@@ -198,3 +198,13 @@ def test_device_mode_equals_host_mode():
     assert sorted(modes[True][1]) == sorted(modes[False][1]) and modes[True][1]
     for key, value in modes[False][1].items():
         torch.testing.assert_close(modes[True][1][key], value)
+
+
+def test_payload_may_arrive_as_json_text():
+    import json
+
+    extra = {"capsteer": json.dumps({
+        "capture": parse_capture_spec({"hooks": ["mlp_out"]}, num_layers=LAYERS).to_dict(),
+        "capture_id": "cap-x"})}
+    hooks = RequestHooks.from_extra_args("x", extra, 3, runtime())
+    assert hooks.capture_id == "cap-x" and set(hooks.points) == {(SUB, 2), (SUB, 4), (SUB, 6)}
