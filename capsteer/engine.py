@@ -14,7 +14,7 @@ from typing import Any
 
 from capsteer.capture.receipts import Receipt, find_receipt
 from capsteer.capture.sink import CapturedActivations
-from capsteer.capture.spec import CaptureSpec, parse_capture_spec
+from capsteer.capture.spec import CaptureSpec, SpecError, parse_capture_spec
 from capsteer.engine_ext.plan import EXTRA_ARGS_KEY
 from capsteer.engine_ext.version import hooks_code_hash
 from capsteer.steering.spec import SteeringSpec, VectorLookup, parse_steering_spec
@@ -115,6 +115,8 @@ class Engine:
         capture = None
         if req.capture not in (None, False):
             capture = parse_capture_spec(req.capture, num_layers=self.num_layers)
+            if int(req.sampling.get("n", 1) or 1) > 1:
+                raise SpecError("capture", "one capture per request: use n=1 (send n requests)")
         steering = parse_steering_spec(
             req.steering, num_layers=self.num_layers, hidden_size=self.hidden_size,
             lookup=self.vector_lookup)

@@ -53,34 +53,41 @@ def _position_mask(hidden: torch.Tensor, positions: str, prompt_len: int) -> tor
 
 
 def _steering_handles(model, spec: SteeringSpec | None, prompt_len: int, sublayer: bool) -> list:
-    """HF hooks applying the ops of one kind (sublayer outputs or stream points)."""
+    """HF hooks applying the ops of one kind (sublayer outputs or stream points).
+
+    resid_post(L) and resid_pre(L+1) are one point: both become pre-hooks of layer L+1,
+    so ops there apply in request order, as capsteer composes them.
+    """
     handles = []
     layers = model.model.layers
+    last = len(layers) - 1
     layer_inputs: dict[int, torch.Tensor] = {}
+    keep_inputs: set[int] = set()
     for op in (spec.ops if spec else ()):
         if (op.hook in SUB_HOOKS) != sublayer:
             continue
-        layer = layers[op.layer]
-        if op.hook == "resid_pre":
+        hook, index = op.hook, op.layer
+        if hook == "resid_post" and index < last:
+            hook, index = "resid_pre", index + 1
+        layer = layers[index]
+        if hook == "resid_pre":
             def pre(mod, args, kwargs, op=op):
                 h = args[0] if args else kwargs["hidden_states"]
                 h = _apply(op, h, h, _position_mask(h, op.positions, prompt_len))
                 return ((h, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": h})
             handles.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
-        elif op.hook == "resid_post":
+        elif hook == "resid_post":  # last layer: the stream entering the final norm
             def post(mod, args, kwargs, output, op=op):
                 h = output[0] if isinstance(output, tuple) else output
                 h = _apply(op, h, h, _position_mask(h, op.positions, prompt_len))
                 return (h, *output[1:]) if isinstance(output, tuple) else h
             handles.append(layer.register_forward_hook(post, with_kwargs=True))
-        elif op.hook == "mlp_out":
+        elif hook == "mlp_out":
             def mlp(mod, args, output, op=op):
                 return _apply(op, output, output, _position_mask(output, op.positions, prompt_len))
             handles.append(layer.mlp.register_forward_hook(mlp))
         else:  # attn_out edits the attention output; resid_mid projects the stream after it
-            def keep_input(mod, args, kwargs, idx=op.layer):
-                layer_inputs[idx] = args[0] if args else kwargs["hidden_states"]
-            handles.append(layer.register_forward_pre_hook(keep_input, with_kwargs=True))
+            keep_inputs.add(index)
 
             def attn(mod, args, output, op=op):
                 o = output[0]
@@ -88,6 +95,10 @@ def _steering_handles(model, spec: SteeringSpec | None, prompt_len: int, sublaye
                 return (_apply(op, o, stream, _position_mask(o, op.positions, prompt_len)),
                         *output[1:])
             handles.append(layer.self_attn.register_forward_hook(attn))
+    for index in sorted(keep_inputs):  # after every pre-hook: the steered layer input
+        def keep_input(mod, args, kwargs, idx=index):
+            layer_inputs[idx] = args[0] if args else kwargs["hidden_states"]
+        handles.append(layers[index].register_forward_pre_hook(keep_input, with_kwargs=True))
     return handles
 
 
@@ -130,9 +141,15 @@ def hf_activations(
             with_kwargs=True))
         handles.append(layer.post_attention_layernorm.register_forward_pre_hook(
             lambda m, a, i=i: keep(("resid_mid", i), a[0])))
-        handles.append(layer.register_forward_hook(
-            lambda m, a, k, o, i=i: keep(("resid_post", i), o[0] if isinstance(o, tuple) else o),
-            with_kwargs=True))
+        if i + 1 < len(model.model.layers):  # the same point as resid_pre(i+1)
+            handles.append(model.model.layers[i + 1].register_forward_pre_hook(
+                lambda m, a, k, i=i: keep(("resid_post", i), a[0] if a else k["hidden_states"]),
+                with_kwargs=True))
+        else:
+            handles.append(layer.register_forward_hook(
+                lambda m, a, k, o, i=i: keep(("resid_post", i),
+                                             o[0] if isinstance(o, tuple) else o),
+                with_kwargs=True))
     try:
         model(torch.tensor([list(token_ids)], device=model.device))
     finally:

@@ -76,19 +76,21 @@ class CapturedActivations:
     positions: np.ndarray
     token_ids: np.ndarray
     tensors: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
+    error: str | None = None  # set when the capture failed; tensors are then empty
 
     def to_wire(self) -> bytes:
         """One opaque blob: collective_rpc results cross a msgpack boundary that
         does not keep tensors (bf16 included) intact."""
         buf = io.BytesIO()
         torch.save({"capture_id": self.capture_id, "positions": self.positions,
-                    "token_ids": self.token_ids, "tensors": self.tensors}, buf)
+                    "token_ids": self.token_ids, "tensors": self.tensors,
+                    "error": self.error}, buf)
         return buf.getvalue()
 
     @classmethod
     def from_wire(cls, blob: bytes) -> CapturedActivations:
         d = torch.load(io.BytesIO(blob), weights_only=False)
-        return cls(d["capture_id"], d["positions"], d["token_ids"], d["tensors"])
+        return cls(d["capture_id"], d["positions"], d["token_ids"], d["tensors"], d.get("error"))
 
 
 class _Pending:
@@ -140,8 +142,11 @@ class MemorySink:
             self._done[end.capture_id] = result
 
     def abort(self, capture_id: str, reason: str) -> None:
+        """The capture failed: whoever takes it gets the reason instead of waiting."""
+        empty = np.zeros(0, np.int64)
         with self._lock:
             self._pending.pop(capture_id, None)
+            self._done[capture_id] = CapturedActivations(capture_id, empty, empty, error=reason)
 
     def take(self, capture_ids: list[str]) -> dict[str, CapturedActivations]:
         """Remove and return the finished captures among `capture_ids`."""

@@ -280,3 +280,32 @@ def run_vllm_serve(argv: list[str]) -> None:
     configure_logging_from_args(args)
     command.validate(args)
     command.cmd(args)
+
+
+def is_capture_rank() -> bool:
+    """Captures are written by tensor-parallel rank 0 only (the stream is replicated)."""
+    try:
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        return get_tensor_model_parallel_rank() == 0
+    except (ImportError, AssertionError, RuntimeError):
+        return True
+
+
+def check_engine_features(worker: object) -> None:
+    """Refuse batch layouts the hooks do not understand, rather than mislabel rows."""
+    cfg = worker.vllm_config
+    problems = []
+    if getattr(cfg, "speculative_config", None) is not None:
+        problems.append("speculative decoding (row positions are optimistic until verified)")
+    par = cfg.parallel_config
+    if getattr(par, "enable_dbo", False):
+        problems.append("dual-batch overlap (microbatches split the rows)")
+    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        if int(getattr(par, name, 1) or 1) > 1:
+            problems.append(f"{name} > 1 (rows are sharded across ranks)")
+    if int(getattr(par, "pipeline_parallel_size", 1) or 1) > 1:
+        problems.append("pipeline parallelism (per-stage captures are not merged yet)")
+    if problems:
+        raise UnsupportedError("capsteer cannot hook this engine configuration: "
+                               + "; ".join(problems))

@@ -10,12 +10,15 @@ The step thread waits only when every ring slot is still being harvested
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+log = logging.getLogger("vllm.capsteer")
 
 
 @dataclass
@@ -74,10 +77,11 @@ class Harvester:
                 if event is None:
                     fn()
                     continue
-                event.synchronize()
                 try:
+                    event.synchronize()
                     fn(slot.rows[:rows], slot.tokens[:num_tokens])
                 finally:
                     slot.free.set()
             except BaseException as exc:  # keep harvesting; surface the error to the worker
+                log.exception("capsteer: harvesting captured rows failed")
                 self.errors.append(exc)

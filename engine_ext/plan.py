@@ -74,12 +74,17 @@ class RequestHooks:
             for hook, layer in hooks.capture.keys():
                 points[hook_point(hook, layer)].append((hook, layer))
             hooks.points = {p: tuple(keys) for p, keys in points.items()}
-        if payload.get("steering"):
-            spec = SteeringSpec.from_dict(payload["steering"])
-            hooks.steering_key = spec.cache_salt()
-            hooks.entries = runtime.acquire_entries(
-                hooks.steering_key, lambda: compose_entries(spec, runtime.hidden_size))
-        hooks.slot = runtime.alloc_slot(hooks.entries)
+        try:
+            if payload.get("steering"):
+                spec = SteeringSpec.from_dict(payload["steering"])
+                key = spec.sharing_key
+                hooks.entries = runtime.acquire_entries(
+                    key, lambda: compose_entries(spec, runtime.hidden_size))
+                hooks.steering_key = key
+            hooks.slot = runtime.alloc_slot(hooks.entries)
+        except Exception:
+            hooks.release(runtime)  # nothing half-registered stays behind
+            raise
         return hooks
 
     def release(self, runtime: HookRuntime) -> None:

@@ -137,7 +137,14 @@ class HookRuntime:
         """Entries for a steering spec, shared by every live request with the same spec."""
         found = self.shared.get(key)
         if found is None:
-            entries = {k: self.alloc_entry(u, alpha, w) for k, (u, alpha, w) in build().items()}
+            entries: dict = {}
+            try:
+                for k, (u, alpha, w) in build().items():
+                    entries[k] = self.alloc_entry(u, alpha, w)
+            except Exception:
+                for idx in entries.values():
+                    self.free_entry(idx)
+                raise
             self.shared[key] = (entries, 1)
             return entries
         self.shared[key] = (found[0], found[1] + 1)
@@ -171,7 +178,7 @@ class HookRuntime:
         self.slot_entry[slot].copy_(self._upload(table))
         return slot
 
-    def free_slot(self, slot: int) -> None:
+    def free_slot(self, slot: int) -> None:  # slot 0 (never allocated) is a no-op
         if self.device_driven and slot:
             self.slot_entry[slot].zero_()
             self.free_slots.append(slot)

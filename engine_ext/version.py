@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 from pathlib import Path
 
-_HOOK_SOURCES = ("runtime.py", "adapter.py")
+_HOOK_SOURCES = ("runtime.py", "adapter.py", "worker.py", "plan.py")
 
 
 @functools.cache
@@ -19,4 +20,6 @@ def hooks_code_hash() -> str:
     here = Path(__file__).parent
     for name in _HOOK_SOURCES:
         digest.update((here / name).read_bytes())
+    # A graph compiled with a site deliberately left unhooked must never be reused.
+    digest.update(os.environ.get("CAPSTEER_FAULT_INJECT", "").encode())
     return digest.hexdigest()[:16]

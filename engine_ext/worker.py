@@ -29,6 +29,7 @@ class EngineHooks:
 
     def __init__(self, worker: object) -> None:
         adapter.check_vllm_version()
+        adapter.check_engine_features(worker)
         self.worker = worker
         self.config = adapter.capsteer_config(worker)
         model = adapter.model_of(worker)
@@ -46,6 +47,7 @@ class EngineHooks:
             device_driven=self.device_driven,
         )
         self.model_name = adapter.model_name(worker)
+        self.capture_rank = adapter.is_capture_rank()
         self.memory = MemorySink()
         self.writer: CaptureSink | None = _durable_writer(self.config)
         self.sinks: dict[str, CaptureSink] = {}  # capture_id -> the sink its request chose
@@ -99,7 +101,14 @@ class EngineHooks:
             if hooks is None:
                 continue
             self.requests[req_id] = hooks
+            if hooks.capture is not None and not self.capture_rank:
+                hooks.capture = None  # the stream is replicated across TP ranks: rank 0 writes
+                hooks.points = {}
             if hooks.capture is not None:
+                if hooks.capture_id in self.sinks:  # e.g. n>1 children share SamplingParams
+                    hooks.capture_id = f"{hooks.capture_id}-{len(self.sinks)}"
+                    logger.warning("capsteer: capture id reused by request %s; writing it as %s",
+                                   req_id, hooks.capture_id)
                 self.prompts[req_id] = tuple(prompt)
                 sink = self.writer if hooks.durable and self.writer is not None else self.memory
                 self.sinks[hooks.capture_id] = sink
@@ -117,11 +126,39 @@ class EngineHooks:
             return
         plan = build_step_plan(layout.req_ids, layout.query_start_loc, layout.start_positions,
                                self.requests, layout.input_ids_host)
+        if self.device_driven and plan.staging_rows > self.runtime.trash_row:
+            plan = self._shed_captures(plan, layout)
         self.runtime.set_plan(plan, layout.num_tokens_padded)
         self.num_tokens_gathered = 0
         if plan.token_rows is not None and layout.input_ids is not None:
             self.num_tokens_gathered = self.runtime.gather_tokens(layout.input_ids)
         self.planned = True
+
+    def _shed_captures(self, plan: StepPlan, layout: adapter.BatchLayout) -> StepPlan:
+        """A step whose captured rows exceed the staging buffer: fail the largest captures
+        (error receipt naming the limit) until it fits; the engine keeps serving."""
+        need: dict[str, int] = {}
+        for route in plan.routes:
+            need[route.capture_id] = need.get(route.capture_id, 0) + len(route.positions)
+        by_id = {h.capture_id: h for h in self.requests.values() if h.capture is not None}
+        total = plan.staging_rows
+        for capture_id, rows in sorted(need.items(), key=lambda kv: -kv[1]):
+            if total <= self.runtime.trash_row:
+                break
+            hooks = by_id[capture_id]
+            reason = (f"one step needs {rows} capture rows, more than the staging buffer's "
+                      f"{self.runtime.trash_row}; capture fewer hooks/layers or raise "
+                      "staging_rows")
+            logger.error("capsteer: capture %s failed: %s", capture_id, reason)
+            sink = self.sinks.pop(capture_id)
+            if self.harvester is not None:
+                self.harvester.submit_call(lambda s=sink, c=capture_id, r=reason: s.abort(c, r))
+            self.prompts.pop(hooks.req_id, None)
+            hooks.capture = None
+            hooks.points = {}
+            total -= rows
+        return build_step_plan(layout.req_ids, layout.query_start_loc, layout.start_positions,
+                               self.requests, layout.input_ids_host)
 
     def after_step(self) -> None:
         if not self.planned:
@@ -135,9 +172,11 @@ class EngineHooks:
     def _after_step(self) -> None:
         self.planned = False
         plan = self.runtime.plan
+        sinks = {r.capture_id: self.sinks[r.capture_id] for r in plan.routes}
         if not self.device_driven:
             captured = self.runtime.take_captured()
-            self._deliver(plan, lambda r: captured[r.point][r.offset: r.offset + len(r.positions)])
+            self._deliver(plan, sinks, lambda r: captured[r.point][
+                r.offset: r.offset + len(r.positions)].clone())
             self.runtime.set_plan(StepPlan(), 0)
             return
         self.runtime.reset_dense()
@@ -152,17 +191,18 @@ class EngineHooks:
                                 strict=True):
                     hooks.tokens[p] = t
                 start += len(positions)
-            self._deliver(plan, lambda r: rows[
+            self._deliver(plan, sinks, lambda r: rows[
                 plan.staging_offset[r.point] + r.offset:
                 plan.staging_offset[r.point] + r.offset + len(r.positions)].clone())
 
         self.harvester.submit_copy(self.runtime.staging, plan.staging_rows,
                                    self.runtime.token_stage, self.num_tokens_gathered, deliver)
 
-    def _deliver(self, plan: StepPlan, rows_for) -> None:
+    @staticmethod
+    def _deliver(plan: StepPlan, sinks: dict[str, CaptureSink], rows_for) -> None:
         for route in plan.routes:
             rows = rows_for(route)
-            sink = self.sinks[route.capture_id]
+            sink = sinks[route.capture_id]
             for hook, layer in route.keys:
                 sink.write(route.capture_id, hook, layer, route.positions, rows)
 
@@ -173,8 +213,10 @@ class EngineHooks:
         hooks.release(self.runtime)
         if hooks.capture is None:
             return
-        prompt = self.prompts.pop(req_id)
-        sink = self.sinks.pop(hooks.capture_id)
+        prompt = self.prompts.pop(req_id, ())
+        sink = self.sinks.pop(hooks.capture_id, None)
+        if sink is None:
+            return
 
         def close() -> None:
             tokens = list(prompt[: hooks.fed_len]) + [

@@ -11,6 +11,7 @@ import base64
 import hashlib
 import json
 import math
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -21,6 +22,7 @@ from capsteer.hooks import HookNameError, canonical_hook, parse_layers, resolve_
 OPS = ("add", "ablate", "clamp")
 POSITIONS = ("all", "prompt", "generated")
 _VECTOR_FIELDS = {"hook", "layer", "layers", "vector", "scale", "op", "value", "positions"}
+_MAX_ABS = 1e30  # far inside float32; anything larger overflows the stream anyway
 _B64_DTYPES = {"float32": np.float32, "float16": np.float16, "float64": np.float64, "bfloat16": None}
 
 # A registry lookup: name -> one vector [hidden] or per-layer vectors {layer: [hidden]}.
@@ -80,9 +82,22 @@ class SteeringSpec:
         return cls(tuple(SteeringOp.from_dict(o) for o in d["ops"]))
 
     def cache_salt(self) -> str:
-        """Equal for identical steering, different otherwise: blocks are shared only then."""
+        """Equal for identical steering, different otherwise: blocks are shared only then.
+
+        Steering limited to prompt or generated positions depends on where the prompt
+        ends, and the same tokens can be prompt in one request and generated in another
+        (a follow-up turn): such requests never share blocks.
+        """
         digest = hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode())
-        return "capsteer-steer-" + digest.hexdigest()[:32]
+        salt = "capsteer-steer-" + digest.hexdigest()[:32]
+        if any(op.positions != "all" for op in self.ops):
+            salt += "-" + uuid.uuid4().hex
+        return salt
+
+    @property
+    def sharing_key(self) -> str:
+        """Identity of the spec's content (steering-table entries are shared by it)."""
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()
 
     @property
     def is_noop(self) -> bool:
@@ -106,23 +121,28 @@ def _parse_layers(item: Mapping, field: str, num_layers: int) -> list[int]:
 def _finite_number(value: object, field: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise SteeringSpecError(field, "must be a number")
-    if not math.isfinite(value):
-        raise SteeringSpecError(field, "must be finite")
-    return float(value)
+    try:
+        number = float(value)
+    except OverflowError:
+        raise SteeringSpecError(field, "is too large") from None
+    if not math.isfinite(number) or abs(number) > _MAX_ABS:
+        raise SteeringSpecError(field, f"must be finite and at most {_MAX_ABS:g} in magnitude")
+    return number
 
 
 def _check_vector(vec: np.ndarray, field: str, hidden: int) -> np.ndarray:
     if vec.ndim != 1 or vec.shape[0] != hidden:
         raise SteeringSpecError(field, f"vector has width {vec.shape[-1] if vec.ndim else 0}, "
                                        f"the model's hidden size is {hidden}")
-    if not np.isfinite(vec).all():
-        raise SteeringSpecError(field, "vector holds non-finite numbers")
+    if not np.isfinite(vec).all() or (vec.size and float(np.abs(vec).max()) > _MAX_ABS):
+        raise SteeringSpecError(field, f"vector holds non-finite numbers or values beyond "
+                                       f"{_MAX_ABS:g} (float32 would overflow)")
     return vec.astype(np.float32)
 
 
 def _decode_b64(raw: Mapping, field: str) -> np.ndarray:
     dtype = raw.get("dtype", "float32")
-    if dtype not in _B64_DTYPES:
+    if not isinstance(dtype, str) or dtype not in _B64_DTYPES:
         raise SteeringSpecError(field + ".dtype", f"must be one of {', '.join(_B64_DTYPES)}")
     try:
         data = base64.b64decode(raw["b64"], validate=True)
@@ -146,13 +166,19 @@ def _resolve_vectors(
     if isinstance(raw, list):
         if not raw or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in raw):
             raise SteeringSpecError(field, "must be a non-empty list of numbers")
-        vec = _check_vector(np.asarray(raw, dtype=np.float64), field, hidden)
+        try:
+            values = np.asarray(raw, dtype=np.float64)
+        except OverflowError:
+            raise SteeringSpecError(field, "holds a number too large for float64") from None
+        vec = _check_vector(values, field, hidden)
         return dict.fromkeys(layers, vec)
     if isinstance(raw, Mapping) and "b64" in raw:
         vec = _check_vector(_decode_b64(raw, field), field, hidden)
         return dict.fromkeys(layers, vec)
     if isinstance(raw, Mapping) and "name" in raw:
         name = raw["name"]
+        if not isinstance(name, str) or not name:
+            raise SteeringSpecError(field + ".name", "must be a non-empty string")
         if lookup is None:
             raise SteeringSpecError(field + ".name", "no vector registry is configured")
         try:
@@ -230,8 +256,10 @@ def parse_steering_spec(
                 if norm == 0.0:
                     raise SteeringSpecError(field + ".vector", f"{op} needs a non-zero vector")
                 vec = vec / norm
+                point = ("resid_pre", layer + 1) if (
+                    hook == "resid_post" and layer + 1 < num_layers) else (hook, layer)
                 for pos in (("prompt", "generated") if positions == "all" else (positions,)):
-                    key = (hook, layer, pos)
+                    key = (*point, pos)
                     if key in projections:
                         raise SteeringSpecError(
                             field + ".op",
@@ -247,6 +275,8 @@ def parse_steering_spec(
 def _resolve_per_layer_name(
     raw: Mapping, field: str, hidden: int, lookup: VectorLookup | None, num_layers: int
 ) -> dict[int, np.ndarray]:
+    if not isinstance(raw["name"], str) or not raw["name"]:
+        raise SteeringSpecError(field + ".name", "must be a non-empty string")
     if lookup is None:
         raise SteeringSpecError(field + ".name", "no vector registry is configured")
     try:

@@ -121,6 +121,14 @@ def test_compose_add_then_ablate_then_add():
     {"vectors": [{"layer": 0, "vector": {"name": "x"}}]},
     {"vectors": [{"layer": 0, "vector": {"b64": "!!"}}]},
     {"vectors": [{"layer": 0, "vector": [1.0] * HIDDEN, "colour": 1}]},
+    # resid_post(0) and resid_pre(1) are one stream point: two projections there clash
+    {"vectors": [{"hook": "resid_post", "layer": 0, "vector": [1.0] * HIDDEN, "op": "ablate"},
+                 {"hook": "resid_pre", "layer": 1, "vector": [0.5] * HIDDEN, "op": "ablate"}]},
+    {"vectors": [{"layer": 0, "vector": [1.0] * HIDDEN, "scale": 10**400}]},
+    {"vectors": [{"layer": 0, "vector": [1e39] + [0.0] * (HIDDEN - 1)}]},
+    {"vectors": [{"layer": 0, "vector": [10**400] + [0.0] * (HIDDEN - 1)}]},
+    {"vectors": [{"layer": 0, "vector": {"b64": "AAAA", "dtype": ["float32"]}}]},
+    {"vectors": [{"layer": 0, "vector": {"name": 7}}]},
 ])
 def test_bad_steering_names_the_field(bad):
     from capsteer.steering.spec import SteeringSpecError
@@ -139,6 +147,14 @@ def test_steering_roundtrip_and_salt():
     other = parse_steering_spec({"vectors": [{"layers": "0:2", "vector": [0.5] * HIDDEN}]},
                                 num_layers=LAYERS, hidden_size=HIDDEN)
     assert other.cache_salt() != spec.cache_salt()
+
+
+def test_position_limited_steering_never_shares_cache_blocks():
+    prompt_only = parse_steering_spec(
+        {"vectors": [{"layer": 0, "vector": [0.5] * HIDDEN, "positions": "prompt"}]},
+        num_layers=LAYERS, hidden_size=HIDDEN)
+    assert prompt_only.cache_salt() != prompt_only.cache_salt()
+    assert prompt_only.sharing_key == prompt_only.sharing_key  # table entries still shared
 
 
 def test_version_and_architecture_refused():
