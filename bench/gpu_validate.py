@@ -160,6 +160,18 @@ def main() -> None:
                 for k, v in together.captures.tensors.items())
         iso.append(row)
     report["batched_vs_alone"] = iso
+    # 4b. a capture too large for one step's staging buffer fails alone, with a reason
+    big = [int(t) for t in torch.randint(5, 700, (1900,), generator=gen)]
+    over, after = engine.generate([
+        Request(prompt_token_ids=big, sampling=greedy(2), capture=all_hooks),
+        Request(prompt_token_ids=prompts[2], sampling=greedy(8), capture={"hooks": ["resid_post"]}),
+    ])
+    report["staging_overflow"] = {
+        "error": over.captures.error if over.captures else "no result",
+        "tokens_generated": len(over.token_ids),
+        "next_capture_ok": bool(after.captures and after.captures.error is None
+                                and len(after.captures.positions) == len(prompts[2]) + 7),
+    }
     plain = [Request(prompt_token_ids=p, sampling=greedy(24)) for p in prompts]
     capsteer_plain = [r.token_ids for r in engine.generate(plain)]
 
