@@ -53,3 +53,13 @@ def test_position_selection(engine_pool, model_dirs, hf_models, positions, expec
     assert sorted(res.captures.tensors) == [("mlp_out", 1), ("mlp_out", 2), ("resid_post", 0),
                                             ("resid_post", 3)]
     assert_matches_hf(hf_models["qwen3"], res)
+
+
+def test_capture_with_n_greater_than_one_is_refused(engine_pool, model_dirs):
+    from capsteer.capture.spec import SpecError
+
+    engine = capsteer_engine(engine_pool, model_dirs, "qwen3")
+    with pytest.raises(SpecError) as err:
+        engine.generate([Request(prompt_token_ids=token_prompt(9, 5), sampling=greedy(2, n=2),
+                                 capture={"hooks": ["resid_post"]})])
+    assert err.value.field == "capture"

@@ -224,3 +224,15 @@ def test_payload_may_arrive_as_json_text():
         "capture_id": "cap-x"})}
     hooks = RequestHooks.from_extra_args("x", extra, 3, runtime())
     assert hooks.capture_id == "cap-x" and set(hooks.points) == {(SUB, 2), (SUB, 4), (SUB, 6)}
+
+
+def test_memory_sink_reports_a_failed_capture():
+    from capsteer.capture.sink import CaptureRequest, MemorySink
+
+    sink = MemorySink()
+    spec = parse_capture_spec({"hooks": ["resid_post"]}, num_layers=LAYERS)
+    sink.open(CaptureRequest("cap-f", "r", "m", spec, (1, 2, 3), torch.float32, HIDDEN, LAYERS))
+    sink.write("cap-f", "resid_post", 0, np.array([0]), torch.zeros(1, HIDDEN))
+    sink.abort("cap-f", "staging too small")
+    taken = sink.take(["cap-f"])["cap-f"]
+    assert taken.error == "staging too small" and not taken.tensors
