@@ -82,6 +82,18 @@ def build_payload(
     return HookPayload({EXTRA_ARGS_KEY: payload}, salt, capture_id)
 
 
+def _final_positions(
+    caps: CapturedActivations, spec: CaptureSpec, prompt_len: int, num_output: int
+) -> CapturedActivations:
+    """Apply the position rules with the output length the front end returned: only the
+    prompt and the output tokens but the last were fed, whatever the engine ran after a
+    stop string or under async scheduling."""
+    if caps.error is not None:
+        return caps
+    fed = prompt_len + max(num_output - 1, 0)
+    return caps.select(spec.positions.finalize(caps.positions, prompt_len, fed))
+
+
 class Engine:
     """vLLM's offline engine with capsteer hooks in every worker."""
 
@@ -125,9 +137,10 @@ class Engine:
     def generate(self, requests: Sequence[Request], *, timeout: float = 120.0) -> list[Result]:
         from vllm import SamplingParams
 
-        prompts, params, capture_ids, durable = [], [], [], []
+        prompts, params, capture_ids, durable, specs = [], [], [], [], []
         for req in requests:
             capture, steering = self.parse(req)
+            specs.append(capture)
             if req.durable and not self.capture_dir:
                 raise ValueError("durable captures need capsteer_config['capture_dir']")
             payload = build_payload(capture, steering, durable=req.durable)
@@ -149,8 +162,12 @@ class Engine:
         receipts = {c: self._wait_receipt(c, timeout)
                     for c, d in zip(capture_ids, durable, strict=True) if c and d}
         results = []
-        for out, cid in zip(outputs, capture_ids, strict=True):
+        for out, cid, spec in zip(outputs, capture_ids, specs, strict=True):
             completion = out.outputs[0]
+            if cid in captures and spec is not None:
+                captures[cid] = _final_positions(
+                    captures[cid], spec, len(out.prompt_token_ids or []),
+                    len(completion.token_ids))
             results.append(Result(
                 token_ids=list(completion.token_ids), text=completion.text,
                 prompt_token_ids=list(out.prompt_token_ids or []), capture_id=cid,

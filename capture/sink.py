@@ -78,6 +78,14 @@ class CapturedActivations:
     tensors: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
     error: str | None = None  # set when the capture failed; tensors are then empty
 
+    def select(self, positions: np.ndarray) -> CapturedActivations:
+        """The same capture restricted to `positions` (a subset of self.positions)."""
+        mask = np.isin(self.positions, positions)
+        index = torch.from_numpy(np.flatnonzero(mask))
+        return CapturedActivations(
+            self.capture_id, self.positions[mask], self.token_ids[mask],
+            {k: t[index] for k, t in self.tensors.items()}, self.error)
+
     def to_wire(self) -> bytes:
         """One opaque blob: collective_rpc results cross a msgpack boundary that
         does not keep tensors (bf16 included) intact."""
@@ -102,7 +110,11 @@ class _Pending:
 class MemorySink:
     """Keeps finished captures in memory until taken; for tests and the in-process API."""
 
-    def __init__(self) -> None:
+    def __init__(self, final_positions: bool = True) -> None:
+        """final_positions=False keeps every captured candidate row: the in-process engine
+        then applies the position rules with the output length its front end saw (a stop
+        string or async scheduling can make the engine feed tokens past the output)."""
+        self.final_positions = final_positions
         self._lock = threading.Lock()
         self._pending: dict[str, _Pending] = {}
         self._done: dict[str, CapturedActivations] = {}
@@ -132,12 +144,14 @@ class MemorySink:
             end.capture_id, np.zeros(0, np.int64), np.zeros(0, np.int64)
         )
         for key, by_pos in sorted(pending.chunks.items()):
-            kept = spec.positions.finalize(np.array(sorted(by_pos), np.int64), prompt_len, fed)
+            seen = np.array(sorted(by_pos), np.int64)
+            kept = spec.positions.finalize(seen, prompt_len, fed) if self.final_positions else seen
             result.tensors[key] = torch.stack([by_pos[p] for p in kept.tolist()]) if len(
                 kept
             ) else torch.zeros(0, pending.request.hidden_size, dtype=pending.request.model_dtype)
             result.positions = kept
-        result.token_ids = np.asarray([end.token_ids[p] for p in result.positions], np.int64)
+        result.token_ids = np.asarray(
+            [end.token_ids[p] if p < fed else -1 for p in result.positions], np.int64)
         with self._lock:
             self._done[end.capture_id] = result
 

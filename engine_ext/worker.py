@@ -48,7 +48,7 @@ class EngineHooks:
         )
         self.model_name = adapter.model_name(worker)
         self.capture_rank = adapter.is_capture_rank()
-        self.memory = MemorySink()
+        self.memory = MemorySink(final_positions=False)  # capsteer.engine finalizes
         self.writer: CaptureSink | None = _durable_writer(self.config)
         self.sinks: dict[str, CaptureSink] = {}  # capture_id -> the sink its request chose
         self.requests: dict[str, RequestHooks] = {}

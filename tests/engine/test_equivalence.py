@@ -63,3 +63,24 @@ def test_capture_with_n_greater_than_one_is_refused(engine_pool, model_dirs):
         engine.generate([Request(prompt_token_ids=token_prompt(9, 5), sampling=greedy(2, n=2),
                                  capture={"hooks": ["resid_post"]})])
     assert err.value.field == "capture"
+
+
+def test_stop_string_truncation_is_respected(engine_pool, model_dirs, hf_models):
+    """A stop string ends the output in vLLM's front end, possibly after the engine fed
+    more tokens: captures end at the last token that belongs to the output."""
+    engine = capsteer_engine(engine_pool, model_dirs, "qwen3")
+    prompt = token_prompt(77, 9)
+    (plain,) = engine.generate([Request(prompt_token_ids=prompt, sampling=greedy(40))])
+    stop = plain.text[len(plain.text) // 2:][:3]
+    assert stop.strip(), plain.text
+    results = engine.generate([Request(
+        prompt_token_ids=prompt, sampling={**greedy(40), "stop": [stop], "ignore_eos": False},
+        capture={"hooks": ["resid_post"], "layers": [0, -1], "positions": spec})
+        for spec in ("all", "last")])
+    for res in results:
+        assert len(res.token_ids) < 40  # the stop string ended it early
+    full, last = results
+    fed = len(fed_tokens(full))
+    assert full.captures.positions.tolist() == list(range(fed))
+    assert last.captures.positions.tolist() == [fed - 1]
+    assert_matches_hf(hf_models["qwen3"], full)
