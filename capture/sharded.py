@@ -50,7 +50,7 @@ from capsteer.capture.reader import (
     sha256_file,
     verify_files,
 )
-from capsteer.capture.sink import CaptureEnd, CaptureRequest
+from capsteer.capture.sink import CaptureEnd, CaptureRequest, RowsByPosition
 from capsteer.capture.spec import CaptureSpec
 from capsteer.hooks import HOOK_SEMANTICS_VERSION, canonical_hook
 
@@ -297,11 +297,11 @@ class ShardedSink:
     def __init__(self, writer: ShardedWriter) -> None:
         self.writer = writer
         self._lock = threading.Lock()
-        self._open: dict[str, tuple[CaptureRequest, dict[Key, dict[int, torch.Tensor]]]] = {}
+        self._open: dict[str, tuple[CaptureRequest, RowsByPosition]] = {}
 
     def open(self, request: CaptureRequest) -> None:
         with self._lock:
-            self._open.setdefault(request.capture_id, (request, {}))
+            self._open.setdefault(request.capture_id, (request, RowsByPosition()))
 
     def write(
         self, capture_id: str, hook: str, layer: int, positions: np.ndarray, rows: torch.Tensor
@@ -310,31 +310,22 @@ class ShardedSink:
             entry = self._open.get(capture_id)
             if entry is None:
                 return
-            by_pos = entry[1].setdefault((hook, int(layer)), {})
-            for i, p in enumerate(np.asarray(positions).reshape(-1).tolist()):
-                by_pos[p] = rows[i]
+            entry[1].add((hook, int(layer)), positions, rows)
 
     def close(self, end: CaptureEnd) -> None:
         with self._lock:
             entry = self._open.pop(end.capture_id, None)
         if entry is None:
             return
-        req, chunks = entry
+        req, rows = entry
         prompt_len = len(req.prompt_token_ids)
-        kept: np.ndarray | None = None
-        tensors: dict[Key, torch.Tensor] = {}
-        for key in self.writer.keys:
-            by_pos = chunks.get(key, {})
-            k = req.spec.positions.finalize(np.array(sorted(by_pos), np.int64), prompt_len, len(end.token_ids))
-            if kept is not None and not np.array_equal(k, kept):
-                raise ValueError(f"{end.capture_id}: keys captured different positions")
-            kept = k
-            tensors[key] = (
-                torch.stack([by_pos[p] for p in k.tolist()])
-                if len(k)
-                else torch.zeros(0, self.writer.hidden, dtype=self.writer.dtype)
-            )
-        assert kept is not None
+        try:
+            kept, tensors = rows.assemble(
+                self.writer.keys,
+                lambda seen: req.spec.positions.finalize(seen, prompt_len, len(end.token_ids)),
+                self.writer.hidden, self.writer.dtype)
+        except ValueError as exc:
+            raise ValueError(f"{end.capture_id}: {exc}") from None
         token_ids = np.asarray(end.token_ids, np.int64)[kept]
         self.writer.add(req.request_id or end.capture_id, kept, token_ids, tensors, prompt_len)
 

@@ -101,10 +101,43 @@ class CapturedActivations:
         return cls(d["capture_id"], d["positions"], d["token_ids"], d["tensors"], d.get("error"))
 
 
+Key = tuple[str, int]
+
+
+class RowsByPosition:
+    """One request's rows per (hook, layer), one per absolute position: a position
+    recomputed after preemption is kept once (last write wins)."""
+
+    def __init__(self) -> None:
+        self.by_key: dict[Key, dict[int, torch.Tensor]] = {}
+
+    def add(self, key: Key, positions: np.ndarray, rows: torch.Tensor) -> None:
+        by_pos = self.by_key.setdefault(key, {})
+        for i, pos in enumerate(np.asarray(positions).reshape(-1).tolist()):
+            by_pos[pos] = rows[i]
+
+    def assemble(
+        self, keys, select, hidden: int, dtype: torch.dtype
+    ) -> tuple[np.ndarray, dict[Key, torch.Tensor]]:
+        """Stack the rows `select(seen_positions)` keeps, in position order, for each key.
+        Every key must keep the same positions (they were captured from the same rows)."""
+        kept: np.ndarray | None = None
+        tensors: dict[Key, torch.Tensor] = {}
+        for key in keys:
+            by_pos = self.by_key.get(key, {})
+            k = select(np.array(sorted(by_pos), np.int64))
+            if kept is not None and not np.array_equal(k, kept):
+                raise ValueError(f"keys captured different positions ({key})")
+            kept = k
+            tensors[key] = (torch.stack([by_pos[p] for p in k.tolist()]) if len(k)
+                            else torch.zeros(0, hidden, dtype=dtype))
+        return (kept if kept is not None else np.zeros(0, np.int64)), tensors
+
+
 class _Pending:
     def __init__(self, request: CaptureRequest) -> None:
         self.request = request
-        self.chunks: dict[tuple[str, int], dict[int, torch.Tensor]] = {}
+        self.rows = RowsByPosition()
 
 
 class MemorySink:
@@ -127,31 +160,25 @@ class MemorySink:
         self, capture_id: str, hook: str, layer: int, positions: np.ndarray, rows: torch.Tensor
     ) -> None:
         with self._lock:
-            pending = self._pending[capture_id]
-            by_pos = pending.chunks.setdefault((hook, layer), {})
-            for i, pos in enumerate(positions.tolist()):
-                by_pos[pos] = rows[i]
+            self._pending[capture_id].rows.add((hook, layer), positions, rows)
 
     def close(self, end: CaptureEnd) -> None:
         with self._lock:
             pending = self._pending.pop(end.capture_id, None)
         if pending is None:
             return
-        spec = pending.request.spec
-        prompt_len = len(pending.request.prompt_token_ids)
+        req = pending.request
+        prompt_len = len(req.prompt_token_ids)
         fed = len(end.token_ids)
-        result = CapturedActivations(
-            end.capture_id, np.zeros(0, np.int64), np.zeros(0, np.int64)
-        )
-        for key, by_pos in sorted(pending.chunks.items()):
-            seen = np.array(sorted(by_pos), np.int64)
-            kept = spec.positions.finalize(seen, prompt_len, fed) if self.final_positions else seen
-            result.tensors[key] = torch.stack([by_pos[p] for p in kept.tolist()]) if len(
-                kept
-            ) else torch.zeros(0, pending.request.hidden_size, dtype=pending.request.model_dtype)
-            result.positions = kept
-        result.token_ids = np.asarray(
-            [end.token_ids[p] if p < fed else -1 for p in result.positions], np.int64)
+
+        def select(seen: np.ndarray) -> np.ndarray:
+            return req.spec.positions.finalize(seen, prompt_len, fed) if self.final_positions \
+                else seen
+
+        positions, tensors = pending.rows.assemble(
+            sorted(pending.rows.by_key), select, req.hidden_size, req.model_dtype)
+        token_ids = np.asarray([end.token_ids[p] if p < fed else -1 for p in positions], np.int64)
+        result = CapturedActivations(end.capture_id, positions, token_ids, tensors)
         with self._lock:
             self._done[end.capture_id] = result
 
