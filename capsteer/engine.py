@@ -78,6 +78,7 @@ def build_payload(
         payload["capture"] = capture.to_dict()
         payload["capture_id"] = capture_id
         payload["durable"] = durable
+        payload["await_end"] = durable  # the caller reports the output length (end_captures)
         salt = f"capsteer-capture-{capture_id}"
     return HookPayload({EXTRA_ARGS_KEY: payload}, salt, capture_id)
 
@@ -157,6 +158,10 @@ class Engine:
             capture_ids.append(payload.capture_id if payload else None)
             durable.append(req.durable)
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        ends = [(cid, len(out.outputs[0].token_ids))
+                for out, cid, d in zip(outputs, capture_ids, durable, strict=True) if cid and d]
+        if ends:
+            self.llm.collective_rpc("capsteer_end_captures", args=(ends,))
         captures = self._collect(
             [c for c, d in zip(capture_ids, durable, strict=True) if c and not d], timeout)
         receipts = {c: self._wait_receipt(c, timeout)

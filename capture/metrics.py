@@ -72,13 +72,14 @@ def render() -> bytes:
     return generate_latest(REGISTRY)
 
 
-def snapshot() -> dict[str, Any]:
-    """All capture metrics as a JSON-safe dict, for export from another process.
+def snapshot(registry: CollectorRegistry | None = None) -> dict[str, Any]:
+    """All capture metrics (or those of `registry`) as a JSON-safe dict, for export
+    from another process.
 
     Shape: {name: {"type", "help", "samples": [{"name", "labels", "value"}]}}.
     """
     out: dict[str, Any] = {}
-    for metric in REGISTRY.collect():
+    for metric in (registry or REGISTRY).collect():
         out[metric.name] = {
             "type": metric.type,
             "help": metric.documentation,

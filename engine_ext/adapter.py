@@ -309,3 +309,44 @@ def check_engine_features(worker: object) -> None:
     if problems:
         raise UnsupportedError("capsteer cannot hook this engine configuration: "
                                + "; ".join(problems))
+
+
+# ---- API server side (the capsteer middleware on vLLM's FastAPI app) ----
+@dataclass(frozen=True)
+class ServedModel:
+    """What the API server needs to know about the model behind it."""
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    max_model_len: int
+    dtype: torch.dtype
+
+
+def app_engine_client(app: object) -> object:
+    """vLLM's engine client on its FastAPI app (set before the server starts)."""
+    client = getattr(app.state, "engine_client", None)
+    if client is None:
+        raise RuntimeError("capsteer: vLLM's app has no engine_client; this server mode "
+                           "(no engine) cannot serve capture or steering")
+    return client
+
+
+def served_model(engine_client: object) -> ServedModel:
+    config = engine_client.model_config
+    hf = config.hf_text_config if hasattr(config, "hf_text_config") else config.hf_config
+    return ServedModel(name=str(config.served_model_name or config.model),
+                       num_layers=int(hf.num_hidden_layers), hidden_size=int(hf.hidden_size),
+                       max_model_len=int(config.max_model_len), dtype=config.dtype)
+
+
+def api_keys(app: object) -> list[str]:
+    """The bearer tokens vLLM's own auth middleware accepts (--api-key / VLLM_API_KEY)."""
+    import os
+
+    args = getattr(app.state, "args", None)
+    raw = getattr(args, "api_key", None)
+    keys = [raw] if isinstance(raw, str) else list(raw or [])
+    if not keys and os.environ.get("VLLM_API_KEY"):
+        keys = [os.environ["VLLM_API_KEY"]]
+    return [k for k in keys if k]

@@ -53,6 +53,10 @@ class RequestHooks:
     fed_len: int = 0
     tokens: dict[int, int] = field(default_factory=dict)
     durable: bool = False  # publish through the durable writer rather than keep in memory
+    # The front end reports the output length once it is final (stop strings and async
+    # scheduling can feed tokens past the output); a durable capture of generated
+    # positions waits for that report before it is published.
+    await_end: bool = False
     slot: int = 0  # device mode: row of the per-request tables (0 = no hooks)
     steering_key: str | None = None  # requests with the same steering share table entries
 
@@ -70,6 +74,7 @@ class RequestHooks:
             hooks.capture = CaptureSpec.from_dict(payload["capture"])
             hooks.capture_id = payload["capture_id"]
             hooks.durable = bool(payload.get("durable", False))
+            hooks.await_end = bool(payload.get("await_end", False))
             points: dict[tuple[int, int], list[tuple[str, int]]] = defaultdict(list)
             for hook, layer in hooks.capture.keys():
                 points[hook_point(hook, layer)].append((hook, layer))
@@ -86,6 +91,17 @@ class RequestHooks:
             hooks.release(runtime)  # nothing half-registered stays behind
             raise
         return hooks
+
+    @property
+    def needs_output_length(self) -> bool:
+        """Whether the kept positions depend on the output length (generated tokens)."""
+        if self.capture is None:
+            return False
+        positions = self.capture.positions
+        if positions.kind == "explicit":
+            resolved = positions.resolved(self.prompt_len)
+            return bool(len(resolved)) and int(resolved.max()) >= self.prompt_len
+        return positions.kind in ("all", "generated", "last")
 
     def release(self, runtime: HookRuntime) -> None:
         runtime.free_slot(self.slot)

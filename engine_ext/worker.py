@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -53,6 +54,9 @@ class EngineHooks:
         self.sinks: dict[str, CaptureSink] = {}  # capture_id -> the sink its request chose
         self.requests: dict[str, RequestHooks] = {}
         self.prompts: dict[str, tuple[int, ...]] = {}
+        self.awaiting_end: dict[str, _Ending] = {}  # capture_id -> finished, output length due
+        self.end_notices: dict[str, int | None] = {}  # reports that came before the finish
+        self.end_wait_s = float(self.config.get("end_wait_s", 60.0))
         self.planned = False
         self.pinned_plan = False  # the canary sets its own plan; real steps must not replace it
         self.num_tokens_gathered = 0
@@ -89,6 +93,8 @@ class EngineHooks:
     def before_step(self, scheduler_output: object) -> None:
         for req_id in adapter.finished_requests(scheduler_output):
             self._finish(req_id)
+        if self.awaiting_end:
+            self.sweep_endings(time.monotonic())
         for req_id, prompt, extra in adapter.new_requests(scheduler_output):
             if req_id in self.requests:
                 continue  # resumed after preemption: keep what was captured
@@ -217,16 +223,74 @@ class EngineHooks:
         sink = self.sinks.pop(hooks.capture_id, None)
         if sink is None:
             return
-
-        def close() -> None:
-            tokens = list(prompt[: hooks.fed_len]) + [
-                hooks.tokens.get(p, -1) for p in range(len(prompt), hooks.fed_len)]
-            sink.close(CaptureEnd(hooks.capture_id, tuple(tokens)))
-
-        if self.device_driven:
-            self.harvester.submit_call(close)  # after every row of this request is delivered
+        ending = _Ending(hooks, prompt, sink, time.monotonic() + self.end_wait_s)
+        if not (hooks.durable and hooks.await_end):
+            self._run_on_sink_thread(lambda: ending.close(None))
+        elif hooks.fed_len < hooks.prompt_len:
+            # Every finished request had its whole prompt fed: this one was aborted.
+            self._run_on_sink_thread(lambda: ending.abort("request ended before its prompt "
+                                                          "was processed (aborted)"))
+        elif not hooks.needs_output_length:
+            self._run_on_sink_thread(lambda: ending.close(None))
+        elif hooks.capture_id in self.end_notices:
+            self._settle(ending, self.end_notices.pop(hooks.capture_id))
         else:
-            close()
+            self.awaiting_end[hooks.capture_id] = ending
+
+    def _run_on_sink_thread(self, fn) -> None:
+        if self.device_driven:
+            self.harvester.submit_call(fn)  # after every row of this request is delivered
+        else:
+            fn()
+
+    def _settle(self, ending: _Ending, num_output: int | None) -> None:
+        if num_output is None:
+            self._run_on_sink_thread(lambda: ending.abort("request aborted"))
+        else:
+            self._run_on_sink_thread(lambda: ending.close(num_output))
+
+    def end_captures(self, ends: list[tuple[str, int | None]]) -> None:
+        """The front end's final output lengths (None: the request was aborted)."""
+        now = time.monotonic()
+        for capture_id, num_output in ends:
+            ending = self.awaiting_end.pop(capture_id, None)
+            if ending is not None:
+                self._settle(ending, num_output)
+            elif capture_id in self.sinks:
+                self.end_notices[capture_id] = num_output  # the worker has not seen the end yet
+        self.end_notices = {c: n for c, n in list(self.end_notices.items())[-4096:]}
+        self.sweep_endings(now)
+
+    def sweep_endings(self, now: float) -> None:
+        """Captures whose end report never came are published with what was fed."""
+        for capture_id, ending in list(self.awaiting_end.items()):
+            if ending.deadline <= now:
+                del self.awaiting_end[capture_id]
+                logger.warning("capsteer: capture %s: no output length from the front end "
+                               "after %.0f s; publishing every fed position", capture_id,
+                               self.end_wait_s)
+                self._run_on_sink_thread(lambda e=ending: e.close(None))
+
+
+@dataclass
+class _Ending:
+    """A finished request's capture, ready to close once its output length is known."""
+
+    hooks: RequestHooks
+    prompt: tuple[int, ...]
+    sink: CaptureSink
+    deadline: float
+
+    def close(self, num_output: int | None) -> None:
+        hooks, prompt = self.hooks, self.prompt
+        fed = hooks.fed_len
+        if num_output is not None:  # only the prompt and the output but its last were fed
+            fed = min(fed, len(prompt) + max(num_output - 1, 0))
+        tokens = list(prompt[:fed]) + [hooks.tokens.get(p, -1) for p in range(len(prompt), fed)]
+        self.sink.close(CaptureEnd(hooks.capture_id, tuple(tokens)))
+
+    def abort(self, reason: str) -> None:
+        self.sink.abort(self.hooks.capture_id, reason)
 
 
 def _durable_writer(config: dict) -> CaptureSink | None:
@@ -276,6 +340,22 @@ class CapsteerWorker(adapter.platform_worker_base()):  # type: ignore[misc]
     def capsteer_take_captures(self, capture_ids: list[str]) -> dict:
         """Finished in-memory captures (the in-process engine polls this)."""
         return {cid: cap.to_wire() for cid, cap in self.capsteer.memory.take(capture_ids).items()}
+
+    def capsteer_end_captures(self, ends: list) -> None:
+        """Output lengths from the front end (server, in-process engine); None = aborted."""
+        self.capsteer.end_captures([(str(c), None if n is None else int(n)) for c, n in ends])
+
+    def capsteer_metrics(self) -> dict:
+        """This process's capture metrics (the server merges every worker's into /metrics)."""
+        from capsteer.capture import metrics
+
+        self.capsteer.sweep_endings(time.monotonic())
+        return metrics.snapshot()
+
+    def capsteer_writer_stats(self) -> dict | None:
+        writer = self.capsteer.writer
+        stats = getattr(writer, "stats", None)
+        return stats() if stats is not None else None
 
     def capsteer_stats(self) -> dict:
         """Diagnostics: steps checked under sync debug mode, harvester errors, live requests."""

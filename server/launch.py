@@ -1,23 +1,27 @@
-"""`capsteer serve MODEL [vllm serve flags]`: vLLM's own OpenAI server, with capsteer's
-worker in every engine process.
+"""`capsteer serve MODEL [vllm serve flags] [capsteer flags]`: vLLM's own OpenAI server
+with capsteer's worker in every engine process and capsteer's middleware on its app.
 
-Request fields (capture, capture_wait, steering), receipts and the extra endpoints
-are added by the server module on top of this launcher.
+capsteer flags are parsed here; every other flag goes to `vllm serve` unchanged.
+The settings reach the API process(es) through one environment variable and the
+workers through vLLM's `--additional-config`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 
+from capsteer.config.server import ENV_VAR, OVERLOAD_POLICIES, ServerSettings, parse_size
 from capsteer.engine_ext.version import hooks_code_hash
 
 WORKER_CLS = "capsteer.engine_ext.worker.CapsteerWorker"
+MIDDLEWARE = "capsteer.server.middleware.CapsteerMiddleware"
 CPU_DEFAULTS = ["--gpu-memory-utilization", "0.3", "--max-model-len", "2048"]
 
 
-def vllm_argv(model: str, passthrough: list[str]) -> list[str]:
-    """Arguments of `vllm serve` with the capsteer worker and its config folded in."""
+def vllm_argv(model: str, passthrough: list[str], worker_config: dict | None = None) -> list[str]:
+    """Arguments of `vllm serve` with the capsteer worker, middleware and config folded in."""
     argv = [model, *passthrough]
     if "--worker-cls" not in passthrough:
         argv += ["--worker-cls", WORKER_CLS]
@@ -26,8 +30,24 @@ def vllm_argv(model: str, passthrough: list[str]) -> list[str]:
         i = passthrough.index("--additional-config")
         extra = json.loads(passthrough[i + 1])
         del argv[1 + i: 1 + i + 2]
-    extra.setdefault("capsteer", {})["hooks_code"] = hooks_code_hash()
-    return [*argv, "--additional-config", json.dumps(extra)]
+    section = extra.setdefault("capsteer", {})
+    section.update(worker_config or {})
+    section["hooks_code"] = hooks_code_hash()
+    return [*argv, "--middleware", MIDDLEWARE, "--additional-config", json.dumps(extra)]
+
+
+def settings_from_args(args: argparse.Namespace) -> ServerSettings:
+    defaults = ServerSettings()
+    return ServerSettings(
+        capture_dir=args.capture_dir or defaults.capture_dir,
+        capture_layout=args.capture_layout or defaults.capture_layout,
+        capture_overload=args.capture_overload or defaults.capture_overload,
+        capture_budget=parse_size(args.capture_budget) if args.capture_budget
+        else defaults.capture_budget,
+        capture_wait_timeout=args.capture_wait_timeout or defaults.capture_wait_timeout,
+        steering_dir=args.steering_dir or defaults.steering_dir,
+        admin_key=args.admin_key or os.environ.get("CAPSTEER_ADMIN_KEY") or None,
+    )
 
 
 def add_command(subparsers: argparse._SubParsersAction) -> None:
@@ -36,6 +56,19 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("model")
     p.add_argument("--cpu-defaults", action="store_true",
                    help="flags that fit a 2-core CPU machine")
+    p.add_argument("--vanilla", action="store_true",
+                   help="run stock `vllm serve` with the same flags and no capsteer "
+                        "(side-by-side comparisons)")
+    p.add_argument("--capture-dir", help="capture root (default ./captures)")
+    p.add_argument("--capture-layout", choices=("packed", "per_file"))
+    p.add_argument("--capture-overload", choices=OVERLOAD_POLICIES,
+                   help="when the in-flight budget is full: block (spill), drop, reject (429)")
+    p.add_argument("--capture-budget", help="bytes of capture rows in flight, e.g. 1GiB")
+    p.add_argument("--capture-wait-timeout", type=float,
+                   help="seconds a capture_wait response may be held (then status pending)")
+    p.add_argument("--steering-dir", help="named steering vectors (default ./steering-vectors)")
+    p.add_argument("--admin-key", help="required (X-Admin-Key header) to change the registry; "
+                                       "or set CAPSTEER_ADMIN_KEY")
     p.set_defaults(func=_run)
 
 
@@ -45,11 +78,25 @@ def _run(args: argparse.Namespace, passthrough: list[str] | None = None) -> int:
     extra = list(passthrough or [])
     if args.cpu_defaults:
         extra = CPU_DEFAULTS + extra
+    try:
+        settings = settings_from_args(args)
+    except ValueError as exc:
+        raise SystemExit(f"capsteer serve: {exc}") from None
+    if args.vanilla:
+        run_vllm_serve([args.model, *extra])
+        return 0
+    os.environ[ENV_VAR] = settings.to_env()
     host = extra[extra.index("--host") + 1] if "--host" in extra else "127.0.0.1"
     port = extra[extra.index("--port") + 1] if "--port" in extra else "8000"
-    print(f"capsteer: once ready, try:\n  curl http://{host}:{port}/v1/completions "
-          f"-H 'Content-Type: application/json' -d "
-          f"'{{\"model\": \"{args.model}\", \"prompt\": \"hello world\", \"max_tokens\": 16}}'",
-          flush=True)
-    run_vllm_serve(vllm_argv(args.model, extra))
+    print(ready_hint(args.model, host, port), flush=True)
+    run_vllm_serve(vllm_argv(args.model, extra, settings.worker_config()))
     return 0
+
+
+def ready_hint(model: str, host: str, port: str) -> str:
+    """A curl line to paste once the server is up: a completion that captures and waits."""
+    body = json.dumps({"model": model, "prompt": "hello world", "max_tokens": 8,
+                       "capture": {"hooks": ["resid_post"], "layers": "all",
+                                   "positions": "prompt"}, "capture_wait": True})
+    return (f"capsteer: once ready, try:\n  curl -s http://{host}:{port}/v1/completions "
+            f"-H 'Content-Type: application/json' -d '{body}'")

@@ -1,0 +1,58 @@
+"""What the API server asks of the engine's workers (vLLM's `collective_rpc`).
+
+- Output lengths: a durable capture of generated positions is published once the
+  front end reports how many tokens the response really has (stop strings are
+  found here, after the engine may have fed more). Reports are batched: at most
+  one call in flight, the rest queue behind it.
+- Metrics: the writers run in the workers, so /metrics asks each worker for a
+  snapshot of its capture metrics at scrape time (last good one on failure).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+log = logging.getLogger("vllm.capsteer.server")
+
+
+class EngineLink:
+    def __init__(self, engine_client: Any, *, rpc_timeout_s: float = 10.0) -> None:
+        self.engine = engine_client
+        self.rpc_timeout_s = rpc_timeout_s
+        self._ends: list[tuple[str, int | None]] = []
+        self._flusher: asyncio.Task | None = None
+        self._last_metrics: list[dict] = []
+
+    def report_end(self, capture_id: str, num_output_tokens: int | None) -> None:
+        """Queue a capture's final output length (None: the request was aborted).
+
+        Synchronous so it also works from `finally` blocks of cancelled requests."""
+        self._ends.append((capture_id, num_output_tokens))
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.get_running_loop().create_task(self._flush())
+
+    async def _flush(self) -> None:
+        while self._ends:
+            batch, self._ends = self._ends, []
+            try:
+                await asyncio.wait_for(
+                    self.engine.collective_rpc("capsteer_end_captures", args=(batch,)),
+                    self.rpc_timeout_s)
+            except Exception:  # the workers publish on their own after end_wait_s
+                log.exception("capsteer: reporting %d capture ends to the engine failed", len(batch))
+
+    async def drain(self) -> None:
+        """Wait until every queued report was sent (tests, shutdown)."""
+        while self._flusher is not None and not self._flusher.done():
+            await asyncio.shield(self._flusher)
+
+    async def metrics_snapshots(self, timeout_s: float = 5.0) -> list[dict]:
+        try:
+            self._last_metrics = list(await asyncio.wait_for(
+                self.engine.collective_rpc("capsteer_metrics"), timeout_s))
+        except Exception:
+            log.warning("capsteer: workers did not answer the metrics call; "
+                        "serving their last snapshot")
+        return self._last_metrics

@@ -1,0 +1,156 @@
+"""The request fields capsteer adds to chat and completions: found, validated, rewritten.
+
+A request body arrives as JSON. `parse_hook_fields` finds `capture`,
+`capture_wait` and `steering` (top level, or inside a literal `"extra_body"` object
+that curl users copy from SDK code), validates them against the model, and
+`rewrite_body` turns them into what stock vLLM understands: `vllm_xargs` (which
+becomes `SamplingParams.extra_args` in every worker) and `cache_salt`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from capsteer.capture.spec import CaptureSpec, SpecError, parse_capture_spec
+from capsteer.engine import build_payload
+from capsteer.engine_ext.plan import EXTRA_ARGS_KEY
+from capsteer.steering.spec import (
+    SteeringSpec,
+    SteeringSpecError,
+    VectorLookup,
+    parse_steering_spec,
+)
+
+HOOK_FIELDS = ("capture", "capture_wait", "steering")
+
+
+class FieldError(ValueError):
+    """Bad input: becomes HTTP 400 with an OpenAI-shaped error naming `field`."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: {reason}")
+        self.field = field
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    num_layers: int
+    hidden_size: int
+    max_model_len: int
+    dtype_itemsize: int
+
+
+@dataclass
+class HookFields:
+    """A request's validated capsteer fields."""
+
+    capture: CaptureSpec | None
+    capture_wait: bool
+    steering: SteeringSpec | None
+    stream: bool
+    client_wants_usage: bool
+
+    @property
+    def active(self) -> bool:
+        return self.capture is not None or (self.steering is not None and not self.steering.is_noop)
+
+
+def lift_extra_body(body: dict[str, Any]) -> dict[str, Any]:
+    """Merge a literal `extra_body` object into the top level, as the OpenAI SDK would."""
+    extra = body.get("extra_body")
+    if extra is None:
+        return body
+    if not isinstance(extra, Mapping):
+        raise FieldError("extra_body", "must be an object")
+    merged = {k: v for k, v in body.items() if k != "extra_body"}
+    for key, value in extra.items():
+        if key in merged:
+            raise FieldError(f"extra_body.{key}", "also given at the top level; give it once")
+        merged[key] = value
+    return merged
+
+
+def parse_hook_fields(
+    body: dict[str, Any], shape: ModelShape, *, lookup: VectorLookup | None,
+    default_layout: str, capture_default: Mapping[str, Any] | None,
+) -> HookFields:
+    """Validate the capsteer fields of an (extra_body-lifted) request body."""
+    capture = None
+    raw_capture = body.get("capture")
+    if raw_capture is not None and raw_capture is not False:
+        try:
+            capture = parse_capture_spec(raw_capture, num_layers=shape.num_layers,
+                                         default_layout=default_layout, default=capture_default)
+        except SpecError as exc:
+            raise FieldError(exc.field, exc.reason) from None
+        n = body.get("n", 1)
+        if n is not None and n != 1:
+            raise FieldError("n", "capture needs n=1 (one capture per request; send n requests)")
+        if body.get("best_of") not in (None, 1):
+            raise FieldError("best_of", "capture needs best_of=1")
+    wait = body.get("capture_wait", False)
+    if wait is None:
+        wait = False
+    if not isinstance(wait, bool):
+        raise FieldError("capture_wait", f"must be true or false, got {wait!r}")
+    if wait and capture is None:
+        raise FieldError("capture_wait", "needs a capture field in the same request")
+    steering = None
+    raw_steering = body.get("steering")
+    if raw_steering is not None:
+        try:
+            steering = parse_steering_spec(raw_steering, num_layers=shape.num_layers,
+                                           hidden_size=shape.hidden_size, lookup=lookup)
+        except SteeringSpecError as exc:
+            raise FieldError(exc.field, exc.reason) from None
+    stream = body.get("stream") is True
+    options = body.get("stream_options")
+    wants_usage = isinstance(options, Mapping) and options.get("include_usage") is True
+    return HookFields(capture, wait, steering, stream, wants_usage)
+
+
+def rewrite_body(body: dict[str, Any], hooks: HookFields, capture_id: str | None) -> dict[str, Any]:
+    """The body stock vLLM accepts: capsteer fields out, `vllm_xargs` and `cache_salt` in."""
+    out = {k: v for k, v in body.items() if k not in HOOK_FIELDS}
+    payload = build_payload(hooks.capture, hooks.steering, capture_id=capture_id,
+                            durable=hooks.capture is not None)
+    if payload is None:
+        return out
+    xargs = out.get("vllm_xargs")
+    if xargs is None:
+        xargs = {}
+    if not isinstance(xargs, Mapping):
+        raise FieldError("vllm_xargs", "must be an object")
+    if EXTRA_ARGS_KEY in xargs:
+        raise FieldError(f"vllm_xargs.{EXTRA_ARGS_KEY}", "is reserved for capsteer's own fields")
+    out["vllm_xargs"] = {**xargs, EXTRA_ARGS_KEY: json.dumps(payload.extra_args[EXTRA_ARGS_KEY])}
+    if payload.cache_salt:
+        user_salt = out.get("cache_salt")
+        out["cache_salt"] = payload.cache_salt if not user_salt else f"{user_salt}|{payload.cache_salt}"
+    if hooks.capture is not None and hooks.stream:
+        # The output length ends the capture: ask vLLM for the usage chunk (dropped again
+        # before the client sees it unless the client asked for it).
+        options = dict(out.get("stream_options") or {})
+        options["include_usage"] = True
+        out["stream_options"] = options
+    return out
+
+
+def estimate_capture_bytes(body: Mapping[str, Any], capture: CaptureSpec, shape: ModelShape) -> int:
+    """Upper bound of a capture's row bytes before tokenizing: byte-level BPE gives at
+    most one token per UTF-8 byte of text, plus a margin for the chat template."""
+    from capsteer.capture.writer import estimate_bytes
+
+    text_bytes = len(json.dumps(body.get("messages", body.get("prompt", "")),
+                                ensure_ascii=False).encode())
+    prompt_tokens = min(text_bytes + 64, shape.max_model_len)
+    max_new = body.get("max_completion_tokens") or body.get("max_tokens")
+    if not isinstance(max_new, int) or max_new <= 0:
+        max_new = shape.max_model_len
+    max_new = min(max_new, max(shape.max_model_len - 1, 1))
+    itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}.get(capture.dtype, shape.dtype_itemsize)
+    return estimate_bytes(capture, shape.hidden_size, itemsize, prompt_tokens, max_new)

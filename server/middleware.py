@@ -1,0 +1,227 @@
+"""capsteer on vLLM's own OpenAI server, as one ASGI middleware (`--middleware`).
+
+`capsteer serve` adds `--middleware capsteer.server.middleware.CapsteerMiddleware`
+to `vllm serve`, so every vLLM endpoint and flag keeps working. The middleware:
+- at start-up, reads its settings, checks the model, mounts capsteer's routes
+  (hooks, vector registry, capture receipts) and documents the extra request
+  fields in /openapi.json;
+- on chat/completions, validates `capture`, `capture_wait` and `steering` before
+  vLLM sees the request (400 naming the field; 429 under the reject policy) and
+  rewrites them into `vllm_xargs` and `cache_salt`;
+- on the way back, adds `capture_results` (see responses.py);
+- on /metrics, appends the capsteer metrics to vLLM's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import secrets
+from collections.abc import Awaitable, Callable
+
+from capsteer.capture.spec import SpecError
+from capsteer.config.server import ServerSettings
+from capsteer.engine import new_capture_id
+from capsteer.server import metrics
+from capsteer.server.fields import (
+    HOOK_FIELDS,
+    FieldError,
+    estimate_capture_bytes,
+    lift_extra_body,
+    parse_hook_fields,
+    rewrite_body,
+)
+from capsteer.server.responses import CaptureResponder
+from capsteer.server.state import CapsteerState
+
+log = logging.getLogger("vllm.capsteer.server")
+GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
+Scope = dict
+Receive = Callable[[], Awaitable[dict]]
+Send = Callable[[dict], Awaitable[None]]
+
+
+def error_body(status: int, message: str, param: str | None, kind: str) -> bytes:
+    """vLLM's / OpenAI's error object."""
+    return json.dumps({"error": {"message": message, "type": kind, "param": param,
+                                 "code": status}}).encode()
+
+
+async def send_json(send: Send, status: int, body: bytes, headers: list | None = None) -> None:
+    await send({"type": "http.response.start", "status": status, "headers": [
+        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+        *(headers or [])]})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def read_body(receive: Receive) -> bytes:
+    body = bytearray()
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            break
+        body += message.get("body", b"")
+        if not message.get("more_body", False):
+            break
+    return bytes(body)
+
+
+def replay(body: bytes, receive: Receive) -> Receive:
+    """A receive that yields `body` once, then the client's own messages (disconnects)."""
+    sent = False
+
+    async def inner() -> dict:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+    return inner
+
+
+def with_content_length(scope: Scope, length: int) -> Scope:
+    headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
+    headers.append((b"content-length", str(length).encode()))
+    return {**scope, "headers": headers}
+
+
+class CapsteerMiddleware:
+    """See the module docstring."""
+
+    def __init__(self, app: Callable) -> None:
+        self.app = app
+        self.state: CapsteerState | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self.app(scope, self._on_startup(scope, receive), send)
+            return
+        if scope["type"] != "http" or self.state is None:
+            await self.app(scope, receive, send)
+            return
+        method, path = scope.get("method"), scope.get("path", "")
+        if method == "POST" and path in GENERATION_PATHS:
+            await self._generation(scope, receive, send)
+        elif method == "GET" and path.rstrip("/") == "/metrics":
+            await self._metrics(scope, receive, send)
+        else:
+            await self.app(scope, receive, send)
+
+    # ---- start-up ----
+    def _on_startup(self, scope: Scope, receive: Receive) -> Receive:
+        async def inner() -> dict:
+            message = await receive()
+            if message["type"] == "lifespan.startup" and self.state is None:
+                self._setup(scope["app"])
+            return message
+        return inner
+
+    def _setup(self, app: object) -> None:
+        from capsteer.server import openapi, routes
+
+        settings = ServerSettings.from_env()
+        self.state = CapsteerState.create(app, settings)
+        app.state.capsteer = self.state
+        app.include_router(routes.router)
+        openapi.document(app)
+        log.info("capsteer: serving %s (%d layers, hidden %d); captures under %s (%s, %s policy); "
+                 "vectors under %s", self.state.model.name, self.state.model.num_layers,
+                 self.state.model.hidden_size, settings.capture_dir, settings.capture_layout,
+                 settings.capture_overload, settings.steering_dir)
+
+    # ---- chat / completions ----
+    def _authorized(self, scope: Scope) -> bool:
+        """Mirror vLLM's --api-key check: an unauthenticated request goes on untouched and
+        vLLM's own middleware answers 401 (so validation never leaks to it)."""
+        keys = self.state.api_keys
+        if not keys:
+            return True
+        value = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+        scheme, _, token = value.partition(" ")
+        if scheme.lower() != "bearer":
+            return False
+        digest = hashlib.sha256(token.encode()).digest()
+        return any(secrets.compare_digest(digest, hashlib.sha256(k.encode()).digest()) for k in keys)
+
+    async def _generation(self, scope: Scope, receive: Receive, send: Send) -> None:
+        state = self.state
+        raw = await read_body(receive)
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            body = None
+        if not isinstance(body, dict) or not (
+                "extra_body" in body or any(f in body for f in HOOK_FIELDS)) \
+                or not self._authorized(scope):
+            await self.app(scope, replay(raw, receive), send)
+            return
+        try:
+            body = lift_extra_body(body)
+            hooks = parse_hook_fields(
+                body, state.shape, lookup=state.registry.lookup,
+                default_layout=state.settings.capture_layout,
+                capture_default=state.settings.capture_default)
+            capture_id = new_capture_id() if hooks.capture is not None else None
+            new_body = rewrite_body(body, hooks, capture_id)
+        except (FieldError, SpecError) as exc:
+            await send_json(send, 400, error_body(400, str(exc), exc.field, "BadRequestError"))
+            return
+        if hooks.capture is not None:
+            estimate = estimate_capture_bytes(body, hooks.capture, state.shape)
+            if state.settings.capture_overload == "reject":
+                if estimate > state.settings.capture_budget:
+                    await send_json(send, 400, error_body(
+                        400, f"capture: needs up to {estimate} bytes in flight, more than the "
+                        f"server's whole capture budget ({state.settings.capture_budget}); "
+                        "capture fewer hooks, layers or positions, or lower max_tokens",
+                        "capture", "BadRequestError"))
+                    return
+                if not state.tracker.try_reserve(capture_id, estimate):
+                    metrics.count_rejection()
+                    await send_json(send, 429, error_body(
+                        429, "capture: the server's capture budget is in use; retry shortly",
+                        "capture", "RateLimitError"), [(b"retry-after", b"1")])
+                    return
+            else:
+                state.tracker.track(capture_id)
+        if hooks.steering is not None and not hooks.steering.is_noop:
+            metrics.STEERING_REQUESTS.inc()
+        encoded = json.dumps(new_body).encode()
+        inner_scope = with_content_length(scope, len(encoded))
+        if capture_id is None:
+            await self.app(inner_scope, replay(encoded, receive), send)
+            return
+        responder = CaptureResponder(
+            send, capture_id=capture_id, wait=hooks.capture_wait,
+            client_wants_usage=hooks.client_wants_usage, report_end=state.link.report_end,
+            receipt=lambda cid: state.tracker.wait(cid, state.settings.capture_wait_timeout),
+            on_refused=state.tracker.untrack)
+        try:
+            await self.app(inner_scope, replay(encoded, receive), responder.send)
+        finally:
+            responder.finish()
+
+    # ---- metrics ----
+    async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # Plain text format, uncompressed, so capsteer's block can be appended.
+        headers = [(k, v) for k, v in scope["headers"]
+                   if k.lower() not in (b"accept", b"accept-encoding")]
+        start: dict = {}
+        body = bytearray()
+
+        async def collect(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                start.update(message)
+            elif message["type"] == "http.response.body":
+                body.extend(message.get("body", b""))
+
+        await self.app({**scope, "headers": headers}, receive, collect)
+        if start.get("status") == 200:
+            snapshots = await self.state.link.metrics_snapshots()
+            body.extend(metrics.render(snapshots, self.state.registry.count()))
+        out_headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
+        out_headers.append((b"content-length", str(len(body)).encode()))
+        await send({"type": "http.response.start", "status": start.get("status", 500),
+                    "headers": out_headers})
+        await send({"type": "http.response.body", "body": bytes(body), "more_body": False})

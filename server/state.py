@@ -1,0 +1,39 @@
+"""The capsteer part of one API process: settings, model shape, registry, trackers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from capsteer.config.server import ServerSettings
+from capsteer.engine_ext import adapter
+from capsteer.server.engine_link import EngineLink
+from capsteer.server.fields import ModelShape
+from capsteer.server.tracker import CaptureTracker
+from capsteer.steering.registry import VectorRegistry
+
+
+@dataclass
+class CapsteerState:
+    settings: ServerSettings
+    model: adapter.ServedModel
+    shape: ModelShape
+    registry: VectorRegistry
+    tracker: CaptureTracker
+    link: EngineLink
+    api_keys: list[str]
+
+    @classmethod
+    def create(cls, app: object, settings: ServerSettings) -> CapsteerState:
+        engine = adapter.app_engine_client(app)
+        model = adapter.served_model(engine)
+        itemsize = torch.empty((), dtype=model.dtype).element_size()
+        shape = ModelShape(model.num_layers, model.hidden_size, model.max_model_len, itemsize)
+        Path(settings.capture_dir).mkdir(parents=True, exist_ok=True)
+        registry = VectorRegistry(settings.steering_dir, hidden_size=model.hidden_size,
+                                  num_layers=model.num_layers)
+        return cls(settings, model, shape, registry,
+                   CaptureTracker(settings.capture_dir, settings.capture_budget),
+                   EngineLink(engine), adapter.api_keys(app))

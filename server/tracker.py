@@ -1,0 +1,122 @@
+"""Captures the API server has sent to the engine and not yet seen durable.
+
+The writers run in engine processes; the manifest on disk is the source of truth
+for the outcome. One poller task looks for the manifests of every tracked capture
+(one thread hop per tick, however many are pending) and resolves the waiters.
+The same table is the server's in-flight account for the `reject` policy: a
+capture reserves its estimated bytes at admission and frees them when its manifest
+appears (or the request never reached the engine).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from capsteer.capture.receipts import Receipt, find_receipt, pending
+
+log = logging.getLogger("vllm.capsteer.server")
+
+
+@dataclass
+class _Tracked:
+    reserved: int
+    since: float
+    waiters: list[asyncio.Future] = field(default_factory=list)
+
+
+class CaptureTracker:
+    """Reservations and receipt waits for captures in flight (asyncio, one event loop)."""
+
+    def __init__(self, root: str | Path, budget_bytes: int, *, poll_s: float = 0.02,
+                 forget_after_s: float = 3600.0) -> None:
+        self.root = Path(root)
+        self.budget = budget_bytes
+        self.poll_s = poll_s
+        self.forget_after_s = forget_after_s
+        self._tracked: dict[str, _Tracked] = {}
+        self._task: asyncio.Task | None = None
+        self.reserved_bytes = 0
+
+    # ---- admission ----
+    def try_reserve(self, capture_id: str, nbytes: int) -> bool:
+        """Reserve for the reject policy: False when the budget cannot take it now."""
+        if self.reserved_bytes + nbytes > self.budget and self.reserved_bytes > 0:
+            return False
+        self.track(capture_id, nbytes)
+        return True
+
+    def track(self, capture_id: str, nbytes: int = 0) -> None:
+        self._tracked[capture_id] = _Tracked(nbytes, time.monotonic())
+        self.reserved_bytes += nbytes
+        self._ensure_poller()
+
+    def untrack(self, capture_id: str) -> None:
+        """The request never produced a capture (vLLM refused it): free its reservation."""
+        entry = self._tracked.pop(capture_id, None)
+        if entry is not None:
+            self.reserved_bytes -= entry.reserved
+            for fut in entry.waiters:
+                if not fut.done():
+                    fut.set_result(Receipt(capture_id, "error", error="the request failed before "
+                                           "reaching the engine; nothing was captured"))
+
+    def is_tracked(self, capture_id: str) -> bool:
+        return capture_id in self._tracked
+
+    # ---- receipts ----
+    async def wait(self, capture_id: str, timeout: float) -> Receipt:
+        """The final receipt, or a pending one naming the bound when `timeout` passes."""
+        entry = self._tracked.get(capture_id)
+        if entry is None:
+            found = await asyncio.to_thread(find_receipt, self.root, capture_id)
+            return found or pending(capture_id, "capture not known to this server")
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        entry.waiters.append(fut)
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), timeout)
+        except asyncio.TimeoutError:
+            return pending(capture_id, f"capture not durable after {timeout:g} s "
+                           f"(--capture-wait-timeout); fetch GET /v1/captures/{capture_id}")
+
+    def _ensure_poller(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._poll())
+
+    async def _poll(self) -> None:
+        while self._tracked:
+            ids = list(self._tracked)
+            try:
+                found = await asyncio.to_thread(self._scan, ids)
+            except Exception:  # keep polling; a broken root shows up in receipts' timeouts
+                log.exception("capsteer: scanning the capture root failed")
+                found = {}
+            now = time.monotonic()
+            for capture_id in ids:
+                receipt = found.get(capture_id)
+                entry = self._tracked.get(capture_id)
+                if entry is None:
+                    continue
+                if receipt is None and now - entry.since < self.forget_after_s:
+                    continue
+                if receipt is None:
+                    log.warning("capsteer: capture %s not durable after %.0f s; no longer tracked",
+                                capture_id, self.forget_after_s)
+                    receipt = pending(capture_id, "no manifest yet")
+                del self._tracked[capture_id]
+                self.reserved_bytes -= entry.reserved
+                for fut in entry.waiters:
+                    if not fut.done():
+                        fut.set_result(receipt)
+            await asyncio.sleep(self.poll_s)
+
+    def _scan(self, ids: list[str]) -> dict[str, Receipt]:
+        out = {}
+        for capture_id in ids:
+            receipt = find_receipt(self.root, capture_id)
+            if receipt is not None:
+                out[capture_id] = receipt
+        return out

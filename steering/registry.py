@@ -1,0 +1,343 @@
+"""Named steering vectors: one safetensors file per name under a directory.
+
+The directory is the only state, so every server process (API workers, engine
+processes, another replica on the same volume) sees the same vectors: a put is
+visible to all of them once it returns, and nothing is cached that a file change
+would not invalidate. Files are published atomically (temp file, fsync, rename,
+fsync dir), so a reader never sees half a vector.
+
+On disk: `<root>/<name>.safetensors` holding tensor `vector` (one vector) or
+`layer.N` tensors (0-based resid_post layers), float32, with metadata
+`source_format`, `created`, `sha256` (of the upload), `hidden_size`, `num_layers`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import struct
+import tempfile
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+
+import numpy as np
+
+from capsteer.steering import formats
+from capsteer.steering.formats import DecodedVectors, VectorTooLargeError, decode_vectors
+
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+SUFFIX = ".safetensors"
+FILE_KIND = "capsteer-steering-vector/1"
+_LAYER_TENSOR_RE = re.compile(r"layer\.(\d{1,6})")
+_STALE_TMP_SECONDS = 3600.0
+
+
+class VectorNameError(ValueError):
+    """A name that is not `[A-Za-z0-9][A-Za-z0-9._-]{0,63}` (or ends with `.tmp`)."""
+
+
+class VectorNotFoundError(KeyError):
+    """No vector of that name (a KeyError, as `VectorLookup` requires)."""
+
+    def __str__(self) -> str:
+        return f"unknown vector name {self.args[0]!r}"
+
+
+class VectorRegistryError(ValueError):
+    """A stored vector that this model cannot use (other width/layers, damaged file)."""
+
+
+def validate_name(name: object) -> str:
+    """Return `name` if it is a safe registry name, else raise VectorNameError."""
+    if not isinstance(name, str) or not NAME_RE.fullmatch(name) or name.endswith(".tmp"):
+        raise VectorNameError(
+            f"invalid vector name {name!r}: use 1-64 characters from A-Z a-z 0-9 . _ -, "
+            "starting with a letter or digit, not ending in '.tmp'")
+    return name
+
+
+@dataclass(frozen=True, eq=False)
+class _Stored:
+    """One file as read from disk, before this model's geometry is applied."""
+
+    decoded: DecodedVectors | None
+    info: dict
+    error: str | None
+
+
+class VectorRegistry:
+    """Files under `root`, validated against one model's geometry on every read."""
+
+    def __init__(self, root: str | Path, *, hidden_size: int, num_layers: int,
+                 cache_entries: int = 128) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.hidden_size = int(hidden_size)
+        self.num_layers = int(num_layers)
+        self._cache: OrderedDict[str, tuple[tuple, _Stored]] = OrderedDict()
+        self._cache_entries = cache_entries
+        self._lock = threading.Lock()
+        self._remove_stale_temp_files()
+
+    # --- public API ---------------------------------------------------------------
+
+    def path(self, name: str) -> Path:
+        """The file for `name`; never outside root (the name has no separators or dots first)."""
+        path = self.root / (validate_name(name) + SUFFIX)
+        if os.path.dirname(os.path.abspath(path)) != os.path.abspath(self.root):
+            raise VectorNameError(f"invalid vector name {name!r}")
+        return path
+
+    def put(self, name: str, data: bytes, fmt: str | None = None) -> dict:
+        """Decode, validate and store an upload under `name` (replacing any old one)."""
+        path = self.path(name)
+        if len(data) > formats.MAX_VECTOR_BYTES:
+            raise VectorTooLargeError(
+                f"upload is {len(data)} bytes; the limit is {formats.MAX_VECTOR_BYTES} bytes")
+        decoded = decode_vectors(data, hidden_size=self.hidden_size,
+                                 num_layers=self.num_layers, fmt=fmt)
+        if decoded.single is not None:
+            tensors = {"vector": decoded.single}
+        else:
+            assert decoded.per_layer is not None
+            tensors = {f"layer.{k}": v for k, v in decoded.per_layer.items()}
+        metadata = {
+            "format": FILE_KIND,
+            "source_format": decoded.source_format,
+            "created": repr(time.time()),
+            "sha256": hashlib.sha256(data).hexdigest(),
+            "hidden_size": str(self.hidden_size),
+            "num_layers": str(self.num_layers),
+        }
+        from safetensors.numpy import save
+
+        self._write_atomic(path, save(tensors, metadata=metadata))
+        return self.info(name)
+
+    def get(self, name: str) -> DecodedVectors:
+        """The stored vectors; VectorRegistryError if this model cannot use them."""
+        stored = self._load(name)
+        if stored.error is not None:
+            raise VectorRegistryError(stored.error)
+        assert stored.decoded is not None
+        return stored.decoded
+
+    def info(self, name: str) -> dict:
+        """Summary of one entry (no vector data); `error` says why it is unusable, if it is."""
+        return dict(self._load(name).info)
+
+    def names(self) -> list[str]:
+        """Registered names, sorted (files with invalid names are ignored)."""
+        out = []
+        with os.scandir(self.root) as entries:
+            for entry in entries:
+                stem = entry.name[:-len(SUFFIX)] if entry.name.endswith(SUFFIX) else None
+                if stem and NAME_RE.fullmatch(stem) and not stem.endswith(".tmp") \
+                        and entry.is_file():
+                    out.append(stem)
+        return sorted(out)
+
+    def list(self) -> list[dict]:
+        """`info` of every entry, sorted by name."""
+        out = []
+        for name in self.names():
+            try:
+                out.append(self.info(name))
+            except VectorNotFoundError:  # deleted by another process meanwhile
+                continue
+        return out
+
+    def count(self) -> int:
+        return len(self.names())
+
+    def delete(self, name: str) -> bool:
+        """Remove `name`; False when it did not exist."""
+        path = self.path(name)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return False
+        finally:
+            with self._lock:
+                self._cache.pop(name, None)
+        self._fsync_dir()
+        return True
+
+    def lookup(self, name: str) -> np.ndarray | Mapping[int, np.ndarray]:
+        """`VectorLookup` for `parse_steering_spec`: a vector or {layer: vector}.
+
+        Unknown and invalid names raise KeyError (the spec reports "unknown vector
+        name"); a stored vector this model cannot use raises VectorRegistryError.
+        """
+        try:
+            validate_name(name)
+        except VectorNameError:
+            raise VectorNotFoundError(name) from None
+        return self.get(name).value()
+
+    # --- internals ----------------------------------------------------------------
+
+    def _load(self, name: str) -> _Stored:
+        """Read `name`, reusing the cached decode while the file is unchanged.
+
+        The cache key is the file's inode, size, mtime and its whole safetensors
+        header (which holds the upload's sha256 and creation time), all read from
+        the same open file, so a replaced file is never served from the cache.
+        """
+        path = self.path(name)
+        try:
+            f = open(path, "rb")
+        except FileNotFoundError:
+            raise VectorNotFoundError(name) from None
+        with f:
+            st = os.fstat(f.fileno())
+            head = f.read(8)
+            n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+            header = f.read(n) if 0 <= n <= min(st.st_size, 100_000_000) else b""
+            key = (st.st_ino, st.st_size, st.st_mtime_ns, head, header)
+            with self._lock:
+                hit = self._cache.get(name)
+                if hit is not None and hit[0] == key:
+                    self._cache.move_to_end(name)
+                    return hit[1]
+            f.seek(0)
+            blob = f.read()
+        stored = self._decode_file(name, blob)
+        with self._lock:
+            self._cache[name] = (key, stored)
+            self._cache.move_to_end(name)
+            while len(self._cache) > self._cache_entries:
+                self._cache.popitem(last=False)
+        return stored
+
+    def _decode_file(self, name: str, blob: bytes) -> _Stored:
+        info: dict = {"name": name, "kind": None, "layers": None, "hidden_size": None,
+                      "source_format": None, "created": None, "sha256": None,
+                      "bytes": len(blob), "norm": None, "norms": None, "error": None}
+        try:
+            meta, tensors = _read_safetensors(blob)
+        except ValueError as exc:
+            info["error"] = f"vector {name!r}: stored file is unreadable ({exc})"
+            return _Stored(None, info, info["error"])
+        info["source_format"] = meta.get("source_format")
+        info["sha256"] = meta.get("sha256")
+        try:
+            info["created"] = float(meta["created"])
+        except (KeyError, ValueError):
+            pass
+        single, per_layer = None, None
+        if set(tensors) == {"vector"}:
+            single = tensors["vector"]
+        else:
+            per_layer = {}
+            for tname, arr in tensors.items():
+                m = _LAYER_TENSOR_RE.fullmatch(tname)
+                if m is None:
+                    info["error"] = (f"vector {name!r}: stored file has unexpected tensor "
+                                     f"{tname!r} (not written by capsteer?)")
+                    return _Stored(None, info, info["error"])
+                per_layer[int(m.group(1))] = arr
+        arrays = [single] if single is not None else list(per_layer.values())  # type: ignore[union-attr]
+        if not arrays or any(a.ndim != 1 for a in arrays) or len({a.shape for a in arrays}) != 1:
+            info["error"] = f"vector {name!r}: stored file holds no usable 1-D vectors"
+            return _Stored(None, info, info["error"])
+        width = int(arrays[0].shape[0])
+        info["hidden_size"] = width
+        if single is not None:
+            info["kind"], info["norm"] = "single", _norm(single)
+            decoded = DecodedVectors(single, None, info["source_format"] or "safetensors")
+        else:
+            assert per_layer is not None
+            per_layer = dict(sorted(per_layer.items()))
+            info["kind"], info["layers"] = "per_layer", list(per_layer)
+            info["norms"] = {k: _norm(v) for k, v in per_layer.items()}
+            decoded = DecodedVectors(None, MappingProxyType(per_layer),
+                                     info["source_format"] or "safetensors")
+        info["error"] = self._incompatibility(name, width, per_layer, arrays)
+        return _Stored(decoded, info, info["error"])
+
+    def _incompatibility(self, name: str, width: int, per_layer: dict | None,
+                         arrays: list[np.ndarray]) -> str | None:
+        if width != self.hidden_size:
+            return (f"vector {name!r} has width {width}, but this model's hidden size is "
+                    f"{self.hidden_size} (it was uploaded for another model; upload it again)")
+        if per_layer is not None:
+            beyond = [k for k in per_layer if k >= self.num_layers]
+            if beyond:
+                return (f"vector {name!r} has layers {beyond}, but this model has "
+                        f"{self.num_layers} layers (0..{self.num_layers - 1})")
+        if not all(np.isfinite(a).all() for a in arrays):
+            return f"vector {name!r}: stored values are not all finite (damaged file?)"
+        return None
+
+    def _write_atomic(self, path: Path, blob: bytes) -> None:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".tmp", dir=self.root)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(blob)
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            raise
+        self._fsync_dir()
+
+    def _fsync_dir(self) -> None:
+        fd = os.open(self.root, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        try:
+            os.fsync(fd)
+        except OSError:  # some filesystems cannot fsync a directory; the rename stands
+            pass
+        finally:
+            os.close(fd)
+
+    def _remove_stale_temp_files(self) -> None:
+        """Temp files left by a writer that died; young ones may still be in use."""
+        cutoff = time.time() - _STALE_TMP_SECONDS
+        with os.scandir(self.root) as entries:
+            for entry in entries:
+                if entry.name.startswith(".") and entry.name.endswith(".tmp"):
+                    try:
+                        if entry.stat().st_mtime < cutoff:
+                            os.unlink(entry.path)
+                    except OSError:
+                        pass
+
+
+def _norm(vec: np.ndarray) -> float:
+    return float(np.linalg.norm(vec.astype(np.float64)))
+
+
+def _read_safetensors(blob: bytes) -> tuple[dict[str, str], dict[str, np.ndarray]]:
+    """Metadata and float32 tensors of a registry file (ValueError if it is not one)."""
+    import safetensors
+
+    if len(blob) < 8:
+        raise ValueError("too short")
+    (n,) = struct.unpack_from("<Q", blob, 0)
+    try:
+        header = json.loads(bytes(blob[8:8 + n]))
+        items = safetensors.deserialize(bytes(blob))
+    except Exception as exc:
+        raise ValueError(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
+    meta = (header.get("__metadata__") or {}) if isinstance(header, dict) else {}
+    tensors = {}
+    for tname, t in items:
+        if t["dtype"] != "F32":
+            raise ValueError(f"tensor {tname!r} is {t['dtype']}, expected F32")
+        arr = np.frombuffer(bytes(t["data"]), dtype="<f4").reshape(t["shape"]).astype(np.float32)
+        arr.setflags(write=False)
+        tensors[tname] = arr
+    return {str(k): str(v) for k, v in meta.items()}, tensors

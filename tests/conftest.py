@@ -1,0 +1,89 @@
+"""Session fixtures shared by every suite: demo models, HF references, and one pool that
+keeps at most one engine or server alive at a time (2 cores, 24 GiB).
+
+Tests that need an engine or a server are marked `engine` and `uses_engine(name)`;
+they run after the fast suites, grouped by name, so each engine starts once.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable
+
+import pytest
+
+from capsteer.demo_model import write_demo_model
+
+
+class EnginePool:
+    """Keeps the last engine alive; asking for another config shuts it down first."""
+
+    def __init__(self) -> None:
+        self.key: tuple | None = None
+        self.engine = None
+
+    def get(self, key: tuple, factory: Callable[[], object]):
+        if self.key != key:
+            self.close()
+            self.engine = factory()
+            self.key = key
+        return self.engine
+
+    def close(self) -> None:
+        if self.engine is not None:
+            close = getattr(self.engine, "close", None)
+            if close is not None:
+                close()
+            else:  # a plain vllm.LLM
+                self.engine.llm_engine.engine_core.shutdown()
+            self.engine = None
+            self.key = None
+            gc.collect()
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory) -> dict[str, str]:
+    return {
+        family: str(write_demo_model(tmp_path_factory.mktemp(family), family, seed=7))
+        for family in ("qwen3", "llama", "qwen2")
+    }
+
+
+@pytest.fixture(scope="session")
+def engine_pool():
+    pool = EnginePool()
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="session")
+def hf_models(model_dirs):
+    from capsteer.reference import load_hf
+
+    return {family: load_hf(path) for family, path in model_dirs.items()}
+
+
+@pytest.fixture(scope="session")
+def capture_root(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("captures"))
+
+
+
+# Engines and servers in the order their tests run (one alive at a time).
+ENGINE_ORDER = ("qwen3", "qwen3-durable", "qwen3-eager", "llama", "qwen2", "vanilla", "other",
+                "server-vanilla", "server", "server-reject")
+
+
+def _engine_group(item) -> int:
+    marker = item.get_closest_marker("uses_engine")
+    name = marker.args[0] if marker else "qwen3"
+    callspec = getattr(item, "callspec", None)
+    if callspec is not None and "engine_name" in callspec.params:
+        name = callspec.params["engine_name"]
+    return ENGINE_ORDER.index(name)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    engine_items = [i for i in items if i.get_closest_marker("engine")]
+    others = [i for i in items if not i.get_closest_marker("engine")]
+    items[:] = others + sorted(engine_items, key=_engine_group)
