@@ -19,6 +19,7 @@ from capsteer.capture.receipts import Receipt, pending
 Send = Callable[[dict], Awaitable[None]]
 ReceiptSource = Callable[[str], Awaitable[Receipt]]
 _DONE = b"data: [DONE]"
+CAPTURE_ID_HEADER = b"x-capsteer-capture-id"
 
 
 class CaptureResponder:
@@ -46,6 +47,10 @@ class CaptureResponder:
     async def send(self, message: dict) -> None:
         kind = message["type"]
         if kind == "http.response.start":
+            # The id is known before the body: a client whose stream breaks can still ask
+            # GET /v1/captures/{id}.
+            message = {**message, "headers": [*message.get("headers", []),
+                                              (CAPTURE_ID_HEADER, self.capture_id.encode())]}
             headers = {k.lower(): v for k, v in message.get("headers", [])}
             ctype = headers.get(b"content-type", b"")
             if message["status"] != 200:

@@ -30,7 +30,13 @@ from types import MappingProxyType
 import numpy as np
 
 from capsteer.steering import formats
-from capsteer.steering.formats import DecodedVectors, VectorTooLargeError, decode_vectors
+from capsteer.steering.formats import (
+    DecodedVectors,
+    VectorFormatError,
+    VectorTooLargeError,
+    decode_vectors,
+)
+from capsteer.steering.spec import SteeringSpecError
 
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 SUFFIX = ".safetensors"
@@ -50,7 +56,7 @@ class VectorNotFoundError(KeyError):
         return f"unknown vector name {self.args[0]!r}"
 
 
-class VectorRegistryError(ValueError):
+class VectorRegistryError(VectorFormatError):
     """A stored vector that this model cannot use (other width/layers, damaged file)."""
 
 
@@ -131,7 +137,11 @@ class VectorRegistry:
 
     def info(self, name: str) -> dict:
         """Summary of one entry (no vector data); `error` says why it is unusable, if it is."""
-        return dict(self._load(name).info)
+        info = dict(self._load(name).info)
+        for key in ("layers", "norms"):  # copies: callers must not edit the cached entry
+            if info[key] is not None:
+                info[key] = type(info[key])(info[key])
+        return info
 
     def names(self) -> list[str]:
         """Registered names, sorted (files with invalid names are ignored)."""
@@ -174,13 +184,18 @@ class VectorRegistry:
         """`VectorLookup` for `parse_steering_spec`: a vector or {layer: vector}.
 
         Unknown and invalid names raise KeyError (the spec reports "unknown vector
-        name"); a stored vector this model cannot use raises VectorRegistryError.
+        name"); a stored vector this model cannot use raises SteeringSpecError, so the
+        request gets a 400 naming the problem rather than a 500 (the spec only turns
+        KeyError into a field error itself).
         """
         try:
             validate_name(name)
         except VectorNameError:
             raise VectorNotFoundError(name) from None
-        return self.get(name).value()
+        try:
+            return self.get(name).value()
+        except VectorRegistryError as exc:
+            raise SteeringSpecError("steering.vectors[].vector.name", str(exc)) from None
 
     # --- internals ----------------------------------------------------------------
 

@@ -185,6 +185,8 @@ def _resolve_vectors(
             found = lookup(name)
         except KeyError:
             raise SteeringSpecError(field + ".name", f"unknown vector name {name!r}") from None
+        except SteeringSpecError as exc:  # the registry holds it, but this model cannot use it
+            raise SteeringSpecError(field + ".name", exc.reason) from None
         if isinstance(found, Mapping):
             missing = [layer for layer in layers if layer not in found]
             if missing:
@@ -283,6 +285,8 @@ def _resolve_per_layer_name(
         found = lookup(raw["name"])
     except KeyError:
         raise SteeringSpecError(field + ".name", f"unknown vector name {raw['name']!r}") from None
+    except SteeringSpecError as exc:
+        raise SteeringSpecError(field + ".name", exc.reason) from None
     if not isinstance(found, Mapping):
         raise SteeringSpecError(field.rsplit(".", 1)[0] + ".layer",
                                 "is required: the named vector holds a single vector")

@@ -92,14 +92,18 @@ def start_server(pool: EnginePool, model_dirs, server_root: Path, name: str,
         model_dirs["qwen3"], server_root / name, extra, name))
 
 
-@pytest.fixture
-def server(engine_pool, model_dirs, server_root) -> ServerProcess:
+def main_server(pool: EnginePool, model_dirs, server_root: Path) -> ServerProcess:
     """capsteer with the block policy and a budget smaller than most captures (they spill)."""
-    return start_server(engine_pool, model_dirs, server_root, "server", [
+    return start_server(pool, model_dirs, server_root, "server", [
         "--capture-dir", str(server_root / "server" / "captures"),
         "--steering-dir", str(server_root / "server" / "vectors"),
         "--capture-overload", "block", "--capture-budget", "64KiB",
         "--capture-wait-timeout", "60", "--admin-key", ADMIN_KEY])
+
+
+@pytest.fixture
+def server(engine_pool, model_dirs, server_root) -> ServerProcess:
+    return main_server(engine_pool, model_dirs, server_root)
 
 
 @pytest.fixture

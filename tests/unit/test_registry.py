@@ -515,10 +515,12 @@ def test_other_width_is_an_error_not_silently_used(tmp_path):
     big.put("deep", json.dumps({"layers": {"6": [0.5] * (HIDDEN * 2)}}).encode())
     with pytest.raises(VectorRegistryError, match="hidden size is 16"):
         big.get("honesty")
-    with pytest.raises(VectorRegistryError, match="width 8"):
+    with pytest.raises(SteeringSpecError, match="width 8"):
         big.lookup("honesty")
-    with pytest.raises(VectorRegistryError, match="hidden size is 8"):
-        small.lookup("deep")
+    with pytest.raises(SteeringSpecError, match="hidden size is 8"):  # a 400, not a 500
+        parse_steering_spec({"vectors": [{"layer": 0, "vector": {"name": "deep"}}]},
+                            num_layers=LAYERS, hidden_size=HIDDEN, lookup=small.lookup)
+    assert issubclass(VectorRegistryError, VectorFormatError)
     listed = {e["name"]: e for e in big.list()}
     assert listed["honesty"]["error"] and listed["honesty"]["hidden_size"] == HIDDEN
     assert listed["deep"]["error"] is None
@@ -534,7 +536,7 @@ def test_damaged_or_foreign_file_reported(reg):
     reg.root.joinpath("foreign.safetensors").write_bytes(st_save({"weight": VEC}))
     with pytest.raises(VectorRegistryError, match="unreadable"):
         reg.get("junk")
-    with pytest.raises(VectorRegistryError, match="unexpected tensor"):
+    with pytest.raises(SteeringSpecError, match="unexpected tensor"):
         reg.lookup("foreign")
     assert all(e["error"] for e in reg.list())
 

@@ -1,0 +1,186 @@
+"""Captures through the HTTP API: chat and completions, streaming and not, against HF."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+
+from .helpers import ALL_HOOKS, PROMPT, assert_capture_matches_hf, capture_dir
+
+pytestmark = [pytest.mark.engine, pytest.mark.uses_engine("server")]
+MESSAGES = [{"role": "user", "content": "tell me about foxes and dogs"}]
+
+
+def _check_durable(server, results: dict, completion_tokens: int) -> None:
+    """The files were durable when the response arrived: manifest visible, every file
+    listed exists with its size, and exactly the fed positions are there."""
+    directory = capture_dir(server, results)
+    manifest = json.loads((directory / "manifest.json").read_text())
+    for f in manifest["files"]:
+        assert (directory / f["name"]).stat().st_size == f["bytes"]
+    assert manifest["fed_tokens"] == manifest["prompt_tokens"] + completion_tokens - 1
+    assert results["positions"] == manifest["fed_tokens"]  # positions "all"
+
+
+def test_completion_capture_wait_equals_hf(server, client, hf_models):
+    resp = client.completions.create(model="demo", prompt=PROMPT, max_tokens=6, temperature=0,
+                                     extra_body={"capture": ALL_HOOKS, "capture_wait": True})
+    results = resp.model_extra["capture_results"]
+    _check_durable(server, results, resp.usage.completion_tokens)
+    assert assert_capture_matches_hf(hf_models["qwen3"], capture_dir(server, results)) > 0
+
+
+def test_chat_capture_wait_equals_hf(server, client, hf_models):
+    resp = client.chat.completions.create(
+        model="demo", messages=MESSAGES, max_tokens=5, temperature=0,
+        extra_body={"capture": ALL_HOOKS, "capture_wait": True})
+    results = resp.model_extra["capture_results"]
+    _check_durable(server, results, resp.usage.completion_tokens)
+    assert_capture_matches_hf(hf_models["qwen3"], capture_dir(server, results))
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_streaming_final_chunk_carries_results(server, client, hf_models, kind):
+    extra = {"capture": ALL_HOOKS, "capture_wait": True}
+    if kind == "chat":
+        stream = client.chat.completions.create(model="demo", messages=MESSAGES, max_tokens=7,
+                                                temperature=0, stream=True, extra_body=extra)
+    else:
+        stream = client.completions.create(model="demo", prompt=PROMPT, max_tokens=7,
+                                           temperature=0, stream=True, extra_body=extra)
+    chunks = list(stream)
+    last = chunks[-1]
+    assert last.choices == []
+    results = last.model_extra["capture_results"]
+    assert last.id == chunks[0].id and last.model == "demo"
+    assert all("capture_results" not in (c.model_extra or {}) for c in chunks[:-1])
+    assert all(c.usage is None for c in chunks), "usage chunk leaked though not asked for"
+    _check_durable(server, results, 7)
+    assert_capture_matches_hf(hf_models["qwen3"], capture_dir(server, results))
+
+
+def test_streaming_keeps_usage_when_asked(server, client):
+    stream = client.completions.create(
+        model="demo", prompt=PROMPT, max_tokens=4, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"capture": {"hooks": ["resid_post"], "positions": "prompt"}})
+    chunks = list(stream)
+    usage = [c for c in chunks if c.usage is not None]
+    assert len(usage) == 1 and usage[0].usage.completion_tokens == 4
+    assert chunks[-1].model_extra["capture_results"]["status"] == "pending"
+
+
+def test_stop_string_ends_capture_at_the_output(server, client, hf_models):
+    """vLLM finds stop strings in the front end, after the engine may have fed more
+    tokens; the capture must end where the response ends."""
+    plain = client.completions.create(model="demo", prompt=PROMPT, max_tokens=24, temperature=0)
+    text = plain.choices[0].text
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    assert stop.strip(), text
+    resp = client.completions.create(
+        model="demo", prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop],
+        extra_body={"capture": {"hooks": ["resid_post"], "layers": "all", "positions": "all"},
+                    "capture_wait": True})
+    assert resp.choices[0].finish_reason == "stop"
+    assert resp.usage.completion_tokens < 24
+    results = resp.model_extra["capture_results"]
+    _check_durable(server, results, resp.usage.completion_tokens)
+    assert_capture_matches_hf(hf_models["qwen3"], capture_dir(server, results))
+
+
+def test_prompt_positions_per_file_with_tag(server, client, hf_models):
+    resp = client.completions.create(
+        model="demo", prompt=PROMPT, max_tokens=3, temperature=0,
+        extra_body={"capture": {"hooks": {"resid_post": [0, -1], "attn_out": "1-2"},
+                                "positions": "prompt", "layout": "per_file", "tag": "run-7"},
+                    "capture_wait": True, "return_token_ids": True})
+    results = resp.model_extra["capture_results"]
+    directory = capture_dir(server, results)
+    assert directory.parts[-2] == "run-7" and results["layout"] == "per_file"
+    assert sorted(results["files"]) == sorted(
+        ["resid_post.0.safetensors", "resid_post.3.safetensors", "attn_out.1.safetensors",
+         "attn_out.2.safetensors"])
+    prompt_ids = resp.choices[0].prompt_token_ids
+    assert results["positions"] == len(prompt_ids)
+    assert_capture_matches_hf(hf_models["qwen3"], directory, fed=list(prompt_ids))
+
+
+def test_without_wait_receipt_is_pending_then_fetched(server, client, http):
+    resp = client.completions.create(model="demo", prompt=PROMPT, max_tokens=4, temperature=0,
+                                     extra_body={"capture": True})
+    results = resp.model_extra["capture_results"]
+    assert results["status"] == "pending"
+    deadline = time.monotonic() + 60
+    while True:
+        r = http.get(f"/v1/captures/{results['capture_id']}")
+        assert r.status_code == 200, r.text
+        if r.json()["status"] != "pending" or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    body = r.json()
+    assert body["status"] == "ok"
+    assert body["manifest_data"]["capture_id"] == results["capture_id"]
+    assert (capture_dir(server, body) / "manifest.json").exists()
+
+
+def test_literal_extra_body_object_from_curl(server, http):
+    r = http.post("/v1/completions", json={
+        "model": "demo", "prompt": PROMPT, "max_tokens": 3, "temperature": 0,
+        "extra_body": {"capture": {"hooks": ["post_block"], "layers": [-1]},
+                       "capture_wait": True}})
+    assert r.status_code == 200, r.text
+    results = r.json()["capture_results"]
+    assert results["status"] == "ok" and r.headers["x-capsteer-capture-id"] == results["capture_id"]
+
+
+def test_no_capture_field_no_results(server, client):
+    resp = client.completions.create(model="demo", prompt=PROMPT, max_tokens=3, temperature=0)
+    assert "capture_results" not in (resp.model_extra or {})
+
+
+def test_disconnected_stream_gets_an_error_receipt(server, http):
+    """A client that goes away mid-stream aborts the request: no data files are
+    published under a final name, the receipt says why."""
+    with http.stream("POST", "/v1/completions", json={
+            "model": "demo", "prompt": PROMPT, "max_tokens": 400, "temperature": 0,
+            "ignore_eos": True, "stream": True,
+            "capture": {"hooks": ["resid_post"], "positions": "all"}}) as r:
+        capture_id = r.headers["x-capsteer-capture-id"]
+        lines = r.iter_lines()
+        for _ in range(3):
+            next(lines)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        body = http.get(f"/v1/captures/{capture_id}").json()
+        if body["status"] != "pending":
+            break
+        time.sleep(0.1)
+    assert body["status"] == "error" and "abort" in body["error"], body
+    assert body["files"] == []
+
+
+def test_receipt_lookup_errors(server, http):
+    assert http.get("/v1/captures/cap-doesnotexist").status_code == 404
+    r = http.get("/v1/captures/..%2F..%2Fetc")
+    assert r.status_code in (400, 404)
+
+
+def test_hooks_endpoint(server, http):
+    body = http.get("/v1/capsteer/hooks").json()
+    assert body["num_layers"] == 4 and body["hidden_size"] == 128 and body["dtype"] == "float32"
+    names = {h["name"]: h for h in body["hooks"]}
+    assert set(names) == {"resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out"}
+    assert names["resid_post"]["aliases"] == ["post_block"]
+
+
+def test_openapi_documents_the_fields(server):
+    schema = httpx.get(server.url + "/openapi.json", timeout=30).json()
+    components = schema["components"]["schemas"]
+    for name in ("ChatCompletionRequest", "CompletionRequest"):
+        props = components[name]["properties"]
+        assert {"capture", "capture_wait", "steering"} <= set(props)
+    for path in ("/v1/capsteer/hooks", "/v1/steering/vectors/{name}", "/v1/captures/{capture_id}"):
+        assert path in schema["paths"]

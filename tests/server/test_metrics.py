@@ -1,0 +1,52 @@
+"""/metrics: capsteer's metrics sit beside vLLM's and move with what was really written."""
+
+from __future__ import annotations
+
+import pytest
+
+from .helpers import PROMPT, capture_dir, metric_value, scrape
+
+pytestmark = [pytest.mark.engine, pytest.mark.uses_engine("server")]
+CAPTURE_METRICS = ("capsteer_capture_requests_total", "capsteer_capture_bytes_total",
+                   "capsteer_capture_files_total", "capsteer_capture_publish_seconds",
+                   "capsteer_capture_inflight_bytes", "capsteer_capture_dropped_total",
+                   "capsteer_capture_rejected_total", "capsteer_fsync_seconds",
+                   "capsteer_steering_requests_total", "capsteer_steering_vectors")
+
+
+def test_metrics_follow_the_bytes_and_files_on_disk(server, client, http):
+    before = scrape(server.url)
+    for name in CAPTURE_METRICS:
+        assert f"# TYPE {name}" in before, name
+    assert "vllm:prompt_tokens_total" in before  # vLLM's own metrics are still there
+    specs = [
+        {"hooks": ["resid_post"], "layers": "all", "positions": "all"},
+        {"hooks": {"mlp_out": [0, 2]}, "positions": "prompt", "layout": "per_file"},
+        {"hooks": ["resid_pre", "attn_out"], "layers": [1], "positions": "last"},
+    ]
+    receipts = []
+    for spec in specs:
+        resp = client.completions.create(model="demo", prompt=PROMPT, max_tokens=4, temperature=0,
+                                         extra_body={"capture": spec, "capture_wait": True})
+        receipts.append(resp.model_extra["capture_results"])
+    steering = {"vectors": [{"hook": "resid_post", "layer": 0, "vector": [0.5] * 128}]}
+    for _ in range(2):
+        client.completions.create(model="demo", prompt=PROMPT, max_tokens=2,
+                                  extra_body={"steering": steering})
+    after = scrape(server.url)
+
+    def delta(name: str, **labels: str) -> float:
+        return metric_value(after, name, **labels) - metric_value(before, name, **labels)
+
+    on_disk_bytes = sum(
+        (capture_dir(server, r) / f).stat().st_size for r in receipts for f in r["files"])
+    assert on_disk_bytes == sum(r["bytes"] for r in receipts)
+    assert delta("capsteer_capture_bytes_total") == on_disk_bytes
+    assert delta("capsteer_capture_files_total") == sum(len(r["files"]) for r in receipts) == 4
+    assert delta("capsteer_capture_requests_total", status="ok") == 3
+    assert delta("capsteer_capture_publish_seconds_count") == 3
+    assert delta("capsteer_fsync_seconds_count") >= 3
+    assert delta("capsteer_steering_requests_total") == 2
+    assert metric_value(after, "capsteer_capture_inflight_bytes") == 0
+    vectors = len(http.get("/v1/steering/vectors").json()["data"])
+    assert metric_value(after, "capsteer_steering_vectors") == vectors

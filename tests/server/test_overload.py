@@ -1,0 +1,60 @@
+"""Overload: `reject` answers 429 with Retry-After; `block` completes every capture."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from capsteer.capture import read
+
+from .helpers import ALL_HOOKS, PROMPT, capture_dir
+
+# ~150 KiB estimated per request (2 keys x 512 B x ~150 positions): two fit in 300 KiB.
+SMALL = {"hooks": ["resid_post"], "layers": [0, 1], "positions": "all"}
+
+
+def _post(url: str, capture: dict, max_tokens: int = 16) -> httpx.Response:
+    return httpx.post(url + "/v1/completions", timeout=120, json={
+        "model": "demo", "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0,
+        "ignore_eos": True, "capture": capture, "capture_wait": True})
+
+
+@pytest.mark.engine
+@pytest.mark.uses_engine("server-reject")
+def test_reject_policy_answers_429_and_stays_healthy(reject_server):
+    url = reject_server.url
+    with ThreadPoolExecutor(8) as pool:
+        responses = list(pool.map(lambda _: _post(url, SMALL), range(8)))
+    codes = [r.status_code for r in responses]
+    assert 429 in codes and 200 in codes, codes
+    assert set(codes) <= {200, 429}, codes
+    for r in responses:
+        if r.status_code == 429:
+            assert int(r.headers["retry-after"]) >= 1
+            assert r.json()["error"]["param"] == "capture"
+        else:
+            assert r.json()["capture_results"]["status"] == "ok"
+    too_big = _post(url, ALL_HOOKS, max_tokens=64)
+    assert too_big.status_code == 400 and "budget" in too_big.json()["error"]["message"]
+    assert httpx.get(url + "/health", timeout=30).status_code == 200
+    assert _post(url, SMALL).status_code == 200  # the budget was freed
+    metrics = httpx.get(url + "/metrics", timeout=30).text
+    assert f"capsteer_capture_rejected_total {float(codes.count(429))}" in metrics
+
+
+@pytest.mark.engine
+@pytest.mark.uses_engine("server")
+def test_block_policy_completes_every_capture(server):
+    """64 KiB budget, eight concurrent captures of ~200 KB each: the writer spills, all land."""
+    with ThreadPoolExecutor(8) as pool:
+        responses = list(pool.map(lambda _: _post(server.url, ALL_HOOKS, max_tokens=8), range(8)))
+    assert [r.status_code for r in responses] == [200] * 8
+    for r in responses:
+        results = r.json()["capture_results"]
+        assert results["status"] == "ok", results
+        cap = read(capture_dir(server, results))
+        assert len(cap.positions) == r.json()["usage"]["prompt_tokens"] + 7
+        assert results["bytes"] > 64 * 1024
+    assert httpx.get(server.url + "/health", timeout=30).status_code == 200
