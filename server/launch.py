@@ -88,7 +88,9 @@ def _run(args: argparse.Namespace, passthrough: list[str] | None = None) -> int:
     os.environ[ENV_VAR] = settings.to_env()
     host = extra[extra.index("--host") + 1] if "--host" in extra else "127.0.0.1"
     port = extra[extra.index("--port") + 1] if "--port" in extra else "8000"
-    print(ready_hint(args.model, host, port), flush=True)
+    served = extra[extra.index("--served-model-name") + 1] if "--served-model-name" in extra \
+        else args.model
+    print(ready_hint(served, host, port), flush=True)
     run_vllm_serve(vllm_argv(args.model, extra, settings.worker_config()))
     return 0
 
