@@ -9,11 +9,14 @@ import sys
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="capsteer")
     sub = parser.add_subparsers(dest="command", required=True)
-    from capsteer import demo_model
+    from capsteer import demo_model, extract
+    from capsteer.config import cli as config_cli
     from capsteer.server import launch
 
     demo_model.add_command(sub)
     launch.add_command(sub)
+    extract.add_command(sub)
+    config_cli.add_command(sub)
     try:
         from capsteer.capture import cli as capture_cli
     except ImportError:  # storage commands not installed in this build

@@ -340,7 +340,7 @@ class ShardedCapture:
     def __init__(self, path: Path, manifest: dict[str, Any]) -> None:
         self.path = path
         self.manifest = manifest
-        self.index = _read_index_readonly(path / INDEX_FILE)
+        self.index = read_index(path / INDEX_FILE)
         self._by_id = {str(e["id"]): e for e in self.index}
 
     def ids(self) -> list[str]:
@@ -372,7 +372,7 @@ class ShardedCapture:
         return problems
 
 
-def _read_index_readonly(path: Path) -> list[dict[str, Any]]:
+def read_index(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     raw = path.read_bytes()
@@ -390,3 +390,8 @@ def read_sharded(path: str | Path, *, verify: bool = True) -> ShardedCapture:
         if problems:
             raise CorruptCapture(f"{directory}: " + "; ".join(problems))
     return job
+
+
+def indexed_ids(out_dir: str | Path) -> set[str]:
+    """Request ids already durable in a job directory (what a resumed job skips)."""
+    return {str(e["id"]) for e in read_index(Path(out_dir) / INDEX_FILE)}

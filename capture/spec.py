@@ -301,3 +301,40 @@ def parse_capture_spec(
         dtype=dtype,
         tag=tag,
     )
+
+
+def parse_capture_shorthand(text: str) -> dict[str, Any]:
+    """A capture object from the one-line form used by flags and config files.
+
+    `HOOK[:LAYERS][+HOOK[:LAYERS]...][@POSITIONS]`, e.g. `resid_post:all@prompt`,
+    `resid_post:0-3+mlp_out:-1@last`; LAYERS as in requests ("all", "a-b", "a:b", an
+    int, or ints joined by commas); a JSON object is accepted as is. The result is
+    validated by `parse_capture_spec` like a request's field.
+    """
+    field = "global_capture"
+    if not isinstance(text, str) or not text.strip():
+        raise SpecError(field, "empty capture shorthand")
+    text = text.strip()
+    if text.startswith("{"):
+        try:
+            obj = json.loads(text)
+        except ValueError as exc:
+            raise SpecError(field, f"not valid JSON: {exc}") from None
+        if not isinstance(obj, dict):
+            raise SpecError(field, "JSON form must be an object")
+        return obj
+    hooks_part, _, positions = text.partition("@")
+    hooks: dict[str, Any] = {}
+    for item in hooks_part.split("+"):
+        name, _, layers = item.strip().partition(":")
+        if not name:
+            raise SpecError(field, f"missing hook name in {text!r}")
+        layers = layers.strip() or "all"
+        value: Any = [s.strip() for s in layers.split(",")] if "," in layers else layers
+        hooks[name.strip()] = value
+    out: dict[str, Any] = {"hooks": hooks}
+    if positions.strip():
+        pos = positions.strip()
+        out["positions"] = [int(p) for p in pos.split(",")] if _INT_RE.fullmatch(
+            pos.split(",")[0]) else pos
+    return out

@@ -1,32 +1,64 @@
-"""Server settings: one typed record, its defaults, and how it travels to the API process.
+"""Server settings: one typed record, its defaults, where values come from, and how it
+travels to the API process.
 
-`capsteer serve` parses the capsteer flags into `ServerSettings`; vLLM then builds its
-own app in the same process (or in several API processes), and the capsteer
-middleware reads the settings back from the environment (`from_env`), so every
-API process sees the same values.
+`capsteer serve` resolves the settings once (`load_settings`: flag > CAPSTEER_* env >
+YAML file > defaults); vLLM then builds its own app in the same process (or in several
+API processes), and the capsteer middleware reads the resolved settings back from one
+environment variable (`from_env`), so every API process sees the same values and none
+of them re-reads the env or the file.
 """
 
 from __future__ import annotations
 
+import copy
 import json
+import math
 import os
 import re
-from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, NamedTuple
+
+import yaml
+from pydantic import Field, ValidationError, field_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    YamlConfigSettingsSource,
+)
+from pydantic_settings.exceptions import SettingsError
 
 from capsteer.capture.spec import DEFAULT_SPEC, LAYOUTS
 
-ENV_VAR = "CAPSTEER_SERVER_SETTINGS"
+ENV_VAR = "CAPSTEER_SERVER_SETTINGS"  # the resolved settings, JSON, launcher -> API process
+ENV_PREFIX = "CAPSTEER_"
+CONFIG_ENV_VAR = "CAPSTEER_CONFIG"  # names the YAML file when no --config is given
+FILE_SECTION = "server"  # a YAML file may hold the keys under `server:`
 OVERLOAD_POLICIES = ("block", "drop", "reject")
+
+Source = Literal["default", "file", "env", "flag"]
+
 _SIZE_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4,
           "KI": 1 << 10, "MI": 1 << 20, "GI": 1 << 30, "TI": 1 << 40}
 
 
-def parse_size(text: str | int) -> int:
-    """Bytes from '512MiB', '2GB', '1048576' (binary units with an i)."""
+class ConfigError(ValueError):
+    """A setting that cannot be used, named with the source it came from."""
+
+
+def parse_size(text: str | int | float) -> int:
+    """Bytes from '512MiB', '2GB', '1048576' or an int (binary units with an i)."""
+    if isinstance(text, bool):  # bool is an int; `capture_budget: yes` is a mistake
+        raise ValueError(f"not a size: {text!r} (examples: 512MiB, 2GiB, 1000000)")
     if isinstance(text, int):
         return text
+    if isinstance(text, float) and text.is_integer():
+        return int(text)
     m = _SIZE_RE.fullmatch(str(text))
     if not m:
         raise ValueError(f"not a size: {text!r} (examples: 512MiB, 2GiB, 1000000)")
@@ -35,43 +67,258 @@ def parse_size(text: str | int) -> int:
 
 
 @dataclass(frozen=True)
-class ServerSettings:
-    """Everything the capsteer layer of the API server needs (defaults live here)."""
+class _Resolution:
+    """How the next `ServerSettings(...)` in this context picks its sources."""
 
-    capture_dir: str = "captures"
-    capture_layout: str = "packed"
-    capture_overload: str = "block"
-    capture_budget: int = 1 << 30  # bytes of capture rows in flight (engine memory)
-    capture_wait_timeout: float = 60.0  # seconds a capture_wait response may be held
-    steering_dir: str = "steering-vectors"
-    admin_key: str | None = None  # required for registry mutations when set
-    capture_default: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_SPEC))
+    config_file: Path | None = None  # YAML file to read (None: no file)
+    init_only: bool = False  # from_env: the JSON blob is already the effective config
 
-    def __post_init__(self) -> None:
-        if self.capture_layout not in LAYOUTS:
-            raise ValueError(f"capture_layout must be one of {LAYOUTS}, got {self.capture_layout!r}")
-        if self.capture_overload not in OVERLOAD_POLICIES:
-            raise ValueError(f"capture_overload must be one of {OVERLOAD_POLICIES}, "
-                             f"got {self.capture_overload!r}")
-        if self.capture_budget <= 0:
-            raise ValueError("capture_budget must be positive")
-        if self.capture_wait_timeout <= 0:
-            raise ValueError("capture_wait_timeout must be positive")
+
+_RESOLUTION: ContextVar[_Resolution | None] = ContextVar("capsteer_settings_resolution",
+                                                        default=None)
+
+
+@contextmanager
+def _resolving(resolution: _Resolution) -> Iterator[None]:
+    token = _RESOLUTION.set(resolution)
+    try:
+        yield
+    finally:
+        _RESOLUTION.reset(token)
+
+
+def config_file_path(config_file: str | Path | None = None) -> Path | None:
+    """The YAML file to read: the one given, else $CAPSTEER_CONFIG, else none."""
+    chosen = config_file if config_file is not None else os.environ.get(CONFIG_ENV_VAR) or None
+    return Path(chosen).expanduser() if chosen is not None else None
+
+
+class ServerSettings(BaseSettings):
+    """Everything the capsteer layer of the API server needs (defaults live here only).
+
+    Constructing it directly resolves init kwargs > CAPSTEER_* env > YAML file
+    ($CAPSTEER_CONFIG) > defaults; `load_settings` does the same with `ConfigError`s.
+    """
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, case_sensitive=False,
+                                      env_ignore_empty=True, frozen=True, extra="forbid")
+
+    capture_dir: str = Field("captures", description="capture root")
+    capture_layout: str = Field("packed", description="how capture files are laid out: "
+                                                      + ", ".join(LAYOUTS))
+    capture_overload: str = Field("block", description="when the in-flight budget is full: "
+                                  "block (spill), drop, reject (429)")
+    capture_budget: int = Field(1 << 30, description="bytes of capture rows in flight "
+                                "(engine memory), e.g. 1GiB")
+    capture_wait_timeout: float = Field(60.0, description="seconds a capture_wait response "
+                                        "may be held (then status pending)")
+    steering_dir: str = Field("steering-vectors", description="named steering vectors")
+    admin_key: str | None = Field(None, description="required (X-Admin-Key header) to "
+                                  "change the vector registry; none: registry is open")
+    capture_default: dict[str, Any] = Field(default_factory=lambda: copy.deepcopy(DEFAULT_SPEC),
+                                            description="capture spec fields a request "
+                                            "leaves out (env: JSON)")
+    global_capture: str | None = Field(None, description="capture shorthand applied to every "
+                                       "request without a `capture` field")
+
+    @field_validator("capture_layout")
+    @classmethod
+    def _check_layout(cls, value: str) -> str:
+        if value not in LAYOUTS:
+            raise ValueError(f"must be one of {', '.join(LAYOUTS)}; got {value!r}")
+        return value
+
+    @field_validator("capture_overload")
+    @classmethod
+    def _check_overload(cls, value: str) -> str:
+        if value not in OVERLOAD_POLICIES:
+            raise ValueError(f"must be one of {', '.join(OVERLOAD_POLICIES)}; got {value!r}")
+        return value
+
+    @field_validator("capture_budget", mode="before")
+    @classmethod
+    def _parse_budget(cls, value: Any) -> Any:
+        return parse_size(value) if isinstance(value, (str, int, float)) else value
+
+    @field_validator("capture_budget")
+    @classmethod
+    def _check_budget(cls, value: int) -> int:
+        if value <= 0:
+            raise ValueError(f"must be a positive size (e.g. 512MiB, 2GiB); got {value}")
+        return value
+
+    @field_validator("capture_wait_timeout")
+    @classmethod
+    def _check_timeout(cls, value: float) -> float:
+        # JSON (to_env) cannot carry inf/nan, and a wait must end
+        if not math.isfinite(value) or value <= 0:
+            raise ValueError(f"must be a positive, finite number of seconds; got {value}")
+        return value
+
+    @field_validator("capture_dir", "steering_dir", "admin_key", "global_capture")
+    @classmethod
+    def _check_non_empty(cls, value: str | None) -> str | None:
+        # an empty admin key would silently open the registry: leave it out instead
+        if value is not None and not value.strip():
+            raise ValueError("must not be empty (leave it out to use the default)")
+        return value
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """Precedence: init kwargs (flags) > CAPSTEER_* env > YAML file > field defaults."""
+        resolution = _RESOLUTION.get() or _Resolution(config_file=config_file_path())
+        if resolution.init_only:
+            return (init_settings,)
+        if resolution.config_file is None:
+            return init_settings, env_settings
+        return init_settings, env_settings, YamlFileSource(settings_cls, resolution.config_file)
 
     def to_env(self) -> str:
-        return json.dumps(asdict(self))
+        return self.model_dump_json()
 
     @classmethod
     def from_env(cls) -> ServerSettings:
+        """The settings the launcher resolved (no env/file re-read: the blob is final).
+
+        Without the blob (middleware mounted by a plain `vllm serve`), resolve
+        env > file > defaults here.
+        """
         raw = os.environ.get(ENV_VAR)
         if not raw:
-            return cls()
+            return load_settings()
         data = json.loads(raw)
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in known})
+        known = {k: v for k, v in data.items() if k in cls.model_fields}  # newer launcher
+        with _resolving(_Resolution(init_only=True)):
+            return cls(**known)
 
     def worker_config(self) -> dict[str, Any]:
         """The part the engine workers need (passed through vLLM's additional_config)."""
         return {"capture_dir": os.path.abspath(self.capture_dir),
                 "capture_budget": self.capture_budget,
                 "capture_overload": self.capture_overload}
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """The settings in a YAML file (flat, or under `server:`), unknown keys refused."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"config file {path}: cannot read it: {exc}") from None
+    return _file_settings(data, path)
+
+
+def _file_settings(data: Any, path: Path) -> dict[str, Any]:
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path}: expected a mapping of settings, "
+                          f"got {type(data).__name__}")
+    if FILE_SECTION in data:
+        if set(data) != {FILE_SECTION}:
+            extra = sorted(str(k) for k in data if k != FILE_SECTION)
+            raise ConfigError(f"config file {path}: unknown top-level key(s) {extra} next to "
+                              f"'{FILE_SECTION}:'")
+        return _file_settings(data[FILE_SECTION] or {}, path)
+    valid = list(ServerSettings.model_fields)
+    settings = {str(k).replace("-", "_"): v for k, v in data.items()}
+    unknown = [str(k) for k, norm in zip(data, settings, strict=True) if norm not in valid]
+    if unknown:
+        raise ConfigError(f"config file {path}: unknown key(s) {', '.join(unknown)}; "
+                          f"valid keys: {', '.join(valid)}")
+    return settings
+
+
+class YamlFileSource(YamlConfigSettingsSource):
+    """pydantic-settings' YAML source, strict: missing file, stray keys are errors."""
+
+    def __init__(self, settings_cls: type[BaseSettings], path: Path) -> None:
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        super().__init__(settings_cls, yaml_file=path)
+
+    def _read_file(self, file_path: Any) -> dict[str, Any]:
+        return read_config_file(file_path)
+
+
+class Resolved(NamedTuple):
+    """Effective settings and where each value came from (for `capsteer config show`)."""
+
+    settings: ServerSettings
+    sources: dict[str, Source]
+    config_file: Path | None
+
+
+def resolve_settings(overrides: Mapping[str, Any] | None = None,
+                     config_file: str | Path | None = None) -> Resolved:
+    """`load_settings`, plus the source of every field."""
+    flags = {k: v for k, v in (overrides or {}).items() if v is not None}
+    valid = list(ServerSettings.model_fields)
+    unknown = [k for k in flags if k not in valid]
+    if unknown:
+        raise ConfigError(f"unknown setting(s) {', '.join(unknown)}; valid: {', '.join(valid)}")
+    path = config_file_path(config_file)
+    file_values = read_config_file(path) if path is not None else {}
+    try:
+        env_values = _env_values()
+    except SettingsError as exc:
+        match = re.search(r'field "(\w+)"', str(exc))
+        field = match.group(1) if match else "?"
+        raise ConfigError(f"invalid {field} (from env {ENV_PREFIX}{field.upper()}): "
+                          f"not valid JSON") from None
+    sources: dict[str, Source] = {
+        name: "flag" if name in flags else "env" if name in env_values
+        else "file" if name in file_values else "default"
+        for name in valid}
+    try:
+        with _resolving(_Resolution(config_file=path)):
+            settings = ServerSettings(**flags)
+    except ValidationError as exc:
+        raise ConfigError(_explain(exc, sources, path)) from None
+    return Resolved(settings, sources, path)
+
+
+def load_settings(overrides: Mapping[str, Any] | None = None,
+                  config_file: str | Path | None = None) -> ServerSettings:
+    """Effective settings: flag (overrides; None = not given) > CAPSTEER_* env > YAML file
+    (`config_file`, else $CAPSTEER_CONFIG) > defaults. Raises `ConfigError`.
+
+    Dict values (capture_default) given both in env and file are merged key by key.
+    """
+    return resolve_settings(overrides, config_file).settings
+
+
+def _env_values() -> dict[str, Any]:
+    """The fields CAPSTEER_* env sets (the same source `ServerSettings` reads)."""
+    from pydantic_settings import EnvSettingsSource
+
+    return EnvSettingsSource(ServerSettings)()
+
+
+def _where(field: str, source: Source, path: Path | None) -> str:
+    return {"flag": f"flag --{field.replace('_', '-')}",
+            "env": f"env {ENV_PREFIX}{field.upper()}",
+            "file": f"file {path}",
+            "default": "default"}[source]
+
+
+def _explain(exc: ValidationError, sources: Mapping[str, Source], path: Path | None) -> str:
+    """One line per bad field: name, source, reason (secrets never echoed)."""
+    lines = []
+    for err in exc.errors():
+        field = str(err["loc"][0]) if err["loc"] else "?"
+        reason = str(err["ctx"]["error"]) if err["type"] == "value_error" else err["msg"]
+        if err["type"] != "value_error" and field != "admin_key":
+            reason += f"; got {err['input']!r}"
+        where = _where(field, sources[field], path) if field in sources else "input"
+        lines.append(f"invalid {field} (from {where}): {reason}")
+    return "; ".join(lines)

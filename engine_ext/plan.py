@@ -57,6 +57,8 @@ class RequestHooks:
     # scheduling can feed tokens past the output); a durable capture of generated
     # positions waits for that report before it is published.
     await_end: bool = False
+    sink: str = "memory"  # "memory" | "durable" | "sharded"
+    record_id: str | None = None  # the job's own id for this request (sharded index)
     slot: int = 0  # device mode: row of the per-request tables (0 = no hooks)
     steering_key: str | None = None  # requests with the same steering share table entries
 
@@ -75,6 +77,8 @@ class RequestHooks:
             hooks.capture_id = payload["capture_id"]
             hooks.durable = bool(payload.get("durable", False))
             hooks.await_end = bool(payload.get("await_end", False))
+            hooks.sink = str(payload.get("sink") or ("durable" if hooks.durable else "memory"))
+            hooks.record_id = payload.get("record_id")
             points: dict[tuple[int, int], list[tuple[str, int]]] = defaultdict(list)
             for hook, layer in hooks.capture.keys():
                 points[hook_point(hook, layer)].append((hook, layer))

@@ -51,6 +51,8 @@ class EngineHooks:
         self.capture_rank = adapter.is_capture_rank()
         self.memory = MemorySink(final_positions=False)  # capsteer.engine finalizes
         self.writer: CaptureSink | None = _durable_writer(self.config)
+        self.sharded = _sharded_sink(self.config, self.model_name, self.sites.hidden_size, dtype) \
+            if self.capture_rank else None
         self.sinks: dict[str, CaptureSink] = {}  # capture_id -> the sink its request chose
         self.requests: dict[str, RequestHooks] = {}
         self.prompts: dict[str, tuple[int, ...]] = {}
@@ -116,13 +118,21 @@ class EngineHooks:
                     logger.warning("capsteer: capture id reused by request %s; writing it as %s",
                                    req_id, hooks.capture_id)
                 self.prompts[req_id] = tuple(prompt)
-                sink = self.writer if hooks.durable and self.writer is not None else self.memory
+                sink = self._sink_for(hooks)
                 self.sinks[hooks.capture_id] = sink
                 sink.open(CaptureRequest(
-                    capture_id=hooks.capture_id, request_id=req_id, model=self.model_name,
+                    capture_id=hooks.capture_id, request_id=hooks.record_id or req_id,
+                    model=self.model_name,
                     spec=hooks.capture, prompt_token_ids=tuple(prompt),
                     model_dtype=self.runtime.dtype, hidden_size=self.sites.hidden_size,
                     num_layers=self.sites.num_layers))
+
+    def _sink_for(self, hooks: RequestHooks) -> CaptureSink:
+        if hooks.sink == "sharded" and self.sharded is not None:
+            return self.sharded
+        if hooks.sink in ("durable", "sharded") and self.writer is not None:
+            return self.writer
+        return self.memory
 
     def _before_forward(self, layout: adapter.BatchLayout) -> None:
         if self.pinned_plan:
@@ -224,7 +234,7 @@ class EngineHooks:
         if sink is None:
             return
         ending = _Ending(hooks, prompt, sink, time.monotonic() + self.end_wait_s)
-        if not (hooks.durable and hooks.await_end):
+        if not hooks.await_end:
             self._run_on_sink_thread(lambda: ending.close(None))
         elif hooks.fed_len < hooks.prompt_len:
             # Every finished request had its whole prompt fed: this one was aborted.
@@ -282,6 +292,13 @@ class _Ending:
     deadline: float
 
     def close(self, num_output: int | None) -> None:
+        try:
+            self._close(num_output)
+        except Exception as exc:  # a sink failure must never stop the engine
+            logger.exception("capsteer: closing capture %s failed", self.hooks.capture_id)
+            self.sink.abort(self.hooks.capture_id, f"{type(exc).__name__}: {exc}")
+
+    def _close(self, num_output: int | None) -> None:
         hooks, prompt = self.hooks, self.prompt
         fed = hooks.fed_len
         if num_output is not None:  # only the prompt and the output but its last were fed
@@ -304,6 +321,22 @@ def _durable_writer(config: dict) -> CaptureSink | None:
         root, budget_bytes=int(config.get("capture_budget", 1 << 30)),
         policy=str(config.get("capture_overload", "block")),
         workers=int(config["capture_workers"]) if "capture_workers" in config else None)
+
+
+def _sharded_sink(config: dict, model: str, hidden: int, model_dtype: torch.dtype):
+    """An extraction job's shard writer (many requests per file) when configured."""
+    job = config.get("sharded")
+    if not job:
+        return None
+    from capsteer.capture.sharded import ShardedSink, ShardedWriter
+    from capsteer.capture.spec import CaptureSpec
+
+    spec = CaptureSpec.from_dict(job["spec"])
+    dtype = model_dtype if spec.dtype == "auto" else getattr(torch, spec.dtype)
+    writer = ShardedWriter(job["dir"], keys=spec.keys(), hidden_size=hidden, dtype=dtype,
+                           shard_bytes=int(job.get("shard_bytes", 1 << 30)), model=model,
+                           spec=spec, job_id=job.get("job_id"))
+    return ShardedSink(writer)
 
 
 class CapsteerWorker(adapter.platform_worker_base()):  # type: ignore[misc]
@@ -356,6 +389,16 @@ class CapsteerWorker(adapter.platform_worker_base()):  # type: ignore[misc]
         writer = self.capsteer.writer
         stats = getattr(writer, "stats", None)
         return stats() if stats is not None else None
+
+    def capsteer_flush_sharded(self) -> int:
+        """Publish the partly filled shard (end of job, Ctrl-C); returns indexed requests."""
+        sharded = self.capsteer.sharded
+        if sharded is None:
+            return 0
+        if self.capsteer.harvester is not None:
+            self.capsteer.harvester.drain()  # every delivered row is in the sink first
+        sharded.writer.flush()
+        return len(sharded.writer.done_ids)
 
     def capsteer_stats(self) -> dict:
         """Diagnostics: steps checked under sync debug mode, harvester errors, live requests."""

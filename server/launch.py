@@ -12,7 +12,8 @@ import argparse
 import json
 import os
 
-from capsteer.config.server import ENV_VAR, OVERLOAD_POLICIES, ServerSettings, parse_size
+from capsteer.config.cli import add_server_flags, load_from_args
+from capsteer.config.server import ENV_VAR, ConfigError
 from capsteer.engine_ext.version import hooks_code_hash
 
 WORKER_CLS = "capsteer.engine_ext.worker.CapsteerWorker"
@@ -36,20 +37,6 @@ def vllm_argv(model: str, passthrough: list[str], worker_config: dict | None = N
     return [*argv, "--middleware", MIDDLEWARE, "--additional-config", json.dumps(extra)]
 
 
-def settings_from_args(args: argparse.Namespace) -> ServerSettings:
-    defaults = ServerSettings()
-    return ServerSettings(
-        capture_dir=args.capture_dir or defaults.capture_dir,
-        capture_layout=args.capture_layout or defaults.capture_layout,
-        capture_overload=args.capture_overload or defaults.capture_overload,
-        capture_budget=parse_size(args.capture_budget) if args.capture_budget
-        else defaults.capture_budget,
-        capture_wait_timeout=args.capture_wait_timeout or defaults.capture_wait_timeout,
-        steering_dir=args.steering_dir or defaults.steering_dir,
-        admin_key=args.admin_key or os.environ.get("CAPSTEER_ADMIN_KEY") or None,
-    )
-
-
 def add_command(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("serve", help="OpenAI-compatible server with capsteer hooks",
                               add_help=False)
@@ -59,28 +46,20 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--vanilla", action="store_true",
                    help="run stock `vllm serve` with the same flags and no capsteer "
                         "(side-by-side comparisons)")
-    p.add_argument("--capture-dir", help="capture root (default ./captures)")
-    p.add_argument("--capture-layout", choices=("packed", "per_file"))
-    p.add_argument("--capture-overload", choices=OVERLOAD_POLICIES,
-                   help="when the in-flight budget is full: block (spill), drop, reject (429)")
-    p.add_argument("--capture-budget", help="bytes of capture rows in flight, e.g. 1GiB")
-    p.add_argument("--capture-wait-timeout", type=float,
-                   help="seconds a capture_wait response may be held (then status pending)")
-    p.add_argument("--steering-dir", help="named steering vectors (default ./steering-vectors)")
-    p.add_argument("--admin-key", help="required (X-Admin-Key header) to change the registry; "
-                                       "or set CAPSTEER_ADMIN_KEY")
+    add_server_flags(p)
     p.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace, passthrough: list[str] | None = None) -> int:
     from capsteer.engine_ext.adapter import run_vllm_serve
 
-    extra = list(passthrough or [])
+    # `--config` is capsteer's settings file; vLLM's own `--config` is `--vllm-config`.
+    extra = ["--config" if a == "--vllm-config" else a for a in (passthrough or [])]
     if args.cpu_defaults:
         extra = CPU_DEFAULTS + extra
     try:
-        settings = settings_from_args(args)
-    except ValueError as exc:
+        settings = load_from_args(args)  # flag > CAPSTEER_* env > --config file > default
+    except ConfigError as exc:
         raise SystemExit(f"capsteer serve: {exc}") from None
     if args.vanilla:
         run_vllm_serve([args.model, *extra])

@@ -151,13 +151,16 @@ class CapsteerMiddleware:
             body = json.loads(raw)
         except ValueError:
             body = None
+        global_capture = state.global_capture
         if not isinstance(body, dict) or not (
-                "extra_body" in body or any(f in body for f in HOOK_FIELDS)) \
-                or not self._authorized(scope):
+                global_capture is not None or "extra_body" in body
+                or any(f in body for f in HOOK_FIELDS)) or not self._authorized(scope):
             await self.app(scope, replay(raw, receive), send)
             return
         try:
             body = lift_extra_body(body)
+            if global_capture is not None and "capture" not in body:
+                body["capture"] = global_capture  # a dedicated capture server
             hooks = parse_hook_fields(
                 body, state.shape, lookup=state.registry.lookup,
                 default_layout=state.settings.capture_layout,

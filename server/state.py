@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from capsteer.capture.spec import SpecError, parse_capture_shorthand, parse_capture_spec
 from capsteer.config.server import ServerSettings
 from capsteer.engine_ext import adapter
 from capsteer.server.engine_link import EngineLink
@@ -24,6 +25,7 @@ class CapsteerState:
     tracker: CaptureTracker
     link: EngineLink
     api_keys: list[str]
+    global_capture: dict | None = None  # the capture object every request without one gets
 
     @classmethod
     def create(cls, app: object, settings: ServerSettings) -> CapsteerState:
@@ -34,6 +36,14 @@ class CapsteerState:
         Path(settings.capture_dir).mkdir(parents=True, exist_ok=True)
         registry = VectorRegistry(settings.steering_dir, hidden_size=model.hidden_size,
                                   num_layers=model.num_layers)
+        global_capture = None
+        if getattr(settings, "global_capture", None):
+            global_capture = parse_capture_shorthand(settings.global_capture)
+            try:  # refuse to start on a spec every request would fail
+                parse_capture_spec(global_capture, num_layers=model.num_layers)
+            except SpecError as exc:
+                raise ValueError(f"capsteer: --global-capture {settings.global_capture!r}: "
+                                 f"{exc}") from None
         return cls(settings, model, shape, registry,
                    CaptureTracker(settings.capture_dir, settings.capture_budget),
-                   EngineLink(engine), adapter.api_keys(app))
+                   EngineLink(engine), adapter.api_keys(app), global_capture)

@@ -70,7 +70,7 @@ def capture_root(tmp_path_factory) -> str:
 
 
 # Engines and servers in the order their tests run (one alive at a time).
-ENGINE_ORDER = ("qwen3", "qwen3-durable", "qwen3-eager", "llama", "qwen2", "vanilla", "other",
+ENGINE_ORDER = ("qwen3", "qwen3-durable", "qwen3-eager", "llama", "qwen2", "vanilla", "other", "extract",
                 "server-vanilla", "server", "server-reject")
 
 
