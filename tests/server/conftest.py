@@ -108,11 +108,13 @@ def server(engine_pool, model_dirs, server_root) -> ServerProcess:
 
 @pytest.fixture
 def reject_server(engine_pool, model_dirs, server_root) -> ServerProcess:
-    """capsteer with the reject policy and a tiny budget (admission is the API's job)."""
+    """capsteer with the reject policy and a tiny budget (admission is the API's job), as a
+    dedicated capture server: every request without a capture field is captured."""
     return start_server(engine_pool, model_dirs, server_root, "server-reject", [
         "--capture-dir", str(server_root / "server-reject" / "captures"),
         "--steering-dir", str(server_root / "server-reject" / "vectors"),
-        "--capture-overload", "reject", "--capture-budget", "300KiB", "--enforce-eager"])
+        "--capture-overload", "reject", "--capture-budget", "300KiB", "--enforce-eager",
+        "--global-capture", "resid_post:0+mlp_out:-1@last_prompt"])
 
 
 @pytest.fixture

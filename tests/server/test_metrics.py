@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from .helpers import PROMPT, capture_dir, metric_value, scrape
@@ -50,3 +52,17 @@ def test_metrics_follow_the_bytes_and_files_on_disk(server, client, http):
     assert metric_value(after, "capsteer_capture_inflight_bytes") == 0
     vectors = len(http.get("/v1/steering/vectors").json()["data"])
     assert metric_value(after, "capsteer_steering_vectors") == vectors
+
+
+def test_every_dashboard_metric_exists_on_a_live_server(server, client):
+    """The Grafana dashboard in deploy/ only plots what this server exports."""
+    from tests.deploy_metrics import dashboard_metric_names
+
+    client.completions.create(model="demo", prompt=PROMPT, max_tokens=2)  # vLLM's histograms fill
+    text = scrape(server.url)
+    dashboard = Path(__file__).resolve().parents[2] / "deploy/grafana/dashboards/capsteer.json"
+    names = dashboard_metric_names(dashboard)
+    assert len(names) >= 10
+    missing = [n for n in sorted(names) if f"# TYPE {n} " not in text
+               and f"# TYPE {n.removesuffix('_total')} " not in text]
+    assert not missing, missing

@@ -1,0 +1,134 @@
+"""Extraction throughput, side by side: `capsteer extract` vs HF transformers
+(`output_hidden_states` + safetensors, batched) on the same prompts and model.
+
+    .venv/bin/python bench/extract_cpu.py [--prompts 256] [--hidden 512] [--layers 8]
+
+Both capture resid_post at every layer for every prompt position and write
+safetensors to local disk; times exclude model load / engine start-up (reported
+separately). Writes bench/results/<machine>-<date>-extract.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import random
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+
+def make_prompts(n: int, seed: int = 0) -> list[str]:
+    words = ("model layer stream residual token vector capture steering attention mlp norm "
+             "batch shard index prompt").split()
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(words) for _ in range(rng.randint(24, 96))) for _ in range(n)]
+
+
+def run_hf(model_dir: str, prompts: list[str], out: Path, batch: int) -> dict:
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    t0 = time.perf_counter()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token or tok.unk_token
+    tok.padding_side = "right"
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    load_s = time.perf_counter() - t0
+    tokens = 0
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        for b in range(0, len(prompts), batch):
+            enc = tok(prompts[b: b + batch], return_tensors="pt", padding=True)
+            hs = model(**enc, output_hidden_states=True).hidden_states[1:]
+            lengths = enc["attention_mask"].sum(1).tolist()
+            tensors = {}
+            rows = [(i, n) for i, n in enumerate(lengths)]
+            for layer, h in enumerate(hs):
+                tensors[f"resid_post.{layer}"] = torch.cat([h[i, :n] for i, n in rows]).contiguous()
+            tensors["token_ids"] = torch.cat([enc["input_ids"][i, :n] for i, n in rows])
+            save_file(tensors, str(out / f"hf-{b // batch:05d}.safetensors"))
+            tokens += sum(lengths)
+    os.sync()
+    return {"load_s": load_s, "run_s": time.perf_counter() - t0, "tokens": tokens}
+
+
+def run_capsteer(model_dir: str, prompts: list[str], out: Path) -> dict:
+    from capsteer.engine import Engine
+    from capsteer.extract import extract
+
+    inp = out / "prompts.jsonl"
+    inp.write_text("".join(json.dumps({"id": str(i), "prompt": p}) + "\n"
+                           for i, p in enumerate(prompts)))
+    job = out / "job"
+    t0 = time.perf_counter()
+    from capsteer.capture.spec import parse_capture_spec
+
+    spec = parse_capture_spec({"hooks": ["resid_post"], "layers": "all", "positions": "prompt"},
+                              num_layers=_layers(model_dir))
+    engine = Engine(model_dir, dtype="float32", gpu_memory_utilization=0.3, max_model_len=512,
+                    capsteer_config={"sharded": {"dir": str(job.resolve()),
+                                                 "spec": spec.to_dict(), "shard_bytes": 256 << 20}})
+    load_s = time.perf_counter() - t0
+    result = extract(model_dir, inp, job, hooks=["resid_post"], layers="all", positions="prompt",
+                     progress=False, engine=engine)
+    engine.close()
+    os.sync()
+    return {"load_s": load_s, "run_s": result.seconds, "tokens": result.tokens,
+            "bytes": result.bytes_written}
+
+
+def _layers(model_dir: str) -> int:
+    return int(json.loads((Path(model_dir) / "config.json").read_text())["num_hidden_layers"])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prompts", type=int, default=256)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--hf-batch", type=int, default=16)
+    args = ap.parse_args()
+    from capsteer.demo_model import DemoShape, write_demo_model
+
+    work = Path(tempfile.mkdtemp(prefix="capsteer-bench-"))
+    try:
+        shape = DemoShape(hidden_size=args.hidden, num_layers=args.layers,
+                          intermediate_size=args.hidden * 3, num_heads=args.hidden // 64,
+                          num_kv_heads=max(1, args.hidden // 256), head_dim=64)
+        model_dir = str(write_demo_model(work / "model", "qwen3", seed=3, shape=shape))
+        prompts = make_prompts(args.prompts)
+        (work / "hf").mkdir()
+        (work / "cs").mkdir()
+        hf = run_hf(model_dir, prompts, work / "hf", args.hf_batch)
+        cs = run_capsteer(model_dir, prompts, work / "cs")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    row = {
+        "machine": platform.node(), "cpus": os.cpu_count(),
+        "date": dt.date.today().isoformat(), "prompts": args.prompts,
+        "model": f"qwen3-shaped random, hidden {args.hidden}, {args.layers} layers, fp32",
+        "capture": "resid_post, all layers, all prompt positions",
+        "hf": {**hf, "tokens_per_s": hf["tokens"] / hf["run_s"]},
+        "capsteer": {**cs, "tokens_per_s": cs["tokens"] / cs["run_s"]},
+    }
+    row["ratio_capsteer_over_hf"] = row["capsteer"]["tokens_per_s"] / row["hf"]["tokens_per_s"]
+    print(f"{'':10}{'tokens':>9}{'run s':>9}{'tok/s':>10}{'load s':>9}")
+    for name in ("hf", "capsteer"):
+        r = row[name]
+        print(f"{name:10}{r['tokens']:>9}{r['run_s']:>9.2f}{r['tokens_per_s']:>10.0f}"
+              f"{r['load_s']:>9.1f}")
+    print(f"capsteer / HF throughput: {row['ratio_capsteer_over_hf']:.2f}x")
+    out = Path(__file__).parent / "results" / f"cpu-{row['date']}-extract.json"
+    out.write_text(json.dumps(row, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
