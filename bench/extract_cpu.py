@@ -84,6 +84,22 @@ def run_capsteer(model_dir: str, prompts: list[str], out: Path) -> dict:
             "bytes": result.bytes_written}
 
 
+def run_vllm_plain(model_dir: str, prompts: list[str]) -> dict:
+    """Stock vLLM prefilling the same prompts (max_tokens=1), nothing captured: the
+    engine's own speed on this machine, to separate it from capture overhead."""
+    from vllm import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(model=model_dir, dtype="float32", gpu_memory_utilization=0.3, max_model_len=512)
+    load_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
+    run_s = time.perf_counter() - t0
+    llm.llm_engine.engine_core.shutdown()
+    return {"load_s": load_s, "run_s": run_s,
+            "tokens": sum(len(o.prompt_token_ids) for o in outs)}
+
+
 def _layers(model_dir: str) -> int:
     return int(json.loads((Path(model_dir) / "config.json").read_text())["num_hidden_layers"])
 
@@ -108,6 +124,7 @@ def main() -> None:
         (work / "cs").mkdir()
         hf = run_hf(model_dir, prompts, work / "hf", args.hf_batch)
         cs = run_capsteer(model_dir, prompts, work / "cs")
+        plain = run_vllm_plain(model_dir, prompts)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     row = {
@@ -117,12 +134,13 @@ def main() -> None:
         "capture": "resid_post, all layers, all prompt positions",
         "hf": {**hf, "tokens_per_s": hf["tokens"] / hf["run_s"]},
         "capsteer": {**cs, "tokens_per_s": cs["tokens"] / cs["run_s"]},
+        "vllm_no_capture": {**plain, "tokens_per_s": plain["tokens"] / plain["run_s"]},
     }
     row["ratio_capsteer_over_hf"] = row["capsteer"]["tokens_per_s"] / row["hf"]["tokens_per_s"]
-    print(f"{'':10}{'tokens':>9}{'run s':>9}{'tok/s':>10}{'load s':>9}")
-    for name in ("hf", "capsteer"):
+    print(f"{'':16}{'tokens':>9}{'run s':>9}{'tok/s':>10}{'load s':>9}")
+    for name in ("hf", "capsteer", "vllm_no_capture"):
         r = row[name]
-        print(f"{name:10}{r['tokens']:>9}{r['run_s']:>9.2f}{r['tokens_per_s']:>10.0f}"
+        print(f"{name:16}{r['tokens']:>9}{r['run_s']:>9.2f}{r['tokens_per_s']:>10.0f}"
               f"{r['load_s']:>9.1f}")
     print(f"capsteer / HF throughput: {row['ratio_capsteer_over_hf']:.2f}x")
     out = Path(__file__).parent / "results" / f"cpu-{row['date']}-extract.json"
