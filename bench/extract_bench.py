@@ -1,7 +1,8 @@
 """Extraction throughput, side by side: `capsteer extract` vs HF transformers
 (`output_hidden_states` + safetensors, batched) on the same prompts and model.
 
-    .venv/bin/python bench/extract_cpu.py [--prompts 256] [--hidden 512] [--layers 8]
+    .venv/bin/python bench/extract_bench.py [--prompts 256] [--hidden 512] [--layers 8]
+    python bench/extract_bench.py --device cuda --prompts 2048 --hidden 1024 --layers 28  # P4
 
 Both capture resid_post at every layer for every prompt position and write
 safetensors to local disk; times exclude model load / engine start-up (reported
@@ -29,7 +30,8 @@ def make_prompts(n: int, seed: int = 0) -> list[str]:
     return [" ".join(rng.choice(words) for _ in range(rng.randint(24, 96))) for _ in range(n)]
 
 
-def run_hf(model_dir: str, prompts: list[str], out: Path, batch: int) -> dict:
+def run_hf(model_dir: str, prompts: list[str], out: Path, batch: int, device: str,
+           dtype: str) -> dict:
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -39,14 +41,16 @@ def run_hf(model_dir: str, prompts: list[str], out: Path, batch: int) -> dict:
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token or tok.unk_token
     tok.padding_side = "right"
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=getattr(torch, dtype)).eval().to(device)
     load_s = time.perf_counter() - t0
     tokens = 0
     t0 = time.perf_counter()
     with torch.inference_mode():
         for b in range(0, len(prompts), batch):
-            enc = tok(prompts[b: b + batch], return_tensors="pt", padding=True)
-            hs = model(**enc, output_hidden_states=True).hidden_states[1:]
+            enc = tok(prompts[b: b + batch], return_tensors="pt", padding=True).to(device)
+            hs = [h.cpu() for h in model(**enc, output_hidden_states=True).hidden_states[1:]]
+            enc = enc.to("cpu")
             lengths = enc["attention_mask"].sum(1).tolist()
             tensors = {}
             rows = [(i, n) for i, n in enumerate(lengths)]
@@ -59,7 +63,7 @@ def run_hf(model_dir: str, prompts: list[str], out: Path, batch: int) -> dict:
     return {"load_s": load_s, "run_s": time.perf_counter() - t0, "tokens": tokens}
 
 
-def run_capsteer(model_dir: str, prompts: list[str], out: Path) -> dict:
+def run_capsteer(model_dir: str, prompts: list[str], out: Path, dtype: str, mem: float) -> dict:
     from capsteer.engine import Engine
     from capsteer.extract import extract
 
@@ -72,7 +76,7 @@ def run_capsteer(model_dir: str, prompts: list[str], out: Path) -> dict:
 
     spec = parse_capture_spec({"hooks": ["resid_post"], "layers": "all", "positions": "prompt"},
                               num_layers=_layers(model_dir))
-    engine = Engine(model_dir, dtype="float32", gpu_memory_utilization=0.3, max_model_len=512,
+    engine = Engine(model_dir, dtype=dtype, gpu_memory_utilization=mem, max_model_len=512,
                     capsteer_config={"sharded": {"dir": str(job.resolve()),
                                                  "spec": spec.to_dict(), "shard_bytes": 256 << 20}})
     load_s = time.perf_counter() - t0
@@ -84,13 +88,13 @@ def run_capsteer(model_dir: str, prompts: list[str], out: Path) -> dict:
             "bytes": result.bytes_written}
 
 
-def run_vllm_plain(model_dir: str, prompts: list[str]) -> dict:
+def run_vllm_plain(model_dir: str, prompts: list[str], dtype: str, mem: float) -> dict:
     """Stock vLLM prefilling the same prompts (max_tokens=1), nothing captured: the
     engine's own speed on this machine, to separate it from capture overhead."""
     from vllm import LLM, SamplingParams
 
     t0 = time.perf_counter()
-    llm = LLM(model=model_dir, dtype="float32", gpu_memory_utilization=0.3, max_model_len=512)
+    llm = LLM(model=model_dir, dtype=dtype, gpu_memory_utilization=mem, max_model_len=512)
     load_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     outs = llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
@@ -110,7 +114,11 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hf-batch", type=int, default=16)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "results"))
     args = ap.parse_args()
+    dtype = "bfloat16" if args.device == "cuda" else "float32"
+    mem = 0.4 if args.device == "cuda" else 0.3
     from capsteer.demo_model import DemoShape, write_demo_model
 
     work = Path(tempfile.mkdtemp(prefix="capsteer-bench-"))
@@ -118,19 +126,21 @@ def main() -> None:
         shape = DemoShape(hidden_size=args.hidden, num_layers=args.layers,
                           intermediate_size=args.hidden * 3, num_heads=args.hidden // 64,
                           num_kv_heads=max(1, args.hidden // 256), head_dim=64)
-        model_dir = str(write_demo_model(work / "model", "qwen3", seed=3, shape=shape))
+        model_dir = str(write_demo_model(work / "model", "qwen3", seed=3, shape=shape, dtype=dtype,
+                                         device=args.device))
         prompts = make_prompts(args.prompts)
         (work / "hf").mkdir()
         (work / "cs").mkdir()
-        hf = run_hf(model_dir, prompts, work / "hf", args.hf_batch)
-        cs = run_capsteer(model_dir, prompts, work / "cs")
-        plain = run_vllm_plain(model_dir, prompts)
+        hf = run_hf(model_dir, prompts, work / "hf", args.hf_batch, args.device, dtype)
+        cs = run_capsteer(model_dir, prompts, work / "cs", dtype, mem)
+        plain = run_vllm_plain(model_dir, prompts, dtype, mem)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     row = {
         "machine": platform.node(), "cpus": os.cpu_count(),
         "date": dt.date.today().isoformat(), "prompts": args.prompts,
-        "model": f"qwen3-shaped random, hidden {args.hidden}, {args.layers} layers, fp32",
+        "device": args.device, "hf_batch": args.hf_batch,
+        "model": f"qwen3-shaped random, hidden {args.hidden}, {args.layers} layers, {dtype}",
         "capture": "resid_post, all layers, all prompt positions",
         "hf": {**hf, "tokens_per_s": hf["tokens"] / hf["run_s"]},
         "capsteer": {**cs, "tokens_per_s": cs["tokens"] / cs["run_s"]},
@@ -143,7 +153,8 @@ def main() -> None:
         print(f"{name:16}{r['tokens']:>9}{r['run_s']:>9.2f}{r['tokens_per_s']:>10.0f}"
               f"{r['load_s']:>9.1f}")
     print(f"capsteer / HF throughput: {row['ratio_capsteer_over_hf']:.2f}x")
-    out = Path(__file__).parent / "results" / f"cpu-{row['date']}-extract.json"
+    out = Path(args.out) / f"{'gpu' if args.device == 'cuda' else 'cpu'}-{row['date']}-extract.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(row, indent=2))
     print(f"wrote {out}")
 
