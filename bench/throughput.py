@@ -73,6 +73,10 @@ def run_one(config: str, model: str, device: str, p6: bool, capture_dir: str) ->
     cfg = shapes(device, p6)
     kw = dict(dtype=cfg["dtype"], max_model_len=cfg["prompt"] + cfg["gen"] + 16, seed=0)
     kw["gpu_memory_utilization"] = 0.85 if device == "cuda" else 0.3
+    # One step's captured rows (tokens x layers) must fit the staging buffer: the same
+    # scheduler chunk for every configuration, vanilla included.
+    kw["max_num_batched_tokens"] = 2048 if device == "cuda" else 512
+    staging_rows = kw["max_num_batched_tokens"] * (cfg["shape"].num_layers + 1)
     rng = random.Random(1)
     prompts = [[rng.randrange(10, 500) for _ in range(cfg["prompt"])]
                for _ in range(cfg["requests"])]
@@ -90,7 +94,8 @@ def run_one(config: str, model: str, device: str, p6: bool, capture_dir: str) ->
     else:
         from capsteer.engine import Engine, Request
 
-        engine = Engine(model, capsteer_config={"capture_dir": capture_dir}, **kw)
+        engine = Engine(model, capsteer_config={"capture_dir": capture_dir,
+                                                "staging_rows": staging_rows}, **kw)
         startup = time.perf_counter() - started
         hidden, layers = engine.hidden_size, engine.num_layers
         vec = [0.01] * hidden

@@ -150,11 +150,14 @@ def build_step_plan(
     start_positions: np.ndarray,
     requests: Mapping[str, RequestHooks],
     input_ids: torch.Tensor | None,
+    host_steering: bool = True,
 ) -> StepPlan:
     """Map this step's rows to steering entries and capture copies.
 
     `input_ids` is the host copy of this step's tokens when the runner has one;
-    without it the plan lists `token_rows` for a device-side gather."""
+    without it the plan lists `token_rows` for a device-side gather. Device mode
+    finds steering entries on the device (per-token slot tables): `host_steering=False`
+    skips the per-row lists only host mode needs."""
     steer_rows: dict[tuple[int, int], list[np.ndarray]] = defaultdict(list)
     steer_ents: dict[tuple[int, int], list[np.ndarray]] = defaultdict(list)
     cap_rows: dict[tuple[int, int], list[np.ndarray]] = defaultdict(list)
@@ -174,7 +177,7 @@ def build_step_plan(
         pos = int(start_positions[i]) + np.arange(end - start, dtype=np.int64)
         generated = pos >= hooks.prompt_len
         hooked_rows.append((rows, hooks.slot, generated))
-        for (kind, site, cls), entry in hooks.entries.items():
+        for (kind, site, cls), entry in (hooks.entries.items() if host_steering else ()):
             sel = rows[generated] if cls == GENERATED else rows[~generated]
             if len(sel):
                 steer_rows[(kind, site)].append(sel)

@@ -21,6 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from capsteer.engine_ext import tap_kernel
+
 SUB, STREAM = 0, 1  # what a capture/steer point reads: the sublayer output or the stream
 KINDS = (SUB, STREAM)
 
@@ -113,6 +115,7 @@ class HookRuntime:
             # [slot, kind, site] -> first staging row of that request's copy, or -1
             self.point_base = torch.full((max_requests + 1, 2, self.num_sites), -1, **long)
             self.trash_row = staging_rows
+            self.use_kernel = tap_kernel.available(torch.device(device))
             self.staging = torch.zeros(staging_rows + 1, hidden_size, dtype=dtype, device=device)
             self.token_stage = torch.zeros(max(staging_rows, 1), **long)
 
@@ -256,6 +259,13 @@ class HookRuntime:
                 self.captured[(kind, site)] = val
 
     def _tap_dense(self, x: torch.Tensor, residual: torch.Tensor | None, site: int) -> None:
+        if self.use_kernel and x.stride(-1) == 1 and (residual is None or residual.stride(-1) == 1):
+            tap_kernel.tap(self, x, residual, site)
+            return
+        self._tap_dense_torch(x, residual, site)
+
+    def _tap_dense_torch(self, x: torch.Tensor, residual: torch.Tensor | None, site: int) -> None:
+        """Reference: the same arithmetic as full-tensor torch ops (every row, every site)."""
         n = x.shape[0]
         slot, gen, rank = self.tok_slot[:n], self.tok_gen[:n], self.tok_rank[:n]
         for kind in KINDS:

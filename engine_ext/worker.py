@@ -141,7 +141,8 @@ class EngineHooks:
             self.planned = False
             return
         plan = build_step_plan(layout.req_ids, layout.query_start_loc, layout.start_positions,
-                               self.requests, layout.input_ids_host)
+                               self.requests, layout.input_ids_host,
+                               host_steering=not self.device_driven)
         if self.device_driven and plan.staging_rows > self.runtime.trash_row:
             plan = self._shed_captures(plan, layout)
         self.runtime.set_plan(plan, layout.num_tokens_padded)
@@ -162,8 +163,9 @@ class EngineHooks:
             if total <= self.runtime.trash_row:
                 break
             hooks = by_id[capture_id]
-            reason = (f"one step needs {rows} capture rows, more than the staging buffer's "
-                      f"{self.runtime.trash_row}; capture fewer hooks/layers or raise "
+            reason = (f"a step needed {plan.staging_rows} capture rows (this request "
+                      f"{rows}), more than the staging buffer's {self.runtime.trash_row}; "
+                      "capture fewer hooks/layers, lower --max-num-batched-tokens or raise "
                       "staging_rows")
             logger.error("capsteer: capture %s failed: %s", capture_id, reason)
             sink = self.sinks.pop(capture_id)
@@ -174,7 +176,8 @@ class EngineHooks:
             hooks.points = {}
             total -= rows
         return build_step_plan(layout.req_ids, layout.query_start_loc, layout.start_positions,
-                               self.requests, layout.input_ids_host)
+                               self.requests, layout.input_ids_host,
+                               host_steering=not self.device_driven)
 
     def after_step(self) -> None:
         if not self.planned:

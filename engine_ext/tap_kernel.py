@@ -1,0 +1,78 @@
+"""The device-mode tap as one Triton kernel per site: one program per token row.
+
+Rows of requests without hooks (slot 0, most rows in a typical batch) return at
+once, so a site costs one small launch instead of a dozen full-tensor passes. The
+arithmetic is the torch reference's (`HookRuntime._tap_dense_torch`): per kind (sublayer
+output, then stream) x <- round(x + alpha (src.u) u + w), then the captured value is
+copied to its staging row. Set CAPSTEER_TAP_KERNEL=torch to use the reference.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU builds: host mode never uses this
+    triton = None
+
+
+def available(device: torch.device) -> bool:
+    return (triton is not None and device.type == "cuda"
+            and os.environ.get("CAPSTEER_TAP_KERNEL", "triton") != "torch")
+
+
+if triton is not None:
+    _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+    @triton.jit
+    def _tap(x_ptr, r_ptr, slot_ptr, gen_ptr, rank_ptr, slot_entry_ptr, point_base_ptr,
+             u_ptr, w_ptr, alpha_ptr, staging_ptr, site, num_sites, hidden, stride_x, stride_r,
+             stride_s, HAS_RES: tl.constexpr, DTYPE: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        slot = tl.load(slot_ptr + row)
+        if slot != 0:
+            gen = tl.load(gen_ptr + row)
+            rank = tl.load(rank_ptr + row)
+            offs = tl.arange(0, BLOCK)
+            mask = offs < hidden
+            x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+            r = tl.zeros([BLOCK], dtype=tl.float32)
+            if HAS_RES:
+                r = tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
+            for kind in tl.static_range(2):
+                entry = tl.load(slot_entry_ptr + ((slot * 2 + gen) * 2 + kind) * num_sites + site)
+                u = tl.load(u_ptr + entry * hidden + offs, mask=mask, other=0.0)
+                w = tl.load(w_ptr + entry * hidden + offs, mask=mask, other=0.0)
+                alpha = tl.load(alpha_ptr + entry)
+                if kind == 1 and HAS_RES:
+                    src = x + r
+                else:
+                    src = x
+                proj = tl.sum(src * u, axis=0)
+                x = (x + alpha * proj * u + w).to(DTYPE).to(tl.float32)
+                if kind == 1 and HAS_RES:
+                    val = (x + r).to(DTYPE)
+                else:
+                    val = x.to(DTYPE)
+                base = tl.load(point_base_ptr + (slot * 2 + kind) * num_sites + site)
+                if (base >= 0) & (rank >= 0):
+                    tl.store(staging_ptr + (base + rank) * stride_s + offs, val, mask=mask)
+            tl.store(x_ptr + row * stride_x + offs, x.to(DTYPE), mask=mask)
+
+
+def tap(runtime, x: torch.Tensor, residual: torch.Tensor | None, site: int) -> None:
+    """Launch the kernel over this forward's rows (padded rows have slot 0)."""
+    n, hidden = x.shape
+    if n == 0:
+        return
+    res = residual if residual is not None else x
+    _tap[(n,)](
+        x, res, runtime.tok_slot, runtime.tok_gen, runtime.tok_rank, runtime.slot_entry,
+        runtime.point_base, runtime.u, runtime.w, runtime.alpha, runtime.staging, site,
+        runtime.num_sites, hidden, x.stride(0), res.stride(0), runtime.staging.stride(0),
+        HAS_RES=residual is not None, DTYPE=_TL[x.dtype],
+        BLOCK=triton.next_power_of_2(hidden))
