@@ -62,8 +62,16 @@ def write_model(path: Path, device: str, p6: bool) -> str:
     from capsteer.demo_model import write_demo_model
 
     cfg = shapes(device, p6)
-    return str(write_demo_model(path, "qwen3", seed=5, shape=cfg["shape"], dtype=cfg["dtype"],
-                                device=device))
+    out = str(write_demo_model(path, "qwen3", seed=5, shape=cfg["shape"], dtype=cfg["dtype"],
+                               device=device))
+    if device == "cuda":  # the engines run in child processes: give the memory back
+        import gc
+
+        import torch
+
+        gc.collect()
+        torch.cuda.empty_cache()
+    return out
 
 
 def run_one(config: str, model: str, device: str, p6: bool, capture_dir: str) -> dict:
