@@ -76,9 +76,10 @@ def run_capsteer(model_dir: str, prompts: list[str], out: Path, dtype: str, mem:
 
     spec = parse_capture_spec({"hooks": ["resid_post"], "layers": "all", "positions": "prompt"},
                               num_layers=_layers(model_dir))
-    engine = Engine(model_dir, dtype=dtype, gpu_memory_utilization=mem, max_model_len=512,
-                    capsteer_config={"sharded": {"dir": str(job.resolve()),
-                                                 "spec": spec.to_dict(), "shard_bytes": 256 << 20}})
+    from capsteer.extract import job_config
+
+    kw = {"dtype": dtype, "gpu_memory_utilization": mem, "max_model_len": 512}
+    engine = Engine(model_dir, capsteer_config=job_config(job, spec, 256 << 20, kw), **kw)
     load_s = time.perf_counter() - t0
     result = extract(model_dir, inp, job, hooks=["resid_post"], layers="all", positions="prompt",
                      progress=False, engine=engine)
@@ -94,7 +95,8 @@ def run_vllm_plain(model_dir: str, prompts: list[str], dtype: str, mem: float) -
     from vllm import LLM, SamplingParams
 
     t0 = time.perf_counter()
-    llm = LLM(model=model_dir, dtype=dtype, gpu_memory_utilization=mem, max_model_len=512)
+    llm = LLM(model=model_dir, dtype=dtype, gpu_memory_utilization=mem, max_model_len=512,
+              max_num_batched_tokens=2048)  # the extraction job's step size
     load_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     outs = llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
@@ -132,6 +134,7 @@ def main() -> None:
         (work / "hf").mkdir()
         (work / "cs").mkdir()
         hf = run_hf(model_dir, prompts, work / "hf", args.hf_batch, args.device, dtype)
+        shutil.rmtree(work / "hf")  # both outputs at once can fill a small disk
         cs = run_capsteer(model_dir, prompts, work / "cs", dtype, mem)
         plain = run_vllm_plain(model_dir, prompts, dtype, mem)
     finally:

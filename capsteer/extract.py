@@ -128,9 +128,8 @@ def extract(
         return ExtractResult(out, 0, len(records), 0, 0.0, 0, _shards(out))
     owns_engine = engine is None
     if engine is None:
-        engine = Engine(model, capsteer_config={"sharded": {
-            "dir": str(out.resolve()), "spec": spec.to_dict(), "shard_bytes": int(shard_size),
-            "job_id": out.name}}, **engine_kwargs)
+        engine = Engine(model, capsteer_config=job_config(out, spec, shard_size, engine_kwargs),
+                        **engine_kwargs)
     bytes_before = _job_dir_bytes(out)
     started = time.monotonic()  # throughput excludes engine start-up
     try:
@@ -152,6 +151,20 @@ def extract(
                            f"(e.g. {sorted(missing)[:3]}); see the engine log; re-run to resume")
     return ExtractResult(out, len(todo), len(records) - len(todo), tokens, elapsed,
                          _job_dir_bytes(out) - bytes_before, _shards(out))
+
+
+def job_config(out: Path, spec: CaptureSpec, shard_size: int,
+               engine_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The worker config of a job. One step copies (scheduled tokens x captured points)
+    rows into a fixed staging buffer on GPUs, so the step size is pinned (2048 tokens
+    unless given) and the buffer sized to hold a whole step."""
+    from capsteer.engine_ext.runtime import hook_point
+
+    engine_kwargs.setdefault("max_num_batched_tokens", 2048)
+    points = {hook_point(hook, layer) for hook, layer in spec.keys()}
+    return {"sharded": {"dir": str(out.resolve()), "spec": spec.to_dict(),
+                        "shard_bytes": int(shard_size), "job_id": out.name},
+            "staging_rows": int(engine_kwargs["max_num_batched_tokens"]) * len(points)}
 
 
 def _shards(out: Path) -> list[str]:
