@@ -1,9 +1,7 @@
 """The device-mode tap as one Triton kernel per site: one program per token row.
 
-Rows with nothing to do at a site (slot 0 rows, and hooked rows whose steering and
-capture are elsewhere) return after reading four table entries; an `add` reads only
-w (ablate/clamp also u), so a site costs one small launch instead of a dozen
-full-tensor passes. The
+Rows of requests without hooks (slot 0, most rows in a typical batch) return at
+once, so a site costs one small launch instead of a dozen full-tensor passes. The
 arithmetic is the torch reference's (`HookRuntime._tap_dense_torch`): per kind (sublayer
 output, then stream) x <- round(x + alpha (src.u) u + w), then the captured value is
 copied to its staging row. Set CAPSTEER_TAP_KERNEL=torch to use the reference.
@@ -36,14 +34,9 @@ if triton is not None:
              stride_s, HAS_RES: tl.constexpr, DTYPE: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         slot = tl.load(slot_ptr + row)
-        gen = tl.load(gen_ptr + row)
-        rank = tl.load(rank_ptr + row)
-        e0 = tl.load(slot_entry_ptr + ((slot * 2 + gen) * 2 + 0) * num_sites + site)
-        e1 = tl.load(slot_entry_ptr + ((slot * 2 + gen) * 2 + 1) * num_sites + site)
-        b0 = tl.load(point_base_ptr + (slot * 2 + 0) * num_sites + site)
-        b1 = tl.load(point_base_ptr + (slot * 2 + 1) * num_sites + site)
-        # Nothing to steer or copy at this site for this row (slot 0 rows always): done.
-        if (slot != 0) & ((e0 != 0) | (e1 != 0) | ((rank >= 0) & ((b0 >= 0) | (b1 >= 0)))):
+        if slot != 0:
+            gen = tl.load(gen_ptr + row)
+            rank = tl.load(rank_ptr + row)
             offs = tl.arange(0, BLOCK)
             mask = offs < hidden
             x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
@@ -51,32 +44,24 @@ if triton is not None:
             if HAS_RES:
                 r = tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
             for kind in tl.static_range(2):
-                if kind == 0:
-                    entry = e0
-                    base = b0
+                entry = tl.load(slot_entry_ptr + ((slot * 2 + gen) * 2 + kind) * num_sites + site)
+                u = tl.load(u_ptr + entry * hidden + offs, mask=mask, other=0.0)
+                w = tl.load(w_ptr + entry * hidden + offs, mask=mask, other=0.0)
+                alpha = tl.load(alpha_ptr + entry)
+                if kind == 1 and HAS_RES:
+                    src = x + r
                 else:
-                    entry = e1
-                    base = b1
-                if entry != 0:
-                    w = tl.load(w_ptr + entry * hidden + offs, mask=mask, other=0.0)
-                    alpha = tl.load(alpha_ptr + entry)
-                    if alpha != 0.0:  # ablate / clamp: a projection on unit u
-                        u = tl.load(u_ptr + entry * hidden + offs, mask=mask, other=0.0)
-                        if kind == 1 and HAS_RES:
-                            src = x + r
-                        else:
-                            src = x
-                        proj = tl.sum(src * u, axis=0)
-                        x = x + alpha * proj * u
-                    x = (x + w).to(DTYPE).to(tl.float32)
+                    src = x
+                proj = tl.sum(src * u, axis=0)
+                x = (x + alpha * proj * u + w).to(DTYPE).to(tl.float32)
+                if kind == 1 and HAS_RES:
+                    val = (x + r).to(DTYPE)
+                else:
+                    val = x.to(DTYPE)
+                base = tl.load(point_base_ptr + (slot * 2 + kind) * num_sites + site)
                 if (base >= 0) & (rank >= 0):
-                    if kind == 1 and HAS_RES:
-                        val = (x + r).to(DTYPE)
-                    else:
-                        val = x.to(DTYPE)
                     tl.store(staging_ptr + (base + rank) * stride_s + offs, val, mask=mask)
-            if (e0 != 0) | (e1 != 0):
-                tl.store(x_ptr + row * stride_x + offs, x.to(DTYPE), mask=mask)
+            tl.store(x_ptr + row * stride_x + offs, x.to(DTYPE), mask=mask)
 
 
 def tap(runtime, x: torch.Tensor, residual: torch.Tensor | None, site: int) -> None:
