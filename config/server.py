@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
 import yaml
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -121,18 +121,12 @@ class ServerSettings(BaseSettings):
     global_capture: str | None = Field(None, description="capture shorthand applied to every "
                                        "request without a `capture` field")
 
-    @field_validator("capture_layout")
+    @field_validator("capture_layout", "capture_overload")
     @classmethod
-    def _check_layout(cls, value: str) -> str:
-        if value not in LAYOUTS:
-            raise ValueError(f"must be one of {', '.join(LAYOUTS)}; got {value!r}")
-        return value
-
-    @field_validator("capture_overload")
-    @classmethod
-    def _check_overload(cls, value: str) -> str:
-        if value not in OVERLOAD_POLICIES:
-            raise ValueError(f"must be one of {', '.join(OVERLOAD_POLICIES)}; got {value!r}")
+    def _check_choice(cls, value: str, info: ValidationInfo) -> str:
+        choices = {"capture_layout": LAYOUTS, "capture_overload": OVERLOAD_POLICIES}[info.field_name]
+        if value not in choices:
+            raise ValueError(f"must be one of {', '.join(choices)}; got {value!r}")
         return value
 
     @field_validator("capture_budget", mode="before")

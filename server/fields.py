@@ -27,13 +27,9 @@ from capsteer.steering.spec import (
 HOOK_FIELDS = ("capture", "capture_wait", "steering")
 
 
-class FieldError(ValueError):
-    """Bad input: becomes HTTP 400 with an OpenAI-shaped error naming `field`."""
-
-    def __init__(self, field: str, reason: str) -> None:
-        super().__init__(f"{field}: {reason}")
-        self.field = field
-        self.reason = reason
+# Bad input: HTTP 400 with an OpenAI-shaped error naming `field`. The capture spec's own
+# error already carries (field, reason); the request-level checks raise the same type.
+FieldError = SpecError
 
 
 @dataclass(frozen=True)
@@ -82,11 +78,8 @@ def parse_hook_fields(
     capture = None
     raw_capture = body.get("capture")
     if raw_capture is not None and raw_capture is not False:
-        try:
-            capture = parse_capture_spec(raw_capture, num_layers=shape.num_layers,
-                                         default_layout=default_layout, default=capture_default)
-        except SpecError as exc:
-            raise FieldError(exc.field, exc.reason) from None
+        capture = parse_capture_spec(raw_capture, num_layers=shape.num_layers,
+                                     default_layout=default_layout, default=capture_default)
         n = body.get("n", 1)
         if n is not None and n != 1:
             raise FieldError("n", "capture needs n=1 (one capture per request; send n requests)")

@@ -20,7 +20,6 @@ import logging
 import secrets
 from collections.abc import Awaitable, Callable
 
-from capsteer.capture.spec import SpecError
 from capsteer.config.server import ServerSettings
 from capsteer.engine import new_capture_id
 from capsteer.server import metrics
@@ -167,7 +166,7 @@ class CapsteerMiddleware:
                 capture_default=state.settings.capture_default)
             capture_id = new_capture_id() if hooks.capture is not None else None
             new_body = rewrite_body(body, hooks, capture_id)
-        except (FieldError, SpecError) as exc:
+        except FieldError as exc:
             await send_json(send, 400, error_body(400, str(exc), exc.field, "BadRequestError"))
             return
         if hooks.capture is not None:
