@@ -84,13 +84,15 @@ class RequestHooks:
                 points[hook_point(hook, layer)].append((hook, layer))
             hooks.points = {p: tuple(keys) for p, keys in points.items()}
         try:
-            if payload.get("steering"):
-                spec = SteeringSpec.from_dict(payload["steering"])
-                key = spec.sharing_key
+            wire = payload.get("steering")
+            if wire:
+                # A spec already live in the tables is not decoded again: the front end
+                # sends its content key (hundreds of requests share one spec).
+                key = SteeringSpec.key_of(wire) or SteeringSpec.from_dict(wire).sharing_key
                 hooks.entries = runtime.acquire_entries(
-                    key, lambda: compose_entries(spec, runtime.hidden_size))
+                    key, lambda: compose_entries(SteeringSpec.from_dict(wire), runtime.hidden_size))
                 hooks.steering_key = key
-            hooks.slot = runtime.alloc_slot(hooks.entries)
+            hooks.slot = runtime.alloc_slot(hooks.entries, hooks.steering_key)
         except Exception:
             hooks.release(runtime)  # nothing half-registered stays behind
             raise
@@ -163,20 +165,36 @@ def build_step_plan(
     cap_rows: dict[tuple[int, int], list[np.ndarray]] = defaultdict(list)
     cap_count: dict[tuple[int, int], int] = defaultdict(int)
     routes: list[CaptureRoute] = []
-    hooked_rows: list[tuple[np.ndarray, int, np.ndarray]] = []
     token_rows: list[np.ndarray] = []
     token_owners: list[tuple[str, np.ndarray]] = []
-    for i, req_id in enumerate(batch_req_ids):
-        hooks = requests.get(req_id)
-        if hooks is None:
+    # Requests with hooks in this batch: (batch index, hooks). Everything per row is then
+    # computed with whole-batch array ops; only captures (and host-mode steering) loop.
+    hooked = [(i, h) for i, h in enumerate(map(requests.get, batch_req_ids)) if h is not None]
+    starts = query_start_loc[:-1]
+    lens = np.diff(query_start_loc)
+    if hooked:
+        idx = np.fromiter((i for i, _ in hooked), np.int64, len(hooked))
+        n_rows = lens[idx].astype(np.int64)
+        total = int(n_rows.sum())
+        first = np.cumsum(n_rows) - n_rows  # each request's first entry in the flat arrays
+        offset_in_req = np.arange(total, dtype=np.int64) - np.repeat(first, n_rows)
+        all_rows = np.repeat(starts[idx].astype(np.int64), n_rows) + offset_in_req
+        all_pos = np.repeat(start_positions[idx].astype(np.int64), n_rows) + offset_in_req
+        prompt_lens = np.fromiter((h.prompt_len for _, h in hooked), np.int64, len(hooked))
+        slots = np.fromiter((h.slot for _, h in hooked), np.int64, len(hooked))
+        all_gen = all_pos >= np.repeat(prompt_lens, n_rows)
+        row_hooks = (all_rows, np.repeat(slots, n_rows), all_gen)
+    else:
+        n_rows = first = np.zeros(0, np.int64)
+        row_hooks = None
+    for j, (i, hooks) in enumerate(hooked):
+        if hooks.capture is None and not (host_steering and hooks.entries):
             continue
-        start, end = int(query_start_loc[i]), int(query_start_loc[i + 1])
-        if end <= start:
+        k = int(n_rows[j])
+        if k <= 0:
             continue
-        rows = np.arange(start, end, dtype=np.int64)
-        pos = int(start_positions[i]) + np.arange(end - start, dtype=np.int64)
-        generated = pos >= hooks.prompt_len
-        hooked_rows.append((rows, hooks.slot, generated))
+        a = int(first[j])
+        rows, pos, generated = all_rows[a: a + k], all_pos[a: a + k], all_gen[a: a + k]
         for (kind, site, cls), entry in (hooks.entries.items() if host_steering else ()):
             sel = rows[generated] if cls == GENERATED else rows[~generated]
             if len(sel):
@@ -194,13 +212,13 @@ def build_step_plan(
                 hooks.tokens[p] = t
         else:  # tokens are gathered on the device and arrive with the rows
             token_rows.append(sel_rows)
-            token_owners.append((req_id, sel_pos))
+            token_owners.append((batch_req_ids[i], sel_pos))
         for point, keys in hooks.points.items():
             routes.append(CaptureRoute(hooks.capture_id, point, keys, cap_count[point], sel_pos,
                                        sel_rows, hooks.slot))
             cap_rows[point].append(sel_rows)
             cap_count[point] += len(sel_rows)
-    plan = StepPlan(routes=routes, hooked_rows=hooked_rows)
+    plan = StepPlan(routes=routes, row_hooks=row_hooks)
     if token_rows:
         plan.token_rows = torch.from_numpy(np.concatenate(token_rows))
         plan.token_owners = token_owners

@@ -60,8 +60,8 @@ class StepPlan:
     staging_offset: dict[tuple[int, int], int] = field(default_factory=dict)
     staging_rows: int = 0
     routes: list[Any] = field(default_factory=list)  # plan.CaptureRoute, per request and point
-    # (rows, slot, generated mask) of every request with hooks in this batch
-    hooked_rows: list[tuple[np.ndarray, int, np.ndarray]] = field(default_factory=list)
+    # Every row of a request with hooks: (rows, slot, generated mask), flat over the batch
+    row_hooks: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
     token_rows: torch.Tensor | None = None  # rows whose input ids the device must gather
     token_owners: list[tuple[str, np.ndarray]] = field(default_factory=list)
 
@@ -105,15 +105,19 @@ class HookRuntime:
         self.fired = [0] * self.num_sites  # host mode: sites reached this step (canary)
         # Slot 0 means "no hooks": its steering entries are the identity, it captures nothing.
         self.free_slots = list(range(max_requests, 0, -1))
+        self.slot_tables: dict[str | None, torch.Tensor] = {}  # steering key -> host table
         if device_driven:
             long = dict(dtype=torch.int64, device=device)
-            self.tok_slot = torch.zeros(max_tokens, **long)
-            self.tok_gen = torch.zeros(max_tokens, **long)
-            self.tok_rank = torch.full((max_tokens,), -1, **long)
+            # Per token: slot, position class (0 prompt / 1 generated), rank among the
+            # request's captured rows (-1: none); one buffer so one upload sets all three.
+            self.tok_index = torch.zeros(3, max_tokens, **long)
+            self.tok_slot, self.tok_gen, self.tok_rank = self.tok_index.unbind(0)
+            self.tok_rank.fill_(-1)
             # [slot, position class, kind, site] -> steering entry
             self.slot_entry = torch.zeros(max_requests + 1, 2, 2, self.num_sites, **long)
             # [slot, kind, site] -> first staging row of that request's copy, or -1
             self.point_base = torch.full((max_requests + 1, 2, self.num_sites), -1, **long)
+            self.point_base_clear = True  # no copy routed: nothing to upload for it
             self.trash_row = staging_rows
             self.use_kernel = tap_kernel.available(torch.device(device))
             self.staging = torch.zeros(staging_rows + 1, hidden_size, dtype=dtype, device=device)
@@ -159,6 +163,7 @@ class HookRuntime:
             self.shared[key] = (entries, count - 1)
             return
         del self.shared[key]
+        self.slot_tables.pop(key, None)  # its entry indices go back to the free list
         for idx in entries.values():
             self.free_entry(idx)
 
@@ -168,17 +173,24 @@ class HookRuntime:
         self.alpha[idx] = 0.0
         self.free_entries.append(idx)
 
-    def alloc_slot(self, entries: dict[tuple[int, int, int], int]) -> int:
-        """A per-request table row; device mode copies the request's entries into it once."""
+    def alloc_slot(self, entries: dict[tuple[int, int, int], int], key: str | None = None) -> int:
+        """A per-request table row; device mode copies the request's entries into it once.
+        Requests with the same steering `key` (or none) reuse one host table."""
         if not self.device_driven:
             return 0
         if not self.free_slots:
             raise RuntimeError("capsteer: more live requests with hooks than max_requests")
         slot = self.free_slots.pop()
-        table = torch.zeros(2, 2, self.num_sites, dtype=torch.int64)
-        for (kind, site, cls), entry in entries.items():
-            table[cls, kind, site] = entry
-        self.slot_entry[slot].copy_(self._upload(table))
+        table = self.slot_tables.get(key)
+        if table is None:
+            table = torch.zeros(2, 2, self.num_sites, dtype=torch.int64)
+            for (kind, site, cls), entry in entries.items():
+                table[cls, kind, site] = entry
+            table = table.pin_memory() if self.device.type == "cuda" else table
+            if len(self.slot_tables) >= 256:  # bounded: distinct specs come and go
+                self.slot_tables.pop(next(iter(self.slot_tables)))
+            self.slot_tables[key] = table
+        self.slot_entry[slot].copy_(table, non_blocking=True)
         return slot
 
     def free_slot(self, slot: int) -> None:  # slot 0 (never allocated) is a no-op
@@ -199,20 +211,23 @@ class HookRuntime:
         if plan.staging_rows > self.trash_row:
             raise RuntimeError("capsteer: capture staging buffer too small for this step "
                                f"({plan.staging_rows} rows > {self.trash_row}); raise staging_rows")
-        slot = np.zeros(n, np.int64)
-        gen = np.zeros(n, np.int64)
-        rank = np.full(n, -1, np.int64)
-        base = np.full(tuple(self.point_base.shape), -1, np.int64)
-        for rows, s, generated in plan.hooked_rows:
-            slot[rows] = s
+        index = np.zeros((3, n), np.int64)
+        slot, gen, rank = index
+        rank.fill(-1)
+        if plan.row_hooks is not None:
+            rows, slots, generated = plan.row_hooks
+            slot[rows] = slots
             gen[rows] = generated
         for route in plan.routes:
             rank[route.rows] = np.arange(len(route.rows))
-            kind, site = route.point
-            base[route.slot, kind, site] = plan.staging_offset[route.point] + route.offset
-        for dst, src in ((self.tok_slot, slot), (self.tok_gen, gen), (self.tok_rank, rank)):
-            dst[:n].copy_(self._upload(torch.from_numpy(src)))
-        self.point_base.copy_(self._upload(torch.from_numpy(base)))
+        self.tok_index[:, :n].copy_(self._upload(torch.from_numpy(index)))
+        if plan.routes or not self.point_base_clear:  # steering-only steps skip this table
+            base = np.full(tuple(self.point_base.shape), -1, np.int64)
+            for route in plan.routes:
+                kind, site = route.point
+                base[route.slot, kind, site] = plan.staging_offset[route.point] + route.offset
+            self.point_base.copy_(self._upload(torch.from_numpy(base)))
+            self.point_base_clear = not plan.routes
 
     def reset_dense(self) -> None:
         """After a hooked step: rows of later steps map to slot 0 (no hooks) until re-planned."""

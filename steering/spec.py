@@ -14,6 +14,7 @@ import math
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -50,22 +51,33 @@ class SteeringOp:
     value: float
     positions: str
 
-    def to_dict(self) -> dict:
-        return {
-            "hook": self.hook,
-            "layer": self.layer,
-            "op": self.op,
-            "scale": self.scale,
-            "value": self.value,
-            "positions": self.positions,
-            "vector_b64": base64.b64encode(self.vector.astype("<f4").tobytes()).decode(),
-        }
+    def to_dict(self, vector_index: int | None = None) -> dict:
+        """Wire form; with `vector_index` the vector is a reference into the spec's table."""
+        out = {"hook": self.hook, "layer": self.layer, "op": self.op, "scale": self.scale,
+               "value": self.value, "positions": self.positions}
+        if vector_index is None:
+            out["vector_b64"] = _b64(self.vector)
+        else:
+            out["vector"] = vector_index
+        return out
 
     @classmethod
-    def from_dict(cls, d: Mapping) -> SteeringOp:
-        vec = np.frombuffer(base64.b64decode(d["vector_b64"]), dtype="<f4").astype(np.float32)
+    def from_dict(cls, d: Mapping, table: list[np.ndarray] | None = None) -> SteeringOp:
+        if "vector_b64" in d:
+            vec = _unb64(d["vector_b64"])
+        else:
+            assert table is not None, "an op referencing a vector needs the spec's table"
+            vec = table[int(d["vector"])]
         return cls(d["hook"], int(d["layer"]), d["op"], vec, float(d["scale"]),
                    float(d["value"]), d["positions"])
+
+
+def _b64(vec: np.ndarray) -> str:
+    return base64.b64encode(vec.astype("<f4").tobytes()).decode()
+
+
+def _unb64(text: str) -> np.ndarray:
+    return np.frombuffer(base64.b64decode(text), dtype="<f4").astype(np.float32)
 
 
 @dataclass(frozen=True)
@@ -75,11 +87,36 @@ class SteeringSpec:
     ops: tuple[SteeringOp, ...]
 
     def to_dict(self) -> dict:
-        return {"ops": [op.to_dict() for op in self.ops]}
+        """Wire form, computed once: each distinct vector is encoded once (`vectors_b64`) and
+        ops refer to it by index, so steering every layer with one vector stays small on
+        its way through the engine to every worker. Callers must not mutate it."""
+        return self._wire[0]
+
+    @cached_property
+    def _wire(self) -> tuple[dict, str]:
+        index: dict[bytes, int] = {}
+        table: list[str] = []
+        ops = []
+        for op in self.ops:
+            raw = op.vector.astype("<f4").tobytes()
+            if raw not in index:
+                index[raw] = len(table)
+                table.append(base64.b64encode(raw).decode())
+            ops.append(op.to_dict(index[raw]))
+        body = {"vectors_b64": table, "ops": ops}
+        digest = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+        return {**body, "key": digest}, digest
 
     @classmethod
     def from_dict(cls, d: Mapping) -> SteeringSpec:
-        return cls(tuple(SteeringOp.from_dict(o) for o in d["ops"]))
+        table = [_unb64(t) for t in d.get("vectors_b64", ())]
+        return cls(tuple(SteeringOp.from_dict(o, table) for o in d["ops"]))
+
+    @staticmethod
+    def key_of(d: Mapping) -> str | None:
+        """The sharing key a wire-form spec carries (workers skip decoding known specs)."""
+        key = d.get("key")
+        return key if isinstance(key, str) else None
 
     def cache_salt(self) -> str:
         """Equal for identical steering, different otherwise: blocks are shared only then.
@@ -88,8 +125,7 @@ class SteeringSpec:
         ends, and the same tokens can be prompt in one request and generated in another
         (a follow-up turn): such requests never share blocks.
         """
-        digest = hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode())
-        salt = "capsteer-steer-" + digest.hexdigest()[:32]
+        salt = "capsteer-steer-" + self.sharing_key[:32]
         if any(op.positions != "all" for op in self.ops):
             salt += "-" + uuid.uuid4().hex
         return salt
@@ -97,7 +133,7 @@ class SteeringSpec:
     @property
     def sharing_key(self) -> str:
         """Identity of the spec's content (steering-table entries are shared by it)."""
-        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()
+        return self._wire[1]
 
     @property
     def is_noop(self) -> bool:
@@ -159,12 +195,19 @@ def _decode_b64(raw: Mapping, field: str) -> np.ndarray:
     return np.frombuffer(data, dtype=np_dtype).astype(np.float32)
 
 
+def _all_numbers(values: list) -> bool:
+    """Numbers, not bools (a bool is an int); exact types first, as JSON gives them."""
+    if set(map(type, values)) <= {int, float}:
+        return True
+    return all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+
+
 def _resolve_vectors(
     raw: object, field: str, layers: list[int], hidden: int, lookup: VectorLookup | None
 ) -> dict[int, np.ndarray]:
     """One float32 vector per layer."""
     if isinstance(raw, list):
-        if not raw or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in raw):
+        if not raw or not _all_numbers(raw):
             raise SteeringSpecError(field, "must be a non-empty list of numbers")
         try:
             values = np.asarray(raw, dtype=np.float64)

@@ -236,3 +236,48 @@ def test_memory_sink_reports_a_failed_capture():
     sink.abort("cap-f", "staging too small")
     taken = sink.take(["cap-f"])["cap-f"]
     assert taken.error == "staging too small" and not taken.tensors
+
+
+def test_wire_form_encodes_each_vector_once_and_workers_skip_known_specs():
+    spec = parse_steering_spec({"vectors": [
+        {"layers": "all", "vector": [0.25] * HIDDEN},
+        {"hook": "attn_out", "layer": 1, "vector": [0.5] * HIDDEN, "scale": 3.0}]},
+        num_layers=LAYERS, hidden_size=HIDDEN)
+    wire = spec.to_dict()
+    assert len(wire["vectors_b64"]) == 2 and len(wire["ops"]) == LAYERS + 1
+    again = type(spec).from_dict(wire)
+    for a, b in zip(again.ops, spec.ops, strict=True):
+        assert (a.hook, a.layer, a.scale) == (b.hook, b.layer, b.scale)
+        np.testing.assert_array_equal(a.vector, b.vector)
+    assert again.sharing_key == spec.sharing_key == wire["key"]
+    rt = runtime()
+    first = RequestHooks.from_extra_args("a", {"capsteer": {"steering": wire}}, 4, rt)
+    # Same key, unreadable table: a live spec is found by its key, never decoded again.
+    broken = {**wire, "vectors_b64": ["!"]}
+    second = RequestHooks.from_extra_args("b", {"capsteer": {"steering": broken}}, 4, rt)
+    assert second.entries == first.entries and len(first.entries) == 2 * (LAYERS + 1)
+    first.release(rt)
+    second.release(rt)
+    with pytest.raises((ValueError, IndexError)):  # released: the spec is decoded again
+        RequestHooks.from_extra_args("c", {"capsteer": {"steering": broken}}, 4, rt)
+
+
+def test_device_mode_clears_copy_routes_after_a_captured_step():
+    rt = HookRuntime(LAYERS, HIDDEN, torch.float32, torch.device("cpu"), max_tokens=16,
+                     max_requests=4, staging_rows=64, device_driven=True)
+    reqs = {"a": hooks_for("a", 3, rt=rt, capture={"hooks": ["resid_pre"], "layers": [1]},
+                           steering={"vectors": [{"layer": 0, "vector": [0.3] * HIDDEN}]})}
+    plan = build_step_plan(["a"], np.array([0, 3]), np.array([0]), reqs, None,
+                           host_steering=False)
+    rt.set_plan(plan, 3)
+    slot = reqs["a"].slot
+    assert rt.tok_slot[:3].tolist() == [slot] * 3 and rt.tok_rank[:3].tolist() == [0, 1, 2]
+    assert int((rt.point_base >= 0).sum()) == 1
+    rt.reset_dense()
+    reqs["a"].capture = None  # e.g. its capture was shed: steering only from now on
+    reqs["a"].points = {}
+    plan = build_step_plan(["a"], np.array([0, 1]), np.array([3]), reqs, None,
+                           host_steering=False)
+    rt.set_plan(plan, 1)
+    assert rt.tok_slot[:1].tolist() == [slot] and rt.tok_gen[:1].tolist() == [1]
+    assert rt.tok_rank[:1].tolist() == [-1] and int((rt.point_base >= 0).sum()) == 0
