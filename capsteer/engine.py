@@ -12,6 +12,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from capsteer.capture.receipts import Receipt, find_receipt
 from capsteer.capture.sink import CapturedActivations
 from capsteer.capture.spec import CaptureSpec, SpecError, parse_capture_spec
@@ -77,6 +79,7 @@ def build_payload(
         capture_id = capture_id or new_capture_id()
         payload["capture"] = capture.to_dict()
         payload["capture_id"] = capture_id
+        payload["dir_time"] = time.time()  # every pipeline stage dates its directory alike
         payload["durable"] = durable
         payload["await_end"] = durable  # the caller reports the output length (end_captures)
         salt = f"capsteer-capture-{capture_id}"
@@ -93,6 +96,21 @@ def _final_positions(
         return caps
     fed = prompt_len + max(num_output - 1, 0)
     return caps.select(spec.positions.finalize(caps.positions, prompt_len, fed))
+
+
+def merge_stages(parts: list[CapturedActivations]) -> CapturedActivations:
+    """One capture from the pipeline stages' parts (each holds its own layers' keys; a
+    stage holding none of the captured keys sends an empty part)."""
+    holding = [p for p in parts if p.tensors] or parts[:1]
+    first = holding[0]
+    errors = [p.error for p in parts if p.error is not None]
+    if not errors and any(not np.array_equal(p.positions, first.positions) for p in holding):
+        errors.append("pipeline stages captured different positions")
+    if errors:
+        return CapturedActivations(first.capture_id, first.positions[:0], first.token_ids[:0],
+                                   {}, "; ".join(errors))
+    tensors = {k: t for p in holding for k, t in p.tensors.items()}
+    return CapturedActivations(first.capture_id, first.positions, first.token_ids, tensors)
 
 
 class Engine:
@@ -114,6 +132,8 @@ class Engine:
         hf = self.llm.llm_engine.model_config.hf_config
         self.num_layers = int(hf.num_hidden_layers)
         self.hidden_size = int(hf.hidden_size)
+        self.num_stages = int(self.llm.llm_engine.vllm_config.parallel_config
+                              .pipeline_parallel_size)
         self.vector_lookup = vector_lookup
         self.tokenizer = self.llm.get_tokenizer()
         self.capture_dir = extra["capsteer"].get("capture_dir")
@@ -193,13 +213,21 @@ class Engine:
         return found
 
     def _collect(self, capture_ids: list[str], timeout: float) -> dict[str, CapturedActivations]:
-        """Captures close one engine step after their request finishes: poll until all are in."""
+        """Captures close one engine step after their request finishes: poll until all are in.
+
+        Under pipeline parallelism every stage returns its own layers' part of a capture;
+        a capture is complete with one part per stage."""
+        parts: dict[str, list[CapturedActivations]] = {}
         found: dict[str, CapturedActivations] = {}
         deadline = time.monotonic() + timeout
         while len(found) < len(capture_ids):
             missing = [c for c in capture_ids if c not in found]
             for per_worker in self.llm.collective_rpc("capsteer_take_captures", args=(missing,)):
-                found.update({cid: CapturedActivations.from_wire(d) for cid, d in per_worker.items()})
+                for cid, blob in per_worker.items():
+                    parts.setdefault(cid, []).append(CapturedActivations.from_wire(blob))
+            for cid in missing:
+                if len(parts.get(cid, ())) >= self.num_stages:
+                    found[cid] = merge_stages(parts.pop(cid))
             if len(found) < len(capture_ids):
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"captures not finished: {sorted(set(missing) - set(found))}")

@@ -17,6 +17,12 @@ import torch
 
 PACKED_FILE = "activations.safetensors"
 MANIFEST_FILE = "manifest.json"
+# Pipeline parallelism: each stage publishes a part manifest; one stage merges them
+# into MANIFEST_FILE after winning the (never removed) merge lock. Both are hidden
+# sidecars: readers only ever look at MANIFEST_FILE.
+PART_PREFIX = ".stage-"
+PART_SUFFIX = ".json"
+MERGE_LOCK_FILE = ".merge.lock"
 
 ST_DTYPE: dict[torch.dtype, str] = {
     torch.float32: "F32",
@@ -49,10 +55,36 @@ def per_file_name(hook: str, layer: int) -> str:
     return f"{key_name(hook, layer)}.safetensors"
 
 
-def files_for(layout: str, keys: list[tuple[str, int]]) -> dict[str, list[tuple[str, int]]]:
-    """Data file name -> the (hook, layer) keys it holds, for a single-request layout."""
+def packed_name(stage: int | None = None) -> str:
+    """The packed file of one capture, or of one pipeline stage's share of it."""
+    return PACKED_FILE if stage is None else f"activations-stage{stage}.safetensors"
+
+
+def part_name(stage: int) -> str:
+    """A pipeline stage's part manifest (merged into MANIFEST_FILE)."""
+    return f"{PART_PREFIX}{stage}{PART_SUFFIX}"
+
+
+def part_stage(name: str) -> int | None:
+    """The stage a part manifest name belongs to, or None for any other name."""
+    if not (name.startswith(PART_PREFIX) and name.endswith(PART_SUFFIX)):
+        return None
+    digits = name[len(PART_PREFIX) : -len(PART_SUFFIX)]
+    return int(digits) if digits.isdigit() else None
+
+
+def files_for(
+    layout: str, keys: list[tuple[str, int]], stage: int | None = None
+) -> dict[str, list[tuple[str, int]]]:
+    """Data file name -> the (hook, layer) keys it holds, for a single-request layout.
+
+    `stage` (pipeline parallelism) names the packed file per stage and writes no
+    file for a stage without keys; None is the single-writer layout.
+    """
+    if stage is not None and not keys:
+        return {}
     if layout == "packed":
-        return {PACKED_FILE: list(keys)}
+        return {packed_name(stage): list(keys)}
     if layout == "per_file":
         return {per_file_name(h, layer): [(h, layer)] for h, layer in keys}
     raise ValueError(f"unknown layout {layout!r}")

@@ -1,8 +1,11 @@
 """Reading captures back: `read(path)` -> tensors or arrays by (hook, layer).
 
 The manifest is the source of truth: a directory without one is not a capture
-(it may be a crashed publish). Checksums are verified before any data is served,
-so a researcher never silently trains on a corrupted file.
+(it may be a crashed publish, or a pipeline-parallel capture whose stages have not
+all published). Checksums are verified before any data is served, so a researcher
+never silently trains on a corrupted file. Each tensor is read from the file the
+manifest's `tensors` map names, so one reader serves packed, per_file and merged
+pipeline-stage captures (one packed file per stage) alike.
 """
 
 from __future__ import annotations
@@ -110,6 +113,11 @@ class Capture:
         """Input token id at each captured position, int64."""
         return np.asarray(self.manifest.get("token_ids", []), dtype=np.int64)
 
+    @property
+    def stages(self) -> int:
+        """Pipeline stages that wrote this capture (1 for a single writer)."""
+        return int(self.manifest.get("stages", 1))
+
     def keys(self) -> list[tuple[str, int]]:
         return [parse_key_name(k) for k in self.manifest.get("keys", [])]
 
@@ -152,12 +160,22 @@ class Capture:
         problems = verify_files(self.path, self.manifest)
         if problems:
             return problems
-        for fname in {e["file"] for e in self.manifest.get("tensors", {}).values()}:
+        tensors = self.manifest.get("tensors", {})
+        listed = {str(e.get("name")) for e in self.manifest.get("files", [])}
+        keys = self.manifest.get("keys", [])
+        problems += [f"{k}: no tensor entry in manifest" for k in keys if k not in tensors]
+        for fname in sorted({e["file"] for e in tensors.values()}):
+            if fname not in listed:
+                problems.append(f"{fname}: holds tensors but is not listed in the manifest's files")
+                continue
             try:
                 with safe_open(self.path / fname, framework="pt") as fh:
                     pos = fh.get_tensor("positions")
                     if pos.tolist() != self.manifest.get("positions"):
                         problems.append(f"{fname}: positions differ from manifest")
+                    token_ids = self.manifest.get("token_ids")
+                    if token_ids is not None and fh.get_tensor("token_ids").tolist() != token_ids:
+                        problems.append(f"{fname}: token ids differ from manifest")
                     names = set(fh.keys())
                     for name, entry in self.manifest["tensors"].items():
                         if entry["file"] == fname and name not in names:

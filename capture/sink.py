@@ -20,7 +20,15 @@ from capsteer.capture.spec import CaptureSpec
 
 @dataclass(frozen=True)
 class CaptureRequest:
-    """What a sink learns when a captured request is first scheduled."""
+    """What a sink learns when a captured request is first scheduled.
+
+    Under pipeline parallelism each stage's worker opens the same capture with its
+    own `stage` (0-based), the shared `num_stages`, and `keys`: the (hook, layer)
+    pairs whose values live on that stage (None = every key of the spec). The stages'
+    writers each publish their own files and one of them merges the manifest.
+    `dir_time`, when set, dates the capture directory instead of the open time:
+    stages that open across midnight UTC must still agree on one directory.
+    """
 
     capture_id: str
     request_id: str
@@ -30,6 +38,10 @@ class CaptureRequest:
     model_dtype: torch.dtype
     hidden_size: int
     num_layers: int
+    stage: int = 0
+    num_stages: int = 1
+    keys: tuple[tuple[str, int], ...] | None = None
+    dir_time: float | None = None
 
 
 @dataclass(frozen=True)

@@ -4,10 +4,25 @@
 appends references to rows it already copied (and, under the block policy when
 memory is exhausted, spills them to a temp file); worker threads finalize
 positions, stream safetensors files, fsync, rename and write the manifest last.
+
+Pipeline parallelism (`CaptureRequest.num_stages` S > 1): each stage's worker has
+its own writer on the same root and holds only its keys (`CaptureRequest.keys`).
+A stage writes its data files (per_file: the usual `{hook}.{layer}.safetensors`;
+packed: `activations-stage{s}.safetensors`; nothing for a stage without keys),
+fsyncs them and the directory, then publishes its part manifest `.stage-{s}.json`
+(same fields as a manifest, plus `stage` and `stages`; `keys` are the stage's)
+instead of `manifest.json`. It then lists the parts: because every stage writes
+its part before listing, the last one to finish sees all S, and whoever creates
+`.merge.lock` (O_EXCL) first writes the one `manifest.json` from the parts (see
+`merge_parts`). Error and dropped outcomes take the same path, so a failed stage
+still ends in exactly one manifest, with status error/dropped naming the stage.
+The writer's own receipt, future and metrics stay per stage (that stage's
+outcome); the merged outcome is the manifest on disk, which the server reads.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
@@ -15,7 +30,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +41,13 @@ from capsteer.capture import metrics
 from capsteer.capture.layouts import (
     DTYPE_NAME,
     MANIFEST_FILE,
+    MERGE_LOCK_FILE,
     TORCH_DTYPE,
     TensorPlan,
     as_bytes,
     files_for,
     key_name,
+    part_name,
     stream_safetensors,
     tensor_plan,
 )
@@ -106,6 +123,7 @@ class _Capture:
     rel_dir: str
     path: Path
     keys: frozenset[Key]
+    key_order: list[Key]  # the keys this writer publishes (this stage's), in spec order
     opened_at: float
     lock: threading.Lock = field(default_factory=threading.Lock)
     chunks: dict[Key, list[_Chunk]] = field(default_factory=dict)
@@ -122,6 +140,15 @@ class _Capture:
     @property
     def prompt_len(self) -> int:
         return len(self.req.prompt_token_ids)
+
+    @property
+    def staged(self) -> bool:
+        """One of several pipeline stages: publishes a part, not the manifest."""
+        return self.req.num_stages > 1
+
+    @property
+    def part(self) -> str:
+        return part_name(self.req.stage)
 
     def close_spill(self) -> None:
         if self.spill_fd is not None:
@@ -164,6 +191,26 @@ def _plan_key(
     return runs, kept
 
 
+def stage_keys(request: CaptureRequest) -> list[Key]:
+    """The keys this request's writer publishes, in spec order (all of them unless a
+    pipeline stage names its own); rejects stage fields that cannot be merged."""
+    spec_keys = request.spec.keys()
+    if request.num_stages < 1 or not 0 <= request.stage < request.num_stages:
+        raise ValueError(
+            f"capture {request.capture_id}: stage {request.stage} of {request.num_stages} stages"
+        )
+    if request.keys is None:
+        return spec_keys
+    wanted = {(str(h), int(layer)) for h, layer in request.keys}
+    unknown = sorted(wanted - set(spec_keys))
+    if unknown:
+        names = ", ".join(key_name(*k) for k in unknown)
+        raise ValueError(f"capture {request.capture_id}: stage keys {names} are not in the spec")
+    if request.num_stages == 1 and len(wanted) != len(spec_keys):
+        raise ValueError(f"capture {request.capture_id}: a single stage writes every key")
+    return [k for k in spec_keys if k in wanted]
+
+
 class CaptureWriter:
     """Durable `CaptureSink`: writer pool, in-flight budget, atomic publish, receipts.
 
@@ -204,13 +251,16 @@ class CaptureWriter:
     def open(self, request: CaptureRequest) -> None:
         """Register a captured request (cheap: no filesystem access)."""
         validate_capture_id(request.capture_id)
+        keys = stage_keys(request)
         now = self.clock()
-        rel = relative_dir(request.capture_id, request.spec.tag, now)
+        dated = now if request.dir_time is None else request.dir_time
+        rel = relative_dir(request.capture_id, request.spec.tag, dated)
         cap = _Capture(
             req=request,
             rel_dir=rel,
             path=self.root / rel,  # every component of rel was validated as a slug
-            keys=frozenset(request.spec.keys()),
+            keys=frozenset(keys),
+            key_order=keys,
             opened_at=now,
         )
         with self._caps_lock:
@@ -511,15 +561,66 @@ class CaptureWriter:
         self.receipts.resolve(receipt)
 
     def _publish_status(self, cap: _Capture, status: str, message: str) -> Receipt:
-        """A manifest without data files, so other processes learn the outcome too."""
+        """A manifest (or stage part) without data files, so other processes learn the
+        outcome too; a failed stage still lets the merge write the one manifest."""
         manifest = self._manifest_base(cap, status, message)
+        written = False
         try:
-            if not (cap.path / MANIFEST_FILE).exists():
+            if self._published_by(cap) is None:
                 ensure_dir(cap.path, self.fs)
-                write_json_atomic(cap.path, MANIFEST_FILE, manifest, self.fs)
+                write_json_atomic(cap.path, self._outcome_name(cap), manifest, self.fs)
+                written = True
         except OSError as exc:
             log.warning("capture %s: could not write %s manifest: %s", cap.req.capture_id, status, exc)
-        return Receipt.from_manifest(manifest, cap.rel_dir)
+        if written and cap.staged:
+            self._merge(cap)
+        return self._receipt(cap, manifest)
+
+    @staticmethod
+    def _outcome_name(cap: _Capture) -> str:
+        """Where this writer's outcome goes: the manifest, or its stage's part."""
+        return cap.part if cap.staged else MANIFEST_FILE
+
+    @staticmethod
+    def _published_by(cap: _Capture) -> str | None:
+        """Why this capture must not be published (again) here, or None."""
+        if (cap.path / MANIFEST_FILE).exists():
+            return f"{cap.rel_dir} already has a manifest"
+        if cap.staged and (cap.path / cap.part).exists():
+            return f"{cap.rel_dir} already has stage {cap.req.stage}'s part manifest"
+        return None
+
+    @staticmethod
+    def _receipt(cap: _Capture, manifest: dict[str, Any]) -> Receipt:
+        receipt = Receipt.from_manifest(manifest, cap.rel_dir)
+        return replace(receipt, manifest=cap.part) if cap.staged else receipt
+
+    def _writer_info(self) -> dict[str, Any]:
+        return {"host": self._host, "pid": os.getpid()}
+
+    def _merge(self, cap: _Capture) -> None:
+        """Write manifest.json from every stage's part if all are there and this writer
+        wins the merge lock; never raises (this stage's own outcome is already durable).
+
+        A stage whose part never comes (its process died, or it could not even write
+        an error part) leaves no manifest at all, as does a merger that dies or fails
+        between taking the lock and writing the manifest: the server's wait for the
+        capture times out with a pending receipt. That is accepted: a manifest must
+        mean the whole capture, and nothing here can tell a dead stage from a slow one.
+        """
+        try:
+            parts = read_parts(cap.path, cap.req.num_stages)
+            if parts is None or not take_merge_lock(cap.path, self._writer_info()):
+                return
+            manifest = merge_parts(cap.req.spec.keys(), parts, self.clock(), self._writer_info())
+            write_json_atomic(cap.path, MANIFEST_FILE, manifest, self.fs)
+        except Exception as exc:
+            log.error("capture %s: merging the stage parts failed: %r", cap.req.capture_id, exc)
+            return
+        if manifest["status"] != "ok":
+            log.warning("capture %s: merged status %s: %s", cap.req.capture_id,
+                        manifest["status"], manifest["error"])
+            remove_stage_files(cap.path, parts, self.fs)
 
     def _manifest_base(self, cap: _Capture, status: str, error: str | None, **fields: Any) -> dict[str, Any]:
         """Manifest fields in reading order; `fields` fills in what only a publish knows."""
@@ -539,14 +640,17 @@ class CaptureWriter:
             "num_layers": req.num_layers,
             "hidden_size": req.hidden_size,
             "spec": req.spec.to_dict(),
-            "keys": [key_name(*k) for k in req.spec.keys()],
-            "prompt_tokens": len(req.prompt_token_ids),
+            "keys": [key_name(*k) for k in cap.key_order],
         }
+        if cap.staged:
+            manifest["stage"] = req.stage
+            manifest["stages"] = req.num_stages
+        manifest["prompt_tokens"] = len(req.prompt_token_ids)
         manifest.update(fields)
         manifest.setdefault("positions", [])
         manifest.setdefault("files", [])
         manifest["timings"] = {"opened_at": cap.opened_at, "closed_at": cap.closed_at}
-        manifest["writer"] = {"host": self._host, "pid": os.getpid()}
+        manifest["writer"] = self._writer_info()
         return manifest
 
     def _publish(self, cap: _Capture, end: CaptureEnd, started: float) -> Receipt:
@@ -555,7 +659,7 @@ class CaptureWriter:
         plans_by_key: dict[Key, list[tuple[_Chunk, int, int]]] = {}
         positions: np.ndarray | None = None
         hidden = req.hidden_size
-        for key in spec.keys():
+        for key in cap.key_order:
             runs, kept = _plan_key(cap.chunks.get(key, []), spec.positions, cap.prompt_len, fed)
             if positions is None:
                 positions = kept
@@ -568,7 +672,8 @@ class CaptureWriter:
                 if chunk.hidden != hidden:
                     raise CaptureDataError(f"{key_name(*key)}: rows of width {chunk.hidden}, model {hidden}")
             plans_by_key[key] = runs
-        assert positions is not None
+        if positions is None:  # a pipeline stage without keys: a part with no files
+            positions = np.zeros(0, np.int64)
         token_ids = np.asarray(end.token_ids, dtype=np.int64)[positions]
         out = req.model_dtype if spec.dtype == "auto" else TORCH_DTYPE[spec.dtype]
         n = len(positions)
@@ -576,12 +681,14 @@ class CaptureWriter:
         files: list[AtomicFile] = []
         committed: list[Path] = []
         fsync_s = ensure_dir(cap.path, self.fs)
-        if (cap.path / MANIFEST_FILE).exists():
-            raise _AlreadyPublished(f"{cap.rel_dir} already has a manifest")
+        clash = self._published_by(cap)
+        if clash is not None:
+            raise _AlreadyPublished(clash)
         t_write = time.perf_counter()
         tensors: dict[str, dict[str, Any]] = {}
         try:
-            for fname, keys in files_for(spec.layout, spec.keys()).items():
+            stage = cap.req.stage if cap.staged else None
+            for fname, keys in files_for(spec.layout, cap.key_order, stage).items():
                 plans: list[TensorPlan] = [
                     tensor_plan("positions", torch.from_numpy(positions)),
                     tensor_plan("token_ids", torch.from_numpy(token_ids)),
@@ -630,7 +737,7 @@ class CaptureWriter:
                     "published_at": durable_at,
                 }
             )
-            write_json_atomic(cap.path, MANIFEST_FILE, manifest, self.fs)
+            write_json_atomic(cap.path, self._outcome_name(cap), manifest, self.fs)
         except BaseException:
             for f in files:
                 f.discard()
@@ -646,4 +753,158 @@ class CaptureWriter:
         data_bytes = sum(f.size for f in files)
         metrics.BYTES.inc(data_bytes)
         metrics.FILES.inc(len(files))
-        return Receipt.from_manifest(manifest, cap.rel_dir)
+        if cap.staged:
+            self._merge(cap)
+        return self._receipt(cap, manifest)
+
+
+# ------------------------------------------------------- pipeline-stage merging
+def read_parts(path: Path, num_stages: int) -> list[dict[str, Any]] | None:
+    """Every stage's part manifest in stage order, or None while any is missing."""
+    try:
+        present = set(os.listdir(path))
+    except FileNotFoundError:
+        return None
+    names = [part_name(s) for s in range(num_stages)]
+    if not all(n in present for n in names):
+        return None
+    return [json.loads((path / n).read_text()) for n in names]
+
+
+def take_merge_lock(path: Path, owner: dict[str, Any]) -> bool:
+    """True for exactly one caller per capture directory: the merge lock is created
+    with O_EXCL and never removed, so a late stage cannot merge a second time."""
+    try:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        fd = os.open(path / MERGE_LOCK_FILE, flags, 0o644)
+    except FileExistsError:
+        return False
+    try:
+        os.write(fd, json.dumps(owner).encode() + b"\n")
+    finally:
+        os.close(fd)
+    return True
+
+
+def _preview(value: Any) -> str:
+    if isinstance(value, list) and len(value) > 8:
+        return json.dumps(value[:8])[:-1] + ",...]"
+    return json.dumps(value)
+
+
+def _disagreements(spec_keys: list[Key], parts: list[dict[str, Any]]) -> list[str]:
+    """Why ok parts cannot form one capture: keys that are not split exactly once
+    across the stages, or stages that kept different rows."""
+    problems: list[str] = []
+    owner: dict[str, int] = {}
+    wanted = [key_name(*k) for k in spec_keys]
+    for s, part in enumerate(parts):
+        if part.get("stages") != len(parts) or part.get("stage") != s:
+            said = f"{part.get('stage')} of {part.get('stages')}"
+            problems.append(f"stage {s}: its part says stage {said}")
+        for name in part.get("keys", []):
+            if name in owner:
+                problems.append(f"stage {s}: {name} was also written by stage {owner[name]}")
+            elif name not in wanted:
+                problems.append(f"stage {s}: {name} is not in the capture spec")
+            else:
+                owner[name] = s
+    missing = [n for n in wanted if n not in owner]
+    if missing:
+        problems.append(f"no stage wrote {', '.join(missing)}")
+    with_rows = [(s, p) for s, p in enumerate(parts) if p.get("keys")]
+    for s, part in with_rows[1:]:
+        r, ref = with_rows[0]
+        for fld in ("positions", "token_ids", "dtype", "spec"):
+            if part.get(fld) != ref.get(fld):
+                mine, theirs = _preview(part.get(fld)), _preview(ref.get(fld))
+                problems.append(f"stage {s}: {fld} {mine} differ from stage {r}'s {theirs}")
+    return problems
+
+
+def _merged_status(spec_keys: list[Key], parts: list[dict[str, Any]]) -> tuple[str, str | None]:
+    """ok only if every stage is ok and they agree; a stage error wins over a drop."""
+    said = [(p.get("status"), f"stage {s}: {p.get('error')}") for s, p in enumerate(parts)]
+    errors = [msg for status, msg in said if status not in ("ok", "dropped")]
+    drops = [msg for status, msg in said if status == "dropped"]
+    if errors:
+        return "error", "; ".join(errors + drops)
+    if drops:
+        return "dropped", "; ".join(drops)
+    problems = _disagreements(spec_keys, parts)
+    return ("error", "; ".join(problems)) if problems else ("ok", None)
+
+
+def _merged_timings(parts: list[dict[str, Any]], merged_at: float) -> dict[str, float]:
+    """Stages publish in parallel: the earliest start, the slowest stage's durations,
+    and publish_s from the request end to the merge (each stage's own under stage_parts)."""
+    per_stage = [p.get("timings", {}) for p in parts]
+    out: dict[str, float] = {}
+    for name, pick in (("opened_at", min), ("closed_at", min), ("started_at", min),
+                       ("queued_s", max), ("write_s", max), ("fsync_s", max)):
+        values = [t[name] for t in per_stage if name in t]
+        if values:
+            out[name] = pick(values)
+    if "closed_at" in out:
+        out["publish_s"] = round(merged_at - out["closed_at"], 6)
+    out["published_at"] = merged_at
+    return out
+
+
+def merge_parts(
+    spec_keys: list[Key], parts: list[dict[str, Any]], merged_at: float, writer: dict[str, Any]
+) -> dict[str, Any]:
+    """The one manifest of a pipeline-parallel capture, from its parts in stage order.
+
+    Same fields as a single writer's manifest (files and tensors of every stage,
+    `keys` the whole spec's), plus `stages` (S) and `stage_parts` (each stage's
+    status, keys, files, timings and writer). Not ok: no files are listed, as for a
+    single writer's error manifest.
+    """
+    status, error = _merged_status(spec_keys, parts)
+    ref = next((p for p in parts if p.get("keys")), parts[0])
+    merged = {k: v for k, v in ref.items() if k not in ("stage", "stages", "timings", "writer")}
+    merged["status"], merged["error"] = status, error
+    merged["keys"] = [key_name(*k) for k in spec_keys]
+    if status == "ok":
+        merged["files"] = [f for p in parts for f in p.get("files", [])]
+        tensors: dict[str, Any] = {}
+        for p in parts:
+            tensors.update(p.get("tensors", {}))
+        merged["tensors"] = {name: tensors[name] for name in merged["keys"]}
+    else:
+        merged["positions"], merged["files"] = [], []
+        merged.pop("token_ids", None)
+        merged.pop("tensors", None)
+    merged["timings"] = _merged_timings(parts, merged_at)
+    merged["writer"] = writer
+    merged["stages"] = len(parts)
+    merged["stage_parts"] = [
+        {
+            "stage": s,
+            "status": p.get("status"),
+            "error": p.get("error"),
+            "keys": p.get("keys", []),
+            "files": [f["name"] for f in p.get("files", [])],
+            "timings": p.get("timings", {}),
+            "writer": p.get("writer"),
+        }
+        for s, p in enumerate(parts)
+    ]
+    return merged
+
+
+def remove_stage_files(path: Path, parts: list[dict[str, Any]], fs: FileSystem = DEFAULT_FS) -> None:
+    """Remove the stages' data files once the merged manifest says the capture failed
+    (it lists none of them); a crash before this leaves unlisted files, never a lie."""
+    names = [f["name"] for p in parts for f in p.get("files", [])]
+    for name in names:
+        try:
+            (path / name).unlink()
+        except OSError:
+            pass
+    if names:
+        try:
+            fsync_dir(path, fs)
+        except OSError:
+            pass

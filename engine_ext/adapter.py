@@ -51,11 +51,22 @@ def check_architecture(model: nn.Module) -> str:
 
 @dataclass(frozen=True)
 class ModelSites:
-    """The norm modules whose inputs are the hook points, in site order."""
+    """The norm modules whose inputs are the hook points, by global site number.
 
-    norms: tuple[nn.Module, ...]
+    Under pipeline parallelism a stage holds only its own layers (the others are
+    vLLM's PPMissingLayer placeholders): `norms` then has this stage's sites only."""
+
+    norms: dict[int, nn.Module]
     num_layers: int
     hidden_size: int
+
+    @property
+    def local_sites(self) -> frozenset[int]:
+        return frozenset(self.norms)
+
+
+def _missing(module: object) -> bool:
+    return module is None or type(module).__name__ == "PPMissingLayer"
 
 
 def find_sites(model: nn.Module) -> ModelSites:
@@ -66,18 +77,23 @@ def find_sites(model: nn.Module) -> ModelSites:
     final = getattr(inner, "norm", None)
     if layers is None or final is None:
         raise UnsupportedError(f"{type(model).__name__}: no model.layers / model.norm found")
-    norms: list[nn.Module] = []
+    norms: dict[int, nn.Module] = {}
     for i, layer in enumerate(layers):
+        if _missing(layer):
+            continue  # another pipeline stage runs this layer
         a = getattr(layer, "input_layernorm", None)
         b = getattr(layer, "post_attention_layernorm", None)
         if a is None or b is None:
             raise UnsupportedError(
-                f"layer {i} of {type(model).__name__} has no input/post-attention norm "
-                "(pipeline parallel stages are not supported yet)")
-        norms += [a, b]
-    norms.append(final)
-    hidden = int(final.weight.shape[0])
-    return ModelSites(tuple(norms), len(layers), hidden)
+                f"layer {i} of {type(model).__name__} has no input/post-attention norm")
+        norms[2 * i], norms[2 * i + 1] = a, b
+    if not _missing(final):
+        norms[2 * len(layers)] = final
+    if not norms:
+        raise UnsupportedError(f"{type(model).__name__}: this worker holds no decoder layer")
+    hidden = int(getattr(getattr(model, "config", None), "hidden_size", 0) or
+                 next(iter(norms.values())).weight.shape[0])
+    return ModelSites(norms, len(layers), hidden)
 
 
 def hook_norm(norm: nn.Module, site: int) -> None:
@@ -283,13 +299,25 @@ def run_vllm_serve(argv: list[str]) -> None:
 
 
 def is_capture_rank() -> bool:
-    """Captures are written by tensor-parallel rank 0 only (the stream is replicated)."""
+    """Captures are written by tensor-parallel rank 0 of each pipeline stage only (the
+    stream is replicated across the TP ranks of a stage)."""
     try:
         from vllm.distributed import get_tensor_model_parallel_rank
 
         return get_tensor_model_parallel_rank() == 0
     except (ImportError, AssertionError, RuntimeError):
         return True
+
+
+def pipeline_stage() -> tuple[int, int]:
+    """(this worker's pipeline stage, number of stages)."""
+    try:
+        from vllm.distributed import get_pp_group
+
+        group = get_pp_group()
+        return int(group.rank_in_group), int(group.world_size)
+    except (ImportError, AssertionError, RuntimeError):
+        return 0, 1
 
 
 def check_engine_features(worker: object) -> None:
@@ -304,8 +332,10 @@ def check_engine_features(worker: object) -> None:
     for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
         if int(getattr(par, name, 1) or 1) > 1:
             problems.append(f"{name} > 1 (rows are sharded across ranks)")
-    if int(getattr(par, "pipeline_parallel_size", 1) or 1) > 1:
-        problems.append("pipeline parallelism (per-stage captures are not merged yet)")
+    if int(getattr(par, "pipeline_parallel_size", 1) or 1) > 1 and (
+            capsteer_config(worker).get("sharded")):
+        problems.append("pipeline parallelism with an extraction job's shards (each stage "
+                        "would write its own shards; run extraction with tensor parallelism)")
     if problems:
         raise UnsupportedError("capsteer cannot hook this engine configuration: "
                                + "; ".join(problems))

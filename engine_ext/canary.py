@@ -43,14 +43,21 @@ def _tolerance(dtype: torch.dtype) -> float:
     return 1e-4 if dtype == torch.float32 else 2e-2
 
 
-def _canary_request(runtime, steer: torch.Tensor | None) -> RequestHooks:
-    """A synthetic request capturing every hook at every layer and position."""
+def _stream_hook(site: int) -> tuple[str, int]:
+    """The hook whose value is the stream entering `site` (site >= 1)."""
+    return ("resid_pre", site // 2) if site % 2 == 0 else ("resid_mid", site // 2)
+
+
+def _canary_request(runtime, steer: torch.Tensor | None, steer_site: int) -> RequestHooks:
+    """A synthetic request capturing every hook at every layer and position (this
+    worker copies those at its own sites)."""
     payload = {"capture": parse_capture_spec(
         {"hooks": list(HOOKS), "layers": "all", "positions": "all"},
         num_layers=runtime.num_layers).to_dict(), "capture_id": "cap-canary"}
     if steer is not None:
+        hook, layer = _stream_hook(steer_site)
         payload["steering"] = parse_steering_spec(
-            {"vectors": [{"hook": "resid_pre", "layer": 1, "vector": steer.tolist()}]},
+            {"vectors": [{"hook": hook, "layer": layer, "vector": steer.tolist()}]},
             num_layers=runtime.num_layers, hidden_size=runtime.hidden_size).to_dict()
     hooks = RequestHooks.from_extra_args("_capsteer_canary", {EXTRA_ARGS_KEY: payload},
                                          CANARY_TOKENS, runtime)
@@ -58,10 +65,11 @@ def _canary_request(runtime, steer: torch.Tensor | None) -> RequestHooks:
     return hooks
 
 
-def _forward(hooks, steer: torch.Tensor | None = None) -> dict[tuple[int, int], torch.Tensor]:
+def _forward(hooks, steer: torch.Tensor | None = None,
+             steer_site: int = 2) -> dict[tuple[int, int], torch.Tensor]:
     """One dummy forward through the real step path; captured rows per (kind, site)."""
     runtime, n = hooks.runtime, CANARY_TOKENS
-    request = _canary_request(runtime, steer)
+    request = _canary_request(runtime, steer, steer_site)
     try:
         plan = build_step_plan([request.req_id], np.array([0, n]), np.array([0]),
                                {request.req_id: request}, None)
@@ -84,18 +92,49 @@ def _forward(hooks, steer: torch.Tensor | None = None) -> dict[tuple[int, int], 
     finally:
         request.release(runtime)
     if not runtime.device_driven:
-        missing = [s for s, count in enumerate(fired) if count == 0]
+        missing = [s for s, count in enumerate(fired) if count == 0 and s in runtime.local_sites]
         if missing:
             raise CanaryFailed(f"hook op never ran at site(s) {missing}")
     return captured
 
 
+def _steer_site(local: list[int]) -> int:
+    """A stream site whose previous site is local too (so the added vector is measurable
+    on this worker), with a later local site when there is one (so its effect is)."""
+    pairs = [t for t in local if t >= 1 and t - 1 in local]
+    later = [t for t in pairs if t < local[-1]]
+    if not pairs:
+        raise CanaryFailed(f"this worker's sites {local} leave no stream site to check "
+                           "steering at (a pipeline stage needs at least one whole layer)")
+    return 2 if 2 in later else (later or pairs)[0]
+
+
+def _check_identities(captured: dict, local: frozenset[int], num_layers: int, close,
+                      steered_site: int | None = None) -> None:
+    """resid_mid = resid_pre + attn_out and resid_post = resid_mid + mlp_out, wherever this
+    worker holds every site involved (except where steering adds to the stream)."""
+    for layer in range(num_layers):
+        a, b, c = 2 * layer, 2 * layer + 1, 2 * layer + 2
+        if {a, b} <= local and b != steered_site and not close(captured[(STREAM, b)],
+                                         captured[(STREAM, a)] + captured[(SUB, b)]):
+            raise CanaryFailed(f"layer {layer}: resid_mid != resid_pre + attn_out")
+        if {b, c} <= local and c != steered_site and not close(captured[(STREAM, c)],
+                                         captured[(STREAM, b)] + captured[(SUB, c)]):
+            raise CanaryFailed(f"layer {layer}: resid_post != resid_mid + mlp_out")
+
+
 def run_canary(hooks) -> None:
-    """Raise CanaryFailed with the reason when any check fails."""
+    """Raise CanaryFailed with the reason when any check fails.
+
+    Under pipeline parallelism each stage checks its own sites: a later stage's dummy
+    forward starts from vLLM's placeholder input, so its stream checks are repeated on
+    the steered forward, whose stream is non-zero from the steered site on."""
     runtime = hooks.runtime
-    num_sites, n = runtime.num_sites, CANARY_TOKENS
+    n = CANARY_TOKENS
+    local = sorted(runtime.local_sites)
     tol = _tolerance(runtime.dtype)
-    base = _forward(hooks)
+    site = _steer_site(local)
+    base = _forward(hooks, steer_site=site)
     for key, value in base.items():
         if value.shape[0] != n or not torch.isfinite(value).all():
             raise CanaryFailed(f"site {key[1]} ({'stream' if key[0] else 'sublayer'}) "
@@ -104,30 +143,29 @@ def run_canary(hooks) -> None:
     def close(a: torch.Tensor, b: torch.Tensor) -> bool:
         return float((a - b).norm()) <= tol * max(float(b.norm()), 1e-6)
 
-    for layer in range(runtime.num_layers):
-        pre, mid, post = (base[(STREAM, 2 * layer + i)] for i in range(3))
-        if not close(mid, pre + base[(SUB, 2 * layer + 1)]):
-            raise CanaryFailed(f"layer {layer}: resid_mid != resid_pre + attn_out")
-        if not close(post, mid + base[(SUB, 2 * layer + 2)]):
-            raise CanaryFailed(f"layer {layer}: resid_post != resid_mid + mlp_out")
-    embedded = adapter.eager_embedding(hooks.worker.model_runner, n).float().cpu()
-    if not close(base[(STREAM, 0)], embedded):
-        raise CanaryFailed("resid_pre(0) differs from the eagerly computed embedding")
+    _check_identities(base, runtime.local_sites, runtime.num_layers, close)
+    if 0 in runtime.local_sites:
+        embedded = adapter.eager_embedding(hooks.worker.model_runner, n).float().cpu()
+        if not close(base[(STREAM, 0)], embedded):
+            raise CanaryFailed("resid_pre(0) differs from the eagerly computed embedding")
 
     # Scaled well above the stream so low-precision rounding cannot hide or fake it.
-    scale = 8.0 * float(base[(STREAM, 2)].abs().mean()) + 1.0
+    scale = 8.0 * float(base[(STREAM, site)].abs().mean()) + 1.0
     vec = torch.linspace(-1.0, 1.0, runtime.hidden_size) * scale
-    steered = _forward(hooks, steer=vec)
+    steered = _forward(hooks, steer=vec, steer_site=site)
+    _check_identities(steered, runtime.local_sites, runtime.num_layers, close, steered_site=site)
     # Within one forward (dummy batches may differ between runs): the stream entering
-    # layer 1 is what layer 0 produced plus exactly the steering vector.
-    produced = steered[(STREAM, 1)] + steered[(SUB, 2)]
+    # the site is what came before plus exactly the steering vector.
+    produced = steered[(STREAM, site - 1)] + steered[(SUB, site)]
     want = vec.to(runtime.dtype).float().expand(n, -1)
-    added = steered[(STREAM, 2)] - produced
+    added = steered[(STREAM, site)] - produced
+    hook, layer = _stream_hook(site)
     if not close(added, want):
         raise CanaryFailed(
-            "steering at resid_pre(1) did not add its vector "
+            f"steering at {hook}({layer}) did not add its vector "
             f"(added norm {float(added.norm()):.4g}, vector norm {float(want.norm()):.4g}, "
             f"max error {float((added - want).abs().max()):.4g}, "
-            f"stream max {float(steered[(STREAM, 2)].abs().max()):.4g})")
-    if close(steered[(STREAM, num_sites - 1)], base[(STREAM, num_sites - 1)]):
-        raise CanaryFailed("steering at resid_pre(1) did not change the final stream")
+            f"stream max {float(steered[(STREAM, site)].abs().max()):.4g})")
+    last = local[-1]
+    if last > site and close(steered[(STREAM, last)], base[(STREAM, last)]):
+        raise CanaryFailed(f"steering at {hook}({layer}) did not change the stream at site {last}")

@@ -59,6 +59,7 @@ class RequestHooks:
     await_end: bool = False
     sink: str = "memory"  # "memory" | "durable" | "sharded"
     record_id: str | None = None  # the job's own id for this request (sharded index)
+    dir_time: float | None = None  # the front end's clock: dates the capture directory
     slot: int = 0  # device mode: row of the per-request tables (0 = no hooks)
     steering_key: str | None = None  # requests with the same steering share table entries
 
@@ -79,9 +80,12 @@ class RequestHooks:
             hooks.await_end = bool(payload.get("await_end", False))
             hooks.sink = str(payload.get("sink") or ("durable" if hooks.durable else "memory"))
             hooks.record_id = payload.get("record_id")
+            hooks.dir_time = payload.get("dir_time")
             points: dict[tuple[int, int], list[tuple[str, int]]] = defaultdict(list)
             for hook, layer in hooks.capture.keys():
-                points[hook_point(hook, layer)].append((hook, layer))
+                point = hook_point(hook, layer)
+                if point[1] in runtime.local_sites:  # other pipeline stages copy the rest
+                    points[point].append((hook, layer))
             hooks.points = {p: tuple(keys) for p, keys in points.items()}
         try:
             wire = payload.get("steering")
@@ -97,6 +101,11 @@ class RequestHooks:
             hooks.release(runtime)  # nothing half-registered stays behind
             raise
         return hooks
+
+    @property
+    def local_keys(self) -> tuple[tuple[str, int], ...]:
+        """The captured keys this worker copies (all of them unless pipeline-parallel)."""
+        return tuple(key for keys in self.points.values() for key in keys)
 
     @property
     def needs_output_length(self) -> bool:

@@ -85,9 +85,13 @@ class HookRuntime:
         max_requests: int = 256,
         staging_rows: int = 0,
         device_driven: bool = False,
+        local_sites: frozenset[int] | None = None,
     ) -> None:
         self.num_layers = num_layers
         self.num_sites = site_count(num_layers)
+        # Sites whose norm this worker runs (a pipeline stage runs only its own layers):
+        # copies are routed only from these.
+        self.local_sites = frozenset(range(self.num_sites)) if local_sites is None else local_sites
         self.hidden_size = hidden_size
         self.dtype = dtype
         self.device = device

