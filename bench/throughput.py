@@ -132,6 +132,13 @@ def run_one(config: str, model: str, device: str, p6: bool, capture_dir: str) ->
             os.makedirs(capture_dir, exist_ok=True)
     tokens = cfg["requests"] * (cfg["prompt"] + cfg["gen"])
     wall = statistics.median(times)
+    profile = None
+    if os.environ.get("CAPSTEER_BENCH_PROFILE") and config != "vanilla":
+        # One more (untimed) batch with the worker's step loop under cProfile + torch profiler.
+        engine.llm.collective_rpc("capsteer_profile", args=(True,))
+        batch(prompts)
+        profile = engine.llm.collective_rpc("capsteer_profile", args=(False,))[0]
+        (Path(os.environ["CAPSTEER_BENCH_PROFILE"]) / f"profile-{config}.txt").write_text(profile)
     return {"config": config, "startup_s": startup, "times_s": times, "wall_s": wall,
             "tokens_per_s": tokens / wall}
 

@@ -409,6 +409,31 @@ class CapsteerWorker(adapter.platform_worker_base()):  # type: ignore[misc]
         sharded.writer.flush()
         return len(sharded.writer.done_ids)
 
+    def capsteer_profile(self, start: bool, rows: int = 25) -> str | None:
+        """Diagnostics (benchmarks): profile this worker's step loop between a start and a
+        stop call; the stop returns where the time went: host Python functions (cProfile,
+        by cumulative time) and device kernels (torch profiler, by self CUDA time)."""
+        import cProfile
+        import io
+        import pstats
+
+        from torch.profiler import ProfilerActivity, profile
+
+        if start:
+            activities = [ProfilerActivity.CPU] + (
+                [ProfilerActivity.CUDA] if self.capsteer.device_driven else [])
+            self._capsteer_prof = (cProfile.Profile(), profile(activities=activities))
+            self._capsteer_prof[1].__enter__()
+            self._capsteer_prof[0].enable()
+            return None
+        host, device = self._capsteer_prof
+        host.disable()
+        device.__exit__(None, None, None)
+        out = io.StringIO()
+        pstats.Stats(host, stream=out).sort_stats("cumulative").print_stats(rows)
+        sort = "self_cuda_time_total" if self.capsteer.device_driven else "self_cpu_time_total"
+        return out.getvalue() + "\n" + device.key_averages().table(sort_by=sort, row_limit=rows)
+
     def capsteer_stats(self) -> dict:
         """Diagnostics: steps checked under sync debug mode, harvester errors, live requests."""
         hooks = self.capsteer
