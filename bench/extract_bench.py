@@ -31,7 +31,7 @@ def make_prompts(n: int, seed: int = 0) -> list[str]:
 
 
 def run_hf(model_dir: str, prompts: list[str], out: Path, batch: int, device: str,
-           dtype: str) -> dict:
+           dtype: str, layers: list[int]) -> dict:
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -49,12 +49,13 @@ def run_hf(model_dir: str, prompts: list[str], out: Path, batch: int, device: st
     with torch.inference_mode():
         for b in range(0, len(prompts), batch):
             enc = tok(prompts[b: b + batch], return_tensors="pt", padding=True).to(device)
-            hs = [h.cpu() for h in model(**enc, output_hidden_states=True).hidden_states[1:]]
+            states = model(**enc, output_hidden_states=True).hidden_states[1:]
+            hs = {layer: states[layer].cpu() for layer in layers}
             enc = enc.to("cpu")
             lengths = enc["attention_mask"].sum(1).tolist()
             tensors = {}
             rows = [(i, n) for i, n in enumerate(lengths)]
-            for layer, h in enumerate(hs):
+            for layer, h in hs.items():
                 tensors[f"resid_post.{layer}"] = torch.cat([h[i, :n] for i, n in rows]).contiguous()
             tensors["token_ids"] = torch.cat([enc["input_ids"][i, :n] for i, n in rows])
             save_file(tensors, str(out / f"hf-{b // batch:05d}.safetensors"))
@@ -63,7 +64,8 @@ def run_hf(model_dir: str, prompts: list[str], out: Path, batch: int, device: st
     return {"load_s": load_s, "run_s": time.perf_counter() - t0, "tokens": tokens}
 
 
-def run_capsteer(model_dir: str, prompts: list[str], out: Path, dtype: str, mem: float) -> dict:
+def run_capsteer(model_dir: str, prompts: list[str], out: Path, dtype: str, mem: float,
+                 layers: list[int]) -> dict:
     from capsteer.engine import Engine
     from capsteer.extract import extract
 
@@ -74,14 +76,14 @@ def run_capsteer(model_dir: str, prompts: list[str], out: Path, dtype: str, mem:
     t0 = time.perf_counter()
     from capsteer.capture.spec import parse_capture_spec
 
-    spec = parse_capture_spec({"hooks": ["resid_post"], "layers": "all", "positions": "prompt"},
+    spec = parse_capture_spec({"hooks": ["resid_post"], "layers": layers, "positions": "prompt"},
                               num_layers=_layers(model_dir))
     from capsteer.extract import job_config
 
     kw = {"dtype": dtype, "gpu_memory_utilization": mem, "max_model_len": 512}
     engine = Engine(model_dir, capsteer_config=job_config(job, spec, 256 << 20, kw), **kw)
     load_s = time.perf_counter() - t0
-    result = extract(model_dir, inp, job, hooks=["resid_post"], layers="all", positions="prompt",
+    result = extract(model_dir, inp, job, hooks=["resid_post"], layers=layers, positions="prompt",
                      progress=False, engine=engine)
     engine.close()
     os.sync()
@@ -117,6 +119,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hf-batch", type=int, default=16)
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--capture-layers", default="all",
+                    help="'all' or comma-separated layers (e.g. one layer for SAE training)")
     ap.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "results"))
     args = ap.parse_args()
     dtype = "bfloat16" if args.device == "cuda" else "float32"
@@ -131,11 +135,13 @@ def main() -> None:
         model_dir = str(write_demo_model(work / "model", "qwen3", seed=3, shape=shape, dtype=dtype,
                                          device=args.device))
         prompts = make_prompts(args.prompts)
+        layers = list(range(args.layers)) if args.capture_layers == "all" else [
+            int(x) for x in args.capture_layers.split(",")]
         (work / "hf").mkdir()
         (work / "cs").mkdir()
-        hf = run_hf(model_dir, prompts, work / "hf", args.hf_batch, args.device, dtype)
+        hf = run_hf(model_dir, prompts, work / "hf", args.hf_batch, args.device, dtype, layers)
         shutil.rmtree(work / "hf")  # both outputs at once can fill a small disk
-        cs = run_capsteer(model_dir, prompts, work / "cs", dtype, mem)
+        cs = run_capsteer(model_dir, prompts, work / "cs", dtype, mem, layers)
         plain = run_vllm_plain(model_dir, prompts, dtype, mem)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -144,7 +150,7 @@ def main() -> None:
         "date": dt.date.today().isoformat(), "prompts": args.prompts,
         "device": args.device, "hf_batch": args.hf_batch,
         "model": f"qwen3-shaped random, hidden {args.hidden}, {args.layers} layers, {dtype}",
-        "capture": "resid_post, all layers, all prompt positions",
+        "capture": f"resid_post, layers {args.capture_layers}, all prompt positions",
         "hf": {**hf, "tokens_per_s": hf["tokens"] / hf["run_s"]},
         "capsteer": {**cs, "tokens_per_s": cs["tokens"] / cs["run_s"]},
         "vllm_no_capture": {**plain, "tokens_per_s": plain["tokens"] / plain["run_s"]},
@@ -156,7 +162,9 @@ def main() -> None:
         print(f"{name:16}{r['tokens']:>9}{r['run_s']:>9.2f}{r['tokens_per_s']:>10.0f}"
               f"{r['load_s']:>9.1f}")
     print(f"capsteer / HF throughput: {row['ratio_capsteer_over_hf']:.2f}x")
-    out = Path(args.out) / f"{'gpu' if args.device == 'cuda' else 'cpu'}-{row['date']}-extract.json"
+    suffix = "" if args.capture_layers == "all" else "-layers-" + args.capture_layers.replace(",", "_")
+    out = Path(args.out) / (f"{'gpu' if args.device == 'cuda' else 'cpu'}-{row['date']}-extract"
+                            f"{suffix}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(row, indent=2))
     print(f"wrote {out}")

@@ -35,7 +35,7 @@ def prompts(n: int, length: int, seed: int) -> list[list[int]]:
     import random
 
     rng = random.Random(seed)
-    return [[rng.randrange(10, 1000) for _ in range(length + 7 * i)] for i in range(n)]
+    return [[rng.randrange(10, 400) for _ in range(length + 7 * i)] for i in range(n)]
 
 
 def steering(hidden: int, layers: int) -> dict:

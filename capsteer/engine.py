@@ -159,8 +159,12 @@ class Engine:
         from vllm import SamplingParams
 
         prompts, params, capture_ids, durable, specs = [], [], [], [], []
+        parsed: dict[tuple[int, int], tuple] = {}  # a batch often shares one spec object
         for req in requests:
-            capture, steering = self.parse(req)
+            memo = (id(req.capture), id(req.steering))
+            if memo not in parsed or int(req.sampling.get("n", 1) or 1) > 1:
+                parsed[memo] = self.parse(req)
+            capture, steering = parsed[memo]
             specs.append(capture)
             if req.durable and not self.capture_dir:
                 raise ValueError("durable captures need capsteer_config['capture_dir']")
