@@ -7,6 +7,12 @@ after the shard holding it is durable; the job `manifest.json` (shards with size
 and sha256) is rewritten atomically after that. `index.jsonl` is the truth for
 resuming: shards it does not reference (a crash before the append) are deleted
 on open, a torn last line is cut, and the manifest is rebuilt when it lags.
+
+Full shards are written on background threads: the caller (the engine's
+harvester thread) must not wait for a 1 GiB write + sha256 + fsync, or the
+engine's pinned ring fills and the GPU step loop stalls. Shards are numbered
+when handed off and indexed in hand-off order; the caller blocks only when
+`max_pending` shards are already being written (bounded memory).
 """
 
 from __future__ import annotations
@@ -15,7 +21,8 @@ import json
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,13 +57,16 @@ from capsteer.capture.reader import (
     sha256_file,
     verify_files,
 )
-from capsteer.capture.sink import CaptureEnd, CaptureRequest, RowsByPosition
+from capsteer.capture.sink import CaptureEnd, CaptureRequest
 from capsteer.capture.spec import CaptureSpec
 from capsteer.hooks import HOOK_SEMANTICS_VERSION, canonical_hook
 
 INDEX_FILE = "index.jsonl"
 SHARDED_FORMAT = "capsteer.sharded"
 Key = tuple[str, int]
+# More row runs than this per request and key are gathered into one tensor at close
+# (bounds per-piece Python work on the flush threads, which share the GIL).
+_MAX_PIECES = 16
 
 
 def shard_name(n: int) -> str:
@@ -65,11 +75,27 @@ def shard_name(n: int) -> str:
 
 @dataclass
 class _Buffered:
+    """One finished request: per key, row pieces whose concatenation is [n, hidden]
+    (views of the delivered tensors, cast to the shard dtype only when written)."""
+
     request_id: str
     positions: np.ndarray
     token_ids: np.ndarray
-    tensors: dict[Key, torch.Tensor]
+    pieces: dict[Key, list[torch.Tensor]]
     prompt_tokens: int
+
+
+@dataclass
+class _Shard:
+    """A batch handed off to a flush thread; `number` stays across retries."""
+
+    number: int
+    batch: list[_Buffered]
+    seq: int = 0  # hand-off order; indexing follows it
+
+
+class _IndexAppendError(Exception):
+    """The index append failed after the shard was published (the shard is retried)."""
 
 
 def _read_index(path: Path) -> list[dict[str, Any]]:
@@ -88,9 +114,19 @@ def _read_index(path: Path) -> list[dict[str, Any]]:
 class ShardedWriter:
     """Appends finished requests to shards of about `shard_bytes`; resumable.
 
-    Not a hot-path object: `add` is called once per finished request (by an
-    extraction job or `ShardedSink.close`) and flushes synchronously when a shard
-    is full, so the caller is paced by the disk.
+    `add` is called once per finished request (by an extraction job or
+    `ShardedSink.close`) and returns at once: a full shard is written, fsynced,
+    indexed and listed in the manifest on one of `flush_threads` threads. `add`
+    blocks only while `max_pending` shards are handed off and not yet indexed, so
+    memory stays near (max_pending + 1) x shard_bytes. The writer keeps the tensors
+    given to `add` (no copy) until their shard is written.
+
+    A failed background write (ENOSPC, EIO) keeps its batch for a retry (with the
+    next hand-off or `flush`) and is raised from the next `add`/`flush`/`close`
+    on the caller's thread; `flush` raises when anything failed. While writes keep
+    failing, kept batches add up in memory (as the synchronous writer's buffer did).
+    Done-callbacks run on a flush thread, in hand-off order, and must not call back
+    into the writer.
     """
 
     def __init__(
@@ -105,7 +141,11 @@ class ShardedWriter:
         spec: CaptureSpec | None = None,
         job_id: str | None = None,
         fs: FileSystem = DEFAULT_FS,
+        flush_threads: int = 2,
+        max_pending: int = 2,
     ) -> None:
+        if flush_threads < 1 or max_pending < 1:
+            raise ValueError("flush_threads and max_pending must be >= 1")
         self.dir = Path(out_dir)
         self.keys = sorted((canonical_hook(h), int(layer)) for h, layer in keys)
         self.hidden = int(hidden_size)
@@ -115,9 +155,22 @@ class ShardedWriter:
         self.spec = spec
         self.job_id = job_id or self.dir.name
         self.fs = fs
-        self._lock = threading.Lock()
+        self.flush_threads = int(flush_threads)
+        self.max_pending = int(max_pending)
+        self._row_bytes = self.hidden * torch.empty(0, dtype=dtype).element_size() * len(self.keys)
+        # _cond guards the buffer, the shards being written, retries and errors;
+        # _commit_lock serializes index appends and manifest writes.
+        self._cond = threading.Condition()
+        self._commit_lock = threading.Lock()
         self._buf: list[_Buffered] = []
         self._buf_bytes = 0
+        self._unindexed: set[str] = set()  # ids buffered, being written or awaiting a retry
+        self._writing: set[int] = set()  # seqs of shards handed off and not finished
+        self._seq = 0
+        self._retry: list[_Shard] = []
+        self._errors: list[BaseException] = []
+        self._pool: ThreadPoolExecutor | None = None
+        self._manifest_stale = False
         self._callbacks: list[Callable[[list[str]], None]] = []
         ensure_dir(self.dir, fs)
         sweep_temp_files(self.dir)
@@ -125,7 +178,9 @@ class ShardedWriter:
 
     # ----------------------------------------------------------------- resume
     def _recover(self) -> None:
-        self.index = _read_index(self.dir / INDEX_FILE)
+        index_path = self.dir / INDEX_FILE
+        self.index = _read_index(index_path)
+        self._index_size = index_path.stat().st_size if index_path.exists() else 0
         self.done_ids: set[str] = {str(e["id"]) for e in self.index}
         referenced = {e["shard"] for e in self.index}
         removed = False
@@ -170,34 +225,74 @@ class ShardedWriter:
         tensors: dict[Key, torch.Tensor],
         prompt_tokens: int,
     ) -> None:
-        """Buffer one finished request ([n, hidden] per key); flush when the shard is full."""
-        rid = str(request_id)
+        """Buffer one finished request ([n, hidden] per key); hand off a full shard.
+
+        Raises a previous background flush's error (after taking this request)."""
+        pieces: dict[Key, list[torch.Tensor]] = {}
+        for key in self.keys:
+            t = tensors.get(key)
+            if t is None:
+                raise ValueError(f"{request_id}: no tensor for {key_name(*key)}")
+            pieces[key] = [t if t.is_contiguous() else t.contiguous()]
+        self._add(str(request_id), positions, token_ids, pieces, prompt_tokens)
+
+    def _add(
+        self,
+        rid: str,
+        positions: np.ndarray,
+        token_ids: np.ndarray,
+        pieces: dict[Key, list[torch.Tensor]],
+        prompt_tokens: int,
+    ) -> None:
         pos = np.asarray(positions, dtype=np.int64).reshape(-1)
         tok = np.asarray(token_ids, dtype=np.int64).reshape(-1)
         if len(tok) != len(pos):
             raise ValueError(f"{rid}: {len(tok)} token ids for {len(pos)} positions")
-        norm: dict[Key, torch.Tensor] = {}
         for key in self.keys:
-            t = tensors.get(key)
-            if t is None or tuple(t.shape) != (len(pos), self.hidden):
-                got = None if t is None else tuple(t.shape)
-                raise ValueError(f"{rid}: {key_name(*key)} must be [{len(pos)}, {self.hidden}], got {got}")
-            norm[key] = t.to(self.dtype).contiguous()
-        with self._lock:
-            if rid in self.done_ids or any(b.request_id == rid for b in self._buf):
-                return  # resumed job: already there
-            self._buf.append(_Buffered(rid, pos, tok, norm, int(prompt_tokens)))
-            self._buf_bytes += sum(t.nbytes for t in norm.values())
-            if self._buf_bytes >= self.shard_bytes:
-                self._flush_locked()
+            got = pieces.get(key)
+            if got is None or any(p.dim() != 2 or p.shape[1] != self.hidden for p in got) \
+                    or sum(p.shape[0] for p in got) != len(pos):
+                shape = None if got is None else tuple(got[0].shape) if len(got) == 1 \
+                    else [tuple(p.shape) for p in got]
+                raise ValueError(f"{rid}: {key_name(*key)} must be [{len(pos)}, {self.hidden}], "
+                                 f"got {shape}")
+        with self._cond:
+            if rid not in self.done_ids and rid not in self._unindexed:  # else: resumed, already there
+                self._buf.append(_Buffered(rid, pos, tok, pieces, int(prompt_tokens)))
+                self._unindexed.add(rid)
+                self._buf_bytes += len(pos) * self._row_bytes
+                if self._buf_bytes >= self.shard_bytes:
+                    self._hand_off_locked()
+            error = self._take_error_locked()
+        if error is not None:
+            raise error
 
     def flush(self) -> None:
-        """Publish the partly filled shard now (end of job, or to bound latency)."""
-        with self._lock:
-            self._flush_locked()
+        """Publish the partly filled shard now (end of job, or to bound latency) and wait
+        until every shard handed off so far is durable and indexed; raises if any failed."""
+        with self._cond:
+            self._hand_off_locked()
+            target = self._seq
+            while any(s <= target for s in self._writing):
+                self._cond.wait()
+            error = self._take_error_locked()
+            stale = self._manifest_stale and not self._writing
+        if error is not None:
+            raise error
+        if stale:
+            with self._commit_lock:
+                self._write_manifest()
+                self._manifest_stale = False
 
     def close(self) -> None:
-        self.flush()
+        """flush(), then stop the flush threads (a later add starts them again)."""
+        try:
+            self.flush()
+        finally:
+            with self._cond:
+                pool, self._pool = self._pool, None
+            if pool is not None:
+                pool.shutdown(wait=True)
 
     def __enter__(self) -> ShardedWriter:
         return self
@@ -205,37 +300,93 @@ class ShardedWriter:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _flush_locked(self) -> None:
-        if not self._buf:
-            return
-        batch, self._buf, self._buf_bytes = self._buf, [], 0
-        name = shard_name(self.next_shard)
+    def _take_error_locked(self) -> BaseException | None:
+        if not self._errors:
+            return None
+        error, self._errors = self._errors[0], []
+        return error
+
+    def _hand_off_locked(self) -> None:
+        """Start shards awaiting a retry and the buffer (numbered now) on the flush threads,
+        waiting while `max_pending` are being written. Holds self._cond (released in wait)."""
+        jobs, self._retry = self._retry, []
+        if self._buf:
+            jobs.append(_Shard(self.next_shard, self._buf))
+            self.next_shard += 1
+            self._buf, self._buf_bytes = [], 0
+        try:
+            while jobs:
+                while len(self._writing) >= self.max_pending:
+                    self._cond.wait()
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(self.flush_threads,
+                                                    thread_name_prefix="capsteer-shard")
+                self._seq += 1
+                jobs[0].seq = self._seq
+                self._writing.add(self._seq)
+                try:
+                    self._pool.submit(self._write_shard, jobs[0])
+                except BaseException:
+                    self._writing.discard(self._seq)
+                    raise
+                jobs.pop(0)
+        finally:
+            self._retry = jobs + self._retry  # not started (interrupted): keep for a retry
+
+    def _write_shard(self, job: _Shard) -> None:
+        """Flush thread: write and publish the shard, then index it in hand-off order."""
+        failed: BaseException | None = None
+        retry = True
+        try:
+            f = self._publish(job)
+            with self._cond:
+                while any(s < job.seq for s in self._writing):
+                    self._cond.wait()
+            with self._commit_lock:
+                retry = False
+                self._commit(job, f)
+        except _IndexAppendError as exc:
+            failed, retry = exc.__cause__ or exc, True
+        except BaseException as exc:
+            failed = exc
+        with self._cond:
+            self._writing.discard(job.seq)
+            if failed is not None:
+                self._errors.append(failed)
+                if retry:
+                    self._retry.append(job)
+            self._cond.notify_all()
+
+    def _publish(self, job: _Shard) -> AtomicFile:
+        """Temp name, write + sha256, fsync, rename, fsync dir (no lock held)."""
+        batch = job.batch
         rows = sum(len(b.positions) for b in batch)
         plans: list[TensorPlan] = [
             tensor_plan("positions", torch.from_numpy(np.concatenate([b.positions for b in batch]))),
             tensor_plan("token_ids", torch.from_numpy(np.concatenate([b.token_ids for b in batch]))),
         ]
         for key in self.keys:
-            plans.append(
-                TensorPlan(
-                    key_name(*key),
-                    self.dtype,
-                    (rows, self.hidden),
-                    lambda key=key: (as_bytes(b.tensors[key]) for b in batch),
-                )
-            )
-        f = AtomicFile(self.dir, name, self.fs)
+            plans.append(TensorPlan(key_name(*key), self.dtype, (rows, self.hidden),
+                                    lambda key=key: self._row_bytes_of(batch, key)))
+        f = AtomicFile(self.dir, shard_name(job.number), self.fs)
         try:
             for piece in stream_safetensors(plans, {"format": "pt", "capsteer_job": self.job_id}):
                 f.write(piece)
             f.commit()
         except BaseException:
             f.discard()
-            self._buf = batch + self._buf  # nothing was indexed: retry on the next flush
-            self._buf_bytes = sum(t.nbytes for b in self._buf for t in b.tensors.values())
             raise
         fsync_dir(self.dir, self.fs)
-        self.next_shard += 1
+        return f
+
+    def _row_bytes_of(self, batch: list[_Buffered], key: Key) -> Iterator[memoryview]:
+        for b in batch:
+            for p in b.pieces[key]:
+                yield as_bytes(p if p.dtype == self.dtype else p.to(self.dtype))
+
+    def _commit(self, job: _Shard, f: AtomicFile) -> None:
+        """Append the shard's index lines, then list it in the manifest; under _commit_lock."""
+        batch, name = job.batch, f.name
         lines, start, entries = [], 0, []
         for b in batch:
             entry = {
@@ -248,23 +399,53 @@ class ShardedWriter:
             entries.append(entry)
             lines.append(json.dumps(entry, separators=(",", ":")))
             start += len(b.positions)
-        fd = os.open(self.dir / INDEX_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
-            data = ("\n".join(lines) + "\n").encode()
-            while data:
-                data = data[os.write(fd, data) :]
-            timed_fsync(self.fs, fd)
+            self._append_index(("\n".join(lines) + "\n").encode())
+        except BaseException as exc:
+            raise _IndexAppendError(str(exc)) from exc
+        ids = [b.request_id for b in batch]
+        self.index.extend(entries)
+        with self._cond:
+            self.done_ids.update(ids)
+            self._unindexed.difference_update(ids)
+        entry = {"name": name, "bytes": f.size, "sha256": f.sha256, "rows": start,
+                 "requests": len(batch)}
+        self.shards = sorted([*(s for s in self.shards if s["name"] != name), entry],
+                             key=lambda s: s["name"])
+        try:
+            self._write_manifest()
+            self._manifest_stale = False
+        except BaseException:
+            self._manifest_stale = True  # the index is the truth; flush() rewrites it
+            raise
+        finally:
+            for fn in self._callbacks:
+                fn(ids)
+
+    def _append_index(self, data: bytes) -> None:
+        """Append + fsync the index lines (and the directory: the index may be new). On
+        failure cut the file back to its last good size, so a retry (or a resume) never
+        sees a half-written or repeated line."""
+        good = self._index_size
+        fd = os.open(self.dir / INDEX_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC,
+                     0o644)
+        try:
+            if os.fstat(fd).st_size != good:
+                os.ftruncate(fd, good)  # left by an earlier failed append
+            try:
+                while data:
+                    data = data[os.write(fd, data):]
+                timed_fsync(self.fs, fd)
+                fsync_dir(self.dir, self.fs)
+            except BaseException:
+                try:
+                    os.ftruncate(fd, good)
+                except OSError:
+                    pass  # the next append cuts it
+                raise
+            self._index_size = os.fstat(fd).st_size
         finally:
             os.close(fd)
-        fsync_dir(self.dir, self.fs)  # the index may have just been created
-        self.index.extend(entries)
-        self.done_ids.update(b.request_id for b in batch)
-        self.shards.append(
-            {"name": name, "bytes": f.size, "sha256": f.sha256, "rows": rows, "requests": len(batch)}
-        )
-        self._write_manifest()
-        for fn in self._callbacks:
-            fn([b.request_id for b in batch])
 
     def _write_manifest(self) -> None:
         manifest: dict[str, Any] = {
@@ -287,47 +468,132 @@ class ShardedWriter:
         write_json_atomic(self.dir, MANIFEST_FILE, manifest, self.fs)
 
 
+def _row_pieces(chunks: list[torch.Tensor], idx: np.ndarray) -> list[torch.Tensor]:
+    """Rows `idx` of the concatenated chunks as few pieces: views of the delivered
+    tensors where a run covers at least half of its chunk (so a view never pins much
+    more memory than it holds), small copies otherwise."""
+    if len(idx) == 0:
+        return []
+    starts = np.cumsum([0, *(len(c) for c in chunks)])
+    which = np.searchsorted(starts, idx, side="right") - 1
+    cuts = np.flatnonzero((np.diff(idx) != 1) | (np.diff(which) != 0)) + 1
+    if len(cuts) >= _MAX_PIECES:  # scattered rows (e.g. one per decode step): one gather
+        whole = torch.cat(chunks) if len(chunks) > 1 else chunks[0]
+        return [whole.index_select(0, torch.from_numpy(idx))]
+    pieces = []
+    for lo, hi in zip([0, *cuts.tolist()], [*cuts.tolist(), len(idx)], strict=True):
+        c = int(which[lo])
+        a = int(idx[lo] - starts[c])
+        rows = chunks[c]
+        piece = rows[a: a + hi - lo]
+        if 2 * len(piece) < len(rows) or not piece.is_contiguous():
+            piece = piece.clone(memory_format=torch.contiguous_format)
+        pieces.append(piece)
+    return pieces
+
+
+class _RequestRows:
+    """One open request's rows as delivered: per key, (positions, rows) chunks.
+
+    Nothing is done per row on the caller's thread; `assemble` resolves repeated
+    positions (preemption then recompute: the last write wins) with numpy and hands
+    the writer views of the delivered tensors."""
+
+    def __init__(self, request: CaptureRequest) -> None:
+        self.request = request
+        self.chunks: dict[Key, list[tuple[np.ndarray, torch.Tensor]]] = {}
+
+    def add(self, key: Key, positions: np.ndarray, rows: torch.Tensor) -> None:
+        pos = np.array(positions, dtype=np.int64).reshape(-1)
+        if rows.dim() != 2 or rows.shape[0] < len(pos):
+            raise ValueError(f"{tuple(rows.shape)} rows for {len(pos)} positions")
+        self.chunks.setdefault(key, []).append((pos, rows[: len(pos)]))
+
+    def assemble(
+        self, keys: list[Key], select: Callable[[np.ndarray], np.ndarray]
+    ) -> tuple[np.ndarray, dict[Key, list[torch.Tensor]]]:
+        """Per key, the rows `select(sorted unique positions)` keeps, in position order.
+        Every key must keep the same positions (they were captured from the same rows).
+
+        Keys usually arrive with equal positions, so the position work is done once per
+        distinct positions (memo on their bytes); when every delivered row is kept in
+        order, the pieces are the delivered tensors themselves. Few numpy/torch calls
+        on purpose: each one may hand the GIL to a flush thread."""
+        kept: np.ndarray | None = None
+        out: dict[Key, list[torch.Tensor]] = {}
+        memo: dict[bytes, tuple[np.ndarray, np.ndarray | None]] = {}
+        for key in keys:
+            chunks = self.chunks.get(key, [])
+            pos = chunks[0][0] if len(chunks) == 1 else \
+                np.concatenate([p for p, _ in chunks]) if chunks else np.zeros(0, np.int64)
+            sig = pos.tobytes()
+            if sig in memo:
+                k, idx = memo[sig]
+            else:
+                if len(pos) < 2 or bool((pos[1:] > pos[:-1]).all()):
+                    seen, last = pos, None
+                else:
+                    seen, first = np.unique(pos[::-1], return_index=True)
+                    last = len(pos) - 1 - first  # the last write of each position
+                k = np.asarray(select(seen), dtype=np.int64)
+                if last is None and len(k) == len(pos):
+                    idx = None  # every delivered row, in delivery order
+                else:
+                    j = np.searchsorted(seen, k)
+                    if len(k) and (j[-1] >= len(seen) or not np.array_equal(seen[j], k)):
+                        raise ValueError(f"selected positions that were not captured ({key})")
+                    idx = j if last is None else last[j]
+                memo[sig] = (k, idx)
+            if kept is not None and k is not kept and not np.array_equal(k, kept):
+                raise ValueError(f"keys captured different positions ({key})")
+            kept = k
+            rows = [r for _, r in chunks]
+            out[key] = _row_pieces(rows, idx) if idx is not None else \
+                [r if r.is_contiguous() else r.contiguous() for r in rows]
+        return (kept if kept is not None else np.zeros(0, np.int64)), out
+
+
 class ShardedSink:
     """A `CaptureSink` that appends each finished request to a ShardedWriter.
 
-    For dedicated capture servers and in-process extraction: rows are kept in
-    memory per request (positions de-duplicated, last write wins) until close.
+    For dedicated capture servers and in-process extraction: each request's row
+    tensors are kept as delivered (positions de-duplicated at close, last write
+    wins); close resolves positions and hands the writer views, so the caller's
+    thread does no per-row work and no copy in the usual case.
     """
 
     def __init__(self, writer: ShardedWriter) -> None:
         self.writer = writer
         self._lock = threading.Lock()
-        self._open: dict[str, tuple[CaptureRequest, RowsByPosition]] = {}
+        self._open: dict[str, _RequestRows] = {}
 
     def open(self, request: CaptureRequest) -> None:
         with self._lock:
-            self._open.setdefault(request.capture_id, (request, RowsByPosition()))
+            self._open.setdefault(request.capture_id, _RequestRows(request))
 
     def write(
         self, capture_id: str, hook: str, layer: int, positions: np.ndarray, rows: torch.Tensor
     ) -> None:
         with self._lock:
             entry = self._open.get(capture_id)
-            if entry is None:
-                return
-            entry[1].add((hook, int(layer)), positions, rows)
+            if entry is not None:
+                entry.add((hook, int(layer)), positions, rows)
 
     def close(self, end: CaptureEnd) -> None:
         with self._lock:
             entry = self._open.pop(end.capture_id, None)
         if entry is None:
             return
-        req, rows = entry
+        req = entry.request
         prompt_len = len(req.prompt_token_ids)
+        fed = len(end.token_ids)
         try:
-            kept, tensors = rows.assemble(
-                self.writer.keys,
-                lambda seen: req.spec.positions.finalize(seen, prompt_len, len(end.token_ids)),
-                self.writer.hidden, self.writer.dtype)
+            kept, pieces = entry.assemble(
+                self.writer.keys, lambda seen: req.spec.positions.finalize(seen, prompt_len, fed))
         except ValueError as exc:
             raise ValueError(f"{end.capture_id}: {exc}") from None
         token_ids = np.asarray(end.token_ids, np.int64)[kept]
-        self.writer.add(req.request_id or end.capture_id, kept, token_ids, tensors, prompt_len)
+        self.writer._add(req.request_id or end.capture_id, kept, token_ids, pieces, prompt_len)
 
     def abort(self, capture_id: str, reason: str) -> None:
         with self._lock:
