@@ -168,6 +168,22 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(row, indent=2))
     print(f"wrote {out}")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        names = ("hf", "capsteer", "vllm_no_capture")
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        ax.bar(["HF transformers", "capsteer extract", "vLLM, no capture"],
+               [row[n]["tokens_per_s"] for n in names])
+        ax.set_ylabel("tokens/s")
+        ax.set_title(f"extraction, {row['capture']} ({args.device})", fontsize=9)
+        fig.tight_layout()
+        fig.savefig(out.with_suffix(".png"), dpi=120)
+    except ImportError:
+        print("(matplotlib not installed: no plot)")
 
 
 if __name__ == "__main__":
