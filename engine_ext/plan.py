@@ -179,9 +179,9 @@ def build_step_plan(
     # Requests with hooks in this batch: (batch index, hooks). Everything per row is then
     # computed with whole-batch array ops; only captures (and host-mode steering) loop.
     hooked = [(i, h) for i, h in enumerate(map(requests.get, batch_req_ids)) if h is not None]
-    starts = query_start_loc[:-1]
-    lens = np.diff(query_start_loc)
+    row_hooks = None
     if hooked:
+        starts, lens = query_start_loc[:-1], np.diff(query_start_loc)
         idx = np.fromiter((i for i, _ in hooked), np.int64, len(hooked))
         n_rows = lens[idx].astype(np.int64)
         total = int(n_rows.sum())
@@ -193,9 +193,6 @@ def build_step_plan(
         slots = np.fromiter((h.slot for _, h in hooked), np.int64, len(hooked))
         all_gen = all_pos >= np.repeat(prompt_lens, n_rows)
         row_hooks = (all_rows, np.repeat(slots, n_rows), all_gen)
-    else:
-        n_rows = first = np.zeros(0, np.int64)
-        row_hooks = None
     for j, (i, hooks) in enumerate(hooked):
         if hooks.capture is None and not (host_steering and hooks.entries):
             continue

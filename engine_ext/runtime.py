@@ -190,10 +190,9 @@ class HookRuntime:
             table = torch.zeros(2, 2, self.num_sites, dtype=torch.int64)
             for (kind, site, cls), entry in entries.items():
                 table[cls, kind, site] = entry
-            table = table.pin_memory() if self.device.type == "cuda" else table
-            if len(self.slot_tables) >= 256:  # bounded: distinct specs come and go
-                self.slot_tables.pop(next(iter(self.slot_tables)))
-            self.slot_tables[key] = table
+            # Kept while the spec is live (release_entries drops it): bounded by live specs.
+            self.slot_tables[key] = table.pin_memory() if self.device.type == "cuda" else table
+            table = self.slot_tables[key]
         self.slot_entry[slot].copy_(table, non_blocking=True)
         return slot
 

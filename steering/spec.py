@@ -51,29 +51,15 @@ class SteeringOp:
     value: float
     positions: str
 
-    def to_dict(self, vector_index: int | None = None) -> dict:
-        """Wire form; with `vector_index` the vector is a reference into the spec's table."""
-        out = {"hook": self.hook, "layer": self.layer, "op": self.op, "scale": self.scale,
-               "value": self.value, "positions": self.positions}
-        if vector_index is None:
-            out["vector_b64"] = _b64(self.vector)
-        else:
-            out["vector"] = vector_index
-        return out
+    def to_dict(self, vector_index: int) -> dict:
+        """Wire form: the vector is a reference into the spec's table of distinct vectors."""
+        return {"hook": self.hook, "layer": self.layer, "op": self.op, "scale": self.scale,
+                "value": self.value, "positions": self.positions, "vector": vector_index}
 
     @classmethod
-    def from_dict(cls, d: Mapping, table: list[np.ndarray] | None = None) -> SteeringOp:
-        if "vector_b64" in d:
-            vec = _unb64(d["vector_b64"])
-        else:
-            assert table is not None, "an op referencing a vector needs the spec's table"
-            vec = table[int(d["vector"])]
-        return cls(d["hook"], int(d["layer"]), d["op"], vec, float(d["scale"]),
-                   float(d["value"]), d["positions"])
-
-
-def _b64(vec: np.ndarray) -> str:
-    return base64.b64encode(vec.astype("<f4").tobytes()).decode()
+    def from_dict(cls, d: Mapping, table: list[np.ndarray]) -> SteeringOp:
+        return cls(d["hook"], int(d["layer"]), d["op"], table[int(d["vector"])],
+                   float(d["scale"]), float(d["value"]), d["positions"])
 
 
 def _unb64(text: str) -> np.ndarray:
