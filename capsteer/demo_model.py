@@ -34,7 +34,11 @@ class DemoShape:
     max_position_embeddings: int = 2048
 
 
-FAMILIES = ("qwen3", "llama", "qwen2")
+# Every family capsteer hooks (engine_ext/families.py), plus two it refuses by design
+# (hybrid state-space and encoder-only) so their refusal can be tried.
+FAMILIES = ("qwen3", "llama", "qwen2", "mistral", "gemma", "gemma2", "gemma3", "phi3", "olmo2",
+            "granite", "qwen2_moe", "qwen3_moe", "mixtral", "olmoe")
+REFUSED_FAMILIES = ("jamba", "bert")
 
 
 def _corpus(seed: int, n_lines: int = 3000) -> list[str]:
@@ -73,6 +77,7 @@ def _write_tokenizer(out: Path, vocab_size: int, seed: int) -> None:
 
 
 def _config(family: str, shape: DemoShape, vocab_size: int, eos_id: int, bos_id: int):
+    """A transformers config of `family` at `shape` (MoE: 4 experts, 2 per token)."""
     import transformers
 
     common = dict(
@@ -86,15 +91,54 @@ def _config(family: str, shape: DemoShape, vocab_size: int, eos_id: int, bos_id:
         tie_word_embeddings=False,
         eos_token_id=eos_id,
         bos_token_id=bos_id,
+        pad_token_id=bos_id,
         rms_norm_eps=1e-6,
     )
-    if family == "qwen3":
-        return transformers.Qwen3Config(head_dim=shape.head_dim, **common)
-    if family == "qwen2":
-        return transformers.Qwen2Config(**common)
-    if family == "llama":
-        return transformers.LlamaConfig(head_dim=shape.head_dim, **common)
-    raise ValueError(f"unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
+    head = dict(head_dim=shape.head_dim)
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=shape.intermediate_size // 2,
+               norm_topk_prob=True)
+    # Gemma 2/3 alternate sliding-window and global layers; a window shorter than the
+    # test prompts makes the local layers really local.
+    gemma = dict(head, hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=shape.head_dim,
+                 sliding_window=64)
+    if family.startswith("gemma"):  # Gemma ties its embeddings (vLLM's classes require it)
+        common["tie_word_embeddings"] = True
+    builders = {
+        "qwen3": lambda: transformers.Qwen3Config(**head, **common),
+        "qwen2": lambda: transformers.Qwen2Config(**common),
+        "llama": lambda: transformers.LlamaConfig(**head, **common),
+        "mistral": lambda: transformers.MistralConfig(**head, sliding_window=None, **common),
+        "gemma": lambda: transformers.GemmaConfig(**head, hidden_activation="gelu_pytorch_tanh",
+                                                  **common),
+        "gemma2": lambda: transformers.Gemma2Config(
+            **gemma, attn_logit_softcapping=50.0, final_logit_softcapping=30.0, **common),
+        "gemma3": lambda: transformers.Gemma3TextConfig(**gemma, sliding_window_pattern=2,
+                                                        **common),
+        "phi3": lambda: transformers.Phi3Config(**common),
+        "olmo2": lambda: transformers.Olmo2Config(**common),
+        "granite": lambda: transformers.GraniteConfig(
+            embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=1 / 32,
+            logits_scaling=2.0, **common),
+        "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
+            **moe, shared_expert_intermediate_size=shape.intermediate_size, decoder_sparse_step=1,
+            **common),
+        "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**head, **moe, decoder_sparse_step=1,
+                                                        **common),
+        "mixtral": lambda: transformers.MixtralConfig(
+            **head, num_local_experts=4, num_experts_per_tok=2, sliding_window=None, **common),
+        "olmoe": lambda: transformers.OlmoeConfig(num_experts=4, num_experts_per_tok=2, **common),
+        # Refused families: a hybrid attention/state-space decoder and an encoder.
+        "jamba": lambda: transformers.JambaConfig(
+            **{k: v for k, v in common.items() if k != "rms_norm_eps"}, num_experts=1,
+            attn_layer_period=2, attn_layer_offset=1, mamba_d_state=16, use_mamba_kernels=False),
+        "bert": lambda: transformers.BertConfig(
+            vocab_size=vocab_size, hidden_size=shape.hidden_size,
+            num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_heads,
+            intermediate_size=shape.intermediate_size, pad_token_id=bos_id),
+    }
+    if family not in builders:
+        raise ValueError(f"unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
+    return builders[family]()
 
 
 def write_demo_model(
@@ -126,7 +170,8 @@ def write_demo_model(
     torch.manual_seed(seed)
     init_dtype = torch.float32 if device == "cpu" else getattr(torch, dtype)
     with torch.device(device):
-        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=init_dtype)
+        auto = transformers.AutoModel if family == "bert" else transformers.AutoModelForCausalLM
+        model = auto.from_config(cfg, dtype=init_dtype)
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):
@@ -147,7 +192,7 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
     """Register `capsteer demo-model`."""
     p = subparsers.add_parser("demo-model", help="write a random-weight demo model")
     p.add_argument("out_dir")
-    p.add_argument("--family", choices=FAMILIES, default="qwen3")
+    p.add_argument("--family", choices=FAMILIES + REFUSED_FAMILIES, default="qwen3")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     for field, default in DemoShape().__dict__.items():

@@ -45,6 +45,9 @@ class Result:
     captures: CapturedActivations | None = None
     # Per generated token: {token_id: logprob} when the request asked for logprobs.
     logprobs: list[dict[int, float]] | None = None
+    # Per prompt token (None for the first): {token_id: logprob}, with `prompt_logprobs`;
+    # the fed token is always among them (teacher-forced comparisons read it).
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     num_cached_tokens: int = 0
     receipt: Receipt | None = None  # durable captures: status, directory, files
 
@@ -56,6 +59,12 @@ class HookPayload:
     extra_args: dict
     cache_salt: str | None
     capture_id: str | None
+
+
+def _logprob_steps(steps) -> list[dict[int, float] | None] | None:
+    if steps is None:
+        return None
+    return [None if step is None else {t: lp.logprob for t, lp in step.items()} for step in steps]
 
 
 def new_capture_id() -> str:
@@ -201,8 +210,8 @@ class Engine:
                 token_ids=list(completion.token_ids), text=completion.text,
                 prompt_token_ids=list(out.prompt_token_ids or []), capture_id=cid,
                 captures=captures.get(cid) if cid else None,
-                logprobs=[{t: lp.logprob for t, lp in step.items()} for step in completion.logprobs]
-                if completion.logprobs is not None else None,
+                logprobs=_logprob_steps(completion.logprobs),
+                prompt_logprobs=_logprob_steps(out.prompt_logprobs),
                 num_cached_tokens=int(out.num_cached_tokens or 0),
                 receipt=receipts.get(cid) if cid else None))
         return results

@@ -3,8 +3,8 @@
 The ground truth capsteer is checked against: the same weights run by
 transformers, with forward hooks reading (or changing) the same points.
 resid_pre[L] = hidden_states[L]; resid_post[L] = stream leaving layer L (before
-the final norm for the last layer); resid_mid[L] = input of
-post_attention_layernorm; attn_out / mlp_out = the sublayer outputs.
+the final norm for the last layer); resid_mid[L], attn_out[L], mlp_out[L] = the
+input / outputs of the family's modules (engine_ext/families.py).
 """
 
 from __future__ import annotations
@@ -14,31 +14,63 @@ from contextlib import contextmanager
 
 import torch
 
+from capsteer.engine_ext.families import Family, family_for
 from capsteer.steering.spec import SteeringSpec
 
 
 def load_hf(model_dir: str, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    """The HF model in eval mode with HF's eager attention: its sdpa path silently drops
+    what sdpa cannot express (Gemma 2's attention logit soft-capping), so it is not the
+    architecture's ground truth."""
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=dtype, attn_implementation="eager").to(device)
     model.eval()
     return model
 
 
-def _apply(op, target: torch.Tensor, stream: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """target is what the op edits; stream is what ablate/clamp project (may be target)."""
+def _apply(op, target: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The op on `target` (ablate/clamp project target itself) at the masked positions."""
     vec = torch.as_tensor(op.vector, dtype=torch.float32, device=target.device)
     tf = target.float()
     if op.op == "add":
         delta = op.scale * vec
     else:
-        proj = (stream.float() * vec).sum(-1, keepdim=True)
+        proj = (tf * vec).sum(-1, keepdim=True)
         delta = -proj * vec + (op.value * vec if op.op == "clamp" else 0.0)
     out = torch.where(mask.unsqueeze(-1), tf + delta, tf)
     return out.to(target.dtype)
 
 
 SUB_HOOKS = ("attn_out", "mlp_out")
+
+
+def hf_family(model) -> Family:
+    """The family row (engine_ext/families.py) naming this HF model's hook modules."""
+    names = list(getattr(model.config, "architectures", None) or ()) or [type(model).__name__]
+    family = family_for(names[0])
+    if family is None:
+        raise ValueError(f"no capsteer family for {names[0]}")
+    return family
+
+
+def _sub(layer, path: str):
+    for part in path.split("."):
+        layer = getattr(layer, part)
+    return layer
+
+
+def _first(output):
+    return output[0] if isinstance(output, tuple) else output
+
+
+def _with_first(output, value):
+    return (value, *output[1:]) if isinstance(output, tuple) else value
+
+
+def _layer_input(args, kwargs):
+    return args[0] if args else kwargs["hidden_states"]
 
 
 def _position_mask(hidden: torch.Tensor, positions: str, prompt_len: int) -> torch.Tensor:
@@ -56,13 +88,14 @@ def _steering_handles(model, spec: SteeringSpec | None, prompt_len: int, sublaye
     """HF hooks applying the ops of one kind (sublayer outputs or stream points).
 
     resid_post(L) and resid_pre(L+1) are one point: both become pre-hooks of layer L+1,
-    so ops there apply in request order, as capsteer composes them.
+    so ops there apply in request order, as capsteer composes them. resid_mid edits the
+    stream in place at the input of the family's resid_mid module: the layer's residual
+    is that same tensor, so the add and the MLP both see it, as in capsteer.
     """
+    family = hf_family(model) if spec and spec.ops else None
     handles = []
     layers = model.model.layers
     last = len(layers) - 1
-    layer_inputs: dict[int, torch.Tensor] = {}
-    keep_inputs: set[int] = set()
     for op in (spec.ops if spec else ()):
         if (op.hook in SUB_HOOKS) != sublayer:
             continue
@@ -72,33 +105,29 @@ def _steering_handles(model, spec: SteeringSpec | None, prompt_len: int, sublaye
         layer = layers[index]
         if hook == "resid_pre":
             def pre(mod, args, kwargs, op=op):
-                h = args[0] if args else kwargs["hidden_states"]
-                h = _apply(op, h, h, _position_mask(h, op.positions, prompt_len))
+                h = _layer_input(args, kwargs)
+                h = _apply(op, h, _position_mask(h, op.positions, prompt_len))
                 return ((h, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": h})
             handles.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
         elif hook == "resid_post":  # last layer: the stream entering the final norm
             def post(mod, args, kwargs, output, op=op):
-                h = output[0] if isinstance(output, tuple) else output
-                h = _apply(op, h, h, _position_mask(h, op.positions, prompt_len))
-                return (h, *output[1:]) if isinstance(output, tuple) else h
+                h = _first(output)
+                return _with_first(output, _apply(op, h, _position_mask(
+                    h, op.positions, prompt_len)))
             handles.append(layer.register_forward_hook(post, with_kwargs=True))
-        elif hook == "mlp_out":
-            def mlp(mod, args, output, op=op):
-                return _apply(op, output, output, _position_mask(output, op.positions, prompt_len))
-            handles.append(layer.mlp.register_forward_hook(mlp))
-        else:  # attn_out edits the attention output; resid_mid projects the stream after it
-            keep_inputs.add(index)
-
-            def attn(mod, args, output, op=op):
-                o = output[0]
-                stream = layer_inputs[op.layer] + o if op.hook == "resid_mid" else o
-                return (_apply(op, o, stream, _position_mask(o, op.positions, prompt_len)),
-                        *output[1:])
-            handles.append(layer.self_attn.register_forward_hook(attn))
-    for index in sorted(keep_inputs):  # after every pre-hook: the steered layer input
-        def keep_input(mod, args, kwargs, idx=index):
-            layer_inputs[idx] = args[0] if args else kwargs["hidden_states"]
-        handles.append(layers[index].register_forward_pre_hook(keep_input, with_kwargs=True))
+        elif hook == "resid_mid":
+            def mid(mod, args, kwargs, op=op):
+                h = _layer_input(args, kwargs)
+                h.copy_(_apply(op, h, _position_mask(h, op.positions, prompt_len)))
+            handles.append(_sub(layer, family.resid_mid).register_forward_pre_hook(
+                mid, with_kwargs=True))
+        else:  # attn_out / mlp_out edit the sublayer output the stream adds
+            def out(mod, args, output, op=op):
+                o = _first(output)
+                return _with_first(output, _apply(op, o, _position_mask(
+                    o, op.positions, prompt_len)))
+            module = family.attn_out if hook == "attn_out" else family.mlp_out
+            handles.append(_sub(layer, module).register_forward_hook(out))
     return handles
 
 
@@ -121,35 +150,36 @@ def hf_activations(
     """Every hook at every layer and position for one sequence: {(hook, layer): [T, hidden]}.
 
     Registration order mirrors capsteer: at one point, sublayer steering, then the
-    sublayer reading, then stream steering, then the stream reading.
+    sublayer reading, then stream steering, then the stream reading. The modules read
+    are the family's (engine_ext/families.py): e.g. Gemma 2's attn_out is the output of
+    post_attention_layernorm, OLMo 2's resid_mid is the MLP's input.
     """
+    family = hf_family(model)
     out: dict[tuple[str, int], torch.Tensor] = {}
 
     def keep(key, tensor):
         out[key] = tensor[0].detach().clone()
 
+    layers = model.model.layers
     handles = _steering_handles(model, steering, prompt_len, sublayer=True)
-    for i, layer in enumerate(model.model.layers):
-        handles.append(layer.self_attn.register_forward_hook(
-            lambda m, a, o, i=i: keep(("attn_out", i), o[0])))
-        handles.append(layer.mlp.register_forward_hook(
-            lambda m, a, o, i=i: keep(("mlp_out", i), o)))
+    for i, layer in enumerate(layers):
+        handles.append(_sub(layer, family.attn_out).register_forward_hook(
+            lambda m, a, o, i=i: keep(("attn_out", i), _first(o))))
+        handles.append(_sub(layer, family.mlp_out).register_forward_hook(
+            lambda m, a, o, i=i: keep(("mlp_out", i), _first(o))))
     handles += _steering_handles(model, steering, prompt_len, sublayer=False)
-    for i, layer in enumerate(model.model.layers):
+    for i, layer in enumerate(layers):
         handles.append(layer.register_forward_pre_hook(
-            lambda m, a, k, i=i: keep(("resid_pre", i), a[0] if a else k["hidden_states"]),
-            with_kwargs=True))
-        handles.append(layer.post_attention_layernorm.register_forward_pre_hook(
-            lambda m, a, i=i: keep(("resid_mid", i), a[0])))
-        if i + 1 < len(model.model.layers):  # the same point as resid_pre(i+1)
-            handles.append(model.model.layers[i + 1].register_forward_pre_hook(
-                lambda m, a, k, i=i: keep(("resid_post", i), a[0] if a else k["hidden_states"]),
+            lambda m, a, k, i=i: keep(("resid_pre", i), _layer_input(a, k)), with_kwargs=True))
+        handles.append(_sub(layer, family.resid_mid).register_forward_pre_hook(
+            lambda m, a, k, i=i: keep(("resid_mid", i), _layer_input(a, k)), with_kwargs=True))
+        if i + 1 < len(layers):  # the same point as resid_pre(i+1)
+            handles.append(layers[i + 1].register_forward_pre_hook(
+                lambda m, a, k, i=i: keep(("resid_post", i), _layer_input(a, k)),
                 with_kwargs=True))
         else:
             handles.append(layer.register_forward_hook(
-                lambda m, a, k, o, i=i: keep(("resid_post", i),
-                                             o[0] if isinstance(o, tuple) else o),
-                with_kwargs=True))
+                lambda m, a, k, o, i=i: keep(("resid_post", i), _first(o)), with_kwargs=True))
     try:
         model(torch.tensor([list(token_ids)], device=model.device))
     finally:

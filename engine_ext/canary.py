@@ -95,6 +95,9 @@ def _forward(hooks, steer: torch.Tensor | None = None,
         missing = [s for s, count in enumerate(fired) if count == 0 and s in runtime.local_sites]
         if missing:
             raise CanaryFailed(f"hook op never ran at site(s) {missing}")
+    absent = sorted(set(plan.capture or plan.staging_offset) - set(captured))
+    if absent:
+        raise CanaryFailed(f"no value captured at (kind, site) {absent}")
     return captured
 
 
@@ -110,17 +113,19 @@ def _steer_site(local: list[int]) -> int:
 
 
 def _check_identities(captured: dict, local: frozenset[int], num_layers: int, close,
-                      steered_site: int | None = None) -> None:
-    """resid_mid = resid_pre + attn_out and resid_post = resid_mid + mlp_out, wherever this
-    worker holds every site involved (except where steering adds to the stream)."""
+                      steered_site: int | None = None, multiplier: float = 1.0) -> None:
+    """resid_mid = resid_pre + m attn_out and resid_post = resid_mid + m mlp_out (m is the
+    family's residual multiplier, 1 but for Granite), wherever this worker holds every site
+    involved (except where steering adds to the stream)."""
+    m = "" if multiplier == 1.0 else f"{multiplier:g} * "
     for layer in range(num_layers):
         a, b, c = 2 * layer, 2 * layer + 1, 2 * layer + 2
-        if {a, b} <= local and b != steered_site and not close(captured[(STREAM, b)],
-                                         captured[(STREAM, a)] + captured[(SUB, b)]):
-            raise CanaryFailed(f"layer {layer}: resid_mid != resid_pre + attn_out")
-        if {b, c} <= local and c != steered_site and not close(captured[(STREAM, c)],
-                                         captured[(STREAM, b)] + captured[(SUB, c)]):
-            raise CanaryFailed(f"layer {layer}: resid_post != resid_mid + mlp_out")
+        if {a, b} <= local and b != steered_site and not close(
+                captured[(STREAM, b)], captured[(STREAM, a)] + multiplier * captured[(SUB, b)]):
+            raise CanaryFailed(f"layer {layer}: resid_mid != resid_pre + {m}attn_out")
+        if {b, c} <= local and c != steered_site and not close(
+                captured[(STREAM, c)], captured[(STREAM, b)] + multiplier * captured[(SUB, c)]):
+            raise CanaryFailed(f"layer {layer}: resid_post != resid_mid + {m}mlp_out")
 
 
 def run_canary(hooks) -> None:
@@ -143,9 +148,12 @@ def run_canary(hooks) -> None:
     def close(a: torch.Tensor, b: torch.Tensor) -> bool:
         return float((a - b).norm()) <= tol * max(float(b.norm()), 1e-6)
 
-    _check_identities(base, runtime.local_sites, runtime.num_layers, close)
+    sites = hooks.sites
+    mult = sites.residual_multiplier
+    _check_identities(base, runtime.local_sites, runtime.num_layers, close, multiplier=mult)
     if 0 in runtime.local_sites:
-        embedded = adapter.eager_embedding(hooks.worker.model_runner, n).float().cpu()
+        embedded = adapter.eager_embedding(hooks.worker.model_runner, n,
+                                           sites.embedding_multiplier).float().cpu()
         if not close(base[(STREAM, 0)], embedded):
             raise CanaryFailed("resid_pre(0) differs from the eagerly computed embedding")
 
@@ -153,10 +161,11 @@ def run_canary(hooks) -> None:
     scale = 8.0 * float(base[(STREAM, site)].abs().mean()) + 1.0
     vec = torch.linspace(-1.0, 1.0, runtime.hidden_size) * scale
     steered = _forward(hooks, steer=vec, steer_site=site)
-    _check_identities(steered, runtime.local_sites, runtime.num_layers, close, steered_site=site)
+    _check_identities(steered, runtime.local_sites, runtime.num_layers, close, steered_site=site,
+                      multiplier=mult)
     # Within one forward (dummy batches may differ between runs): the stream entering
     # the site is what came before plus exactly the steering vector.
-    produced = steered[(STREAM, site - 1)] + steered[(SUB, site)]
+    produced = steered[(STREAM, site - 1)] + mult * steered[(SUB, site)]
     want = vec.to(runtime.dtype).float().expand(n, -1)
     added = steered[(STREAM, site)] - produced
     hook, layer = _stream_hook(site)

@@ -1,10 +1,13 @@
 """The hook op and the persistent buffers it reads.
 
-Each hooked norm module calls `torch.ops.capsteer.tap(x, residual, site)` before
-its own forward. `x` is the sublayer output (attention or MLP) that the norm is
-about to add into the residual stream, so `x + residual` is the stream itself
-(vLLM keeps the stream deferred). The op steers by mutating `x` in place (so the
-fused add and the norm both see the steered stream) and copies captured rows.
+Each tapped module calls `torch.ops.capsteer.tap(x, residual, site, kinds)` (see
+engine_ext/families.py for where). In vLLM's deferred layout the tap sits before a
+fused add+norm: `x` is the sublayer output (attention or MLP) about to be added into
+the residual stream, so `x + residual` is the stream itself. In a materialized
+layout a call carries one kind: the stream (residual None) or a sublayer output.
+`kinds` is a bit mask of the kinds the call carries. The op steers by mutating `x`
+in place (so the add and the next module both see the steered value) and copies
+captured rows.
 
 Per-request behaviour is data: steering entries live in persistent tables and
 each step only rewrites index buffers. Two modes read the same plan:
@@ -22,8 +25,8 @@ import numpy as np
 import torch
 
 from capsteer.engine_ext import tap_kernel
+from capsteer.engine_ext.families import BOTH, STREAM, SUB
 
-SUB, STREAM = 0, 1  # what a capture/steer point reads: the sublayer output or the stream
 KINDS = (SUB, STREAM)
 
 
@@ -248,18 +251,22 @@ class HookRuntime:
         self.token_stage[:k].copy_(input_ids[idx])
         return k
 
-    def tap(self, x: torch.Tensor, residual: torch.Tensor | None, site: int) -> None:
+    def tap(self, x: torch.Tensor, residual: torch.Tensor | None, site: int,
+            kinds: int = BOTH) -> None:
         if self.device_driven:
-            self._tap_dense(x, residual, site)
+            self._tap_dense(x, residual, site, kinds)
         else:
-            self._tap_host(x, residual, site)
+            self._tap_host(x, residual, site, kinds)
 
-    def _tap_host(self, x: torch.Tensor, residual: torch.Tensor | None, site: int) -> None:
+    def _tap_host(self, x: torch.Tensor, residual: torch.Tensor | None, site: int,
+                  kinds: int) -> None:
         self.fired[site] += 1
         plan = self.plan
         if plan.empty:
             return
         for kind in KINDS:
+            if not kinds >> kind & 1:
+                continue
             steer = plan.steer.get((kind, site))
             if steer is not None:
                 rows, entries = steer
@@ -276,17 +283,21 @@ class HookRuntime:
                     val = val + residual[rows]
                 self.captured[(kind, site)] = val
 
-    def _tap_dense(self, x: torch.Tensor, residual: torch.Tensor | None, site: int) -> None:
+    def _tap_dense(self, x: torch.Tensor, residual: torch.Tensor | None, site: int,
+                   kinds: int) -> None:
         if self.use_kernel and x.stride(-1) == 1 and (residual is None or residual.stride(-1) == 1):
-            tap_kernel.tap(self, x, residual, site)
+            tap_kernel.tap(self, x, residual, site, kinds)
             return
-        self._tap_dense_torch(x, residual, site)
+        self._tap_dense_torch(x, residual, site, kinds)
 
-    def _tap_dense_torch(self, x: torch.Tensor, residual: torch.Tensor | None, site: int) -> None:
+    def _tap_dense_torch(self, x: torch.Tensor, residual: torch.Tensor | None, site: int,
+                         kinds: int = BOTH) -> None:
         """Reference: the same arithmetic as full-tensor torch ops (every row, every site)."""
         n = x.shape[0]
         slot, gen, rank = self.tok_slot[:n], self.tok_gen[:n], self.tok_rank[:n]
         for kind in KINDS:
+            if not kinds >> kind & 1:
+                continue
             entries = self.slot_entry[slot, gen, kind, site]
             xf = x.float()
             src = xf if kind == SUB or residual is None else xf + residual.float()
@@ -314,12 +325,12 @@ def install_runtime(runtime: HookRuntime | None) -> None:
 
 
 @torch.library.custom_op("capsteer::tap", mutates_args=("x",))
-def tap(x: torch.Tensor, residual: torch.Tensor | None, site: int) -> None:
+def tap(x: torch.Tensor, residual: torch.Tensor | None, site: int, kinds: int) -> None:
     """Steer `x` in place and copy captured rows at one site (see module docstring)."""
     if RUNTIME is not None:
-        RUNTIME.tap(x, residual, site)
+        RUNTIME.tap(x, residual, site, kinds)
 
 
 @tap.register_fake
-def _tap_fake(x: torch.Tensor, residual: torch.Tensor | None, site: int) -> None:
+def _tap_fake(x: torch.Tensor, residual: torch.Tensor | None, site: int, kinds: int) -> None:
     return None

@@ -31,7 +31,8 @@ if triton is not None:
     @triton.jit
     def _tap(x_ptr, r_ptr, slot_ptr, gen_ptr, rank_ptr, slot_entry_ptr, point_base_ptr,
              u_ptr, w_ptr, alpha_ptr, staging_ptr, site, num_sites, hidden, stride_x, stride_r,
-             stride_s, HAS_RES: tl.constexpr, DTYPE: tl.constexpr, BLOCK: tl.constexpr):
+             stride_s, HAS_RES: tl.constexpr, KINDS: tl.constexpr, DTYPE: tl.constexpr,
+             BLOCK: tl.constexpr):
         row = tl.program_id(0)
         slot = tl.load(slot_ptr + row)
         if slot != 0:
@@ -44,27 +45,30 @@ if triton is not None:
             if HAS_RES:
                 r = tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
             for kind in tl.static_range(2):
-                entry = tl.load(slot_entry_ptr + ((slot * 2 + gen) * 2 + kind) * num_sites + site)
-                u = tl.load(u_ptr + entry * hidden + offs, mask=mask, other=0.0)
-                w = tl.load(w_ptr + entry * hidden + offs, mask=mask, other=0.0)
-                alpha = tl.load(alpha_ptr + entry)
-                if kind == 1 and HAS_RES:
-                    src = x + r
-                else:
-                    src = x
-                proj = tl.sum(src * u, axis=0)
-                x = (x + alpha * proj * u + w).to(DTYPE).to(tl.float32)
-                if kind == 1 and HAS_RES:
-                    val = (x + r).to(DTYPE)
-                else:
-                    val = x.to(DTYPE)
-                base = tl.load(point_base_ptr + (slot * 2 + kind) * num_sites + site)
-                if (base >= 0) & (rank >= 0):
-                    tl.store(staging_ptr + (base + rank) * stride_s + offs, val, mask=mask)
+                if (KINDS >> kind) & 1:  # the kinds this call carries (compile-time)
+                    entry = tl.load(slot_entry_ptr + ((slot * 2 + gen) * 2 + kind) * num_sites
+                                    + site)
+                    u = tl.load(u_ptr + entry * hidden + offs, mask=mask, other=0.0)
+                    w = tl.load(w_ptr + entry * hidden + offs, mask=mask, other=0.0)
+                    alpha = tl.load(alpha_ptr + entry)
+                    if kind == 1 and HAS_RES:
+                        src = x + r
+                    else:
+                        src = x
+                    proj = tl.sum(src * u, axis=0)
+                    x = (x + alpha * proj * u + w).to(DTYPE).to(tl.float32)
+                    if kind == 1 and HAS_RES:
+                        val = (x + r).to(DTYPE)
+                    else:
+                        val = x.to(DTYPE)
+                    base = tl.load(point_base_ptr + (slot * 2 + kind) * num_sites + site)
+                    if (base >= 0) & (rank >= 0):
+                        tl.store(staging_ptr + (base + rank) * stride_s + offs, val, mask=mask)
             tl.store(x_ptr + row * stride_x + offs, x.to(DTYPE), mask=mask)
 
 
-def tap(runtime, x: torch.Tensor, residual: torch.Tensor | None, site: int) -> None:
+def tap(runtime, x: torch.Tensor, residual: torch.Tensor | None, site: int,
+        kinds: int = 3) -> None:
     """Launch the kernel over this forward's rows (padded rows have slot 0)."""
     n, hidden = x.shape
     if n == 0:
@@ -74,5 +78,5 @@ def tap(runtime, x: torch.Tensor, residual: torch.Tensor | None, site: int) -> N
         x, res, runtime.tok_slot, runtime.tok_gen, runtime.tok_rank, runtime.slot_entry,
         runtime.point_base, runtime.u, runtime.w, runtime.alpha, runtime.staging, site,
         runtime.num_sites, hidden, x.stride(0), res.stride(0), runtime.staging.stride(0),
-        HAS_RES=residual is not None, DTYPE=_TL[x.dtype],
+        HAS_RES=residual is not None, KINDS=kinds, DTYPE=_TL[x.dtype],
         BLOCK=triton.next_power_of_2(hidden))

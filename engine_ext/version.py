@@ -11,7 +11,7 @@ import hashlib
 import os
 from pathlib import Path
 
-_HOOK_SOURCES = ("runtime.py", "adapter.py", "worker.py", "plan.py")
+_HOOK_SOURCES = ("runtime.py", "adapter.py", "worker.py", "plan.py", "families.py", "tap_kernel.py")
 
 
 @functools.cache

@@ -35,6 +35,7 @@ class EngineHooks:
         self.config = adapter.capsteer_config(worker)
         model = adapter.model_of(worker)
         self.sites = adapter.find_sites(model)
+        adapter.check_family_features(worker, self.sites)
         dtype = worker.vllm_config.model_config.dtype
         self.device_driven = adapter.device_driven(worker)
         max_tokens = adapter.max_num_batched_tokens(worker)
@@ -67,9 +68,9 @@ class EngineHooks:
         self.harvester = Harvester(self.runtime.staging.shape[0], self.sites.hidden_size, dtype) \
             if self.device_driven else None
         skipped = faulty_site()
-        for site, norm in self.sites.norms.items():
+        for site, module, tap in self.sites.taps:
             if site != skipped:
-                adapter.hook_norm(norm, site)
+                adapter.install_tap(module, tap, site)
         install_runtime(self.runtime)
         # Diagnostic: torch's sync debug mode "error" over the hook code and the forward of
         # every step with hooks; any host sync there raises (GPU validation uses it).
@@ -79,9 +80,11 @@ class EngineHooks:
         adapter.install_pre_forward(worker.model_runner, before)
         if self.sync_debug:
             adapter.wrap_forward_calls(worker.model_runner, self._no_sync)
-        logger.info("capsteer: hooked %d of %d sites (pipeline stage %d of %d; %s mode)",
-                    len(self.sites.norms), self.runtime.num_sites, self.stage, self.num_stages,
-                    "device" if self.device_driven else "host")
+        logger.info("capsteer: %s family (%s layout): hooked %d of %d sites (pipeline stage "
+                    "%d of %d; %s mode)", self.sites.family.name,
+                    "materialized" if self.sites.materialized else "deferred",
+                    len(self.sites.local_sites), self.runtime.num_sites, self.stage,
+                    self.num_stages, "device" if self.device_driven else "host")
 
     def _no_sync(self, fn):
         def wrapped(*args, **kwargs):

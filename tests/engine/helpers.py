@@ -27,6 +27,15 @@ def fed_tokens(result) -> list[int]:
     return list(result.prompt_token_ids) + list(result.token_ids[:-1])
 
 
+def assert_close_scaled(got: torch.Tensor, want: torch.Tensor, what: object) -> None:
+    """Within 1e-4 of the tensor's own scale: |got - want| <= 1e-4 * max(1, max |want|)
+    (+ 1e-4 relative). fp32 kernels of two implementations differ by ~1e-6 of the stream's
+    norm per layer; a stream of magnitude 20 (Gemma) makes that more than 1e-4 absolute."""
+    scale = max(1.0, float(want.abs().max()))
+    torch.testing.assert_close(got, want, atol=ATOL * scale, rtol=ATOL,
+                               msg=lambda m: f"{what}: {m} (scale {scale:.3g})")
+
+
 def assert_matches_hf(hf_model, result, keys=None, steering=None) -> int:
     """Every captured (hook, layer) equals HF on the same sequence; returns values compared."""
     caps = result.captures
@@ -38,6 +47,6 @@ def assert_matches_hf(hf_model, result, keys=None, steering=None) -> int:
     for key in keys or sorted(caps.tensors):
         got = caps.tensors[key]
         want = ref[key][torch.as_tensor(caps.positions)]
-        torch.testing.assert_close(got, want, atol=ATOL, rtol=ATOL, msg=lambda m, k=key: f"{k}: {m}")
+        assert_close_scaled(got, want, key)
         compared += got.numel()
     return compared

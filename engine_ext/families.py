@@ -1,0 +1,173 @@
+"""Where each contract hook lives, one declarative row per model family.
+
+Pure data: no vLLM import, so the HF reference (capsteer.reference), the server
+and the docs read the same table as the engine adapter.
+
+A hook is read at a *site*: site 2L is the stream entering layer L, site 2L+1 the
+stream after attention's residual add, site 2L+2 (= 2(L+1)) the stream leaving
+layer L; the last site, 2N, is the stream entering the final norm. At site 2L+1
+the sublayer value is attn_out(L), at 2L+2 it is mlp_out(L). Two module layouts
+exist in vLLM:
+
+- ``deferred``: vLLM's own pre-norm decoders keep the stream as (hidden, residual)
+  and fuse the residual add into the next norm, `norm(x, residual)`. The inputs of
+  that norm give both values of a site: x is the sublayer output, x + residual the
+  stream. The family names the norm whose input is resid_mid (Gemma 2/3 add the
+  post-normed attention output there, so it is `pre_feedforward_layernorm`).
+- ``materialized``: layers that add the residual themselves (OLMo 2, Granite, and
+  every model vLLM runs through its Transformers backend, which is HF's own module
+  tree). Stream sites are read at module inputs (the layer's `hidden_states`, the
+  resid_mid module's input, the final norm's input) and sublayer values at module
+  outputs (the family's attn_out / mlp_out modules), exactly HF's modules.
+
+Steering edits the value where it is read: the sublayer output in place, or the
+stream in place (a materialized layer's residual is the same tensor, so the add
+and the next sublayer both see the steered stream).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SUB, STREAM = 0, 1  # what a site's value is: the sublayer output or the stream
+SUB_BIT, STREAM_BIT = 1 << SUB, 1 << STREAM
+BOTH = SUB_BIT | STREAM_BIT
+
+
+@dataclass(frozen=True)
+class Family:
+    """One family's hook layout. Module names are attribute paths under a decoder layer
+    (HF's names; vLLM's native classes use the same ones)."""
+
+    name: str
+    architectures: tuple[str, ...]  # the config's `architectures` names it covers
+    attn_out: str = "self_attn"  # module whose output is attn_out (added to the stream)
+    resid_mid: str = "post_attention_layernorm"  # module whose input is resid_mid
+    mlp_out: str = "mlp"  # module whose output is mlp_out (MoE: the whole block)
+    # vLLM's fused add+norm whose input is resid_mid, for vLLM's native deferred layers;
+    # None: vLLM's layers add the residual themselves (materialized, read at the modules).
+    deferred_mid_norm: str | None = "post_attention_layernorm"
+    # Config attribute scaling the embedding after `embed_input_ids` (Granite).
+    embedding_multiplier: str | None = None
+    # Config attribute scaling attn_out / mlp_out as they are added to the stream
+    # (Granite): then resid_mid = resid_pre + m * attn_out. Other families: m = 1.
+    residual_multiplier: str | None = None
+    moe: bool = False
+    notes: str = ""
+
+
+_GEMMA_NORMED = dict(attn_out="post_attention_layernorm", resid_mid="pre_feedforward_layernorm",
+                     mlp_out="post_feedforward_layernorm",
+                     deferred_mid_norm="pre_feedforward_layernorm")
+
+FAMILIES: tuple[Family, ...] = (
+    Family("llama", ("LlamaForCausalLM", "LLaMAForCausalLM", "InternLM3ForCausalLM")),
+    Family("mistral", ("MistralForCausalLM", "Ministral3ForCausalLM")),
+    Family("qwen2", ("Qwen2ForCausalLM",)),
+    Family("qwen3", ("Qwen3ForCausalLM",)),
+    Family("phi3", ("Phi3ForCausalLM",), notes="fused qkv_proj / gate_up_proj"),
+    Family("gemma", ("GemmaForCausalLM",), notes="embedding scaled by sqrt(hidden_size)"),
+    Family("gemma2", ("Gemma2ForCausalLM",), **_GEMMA_NORMED,
+           notes="embedding scaled by sqrt(hidden_size); attn_out and mlp_out are the "
+                 "post-normed sublayer outputs (post_attention_layernorm / "
+                 "post_feedforward_layernorm), which are what is added to the stream"),
+    Family("gemma3", ("Gemma3ForCausalLM",), **_GEMMA_NORMED,
+           notes="as gemma2; text-only Gemma3ForCausalLM (the multimodal class is refused)"),
+    Family("olmo2", ("Olmo2ForCausalLM", "Olmo3ForCausalLM"), attn_out="post_attention_layernorm",
+           resid_mid="mlp", mlp_out="post_feedforward_layernorm", deferred_mid_norm=None,
+           notes="norms after the sublayers: attn_out / mlp_out are the normed sublayer "
+                 "outputs added to the stream; resid_mid is the MLP's input"),
+    Family("granite", ("GraniteForCausalLM",), deferred_mid_norm=None,
+           embedding_multiplier="embedding_multiplier",
+           residual_multiplier="residual_multiplier",
+           notes="attn_out / mlp_out are the sublayer module outputs (HF's); the stream adds "
+                 "them times residual_multiplier; the embedding is scaled by "
+                 "embedding_multiplier"),
+    Family("qwen2_moe", ("Qwen2MoeForCausalLM",), moe=True,
+           notes="mlp_out is the whole MoE block output, shared expert included"),
+    Family("qwen3_moe", ("Qwen3MoeForCausalLM",), moe=True,
+           notes="mlp_out is the whole MoE block output"),
+    Family("mixtral", ("MixtralForCausalLM",), moe=True,
+           notes="mlp_out is the whole MoE block output (vLLM's block_sparse_moe)"),
+    Family("olmoe", ("OlmoeForCausalLM",), moe=True,
+           notes="mlp_out is the whole MoE block output"),
+)
+
+# Refused by name, with the reason the message gives.
+_HYBRID = ("layers mix attention with state-space / linear-attention mixers whose recurrent "
+           "state lives outside the token rows; capsteer's hook points, prefix-cache rules "
+           "and batch-isolation guarantees are defined for attention-only decoders")
+_ENCODER = ("it is an encoder (or encoder-decoder) model; capsteer hooks the residual stream "
+            "of decoder-only generative models")
+_MULTIMODAL = ("it is a multimodal model; capsteer hooks text-only decoders (serve the "
+               "text-only checkpoint, e.g. Gemma3ForCausalLM, where one exists)")
+REFUSED: dict[str, str] = {
+    **{a: f"hybrid state-space model: {_HYBRID}" for a in (
+        "JambaForCausalLM", "MambaForCausalLM", "Mamba2ForCausalLM", "FalconMambaForCausalLM",
+        "Qwen3NextForCausalLM", "GraniteMoeHybridForCausalLM", "FalconH1ForCausalLM",
+        "NemotronHForCausalLM", "Zamba2ForCausalLM", "BambaForCausalLM", "Lfm2ForCausalLM",
+        "Lfm2MoeForCausalLM", "Plamo2ForCausalLM", "MiniMaxText01ForCausalLM",
+        "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "OlmoHybridForCausalLM")},
+    **{a: f"encoder model: {_ENCODER}" for a in (
+        "BertModel", "BertForMaskedLM", "BertForSequenceClassification", "RobertaModel",
+        "RobertaForMaskedLM", "XLMRobertaModel", "XLMRobertaForSequenceClassification",
+        "ModernBertModel", "ModernBertForSequenceClassification", "T5ForConditionalGeneration",
+        "BartForConditionalGeneration", "WhisperForConditionalGeneration")},
+}
+MULTIMODAL_REASON = f"multimodal model: {_MULTIMODAL}"
+ENCODER_REASON = f"encoder model: {_ENCODER}"
+HYBRID_REASON = f"hybrid state-space model: {_HYBRID}"
+
+_BY_ARCH = {a: f for f in FAMILIES for a in f.architectures}
+
+
+def family_for(architecture: str) -> Family | None:
+    return _BY_ARCH.get(architecture)
+
+
+def supported_names() -> str:
+    return ", ".join(f.name for f in FAMILIES)
+
+
+def refusal_reason(architecture: str) -> str | None:
+    """Why an architecture is refused by name (hybrid, encoder, multimodal), or None."""
+    if architecture in REFUSED:
+        return REFUSED[architecture]
+    if architecture.endswith(("ForConditionalGeneration", "VLForCausalLM")) or any(
+            k in architecture for k in ("Llava", "VL", "Vision", "Omni", "Audio")):
+        return MULTIMODAL_REASON
+    return None
+
+
+@dataclass(frozen=True)
+class Tap:
+    """One place under a decoder layer where part of a site is read (and steered).
+
+    read: "pair" = the (x, residual) inputs of a fused add+norm (x is the sublayer
+    value, x + residual the stream); "input" = the stream is the module's
+    `hidden_states` input ("" = the layer itself); "output" = the sublayer value is
+    the module's output. offset: the site is 2L + offset."""
+
+    module: str
+    read: str
+    offset: int
+    kinds: int
+
+
+def layer_taps(family: Family, materialized: bool) -> tuple[Tap, ...]:
+    """The taps of one decoder layer. `materialized`: vLLM runs HF-shaped layers (its
+    Transformers backend, or a native class that adds the residual itself)."""
+    if not materialized and family.deferred_mid_norm is not None:
+        return (Tap("input_layernorm", "pair", 0, BOTH),
+                Tap(family.deferred_mid_norm, "pair", 1, BOTH))
+    return (Tap("", "input", 0, STREAM_BIT),
+            Tap(family.attn_out, "output", 1, SUB_BIT),
+            Tap(family.resid_mid, "input", 1, STREAM_BIT),
+            Tap(family.mlp_out, "output", 2, SUB_BIT))
+
+
+def final_tap(family: Family, materialized: bool) -> Tap:
+    """The final norm (under the inner model): its input is resid_post of the last layer."""
+    if not materialized and family.deferred_mid_norm is not None:
+        return Tap("norm", "pair", 0, BOTH)
+    return Tap("norm", "input", 0, STREAM_BIT)
