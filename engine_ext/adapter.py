@@ -473,6 +473,8 @@ class ServedModel:
     hidden_size: int
     max_model_len: int
     dtype: torch.dtype
+    architecture: str = ""
+    family: families.Family | None = None  # None only where the engine itself refused it
 
 
 def app_engine_client(app: object) -> object:
@@ -487,9 +489,12 @@ def app_engine_client(app: object) -> object:
 def served_model(engine_client: object) -> ServedModel:
     config = engine_client.model_config
     hf = config.hf_text_config if hasattr(config, "hf_text_config") else config.hf_config
+    arch = (list(getattr(config, "architectures", None) or ())
+            or list(getattr(config.hf_config, "architectures", None) or ()) or [""])[0]
     return ServedModel(name=str(config.served_model_name or config.model),
                        num_layers=int(hf.num_hidden_layers), hidden_size=int(hf.hidden_size),
-                       max_model_len=int(config.max_model_len), dtype=config.dtype)
+                       max_model_len=int(config.max_model_len), dtype=config.dtype,
+                       architecture=arch, family=families.family_for(arch))
 
 
 def api_keys(app: object) -> list[str]:

@@ -125,6 +125,16 @@ def family_for(architecture: str) -> Family | None:
     return _BY_ARCH.get(architecture)
 
 
+def hf_modules(family: Family) -> dict[str, str]:
+    """Where each hook is, in HF transformers' module tree (the reference it equals)."""
+    layer = "model.layers[L]"
+    return {"resid_pre": f"{layer} input (hidden_states[L])",
+            "resid_mid": f"{layer}.{family.resid_mid} input",
+            "resid_post": f"{layer} output (hidden_states[L+1] for L < last)",
+            "attn_out": f"{layer}.{family.attn_out} output",
+            "mlp_out": f"{layer}.{family.mlp_out} output"}
+
+
 def supported_names() -> str:
     return ", ".join(f.name for f in FAMILIES)
 

@@ -20,6 +20,7 @@ from capsteer.capture.layouts import MANIFEST_FILE
 from capsteer.capture.paths import find_capture_dirs, validate_capture_id
 from capsteer.capture.receipts import find_receipt, pending
 from capsteer.capture.spec import DTYPES, LAYOUTS, POSITION_KINDS, SpecError
+from capsteer.engine_ext import families
 from capsteer.hooks import ALIASES, HOOK_SEMANTICS_VERSION, HOOKS
 from capsteer.server.state import CapsteerState
 from capsteer.steering.spec import OPS, POSITIONS
@@ -52,15 +53,20 @@ async def hooks(request: Request) -> dict[str, Any]:
     """Model geometry and what can be captured and steered."""
     state = _state(request)
     model = state.model
+    where = families.hf_modules(model.family) if model.family else {}
+    layers = list(range(model.num_layers))  # every supported family has every hook everywhere
     return {
         "model": model.name,
+        "architecture": model.architecture,
+        "family": model.family.name if model.family else None,
+        "family_notes": model.family.notes if model.family else None,
         "num_layers": model.num_layers,
         "hidden_size": model.hidden_size,
         "dtype": str(model.dtype).removeprefix("torch."),
         "hook_semantics_version": HOOK_SEMANTICS_VERSION,
         "hooks": [{"name": h, "aliases": [a for a, c in ALIASES.items() if c == h],
                    "description": HOOK_DOCS[h][0], "hf_reference": HOOK_DOCS[h][1],
-                   "layers": [0, model.num_layers - 1]} for h in HOOKS],
+                   "hf_module": where.get(h), "layers": layers} for h in HOOKS],
         "capture": {"positions": [k for k in POSITION_KINDS if k != "explicit"] + ["[ints]"],
                     "layouts": list(LAYOUTS), "dtypes": list(DTYPES),
                     "default": state.settings.capture_default,

@@ -41,12 +41,23 @@ class EnginePool:
             gc.collect()
 
 
+class LazyDict(dict):
+    """Built on first use per key: a session touches only the families its tests run."""
+
+    def __init__(self, build: Callable[[str], object]) -> None:
+        super().__init__()
+        self.build = build
+
+    def __missing__(self, key: str):
+        value = self[key] = self.build(key)
+        return value
+
+
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory) -> dict[str, str]:
-    return {
-        family: str(write_demo_model(tmp_path_factory.mktemp(family), family, seed=7))
-        for family in ("qwen3", "llama", "qwen2")
-    }
+    """Demo model directory per family (capsteer.demo_model.FAMILIES), seed 7."""
+    return LazyDict(lambda family: str(write_demo_model(tmp_path_factory.mktemp(family), family,
+                                                        seed=7)))
 
 
 @pytest.fixture(scope="session")
@@ -60,7 +71,7 @@ def engine_pool():
 def hf_models(model_dirs):
     from capsteer.reference import load_hf
 
-    return {family: load_hf(path) for family, path in model_dirs.items()}
+    return LazyDict(lambda family: load_hf(model_dirs[family]))
 
 
 @pytest.fixture(scope="session")
@@ -70,7 +81,9 @@ def capture_root(tmp_path_factory) -> str:
 
 
 # Engines and servers in the order their tests run (one alive at a time).
-ENGINE_ORDER = ("qwen3", "qwen3-durable", "qwen3-eager", "llama", "qwen2", "vanilla", "other", "extract",
+ENGINE_ORDER = ("qwen3", "qwen3-durable", "qwen3-eager", "llama", "qwen2", "mistral", "gemma",
+                "gemma2", "gemma3", "phi3", "olmo2", "granite", "qwen2_moe", "qwen3_moe", "mixtral",
+                "olmoe", "vanilla", "other", "extract",
                 "qwen3-tp2", "qwen3-pp2",
                 "server-vanilla", "server", "server-reject")
 

@@ -41,8 +41,9 @@ def mixed_requests() -> list[Request]:
     ]
 
 
-def test_batched_equals_alone(engine_pool, model_dirs, hf_models):
-    engine = capsteer_engine(engine_pool, model_dirs, "qwen3")
+@pytest.mark.parametrize("engine_name", ["qwen3", "qwen3_moe"])  # dense and MoE
+def test_batched_equals_alone(engine_pool, model_dirs, hf_models, engine_name):
+    engine = capsteer_engine(engine_pool, model_dirs, engine_name)
     requests = mixed_requests()
     batched = engine.generate(requests)
     for req, together in zip(requests, batched, strict=True):
@@ -56,7 +57,7 @@ def test_batched_equals_alone(engine_pool, model_dirs, hf_models):
         for key, value in together.captures.tensors.items():
             torch.testing.assert_close(value, alone.captures.tensors[key], atol=1e-5, rtol=1e-5)
         if req.steering is None:
-            assert_matches_hf(hf_models["qwen3"], together)
+            assert_matches_hf(hf_models[engine_name], together)
 
 
 def test_prefix_cache_never_leaks_steering(engine_pool, model_dirs):

@@ -45,6 +45,19 @@ def test_unsupported_architecture_is_refused(gpt2_dir):
     assert "capsteer cannot hook architecture GPT2LMHeadModel" in proc.stdout + proc.stderr
 
 
+@pytest.mark.parametrize(("family", "architecture", "kind"), [
+    ("jamba", "JambaForCausalLM", "hybrid state-space model"),
+    ("bert", "BertModel", "encoder model"),
+])
+def test_hybrid_and_encoder_models_are_refused_by_name(tmp_path, family, architecture, kind):
+    from capsteer.demo_model import write_demo_model
+
+    proc = start_engine(str(write_demo_model(tmp_path / family, family, seed=1)))
+    assert "ENGINE STARTED" not in proc.stdout
+    assert proc.returncode != 0
+    assert f"capsteer cannot hook architecture {architecture}: {kind}" in proc.stdout + proc.stderr
+
+
 def test_canary_refuses_when_a_hook_does_not_fire(model_dirs):
     proc = start_engine(model_dirs["qwen3"], env={"CAPSTEER_FAULT_INJECT": "skip_site:3"})
     assert "ENGINE STARTED" not in proc.stdout

@@ -174,6 +174,10 @@ def test_hooks_endpoint(server, http):
     names = {h["name"]: h for h in body["hooks"]}
     assert set(names) == {"resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out"}
     assert names["resid_post"]["aliases"] == ["post_block"]
+    assert body["family"] == "qwen3" and body["architecture"] == "Qwen3ForCausalLM"
+    for hook in names.values():
+        assert hook["layers"] == [0, 1, 2, 3]
+    assert names["resid_mid"]["hf_module"] == "model.layers[L].post_attention_layernorm input"
 
 
 def test_openapi_documents_the_fields(server):

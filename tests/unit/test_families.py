@@ -1,0 +1,74 @@
+"""The family table: every hook at every layer is read by exactly one tap, in both
+layouts; names resolve; refusals name the reason."""
+
+from __future__ import annotations
+
+import pytest
+
+from capsteer.demo_model import FAMILIES as DEMO_FAMILIES
+from capsteer.engine_ext import families
+from capsteer.engine_ext.runtime import hook_point, site_count
+from capsteer.hooks import HOOKS
+
+
+def _coverage(family: families.Family, materialized: bool, num_layers: int) -> dict:
+    """(kind, site) -> how many taps read it."""
+    seen: dict[tuple[int, int], int] = {}
+    placed = [(2 * layer + tap.offset, tap) for layer in range(num_layers)
+              for tap in families.layer_taps(family, materialized)]
+    placed.append((2 * num_layers, families.final_tap(family, materialized)))
+    for site, tap in placed:
+        for kind in (families.SUB, families.STREAM):
+            if tap.kinds >> kind & 1:
+                seen[(kind, site)] = seen.get((kind, site), 0) + 1
+    return seen
+
+
+@pytest.mark.parametrize("family", families.FAMILIES, ids=lambda f: f.name)
+@pytest.mark.parametrize("materialized", [False, True], ids=["deferred", "materialized"])
+def test_every_hook_is_read_exactly_once(family, materialized):
+    num_layers = 3
+    seen = _coverage(family, materialized, num_layers)
+    for hook in HOOKS:
+        for layer in range(num_layers):
+            assert seen.get(hook_point(hook, layer)) == 1, (hook, layer)
+    assert all(site < site_count(num_layers) for _, site in seen)
+
+
+def test_layouts_read_the_documented_modules():
+    gemma2 = families.family_for("Gemma2ForCausalLM")
+    deferred = families.layer_taps(gemma2, materialized=False)
+    assert [(t.module, t.read, t.offset) for t in deferred] == [
+        ("input_layernorm", "pair", 0), ("pre_feedforward_layernorm", "pair", 1)]
+    olmo2 = families.family_for("Olmo2ForCausalLM")
+    assert [(t.module, t.read, t.offset) for t in families.layer_taps(olmo2, False)] == [
+        ("", "input", 0), ("post_attention_layernorm", "output", 1), ("mlp", "input", 1),
+        ("post_feedforward_layernorm", "output", 2)]
+    assert families.final_tap(olmo2, False).read == "input"
+
+
+def test_every_demo_family_has_a_row():
+    names = {f.name for f in families.FAMILIES}
+    assert set(DEMO_FAMILIES) <= names
+    for family in families.FAMILIES:
+        for arch in family.architectures:
+            assert families.family_for(arch) is family
+            assert families.refusal_reason(arch) is None
+
+
+@pytest.mark.parametrize(("arch", "kind"), [
+    ("JambaForCausalLM", "hybrid state-space model"),
+    ("Qwen3NextForCausalLM", "hybrid state-space model"),
+    ("BertModel", "encoder model"),
+    ("LlavaForConditionalGeneration", "multimodal model"),
+    ("Gemma3ForConditionalGeneration", "multimodal model"),
+    ("Qwen2VLForConditionalGeneration", "multimodal model"),
+])
+def test_refusals_name_the_reason(arch, kind):
+    assert families.family_for(arch) is None
+    assert families.refusal_reason(arch).startswith(kind)
+
+
+def test_unknown_architecture_has_no_row_and_no_named_refusal():
+    assert families.family_for("GPT2LMHeadModel") is None
+    assert families.refusal_reason("GPT2LMHeadModel") is None
