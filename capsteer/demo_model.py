@@ -126,7 +126,9 @@ def _config(family: str, shape: DemoShape, vocab_size: int, eos_id: int, bos_id:
                                                         **common),
         "mixtral": lambda: transformers.MixtralConfig(
             **head, num_local_experts=4, num_experts_per_tok=2, sliding_window=None, **common),
-        "olmoe": lambda: transformers.OlmoeConfig(num_experts=4, num_experts_per_tok=2, **common),
+        # vLLM's OLMoE hard-codes its norms' eps to 1e-5, the real checkpoints' value.
+        "olmoe": lambda: transformers.OlmoeConfig(num_experts=4, num_experts_per_tok=2,
+                                                  **{**common, "rms_norm_eps": 1e-5}),
         # Refused families: a hybrid attention/state-space decoder and an encoder.
         "jamba": lambda: transformers.JambaConfig(
             **{k: v for k, v in common.items() if k != "rms_norm_eps"}, num_experts=1,

@@ -68,7 +68,7 @@ def _refusal(model: nn.Module, arch: str) -> str | None:
     if is_hybrid(model):
         return families.HYBRID_REASON
     if is_pooling_model(model):
-        return families.ENCODER_REASON
+        return families.POOLING_REASON
     return None
 
 
@@ -164,17 +164,16 @@ def find_sites(model: nn.Module) -> ModelSites:
                       embedding_multiplier=_config_float(model, family.embedding_multiplier))
 
 
-def _hidden_states_arg(forward: Callable) -> tuple[int, str]:
+def _hidden_states_arg(forward: Callable) -> tuple[int, str | None]:
     """(position, name) of the stream argument of a module's forward: `hidden_states`
-    where it has one, else its first argument (a norm's `x`)."""
+    where it has one, else its first argument (a norm's `x`; vLLM's CustomOp norms
+    take `*args`, so only the position is known)."""
     params = [p for p in inspect.signature(forward).parameters.values()
               if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     for i, p in enumerate(params):
         if p.name == "hidden_states":
             return i, p.name
-    if not params:
-        raise UnsupportedError(f"cannot find the stream argument of {forward}")
-    return 0, params[0].name
+    return 0, params[0].name if params else None
 
 
 def install_tap(module: nn.Module, tap: families.Tap, site: int) -> None:

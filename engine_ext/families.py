@@ -115,7 +115,8 @@ REFUSED: dict[str, str] = {
         "BartForConditionalGeneration", "WhisperForConditionalGeneration")},
 }
 MULTIMODAL_REASON = f"multimodal model: {_MULTIMODAL}"
-ENCODER_REASON = f"encoder model: {_ENCODER}"
+POOLING_REASON = ("pooling model: vLLM runs it for embeddings or scores, not generation; "
+                  "capsteer hooks generative decoder-only models")
 HYBRID_REASON = f"hybrid state-space model: {_HYBRID}"
 
 _BY_ARCH = {a: f for f in FAMILIES for a in f.architectures}
