@@ -32,8 +32,13 @@ def rel_err(a, b) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-6))
 
 
+def sig(x: float) -> float:
+    return float(f"{x:.3g}")
+
+
 def prefix(a, b) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
+                min(len(a), len(b)))
 
 
 def shapes(device: str):
@@ -104,10 +109,10 @@ def check_family(family: str, shape, args) -> dict:
                     floor[name] = max(floor.get(name, 0.0), rel_err(ref16[key], ref[key]))
                 norms.setdefault(key, float(ref[key].float().norm(dim=-1).mean()))
         worst = max(errs, key=errs.get)
-        row["capture"] = {"prompt_lengths": list(lengths), "max_rel_err": round(errs[worst], 5),
-                          "worst": worst, "per_hook_layer": {k: round(v, 5) for k, v in errs.items()}}
+        row["capture"] = {"prompt_lengths": list(lengths), "max_rel_err": sig(errs[worst]),
+                          "worst": worst, "per_hook_layer": {k: sig(v) for k, v in errs.items()}}
         if floor:
-            row["capture"]["hf_bf16_max_rel_err"] = round(max(floor.values()), 5)
+            row["capture"]["hf_bf16_max_rel_err"] = sig(max(floor.values()))
 
         # 2. add steering: free-running greedy, then teacher-forced on HF's tokens
         prompt = prompts[2]
@@ -126,20 +131,20 @@ def check_family(family: str, shape, args) -> dict:
                 Request(prompt_token_ids=prompt + ref_tokens, steering=steering,
                         sampling={"max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 1})])
             got = [forced.prompt_logprobs[len(prompt) + i][t] for i, t in enumerate(ref_tokens)]
-            want = [float(lp[t]) for lp, t in zip(ref_lps, ref_tokens)]
+            want = [float(lp[t]) for lp, t in zip(ref_lps, ref_tokens, strict=True)]
             r = {"hook": hook, "layer": layer, "scale": scale, "steps": STEPS,
                  "steering_changed_hf_output": plain_tokens != ref_tokens,
                  "agree_prefix": prefix(run.token_ids, ref_tokens),
-                 "agree_count": sum(a == b for a, b in zip(run.token_ids, ref_tokens)),
-                 "teacher_forced_max_logprob_diff": round(max(abs(a - b) for a, b in
-                                                              zip(got, want)), 5)}
+                 "agree_count": sum(a == b for a, b in zip(run.token_ids, ref_tokens, strict=False)),
+                 "teacher_forced_max_logprob_diff": sig(max(
+                     abs(a - b) for a, b in zip(got, want, strict=True)))}
             if hf16 is not None:  # the bf16 floor: HF bf16 on the same fed tokens
                 with steering_hooks(hf16, spec, len(prompt)), torch.no_grad():
                     ids = torch.tensor([prompt + ref_tokens], device=hf16.device)
                     lp16 = torch.log_softmax(hf16(ids).logits[0].float(), -1)
-                r["hf_bf16_teacher_forced_max_logprob_diff"] = round(max(
+                r["hf_bf16_teacher_forced_max_logprob_diff"] = sig(max(
                     abs(float(lp16[len(prompt) + i - 1, t]) - w)
-                    for i, (t, w) in enumerate(zip(ref_tokens, want))), 5)
+                    for i, (t, w) in enumerate(zip(ref_tokens, want, strict=True))))
                 r["hf_bf16_agree_prefix"] = prefix(hf_greedy(hf16, prompt, STEPS, steering=spec)[0],
                                                    ref_tokens)
             steer_rows.append(r)
@@ -172,6 +177,8 @@ def main() -> None:
 
     report: dict = {"device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
                     "torch": torch.__version__, "vllm": vllm.__version__, "models": []}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     for family in args.families.split(","):
         try:
             report["models"].append(check_family(family, shapes(args.device)[family], args))
@@ -182,6 +189,7 @@ def main() -> None:
             report["models"].append({"family": family, "error": repr(exc),
                                      "traceback": traceback.format_exc()})
         print(json.dumps(report["models"][-1]), flush=True)
+        (out / "families.json").write_text(json.dumps(report, indent=1))  # after each model
 
     print(f"\n{'model':10} {'capture max rel err (HF bf16)':30} {'steer point':14} {'agree':>8} "
           f"{'TF max |dlp| (HF bf16)':24} sync steps")
@@ -190,18 +198,15 @@ def main() -> None:
             print(f"{m['family']:10} ERROR {m['error']}")
             continue
         cap = m["capture"]
-        cap_s = f"{cap['max_rel_err']:.4f} {cap['worst']} ({cap.get('hf_bf16_max_rel_err', '-')})"
+        cap_s = f"{cap['max_rel_err']:.3g} {cap['worst']} ({cap.get('hf_bf16_max_rel_err', '-')})"
         steps = [s["sync_checked_steps"] for s in m["worker_stats"]]
         for s in m["steering"]:
             agree = f"{s['agree_prefix']}/{s['agree_count']}/{s['steps']}"
-            tf = f"{s['teacher_forced_max_logprob_diff']:.4f} " \
+            tf = f"{s['teacher_forced_max_logprob_diff']:.3g} " \
                  f"({s.get('hf_bf16_teacher_forced_max_logprob_diff', '-')})"
             print(f"{m['family']:10} {cap_s:30} {s['hook'] + '.' + str(s['layer']):14} "
                   f"{agree:>8} {tf:24} {steps} ok={m['sync_ok']}")
             cap_s = ""
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "families.json").write_text(json.dumps(report, indent=1))
     print(f"wrote {out / 'families.json'}")
 
 

@@ -452,6 +452,16 @@ def check_engine_features(worker: object) -> None:
                                + "; ".join(problems))
 
 
+def checkpoint_dtype(worker: object) -> torch.dtype | None:
+    """The dtype the checkpoint's config declares (vLLM may run another: `--dtype auto`
+    serves a float32 checkpoint in bfloat16)."""
+    hf = worker.vllm_config.model_config.hf_config
+    declared = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None)
+    if isinstance(declared, str):
+        declared = getattr(torch, declared, None)
+    return declared if isinstance(declared, torch.dtype) else None
+
+
 def check_family_features(worker: object, sites: ModelSites) -> None:
     """Refuse what a family's layout cannot do yet, rather than mislabel rows."""
     par = worker.vllm_config.parallel_config

@@ -37,6 +37,12 @@ class EngineHooks:
         self.sites = adapter.find_sites(model)
         adapter.check_family_features(worker, self.sites)
         dtype = worker.vllm_config.model_config.dtype
+        declared = adapter.checkpoint_dtype(worker)
+        if declared == torch.float32 and dtype != torch.float32:
+            logger.warning("capsteer: the checkpoint is float32 but the engine runs %s (vLLM's "
+                           "--dtype auto downcasts float32); captures and steering are %s. "
+                           "Pass --dtype float32 to compare with an fp32 reference.",
+                           str(dtype).removeprefix("torch."), str(dtype).removeprefix("torch."))
         self.device_driven = adapter.device_driven(worker)
         max_tokens = adapter.max_num_batched_tokens(worker)
         self.runtime = HookRuntime(
