@@ -7,8 +7,9 @@ CUDA graphs on (vLLM's defaults), sync debug on. Per model, one engine:
    (prompt + HF's tokens fed with the same steering, prompt_logprobs): max |log-prob diff|
    of the fed tokens vs HF fp32;
 3. sync debug: steps checked with no host sync, no harvest errors.
-HF bf16 vs HF fp32 is reported beside each figure as the bf16 noise floor.
-Writes families.json to --out ($OUT) and prints a table.
+HF bf16 vs HF fp32 is reported beside each figure as the bf16 noise floor; `--dtype float32`
+runs the engine in fp32 on the same bf16 weights (no floor needed: errors should be ~0).
+Writes families.json (families_<dtype>.json with --dtype) to --out ($OUT), prints a table.
 
     source bench/gpu_env.sh && python bench/gpu_families.py --out $OUT   # GPU
     .venv/bin/python bench/gpu_families.py --device cpu                 # CPU smoke, fp32
@@ -41,6 +42,17 @@ def prefix(a, b) -> int:
                 min(len(a), len(b)))
 
 
+def lp_diff(steps, ref, fed=None) -> float:
+    """max |steps[i][t] - ref[i][t]| over the tokens of each step (only fed[i] if given)."""
+    return sig(max(abs(lp - float(ref[i][t])) for i, step in enumerate(steps)
+                   for t, lp in step.items() if fed is None or t == fed[i]))
+
+
+def at(lps, steps) -> list[dict[int, float]]:
+    """Full log-prob rows `lps` read at the tokens of `steps`."""
+    return [{t: float(lps[i][t]) for t in step} for i, step in enumerate(steps)]
+
+
 def shapes(device: str):
     from capsteer.demo_model import DemoShape
 
@@ -64,11 +76,12 @@ def check_family(family: str, shape, args) -> dict:
     from capsteer.steering.spec import parse_steering_spec
 
     gpu = args.device == "cuda"
-    dtype = "bfloat16" if gpu else "float32"
+    dtype = args.dtype or ("bfloat16" if gpu else "float32")  # the engine's
+    weights = "bfloat16" if gpu else "float32"  # --dtype float32 on GPU: same bf16 weights
     model_dir = f"{args.model_root}/{family}-{args.device}"
-    row: dict = {"family": family, "shape": shape.__dict__, "dtype": dtype}
+    row: dict = {"family": family, "shape": shape.__dict__, "dtype": dtype, "weights": weights}
     t0 = time.time()
-    write_demo_model(model_dir, family, seed=3, shape=shape, dtype=dtype, device=args.device)
+    write_demo_model(model_dir, family, seed=3, shape=shape, dtype=weights, device=args.device)
     row["model_write_s"] = round(time.time() - t0, 1)
 
     t0 = time.time()
@@ -81,7 +94,8 @@ def check_family(family: str, shape, args) -> dict:
     row["cudagraph_mode"] = str(cc.cudagraph_mode)
     try:
         hf32 = load_hf(model_dir, dtype=torch.float32, device=args.device)
-        hf16 = load_hf(model_dir, dtype=torch.bfloat16, device=args.device) if gpu else None
+        hf16 = load_hf(model_dir, dtype=torch.bfloat16, device=args.device) \
+            if dtype == "bfloat16" else None
         layers, hidden = shape.num_layers, shape.hidden_size
         gen = torch.Generator().manual_seed(0)
         lengths = (600, 150, 12) if gpu else (150, 40, 12)
@@ -111,8 +125,13 @@ def check_family(family: str, shape, args) -> dict:
         worst = max(errs, key=errs.get)
         row["capture"] = {"prompt_lengths": list(lengths), "max_rel_err": sig(errs[worst]),
                           "worst": worst, "per_hook_layer": {k: sig(v) for k, v in errs.items()}}
-        if floor:
-            row["capture"]["hf_bf16_max_rel_err"] = sig(max(floor.values()))
+        if floor:  # the same points read by HF in bf16: how far bf16 alone drifts here
+            ratio = {k: errs[k] / floor[k] for k in errs if floor[k] > 1e-4}
+            row["capture"].update(
+                hf_bf16_max_rel_err=sig(max(floor.values())),
+                hf_bf16_per_hook_layer={k: sig(v) for k, v in floor.items()},
+                max_ratio_to_hf_bf16=sig(max(ratio.values())),
+                max_ratio_at=max(ratio, key=ratio.get))
 
         # 2. add steering: free-running greedy, then teacher-forced on HF's tokens
         prompt = prompts[2]
@@ -129,22 +148,25 @@ def check_family(family: str, shape, args) -> dict:
                 Request(prompt_token_ids=prompt, steering=steering,
                         sampling={**greedy, "max_tokens": STEPS}),
                 Request(prompt_token_ids=prompt + ref_tokens, steering=steering,
-                        sampling={"max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 1})])
-            got = [forced.prompt_logprobs[len(prompt) + i][t] for i, t in enumerate(ref_tokens)]
-            want = [float(lp[t]) for lp, t in zip(ref_lps, ref_tokens, strict=True)]
+                        sampling={"max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 5})])
+            # teacher-forced: the fed token and vLLM's top 5 at each fed position
+            got = [forced.prompt_logprobs[len(prompt) + i] for i in range(STEPS)]
+            ids = torch.tensor([prompt + ref_tokens], device=hf32.device)
+            with torch.no_grad():  # HF fp32 unsteered on the same tokens: steering's effect
+                plain_lp = torch.log_softmax(hf32(ids).logits[0].float(), -1)[len(prompt) - 1:]
             r = {"hook": hook, "layer": layer, "scale": scale, "steps": STEPS,
                  "steering_changed_hf_output": plain_tokens != ref_tokens,
                  "agree_prefix": prefix(run.token_ids, ref_tokens),
                  "agree_count": sum(a == b for a, b in zip(run.token_ids, ref_tokens, strict=False)),
-                 "teacher_forced_max_logprob_diff": sig(max(
-                     abs(a - b) for a, b in zip(got, want, strict=True)))}
+                 "teacher_forced_max_logprob_diff": lp_diff(got, ref_lps, ref_tokens),
+                 "teacher_forced_top5_max_logprob_diff": lp_diff(got, ref_lps),
+                 "hf_steering_effect_top5_max_logprob_shift": lp_diff(at(ref_lps, got), plain_lp)}
             if hf16 is not None:  # the bf16 floor: HF bf16 on the same fed tokens
                 with steering_hooks(hf16, spec, len(prompt)), torch.no_grad():
-                    ids = torch.tensor([prompt + ref_tokens], device=hf16.device)
-                    lp16 = torch.log_softmax(hf16(ids).logits[0].float(), -1)
-                r["hf_bf16_teacher_forced_max_logprob_diff"] = sig(max(
-                    abs(float(lp16[len(prompt) + i - 1, t]) - w)
-                    for i, (t, w) in enumerate(zip(ref_tokens, want, strict=True))))
+                    lp16 = torch.log_softmax(hf16(ids).logits[0].float(), -1)[len(prompt) - 1:]
+                r["hf_bf16_teacher_forced_max_logprob_diff"] = lp_diff(at(lp16, got), ref_lps,
+                                                                       ref_tokens)
+                r["hf_bf16_teacher_forced_top5_max_logprob_diff"] = lp_diff(at(lp16, got), ref_lps)
                 r["hf_bf16_agree_prefix"] = prefix(hf_greedy(hf16, prompt, STEPS, steering=spec)[0],
                                                    ref_tokens)
             steer_rows.append(r)
@@ -170,6 +192,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--families", default="gemma2,qwen3_moe")
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"],
+                    help="engine dtype (default: bfloat16 on GPU, float32 on CPU)")
     ap.add_argument("--model-root", default="/tmp/capsteer-families")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/capsteer-families"))
     args = ap.parse_args()
@@ -179,6 +203,7 @@ def main() -> None:
                     "torch": torch.__version__, "vllm": vllm.__version__, "models": []}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    name = f"families{'_' + args.dtype if args.dtype else ''}.json"
     for family in args.families.split(","):
         try:
             report["models"].append(check_family(family, shapes(args.device)[family], args))
@@ -189,10 +214,10 @@ def main() -> None:
             report["models"].append({"family": family, "error": repr(exc),
                                      "traceback": traceback.format_exc()})
         print(json.dumps(report["models"][-1]), flush=True)
-        (out / "families.json").write_text(json.dumps(report, indent=1))  # after each model
+        (out / name).write_text(json.dumps(report, indent=1))  # after each model
 
     print(f"\n{'model':10} {'capture max rel err (HF bf16)':30} {'steer point':14} {'agree':>8} "
-          f"{'TF max |dlp| (HF bf16)':24} sync steps")
+          f"{'TF fed |dlp| (HF bf16)':24} {'TF top5 |dlp| (HF bf16)':24} {'effect':>7} sync steps")
     for m in report["models"]:
         if "error" in m:
             print(f"{m['family']:10} ERROR {m['error']}")
@@ -204,10 +229,13 @@ def main() -> None:
             agree = f"{s['agree_prefix']}/{s['agree_count']}/{s['steps']}"
             tf = f"{s['teacher_forced_max_logprob_diff']:.3g} " \
                  f"({s.get('hf_bf16_teacher_forced_max_logprob_diff', '-')})"
+            top5 = f"{s['teacher_forced_top5_max_logprob_diff']:.3g} " \
+                   f"({s.get('hf_bf16_teacher_forced_top5_max_logprob_diff', '-')})"
             print(f"{m['family']:10} {cap_s:30} {s['hook'] + '.' + str(s['layer']):14} "
-                  f"{agree:>8} {tf:24} {steps} ok={m['sync_ok']}")
+                  f"{agree:>8} {tf:24} {top5:24} {s['hf_steering_effect_top5_max_logprob_shift']:7.3g}"
+                  f" {steps} ok={m['sync_ok']}")
             cap_s = ""
-    print(f"wrote {out / 'families.json'}")
+    print(f"wrote {out / name}")
 
 
 if __name__ == "__main__":
