@@ -28,6 +28,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["extract"]:  # its own parser: capsteer's job flags + vLLM's engine flags
+        from capsteer import extract
+
+        return extract.main(argv[1:])
     if argv[:1] == ["serve"]:  # every unknown flag belongs to `vllm serve`
         args, passthrough = build_parser().parse_known_args(argv)
         return int(args.func(args, passthrough) or 0)

@@ -141,6 +141,7 @@ class Engine:
         hf = self.llm.llm_engine.model_config.hf_config
         self.num_layers = int(hf.num_hidden_layers)
         self.hidden_size = int(hf.hidden_size)
+        self.dtype = self.llm.llm_engine.model_config.dtype  # what the model runs in
         self.num_stages = int(self.llm.llm_engine.vllm_config.parallel_config
                               .pipeline_parallel_size)
         self.vector_lookup = vector_lookup

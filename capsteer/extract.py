@@ -9,7 +9,9 @@ the engine's queue full (a window of requests ahead of what it can batch).
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -20,6 +22,8 @@ from capsteer.capture.sharded import INDEX_FILE, indexed_ids, read_index
 from capsteer.capture.spec import CaptureSpec, parse_capture_spec
 from capsteer.engine import Engine, new_capture_id
 from capsteer.engine_ext.plan import EXTRA_ARGS_KEY
+
+logger = logging.getLogger("capsteer.extract")
 
 
 @dataclass(frozen=True)
@@ -97,6 +101,19 @@ def _model_layers(model: str) -> int:
     return int(config.num_hidden_layers)
 
 
+def _warn_if_narrower(capture_dtype: str, model_dtype: Any) -> None:
+    """Storing fewer bits than the model computes is allowed, and said once per job."""
+    import torch
+
+    if capture_dtype == "auto":
+        return
+    stored = getattr(torch, capture_dtype)
+    if torch.finfo(stored).bits < torch.finfo(model_dtype).bits:
+        logger.warning("capsteer extract: the model runs in %s; activations are stored as %s "
+                       "(--capture-dtype), which rounds them",
+                       str(model_dtype).removeprefix("torch."), capture_dtype)
+
+
 def _job_dir_bytes(out: Path) -> int:
     return sum(p.stat().st_size for p in out.glob("shard-*.safetensors"))
 
@@ -104,25 +121,24 @@ def _job_dir_bytes(out: Path) -> int:
 def extract(
     model: str, input_path: str | Path, output: str | Path, *,
     hooks: Sequence[str] | str = ("resid_post",), layers: object = "all",
-    positions: object = "prompt", dtype: str = "auto", shard_size: int = 1 << 30,
+    positions: object = "prompt", capture_dtype: str = "auto", shard_size: int = 1 << 30,
     max_tokens: int = 1, progress: bool = True, window: int | None = None,
-    model_dtype: str | None = None, engine: Engine | None = None, **engine_kwargs: Any,
+    engine: Engine | None = None, **engine_kwargs: Any,
 ) -> ExtractResult:
     """Run (or resume) an extraction job; returns what this run did.
 
-    `dtype` is the capture dtype, `model_dtype` vLLM's `dtype`; `engine_kwargs` go to
-    vLLM (max_model_len, tensor_parallel_size, ...); pass `engine` to reuse one whose
-    capsteer config already names this job directory.
+    `engine_kwargs` are vLLM's engine arguments with vLLM's meanings (`dtype` is the
+    model's dtype, as in `vllm serve`; max_model_len, tensor_parallel_size, ...).
+    `capture_dtype` is the stored activations' dtype ("auto": the model's). Pass
+    `engine` to reuse one whose capsteer config already names this job directory.
     """
-    if model_dtype is not None:
-        engine_kwargs["dtype"] = model_dtype
     out = Path(output)
     records = read_records(input_path)
     done = indexed_ids(out)
     todo = [r for r in records if r.id not in done]
     spec = parse_capture_spec(
         {"hooks": [hooks] if isinstance(hooks, str) else list(hooks), "layers": layers,
-         "positions": positions, "dtype": dtype}, num_layers=_model_layers(model))
+         "positions": positions, "dtype": capture_dtype}, num_layers=_model_layers(model))
     _check_job(out, spec)
     if not todo:
         return ExtractResult(out, 0, len(records), 0, 0.0, 0, _shards(out))
@@ -130,6 +146,7 @@ def extract(
     if engine is None:
         engine = Engine(model, capsteer_config=job_config(out, spec, shard_size, engine_kwargs),
                         **engine_kwargs)
+    _warn_if_narrower(spec.dtype, engine.dtype)
     bytes_before = _job_dir_bytes(out)
     started = time.monotonic()  # throughput excludes engine start-up
     try:
@@ -260,29 +277,56 @@ def _progress(total: int, enabled: bool):
     return tqdm(total=total, unit="req", desc="extract", smoothing=0.1)
 
 
+DESCRIPTION = (
+    "Run the engine in-process over a JSONL/Parquet file of prompts and write safetensors "
+    "shards + index.jsonl; re-running resumes. Every vLLM engine flag is accepted with "
+    "vLLM's meaning, as `vllm serve` takes it: --dtype is the MODEL's dtype (vLLM's 'auto' "
+    "runs a float32 checkpoint in bfloat16 on many devices); --capture-dtype is the dtype "
+    "the activations are stored in (default: the model's dtype).")
+CAPTURE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
 def add_command(subparsers: Any) -> None:
-    p = subparsers.add_parser(
-        "extract", help="extract activations for many prompts into a sharded dataset",
-        description="Run the engine in-process over a JSONL/Parquet file of prompts and write "
-                    "safetensors shards + index.jsonl; re-running resumes.")
-    p.add_argument("model")
-    p.add_argument("--input", required=True, help="JSONL or Parquet: id, prompt | messages")
-    p.add_argument("--output", required=True, help="job directory (created; resumable)")
-    p.add_argument("--hooks", default="resid_post", help="comma-separated hook names")
-    p.add_argument("--layers", default="all", help='"all", "a-b", "a:b" or ints joined by commas')
-    p.add_argument("--positions", default="prompt",
-                   help="all | prompt | generated | last_prompt | last | ints joined by commas")
-    p.add_argument("--dtype", default="auto", help="capture dtype: auto | float32 | bfloat16 | float16")
-    p.add_argument("--shard-size", default="1GiB", help="bytes per shard, e.g. 512MiB")
-    p.add_argument("--max-tokens", type=int, default=1,
-                   help="tokens generated per request (1: the prompt only is fed)")
-    p.add_argument("--model-dtype", default=None, help="vLLM --dtype for the model weights")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--gpu-memory-utilization", type=float, default=None)
-    p.add_argument("--tensor-parallel-size", type=int, default=None)
-    p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--no-progress", action="store_true")
-    p.set_defaults(func=_run_cli)
+    """Register `capsteer extract` for `capsteer --help`; its own parser (with every vLLM
+    engine flag, which costs a vLLM import) is built by `main` when it runs."""
+    p = subparsers.add_parser("extract", add_help=False, help="extract activations for many "
+                              "prompts into a sharded dataset (capsteer extract --help)")
+    p.set_defaults(func=lambda args: main(["--help"]))
+
+
+def build_parser():
+    """capsteer's job flags plus vLLM's own engine flags (EngineArgs.add_cli_args)."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    p = FlexibleArgumentParser(prog="capsteer extract", description=DESCRIPTION)
+    p.add_argument("model_tag", nargs="?", help="model directory or name (or --model)")
+    job = p.add_argument_group("ExtractionJob", "capsteer: the extraction job (see also --help=ModelConfig for --dtype)")
+    job.add_argument("--input", required=True, help="JSONL or Parquet: id, prompt | messages")
+    job.add_argument("--output", required=True, help="job directory (created; resumable)")
+    job.add_argument("--hooks", default="resid_post", help="comma-separated hook names")
+    job.add_argument("--layers", default="all",
+                     help='"all", "a-b", "a:b" or ints joined by commas')
+    job.add_argument("--positions", default="prompt",
+                     help="all | prompt | generated | last_prompt | last | ints joined by commas")
+    job.add_argument("--capture-dtype", default="auto", choices=CAPTURE_DTYPES,
+                     help="dtype the activations are stored in; auto = the model's --dtype. "
+                          "Narrower than the model's is allowed and logged.")
+    job.add_argument("--shard-size", default="1GiB", help="bytes per shard, e.g. 512MiB")
+    job.add_argument("--max-tokens", type=int, default=1,
+                     help="tokens generated per request (1: the prompt only is fed)")
+    job.add_argument("--no-progress", action="store_true")
+    EngineArgs.add_cli_args(p)
+    return p
+
+
+def engine_args(args: Any, parser: Any) -> dict[str, Any]:
+    """The vLLM engine arguments the command line set (the others keep vLLM's defaults)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    names = {f.name for f in dataclasses.fields(EngineArgs)} - {"model"}
+    return {n: getattr(args, n) for n in sorted(names)
+            if hasattr(args, n) and getattr(args, n) != parser.get_default(n)}
 
 
 def _split(text: str) -> object:
@@ -292,23 +336,24 @@ def _split(text: str) -> object:
     return [int(t) if t.lstrip("-").isdigit() else t for t in parts]
 
 
-def _run_cli(args: Any) -> int:
+def main(argv: list[str]) -> int:
+    """`capsteer extract ARGV`."""
     from capsteer.config.server import parse_size
 
-    engine_kwargs = {k: v for k, v in {
-        "model_dtype": args.model_dtype, "max_model_len": args.max_model_len,
-        "gpu_memory_utilization": args.gpu_memory_utilization,
-        "tensor_parallel_size": args.tensor_parallel_size}.items() if v is not None}
-    if args.enforce_eager:
-        engine_kwargs["enforce_eager"] = True
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    model = args.model_tag or (args.model if args.model != parser.get_default("model") else None)
+    if not model:
+        parser.error("give the model: capsteer extract MODEL --input ... --output ...")
+    kwargs = engine_args(args, parser)
     positions = _split(args.positions)
     try:
         result = extract(
-            args.model, args.input, args.output, hooks=args.hooks.split(","),
+            model, args.input, args.output, hooks=args.hooks.split(","),
             layers=_split(args.layers), positions=positions if isinstance(positions, list)
             or not positions.lstrip("-").isdigit() else [int(positions)],
-            dtype=args.dtype, shard_size=parse_size(args.shard_size), max_tokens=args.max_tokens,
-            progress=not args.no_progress, **engine_kwargs)
+            capture_dtype=args.capture_dtype, shard_size=parse_size(args.shard_size),
+            max_tokens=args.max_tokens, progress=not args.no_progress, **kwargs)
     except KeyboardInterrupt:
         print(f"\ninterrupted: finished requests are in {args.output}; run the same command "
               "again to resume", flush=True)

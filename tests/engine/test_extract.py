@@ -21,7 +21,10 @@ from capsteer.reference import hf_activations
 
 pytestmark = [pytest.mark.engine, pytest.mark.uses_engine("extract")]
 WORDS = "the quick brown fox jumps over a lazy dog while seven small birds sing loudly".split()
-FLAGS = ["--model-dtype", "float32", "--max-model-len", "512", "--gpu-memory-utilization", "0.15"]
+# vLLM's own flags, with vLLM's meanings: --dtype is the model's (a float32 checkpoint
+# would run in bfloat16 under vLLM's "auto").
+FLAGS = ["--dtype", "float32", "--max-model-len", "512", "--gpu-memory-utilization", "0.15",
+         "--max-num-seqs", "16"]
 
 
 def _records(n: int) -> list[dict]:
@@ -68,8 +71,8 @@ def test_killed_job_resumes_to_exactly_once_and_equals_hf(tmp_path, model_dirs, 
 
     result = extract(model_dirs["qwen3"], inp, out, hooks=["resid_post", "mlp_out"],
                      layers="all", positions="prompt", shard_size=16 << 10, progress=False,
-                     dtype="auto", model_dtype="float32", max_model_len=512,
-                     gpu_memory_utilization=0.15)
+                     capture_dtype="auto", dtype="float32", max_model_len=512,
+                     gpu_memory_utilization=0.15, max_num_seqs=16)
     assert result.skipped == len(done_before)
     assert result.requests == len(records) - len(done_before)
 
@@ -80,6 +83,7 @@ def test_killed_job_resumes_to_exactly_once_and_equals_hf(tmp_path, model_dirs, 
     for shard in job.manifest["shards"]:  # plain safetensors, no capsteer needed
         tensors = load_file(out / shard["name"])
         assert {"positions", "token_ids", "resid_post.0", "mlp_out.3"} <= set(tensors)
+        assert tensors["resid_post.0"].dtype == torch.float32  # --dtype float32: the model's
 
     hf = hf_models["qwen3"]
     for rec in records[::7]:
