@@ -5,6 +5,7 @@ safetensors under temp names -> fsync, rename, fsync dir -> manifest.json last -
 `Receipt`. See docs/capture-format.md for the on-disk format.
 """
 
+from capsteer.capture.dataset import JobRows, open_job
 from capsteer.capture.pool import POLICIES, Overloaded
 from capsteer.capture.reader import Capture, CaptureReadError, CorruptCapture, read
 from capsteer.capture.receipts import Receipt, find_receipt, wait_for_receipt
@@ -29,6 +30,7 @@ __all__ = [
     "CaptureWriter",
     "CapturedActivations",
     "CorruptCapture",
+    "JobRows",
     "MemorySink",
     "Overloaded",
     "PositionSpec",
@@ -36,6 +38,7 @@ __all__ = [
     "SpecError",
     "estimate_bytes",
     "find_receipt",
+    "open_job",
     "parse_capture_spec",
     "read",
     "wait_for_receipt",

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -185,13 +186,68 @@ class Capture:
         return problems
 
 
-def read(path: str | Path, *, verify: bool = True) -> Any:
-    """Open a published capture directory (or its manifest.json) -> Capture.
+ROOT_ENV = "CAPSTEER_CAPTURE_DIR"  # the server's --capture-dir, as its settings read it
 
-    A sharded job directory gives a `ShardedCapture` instead. Raises
-    CaptureReadError when there is no ok manifest and CorruptCapture when
+
+def _receipt_of(source: Any) -> Mapping[str, Any] | None:
+    """The `capture_results` object in whatever the user holds: the dict itself, a
+    Receipt, or an OpenAI SDK response (its `model_extra`)."""
+    from capsteer.capture.receipts import Receipt
+
+    if isinstance(source, Receipt):
+        return source.to_dict()
+    extra = getattr(source, "model_extra", None)
+    if isinstance(extra, Mapping):
+        source = extra.get("capture_results", extra)
+    if isinstance(source, Mapping):
+        return source.get("capture_results", source)
+    return None
+
+
+def locate(source: Any, root: str | Path | None = None) -> Path:
+    """The capture directory for a path, a receipt (`capture_results`, Receipt, SDK
+    response) or a capture id. Receipts and ids are found under `root`, the server's
+    capture root (default: $CAPSTEER_CAPTURE_DIR); nothing resolves outside it."""
+    from capsteer.capture.paths import find_capture_dirs, resolve_inside
+
+    receipt = _receipt_of(source)
+    root = root if root is not None else os.environ.get(ROOT_ENV)
+    is_id = (isinstance(source, str) and "/" not in source and not Path(source).exists()
+             and root is not None)
+    if receipt is None and not is_id:
+        return Path(source)
+    if root is None:
+        raise CaptureReadError(f"a receipt or capture id is found under the capture root: pass "
+                               f"root=... (the server's --capture-dir) or set ${ROOT_ENV}")
+    root = Path(root)
+    if receipt is None:
+        capture_id = str(source)
+    else:
+        status = receipt.get("status")
+        capture_id = str(receipt.get("capture_id") or "")
+        if status != "ok" and status != "pending":
+            raise CaptureReadError(f"capture {capture_id or '?'}: status {status}: "
+                                   f"{receipt.get('error')}")
+        if receipt.get("dir"):
+            return resolve_inside(root, str(receipt["dir"]))
+    found = find_capture_dirs(root, capture_id)
+    if not found:
+        raise CaptureReadError(f"capture {capture_id} is not published under {root} (yet: a "
+                               "pending capture appears once durable; capture_wait waits)")
+    return found[0]
+
+
+def read(source: Any, *, root: str | Path | None = None, verify: bool = True) -> Any:
+    """Open a published capture -> Capture.
+
+    `source` is a capture directory or its manifest.json, a receipt (the response's
+    `capture_results` object, a Receipt, or the OpenAI SDK response itself), or a
+    capture id; receipts and ids are looked up under `root` (the server's capture root;
+    default $CAPSTEER_CAPTURE_DIR). A sharded job directory gives a `ShardedCapture`.
+    Raises CaptureReadError when there is no ok manifest and CorruptCapture when
     `verify` finds a file that does not match it.
     """
+    path = locate(source, root)
     directory, manifest = load_manifest(path)
     if manifest.get("format") == "capsteer.sharded":
         from capsteer.capture.sharded import read_sharded

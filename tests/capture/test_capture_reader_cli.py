@@ -156,3 +156,35 @@ def test_metric_names_match_api_and_export(root):
     ok_line = next(line for line in exported.splitlines() if line.startswith('capsteer_capture_requests_total{status="ok"}'))
     assert float(ok_line.split()[-1]) == 2 * m.sample_value(after, "capsteer_capture_requests_total", status="ok")
     assert "capsteer_capture_publish_seconds_bucket" in exported
+
+
+def test_read_from_a_receipt_an_sdk_response_or_an_id(root, published, monkeypatch):
+    """Server users on the same filesystem go from a response to tensors in one call."""
+    from openai.types import Completion
+
+    from capsteer.capture import find_receipt
+    from capsteer.capture.spec import SpecError
+
+    _, dirs = published
+    by_path = read(dirs[0])
+    receipt = find_receipt(root, by_path.capture_id)
+    response = Completion.model_validate({  # the SDK's own type, as a client receives it
+        "id": "cmpl-1", "object": "text_completion", "created": 0, "model": "m", "choices": [],
+        "capture_results": receipt.to_dict()})
+    sources = [receipt, receipt.to_dict(), {"capture_results": receipt.to_dict()}, response,
+               by_path.capture_id]
+    for source in sources:
+        cap = read(source, root=root)
+        assert cap.path.resolve() == by_path.path.resolve()
+        torch.testing.assert_close(cap.tensor("resid_post", 1), by_path.tensor("resid_post", 1))
+    monkeypatch.setenv("CAPSTEER_CAPTURE_DIR", str(root))  # the server's --capture-dir
+    assert read(response).path.resolve() == by_path.path.resolve()
+    monkeypatch.delenv("CAPSTEER_CAPTURE_DIR")
+    with pytest.raises(CaptureReadError, match="root="):
+        read(receipt)
+    with pytest.raises(CaptureReadError, match="status dropped"):
+        read({"capture_id": "cap-x", "status": "dropped", "error": "overload"}, root=root)
+    with pytest.raises(CaptureReadError, match="not published"):
+        read({"capture_id": "cap-nothere", "status": "pending"}, root=root)
+    with pytest.raises(SpecError):
+        read({"capture_id": "cap-x", "status": "ok", "dir": "../../etc"}, root=root)

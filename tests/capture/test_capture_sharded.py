@@ -397,3 +397,38 @@ def test_resume_after_a_crash_at_any_point(tmp_path):
         w.close()
         _check_job(d, reqs)
     assert orphans, "no crash point fell between a shard's commit and its index append"
+
+
+def test_open_job_yields_exactly_the_indexed_rows(tmp_path):
+    """The training-loop loader: every indexed row once (count, values, token ids,
+    positions), in index order or shuffled across shards; a DataLoader batches it."""
+    from capsteer.capture import open_job
+
+    d = tmp_path / "job"
+    w = _writer(d, shard_bytes=200)
+    reqs = [_req(i) for i in range(12)]
+    for rid, pos, tok, tensors in reqs:
+        w.add(rid, pos, tok, tensors, prompt_tokens=len(pos))
+    w.close()
+    assert len(read_sharded(d).manifest["shards"]) > 3
+    want = [(rid, int(p), int(t), tensors[("resid_mid", 2)][k])
+            for rid, pos, tok, tensors in reqs for k, (p, t) in enumerate(zip(pos, tok, strict=True))]
+
+    rows = open_job(d, "resid_mid", 2)
+    assert len(rows) == len(want)
+    for got, (rid, p, t, value) in zip(rows, want, strict=True):
+        assert (got["id"], got["position"], got["token_id"]) == (rid, p, t)
+        assert torch.equal(got["activation"], value)
+
+    shuffled = list(open_job(d, "post_attn", 2, shuffle=True, seed=3))
+    assert [r["id"] for r in shuffled] != [w_[0] for w_ in want]
+    assert sorted((r["id"], r["position"]) for r in shuffled) == sorted((r, p) for r, p, _, _ in want)
+    first = {r["id"] for r in shuffled[: len(shuffled) // 4]}
+    assert len(first) > 3  # the permutation spans requests in many shards
+
+    batch = next(iter(torch.utils.data.DataLoader(rows, batch_size=5, shuffle=True)))
+    assert batch["activation"].shape == (5, H) and batch["activation"].dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="name one"):
+        open_job(d)  # two keys: which one?
+    with pytest.raises(KeyError):
+        open_job(d, "resid_post", 1)
