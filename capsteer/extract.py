@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from capsteer.capture.sharded import INDEX_FILE, indexed_ids, read_index
-from capsteer.capture.spec import CaptureSpec, parse_capture_spec
+from capsteer.capture.spec import DTYPES, CaptureSpec, parse_capture_spec
 from capsteer.engine import Engine, new_capture_id
 from capsteer.engine_ext.plan import EXTRA_ARGS_KEY
 
@@ -283,7 +283,6 @@ DESCRIPTION = (
     "vLLM's meaning, as `vllm serve` takes it: --dtype is the MODEL's dtype (vLLM's 'auto' "
     "runs a float32 checkpoint in bfloat16 on many devices); --capture-dtype is the dtype "
     "the activations are stored in (default: the model's dtype).")
-CAPTURE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 def add_command(subparsers: Any) -> None:
@@ -309,7 +308,7 @@ def build_parser():
                      help='"all", "a-b", "a:b" or ints joined by commas')
     job.add_argument("--positions", default="prompt",
                      help="all | prompt | generated | last_prompt | last | ints joined by commas")
-    job.add_argument("--capture-dtype", default="auto", choices=CAPTURE_DTYPES,
+    job.add_argument("--capture-dtype", default="auto", choices=DTYPES,
                      help="dtype the activations are stored in; auto = the model's --dtype. "
                           "Narrower than the model's is allowed and logged.")
     job.add_argument("--shard-size", default="1GiB", help="bytes per shard, e.g. 512MiB")
