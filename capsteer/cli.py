@@ -10,6 +10,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="capsteer")
     sub = parser.add_subparsers(dest="command", required=True)
     from capsteer import demo_model, extract
+    from capsteer.capture import export
     from capsteer.config import cli as config_cli
     from capsteer.server import launch
 
@@ -17,6 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_command(sub)
     extract.add_command(sub)
     config_cli.add_command(sub)
+    export.add_command(sub)
     try:
         from capsteer.capture import cli as capture_cli
     except ImportError:  # storage commands not installed in this build

@@ -15,11 +15,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from capsteer.capture import open_job
 from capsteer.capture.sharded import read_sharded
 from capsteer.extract import extract
 from capsteer.reference import hf_activations
 
 pytestmark = [pytest.mark.engine, pytest.mark.uses_engine("extract")]
+HIDDEN = 128  # the qwen3 demo model's hidden size
 WORDS = "the quick brown fox jumps over a lazy dog while seven small birds sing loudly".split()
 # vLLM's own flags, with vLLM's meanings: --dtype is the model's (a float32 checkpoint
 # would run in bfloat16 under vLLM's "auto").
@@ -46,9 +48,12 @@ def _index(out: Path) -> list[dict]:
     return [json.loads(line) for line in lines if line.endswith("}")]
 
 
-def test_killed_job_resumes_to_exactly_once_and_equals_hf(tmp_path, model_dirs, hf_models,
-                                                          engine_pool):
+@pytest.fixture(scope="module")
+def resumed_job(tmp_path_factory, model_dirs, engine_pool):
+    """A real CLI job SIGKILLed after >= 8 indexed requests, then resumed through the
+    Python API: (job dir, records, ids done before the kill, resume result)."""
     engine_pool.close()  # one engine at a time
+    tmp_path = tmp_path_factory.mktemp("extract")
     records = _records(60)
     inp = tmp_path / "prompts.jsonl"
     inp.write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -73,6 +78,11 @@ def test_killed_job_resumes_to_exactly_once_and_equals_hf(tmp_path, model_dirs, 
                      layers="all", positions="prompt", shard_size=16 << 10, progress=False,
                      capture_dtype="auto", dtype="float32", max_model_len=512,
                      gpu_memory_utilization=0.15, max_num_seqs=16)
+    return out, records, done_before, result
+
+
+def test_killed_job_resumes_to_exactly_once_and_equals_hf(resumed_job, hf_models):
+    out, records, done_before, result = resumed_job
     assert result.skipped == len(done_before)
     assert result.requests == len(records) - len(done_before)
 
@@ -94,3 +104,85 @@ def test_killed_job_resumes_to_exactly_once_and_equals_hf(tmp_path, model_dirs, 
         for key in (("resid_post", 0), ("resid_post", 3), ("mlp_out", 1)):
             torch.testing.assert_close(torch.as_tensor(got[key]).float(), ref[key],
                                        atol=1e-4, rtol=1e-4)
+
+
+def test_export_to_sae_lens_holds_exactly_the_job_rows(resumed_job, tmp_path):
+    """`capsteer export --to sae-lens` (the real CLI): `datasets.load_from_disk` gives
+    SAELens's columns, and their rows are the job's rows in index order, token ids too."""
+    import datasets
+
+    out, _, _, _ = resumed_job
+    target = tmp_path / "sae-cache"
+    run = subprocess.run([sys.executable, "-m", "capsteer.cli", "export", str(out), "--to",
+                          "sae-lens", str(target), "--hooks", "resid_post", "--layers", "1,3",
+                          "--context-size", "16", "--rows-per-file", "5", "--no-progress"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "SAELens:" in run.stdout
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "temp dir left"
+
+    ds = datasets.load_from_disk(str(target))
+    columns = ["blocks.1.hook_resid_post", "blocks.3.hook_resid_post", "token_ids"]
+    assert sorted(ds.column_names) == sorted(columns)
+    assert ds.features["blocks.1.hook_resid_post"].shape == (16, HIDDEN)
+    info = json.loads((target / "capsteer_export.json").read_text())
+    assert len(list(target.glob("data-*.arrow"))) > 1
+    ds.set_format("torch", columns=columns)
+    rows = ds[0:len(ds)]
+    for layer in (1, 3):
+        job_rows = open_job(out, "resid_post", layer)
+        n = len(ds) * 16
+        assert len(job_rows) == n + info["dropped_rows"] and info["dropped_rows"] < 16
+        want = torch.stack([job_rows[i]["activation"] for i in range(n)])
+        got = rows[f"blocks.{layer}.hook_resid_post"].reshape(n, HIDDEN)
+        assert torch.equal(got, want)
+        tokens = torch.tensor([job_rows[i]["token_id"] for i in range(n)])
+        assert torch.equal(rows["token_ids"].reshape(n).long(), tokens)
+
+
+def test_sae_lens_trains_an_sae_from_the_export(resumed_job, tmp_path):
+    """A real SAELens SAE trains from the export alone: SAELens's own ActivationsStore
+    reads the cached activations (no model, no text dataset) and its SAETrainer fits."""
+    from sae_lens import (
+        LanguageModelSAERunnerConfig,
+        LoggingConfig,
+        StandardTrainingSAEConfig,
+        TrainingSAE,
+    )
+    from sae_lens.training.activations_store import ActivationsStore
+    from sae_lens.training.sae_trainer import SAETrainer
+
+    from capsteer.capture.export import export_sae_lens
+
+    out, _, _, _ = resumed_job
+    export = export_sae_lens(out, tmp_path / "cache", keys=[("resid_post", 2)],
+                             context_size=16, progress=False)
+    hook = "blocks.2.hook_resid_post"
+    cfg = LanguageModelSAERunnerConfig(
+        sae=StandardTrainingSAEConfig(d_in=HIDDEN, d_sae=2 * HIDDEN, l1_coefficient=1e-3),
+        hook_name=hook, context_size=16, lr=3e-3, training_tokens=16 * 4 * 40,
+        train_batch_size_tokens=64, store_batch_size_prompts=4, n_batches_in_buffer=4,
+        use_cached_activations=True, cached_activations_path=str(export.path),
+        device="cpu", act_store_device="cpu", dtype="float32",
+        logger=LoggingConfig(log_to_wandb=False), n_checkpoints=0, output_path=None)
+    store = ActivationsStore(
+        model=None, dataset=None, streaming=False, hook_name=hook, hook_head_index=None,
+        context_size=16, d_in=HIDDEN, n_batches_in_buffer=4,
+        total_training_tokens=cfg.training_tokens, store_batch_size_prompts=4,
+        train_batch_size_tokens=64, prepend_bos=False, normalize_activations="none",
+        device=torch.device("cpu"), dtype="float32", cached_activations_path=str(export.path))
+    sae = TrainingSAE.from_dict(cfg.get_training_sae_cfg_dict())
+    held_out = torch.stack([r["activation"] for r in open_job(out, "resid_post", 2)][:256])
+
+    def mse() -> float:
+        with torch.no_grad():
+            return float(((sae.decode(sae.encode(held_out)) - held_out) ** 2).mean())
+
+    before = mse()
+    trainer = SAETrainer(cfg=cfg.to_sae_trainer_config(), sae=sae, data_provider=store)
+    trained = trainer.fit()
+    assert trainer.n_training_steps >= 30
+    assert trainer.n_training_samples == cfg.training_tokens
+    assert trained is sae
+    after = mse()
+    assert after < 0.8 * before, (before, after)  # seen: 6.35 -> 2.96
