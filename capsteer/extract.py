@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from capsteer.capture.publish import DIGESTS, check_digest, entry_digest
 from capsteer.capture.sharded import INDEX_FILE, indexed_ids, read_index
 from capsteer.capture.spec import DTYPES, CaptureSpec, parse_capture_spec
 from capsteer.engine import Engine, new_capture_id
@@ -122,6 +123,7 @@ def extract(
     model: str, input_path: str | Path, output: str | Path, *,
     hooks: Sequence[str] | str = ("resid_post",), layers: object = "all",
     positions: object = "prompt", capture_dtype: str = "auto", shard_size: int = 1 << 30,
+    digest: str = "sha256",
     max_tokens: int = 1, progress: bool = True, window: int | None = None,
     engine: Engine | None = None, **engine_kwargs: Any,
 ) -> ExtractResult:
@@ -129,7 +131,8 @@ def extract(
 
     `engine_kwargs` are vLLM's engine arguments with vLLM's meanings (`dtype` is the
     model's dtype, as in `vllm serve`; max_model_len, tensor_parallel_size, ...).
-    `capture_dtype` is the stored activations' dtype ("auto": the model's). Pass
+    `capture_dtype` is the stored activations' dtype ("auto": the model's); `digest` the
+    shards' digest in the manifest (sha256, or blake3: faster to write and verify). Pass
     `engine` to reuse one whose capsteer config already names this job directory.
     """
     out = Path(output)
@@ -140,14 +143,16 @@ def extract(
         {"hooks": [hooks] if isinstance(hooks, str) else list(hooks), "layers": layers,
          "positions": positions, "dtype": capture_dtype}, num_layers=_model_layers(model))
     _check_job(out, spec)
+    check_digest(digest)
     if not todo:
         return ExtractResult(out, 0, len(records), 0, 0.0, 0, _shards(out))
     owns_engine = engine is None
     if engine is None:
-        engine = Engine(model, capsteer_config=job_config(out, spec, shard_size, engine_kwargs),
+        engine = Engine(model, capsteer_config=job_config(out, spec, shard_size, engine_kwargs,
+                                                          digest=digest),
                         **engine_kwargs)
     _warn_if_narrower(spec.dtype, engine.dtype)
-    bytes_before = _job_dir_bytes(out)
+    bytes_before, shards_before = _job_dir_bytes(out), set(_shards(out))
     started = time.monotonic()  # throughput excludes engine start-up
     try:
         _run(engine, todo, spec, max_tokens, progress, window, out)
@@ -166,12 +171,24 @@ def extract(
     if missing:
         raise RuntimeError(f"{len(missing)} requests finished but are not in {out / INDEX_FILE} "
                            f"(e.g. {sorted(missing)[:3]}); see the engine log; re-run to resume")
+    _check_digest(out, digest, shards_before)
     return ExtractResult(out, len(todo), len(records) - len(todo), tokens, elapsed,
                          _job_dir_bytes(out) - bytes_before, _shards(out))
 
 
+def _check_digest(out: Path, digest: str, shards_before: set[str]) -> None:
+    """The shards this run wrote must carry the asked digest (an engine whose writer
+    ignored it would otherwise leave the flag a silent no-op)."""
+    shards = json.loads((out / "manifest.json").read_text()).get("shards", [])
+    wrong = [f"{s['name']}: {entry_digest(s)[0]}" for s in shards
+             if s["name"] not in shards_before and entry_digest(s)[0] != digest]
+    if wrong:
+        raise RuntimeError(f"digest {digest} was asked for, but the engine's shard writer recorded "
+                           f"{', '.join(wrong[:3])} (its worker does not pass the job's digest)")
+
+
 def job_config(out: Path, spec: CaptureSpec, shard_size: int,
-               engine_kwargs: dict[str, Any]) -> dict[str, Any]:
+               engine_kwargs: dict[str, Any], digest: str = "sha256") -> dict[str, Any]:
     """The worker config of a job. One step copies (scheduled tokens x captured points)
     rows into a fixed staging buffer on GPUs, so the step size is pinned (2048 tokens
     unless given) and the buffer sized to hold a whole step."""
@@ -180,7 +197,7 @@ def job_config(out: Path, spec: CaptureSpec, shard_size: int,
     engine_kwargs.setdefault("max_num_batched_tokens", 2048)
     points = {hook_point(hook, layer) for hook, layer in spec.keys()}
     return {"sharded": {"dir": str(out.resolve()), "spec": spec.to_dict(),
-                        "shard_bytes": int(shard_size), "job_id": out.name},
+                        "shard_bytes": int(shard_size), "job_id": out.name, "digest": digest},
             "staging_rows": int(engine_kwargs["max_num_batched_tokens"]) * len(points)}
 
 
@@ -312,6 +329,9 @@ def build_parser():
                      help="dtype the activations are stored in; auto = the model's --dtype. "
                           "Narrower than the model's is allowed and logged.")
     job.add_argument("--shard-size", default="1GiB", help="bytes per shard, e.g. 512MiB")
+    job.add_argument("--digest", default="sha256", choices=DIGESTS,
+                     help="shard digest recorded in the manifest (blake3: ~3x faster to hash; "
+                          "see docs/capture-format.md)")
     job.add_argument("--max-tokens", type=int, default=1,
                      help="tokens generated per request (1: the prompt only is fed)")
     job.add_argument("--no-progress", action="store_true")
@@ -352,6 +372,7 @@ def main(argv: list[str]) -> int:
             layers=_split(args.layers), positions=positions if isinstance(positions, list)
             or not positions.lstrip("-").isdigit() else [int(positions)],
             capture_dtype=args.capture_dtype, shard_size=parse_size(args.shard_size),
+            digest=args.digest,
             max_tokens=args.max_tokens, progress=not args.no_progress, **kwargs)
     except KeyboardInterrupt:
         print(f"\ninterrupted: finished requests are in {args.output}; run the same command "

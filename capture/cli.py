@@ -4,8 +4,9 @@ DIR may be one capture directory, a sharded job directory, or any directory abov
 them (the capture root, a date, a tag): every manifest below it is examined.
 Directories holding data files but no manifest are reported as incomplete (a
 publish that never finished), stale temp files as such; only corruption (a
-listed file missing, resized or with the wrong sha256, an unreadable manifest)
-makes the exit status non-zero.
+listed file missing, resized or with the wrong digest, a digest this version
+cannot check, an unreadable manifest) makes the exit status non-zero. Each file
+is checked with the digest its manifest entry names (sha256 or blake3).
 """
 
 from __future__ import annotations
@@ -18,8 +19,14 @@ from pathlib import Path
 from typing import Any
 
 from capsteer.capture.layouts import MANIFEST_FILE
-from capsteer.capture.publish import temp_owner
-from capsteer.capture.reader import Capture, CaptureReadError, load_manifest, verify_files
+from capsteer.capture.publish import DIGESTS, temp_owner
+from capsteer.capture.reader import (
+    Capture,
+    CaptureReadError,
+    digests_of,
+    load_manifest,
+    verify_files,
+)
 from capsteer.capture.sharded import ShardedCapture
 
 EXIT_OK = 0
@@ -75,8 +82,11 @@ def _check(directory: Path, deep: bool) -> tuple[str, dict[str, Any] | None, lis
     return str(manifest.get("status", "ok")), manifest, []
 
 
-def scan(top: Path, deep: bool) -> tuple[list[list[str]], list[str], int]:
-    """Rows of the summary table, notes, and the number of corrupt captures."""
+def scan(
+    top: Path, deep: bool, digests: set[str] | None = None
+) -> tuple[list[list[str]], list[str], int]:
+    """Rows of the summary table, notes, and the number of corrupt captures; adds the
+    digest names the manifests use to `digests` when given."""
     rows: list[list[str]] = []
     notes: list[str] = []
     corrupt = 0
@@ -94,6 +104,8 @@ def scan(top: Path, deep: bool) -> tuple[list[list[str]], list[str], int]:
             corrupt += 1
             notes.extend(f"{rel}: CORRUPT {p}" for p in problems)
         m = m or {}
+        if digests is not None:
+            digests.update(digests_of(m))
         is_job = m.get("format") == "capsteer.sharded"
         n_pos = m.get("rows") if is_job else len(m.get("positions", []))
         rows.append(
@@ -127,7 +139,8 @@ def run(top: str | Path, *, deep: bool, out: Any = None) -> int:
     if not top.is_dir():
         print(f"error: {top} is not a directory", file=sys.stderr)
         return EXIT_USAGE
-    rows, notes, corrupt = scan(top, deep)
+    digests: set[str] = set()
+    rows, notes, corrupt = scan(top, deep, digests)
     if not rows and not notes:
         print(f"no captures under {top}", file=out)
         return EXIT_OK
@@ -140,7 +153,8 @@ def run(top: str | Path, *, deep: bool, out: Any = None) -> int:
             print(_tensor_table(top, manifest), file=out)
     for note in notes:
         print(note, file=out)
-    checked = "sha256 verified" if deep else "sizes checked (use verify for sha256)"
+    names = "/".join(sorted(digests & set(DIGESTS))) or "sha256"  # unknown ones are CORRUPT notes
+    checked = f"{names} verified" if deep else f"sizes checked (use verify for {names})"
     print(f"{len(rows)} manifest(s), {corrupt} corrupt; {checked}", file=out)
     return EXIT_CORRUPT if corrupt else EXIT_OK
 
@@ -158,7 +172,8 @@ def add_commands(subparsers: Any) -> None:
     p = subparsers.add_parser("inspect", help="summarize captures under DIR (sizes checked)")
     p.add_argument("dir", metavar="DIR")
     p.set_defaults(func=_inspect)
-    p = subparsers.add_parser("verify", help="verify every capture under DIR (sha256); exit 1 on corruption")
+    p = subparsers.add_parser("verify", help="verify every capture under DIR (each file's sha256 or blake3, "
+                              "as its manifest names); exit 1 on corruption")
     p.add_argument("dir", metavar="DIR")
     p.set_defaults(func=_verify)
 

@@ -4,6 +4,12 @@ Everything that lands under a final name went through `AtomicFile.commit`, so a
 reader (or a crash) never sees a partial file under a final name. Temp names start
 with "." and end with TMP_SUFFIX and carry the writer's pid, so a restarted writer
 can sweep what a dead one left behind without touching a live one's files.
+
+Digests: every data file's digest is computed while it is written and recorded in
+the manifest under the algorithm's name (`digest_fields`): `{"sha256": hex}` for
+sha256 (the default, api.md §5), `{"digest": "blake3", "blake3": hex}` otherwise,
+so a manifest that predates the choice reads as sha256. Hashing runs on a helper
+thread, overlapping the file's own write and fsync.
 """
 
 from __future__ import annotations
@@ -14,15 +20,85 @@ import json
 import os
 import re
 import secrets
+import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from capsteer.capture import metrics
 
 TMP_SUFFIX = ".capsteer-tmp"
 _TMP_RE = re.compile(r"^\..*\.(\d+)\.[0-9a-f]{8}" + re.escape(TMP_SUFFIX) + "$")
 _WRITE_BUFFER = 1 << 20
+
+DIGESTS = ("sha256", "blake3")  # names as recorded in manifests
+DEFAULT_DIGEST = "sha256"  # api.md §5 names sha256; blake3 is opt-in (docs/capture-format.md)
+# Pieces smaller than this are hashed inline: a thread hand-off costs more than it saves.
+_OVERLAP_MIN = 256 << 10
+
+
+class DigestError(ValueError):
+    """An unknown digest name, or one whose library is not installed."""
+
+
+class Hasher(Protocol):
+    def update(self, data: memoryview, /) -> object: ...
+
+    def hexdigest(self) -> str: ...
+
+
+def check_digest(name: object) -> str:
+    """`name` if it is a digest this version writes and verifies; DigestError otherwise."""
+    if name not in DIGESTS:
+        raise DigestError(f"unknown digest {name!r}; known: {', '.join(DIGESTS)}")
+    return str(name)
+
+
+def new_hasher(name: str) -> Hasher:
+    """A fresh incremental hasher for a digest named in DIGESTS.
+
+    blake3 is single-threaded per file on purpose: one thread already hashes faster
+    than a disk writes (bench/README.md), and writers run several files at once."""
+    if check_digest(name) == "sha256":
+        return hashlib.sha256()
+    try:
+        from blake3 import blake3
+    except ImportError:
+        raise DigestError("the blake3 digest needs the blake3 package (a vLLM dependency; "
+                          "pip install blake3)") from None
+    return blake3()
+
+
+def digest_fields(name: str, hexdigest: str) -> dict[str, str]:
+    """The manifest fields recording a file's digest; sha256 keeps its pre-choice form."""
+    if check_digest(name) == "sha256":
+        return {"sha256": hexdigest}
+    return {"digest": name, name: hexdigest}
+
+
+def entry_digest(entry: dict[str, Any]) -> tuple[object, object]:
+    """(algorithm, recorded hex) of a manifest file entry, as given (check the name with
+    `check_digest`); an entry without a `digest` field is sha256."""
+    name = entry.get("digest", "sha256")
+    return name, entry.get(name) if isinstance(name, str) else None
+
+
+_POOL_LOCK = threading.Lock()
+_POOL: tuple[int, ThreadPoolExecutor] | None = None
+
+
+def _hash_pool() -> ThreadPoolExecutor:
+    """The process's digest threads (made again in a forked child, which has none).
+
+    Sized so every writer thread can have its hash running at once: a file waits for
+    its own previous piece only, never for another file's."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None or _POOL[0] != os.getpid():
+            workers = max(4, os.cpu_count() or 1)
+            _POOL = (os.getpid(), ThreadPoolExecutor(workers, thread_name_prefix="capsteer-digest"))
+        return _POOL[1]
 
 
 class FileSystem:
@@ -87,11 +163,17 @@ def ensure_dir(path: Path, fs: FileSystem = DEFAULT_FS) -> float:
 class AtomicFile:
     """A file written under a temp name and renamed into place only when complete.
 
-    Computes size and sha256 as it writes (the manifest needs both) and buffers
-    small writes (one decode step is a few KiB per key).
+    Computes size and digest as it writes (the manifest needs both) and buffers
+    small writes (one decode step is a few KiB per key). Each large piece is hashed
+    on a digest thread while this thread writes it, so the writer pays about
+    max(hash, write) instead of their sum; the piece hashed last overlaps the fsync.
+    `digest=None` skips hashing (files whose digest no manifest records).
     """
 
-    def __init__(self, directory: Path, name: str, fs: FileSystem = DEFAULT_FS) -> None:
+    def __init__(
+        self, directory: Path, name: str, fs: FileSystem = DEFAULT_FS, digest: str | None = DEFAULT_DIGEST
+    ) -> None:
+        self.digest = None if digest is None else check_digest(digest)
         self.directory = directory
         self.name = name
         self.fs = fs
@@ -99,21 +181,23 @@ class AtomicFile:
         self.final_path = directory / name
         self.size = 0
         self.fsync_s = 0.0
-        self._sha = hashlib.sha256()
+        self._hasher: Hasher | None = None if digest is None else new_hasher(digest)
+        self._hashing: Future[object] | None = None  # the piece being hashed, at most one
         self._buf = bytearray()
         self._fd: int | None = os.open(
             self.tmp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644
         )
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
+        """Append `data`; the caller may reuse its buffer once this returns."""
         mv = memoryview(data).cast("B")
         if len(mv) == 0:
             return
-        self._sha.update(mv)
         self.size += len(mv)
         if len(mv) >= _WRITE_BUFFER:
             self._flush()
-            self._write_all(mv)
+            self._write_piece(mv)
+            self._wait_hash()  # the caller's buffer: hashed before it is handed back
             return
         self._buf += mv
         if len(self._buf) >= _WRITE_BUFFER:
@@ -121,8 +205,33 @@ class AtomicFile:
 
     def _flush(self) -> None:
         if self._buf:
-            self._write_all(memoryview(self._buf))
-            self._buf = bytearray()
+            buf, self._buf = self._buf, bytearray()  # ours: may still be hashing after return
+            self._write_piece(memoryview(buf))
+
+    def _write_piece(self, mv: memoryview) -> None:
+        """Hash `mv` (on a digest thread when large) while writing it; pieces are hashed
+        in order because the previous one is waited for first."""
+        self._wait_hash()
+        if self._hasher is not None:
+            if len(mv) >= _OVERLAP_MIN:
+                self._hashing = _hash_pool().submit(self._hasher.update, mv)
+            else:
+                self._hasher.update(mv)
+        try:
+            self._write_all(mv)
+        except BaseException:
+            self._wait_hash(raise_errors=False)
+            raise
+
+    def _wait_hash(self, raise_errors: bool = True) -> None:
+        pending, self._hashing = self._hashing, None
+        if pending is None:
+            return
+        try:
+            pending.result()
+        except Exception:
+            if raise_errors:
+                raise
 
     def _write_all(self, mv: memoryview) -> None:
         assert self._fd is not None
@@ -133,20 +242,42 @@ class AtomicFile:
             mv = mv[n:]
 
     @property
+    def hexdigest(self) -> str:
+        """The file's digest (in `self.digest`) over everything written so far."""
+        if self._hasher is None:
+            raise DigestError(f"{self.name}: written without a digest")
+        self._wait_hash()
+        return self._hasher.hexdigest()
+
+    @property
     def sha256(self) -> str:
-        return self._sha.hexdigest()
+        if self.digest != "sha256":
+            raise DigestError(f"{self.name}: digest is {self.digest}, not sha256")
+        return self.hexdigest
+
+    def entry(self) -> dict[str, Any]:
+        """The file's manifest entry: name, bytes and its digest fields."""
+        assert self.digest is not None, "a file written without a digest has no manifest entry"
+        return {"name": self.name, "bytes": self.size, **digest_fields(self.digest, self.hexdigest)}
 
     def commit(self) -> None:
-        """Flush, fsync and rename into place (the directory fsync is the caller's)."""
+        """Flush, fsync and rename into place (the directory fsync is the caller's).
+        The last piece's hash runs during the fsync; the rename waits for it."""
         assert self._fd is not None
         self._flush()
-        self.fsync_s += timed_fsync(self.fs, self._fd)
+        try:
+            self.fsync_s += timed_fsync(self.fs, self._fd)
+        except BaseException:
+            self._wait_hash(raise_errors=False)  # no thread touches our buffers past here
+            raise
+        self._wait_hash()
         os.close(self._fd)
         self._fd = None
         os.rename(self.tmp_path, self.final_path)
 
     def discard(self) -> None:
         """Close and remove the temp file (after an error); never raises."""
+        self._wait_hash(raise_errors=False)
         if self._fd is not None:
             try:
                 os.close(self._fd)
@@ -166,8 +297,9 @@ def dumps_manifest(obj: dict[str, Any]) -> str:
 
 
 def write_json_atomic(directory: Path, name: str, obj: dict[str, Any], fs: FileSystem = DEFAULT_FS) -> AtomicFile:
-    """Publish a JSON document durably (file fsync, rename, directory fsync)."""
-    f = AtomicFile(directory, name, fs)
+    """Publish a JSON document durably (file fsync, rename, directory fsync). Not hashed:
+    no manifest records a manifest's digest."""
+    f = AtomicFile(directory, name, fs, digest=None)
     try:
         f.write(dumps_manifest(obj).encode())
         f.commit()

@@ -10,7 +10,6 @@ pipeline-stage captures (one packed file per stage) alike.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from collections.abc import Mapping
@@ -23,6 +22,7 @@ import torch
 from safetensors import safe_open
 
 from capsteer.capture.layouts import MANIFEST_FILE, key_name, parse_key_name
+from capsteer.capture.publish import DigestError, check_digest, entry_digest, new_hasher
 from capsteer.hooks import canonical_hook, resolve_layer
 
 _HASH_BLOCK = 4 << 20
@@ -33,17 +33,23 @@ class CaptureReadError(RuntimeError):
 
 
 class CorruptCapture(CaptureReadError):
-    """A file listed in the manifest is missing, has the wrong size, or the wrong sha256."""
+    """A file listed in the manifest is missing, has the wrong size or digest, or names a
+    digest this version cannot check."""
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
+def file_digest(path: Path, digest: str) -> str:
+    """Hex digest of a file with a named algorithm (publish.DIGESTS)."""
+    h = new_hasher(digest)
     with open(path, "rb", buffering=0) as fh:
         while True:
             block = fh.read(_HASH_BLOCK)
             if not block:
                 return h.hexdigest()
-            h.update(block)
+            h.update(memoryview(block))
+
+
+def sha256_file(path: Path) -> str:
+    return file_digest(path, "sha256")
 
 
 def load_manifest(path: str | Path) -> tuple[Path, dict[str, Any]]:
@@ -63,7 +69,9 @@ def load_manifest(path: str | Path) -> tuple[Path, dict[str, Any]]:
 
 
 def verify_files(directory: Path, manifest: dict[str, Any]) -> list[str]:
-    """Problems with the files a manifest lists (empty list when all verify)."""
+    """Problems with the files a manifest lists (empty list when all verify). Each entry
+    is checked with the digest it names (`digest`; none: sha256); a name this version
+    does not know, or a missing value, is a problem, never a pass."""
     problems: list[str] = []
     for entry in manifest.get("files", []):
         name = entry.get("name", "")
@@ -79,10 +87,24 @@ def verify_files(directory: Path, manifest: dict[str, Any]) -> list[str]:
         if size != entry.get("bytes"):
             problems.append(f"{name}: {size} bytes, manifest says {entry.get('bytes')}")
             continue
-        digest = sha256_file(path)
-        if digest != entry.get("sha256"):
-            problems.append(f"{name}: sha256 {digest[:16]}… does not match manifest")
+        algorithm, expected = entry_digest(entry)
+        try:
+            algorithm = check_digest(algorithm)
+            if not isinstance(expected, str) or not expected:
+                problems.append(f"{name}: manifest records no {algorithm} value")
+                continue
+            actual = file_digest(path, algorithm)
+        except DigestError as exc:
+            problems.append(f"{name}: cannot verify: {exc}")
+            continue
+        if actual != expected:
+            problems.append(f"{name}: {algorithm} {actual[:16]}… does not match manifest")
     return problems
+
+
+def digests_of(manifest: dict[str, Any]) -> set[str]:
+    """The digest names a manifest's files use (for reports)."""
+    return {str(entry_digest(e)[0]) for e in manifest.get("files", [])}
 
 
 @dataclass

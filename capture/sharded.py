@@ -4,12 +4,12 @@
 `positions` and `token_ids` (one per row) for the requests in that shard, in
 order. `index.jsonl` gets one line per request, appended (and fsynced) only
 after the shard holding it is durable; the job `manifest.json` (shards with size
-and sha256) is rewritten atomically after that. `index.jsonl` is the truth for
+and digest: sha256, or the writer's `digest`) is rewritten atomically after that. `index.jsonl` is the truth for
 resuming: shards it does not reference (a crash before the append) are deleted
 on open, a torn last line is cut, and the manifest is rebuilt when it lags.
 
 Full shards are written on background threads: the caller (the engine's
-harvester thread) must not wait for a 1 GiB write + sha256 + fsync, or the
+harvester thread) must not wait for a 1 GiB write + digest + fsync, or the
 engine's pinned ring fills and the GPU step loop stalls. Shards are numbered
 when handed off and indexed in hand-off order; the caller blocks only when
 `max_pending` shards are already being written (bounded memory).
@@ -41,11 +41,16 @@ from capsteer.capture.layouts import (
     tensor_plan,
 )
 from capsteer.capture.publish import (
+    DEFAULT_DIGEST,
     DEFAULT_FS,
     AtomicFile,
     FileSystem,
+    check_digest,
+    digest_fields,
     ensure_dir,
+    entry_digest,
     fsync_dir,
+    new_hasher,
     sweep_temp_files,
     timed_fsync,
     write_json_atomic,
@@ -53,8 +58,8 @@ from capsteer.capture.publish import (
 from capsteer.capture.reader import (
     CaptureReadError,
     CorruptCapture,
+    file_digest,
     load_manifest,
-    sha256_file,
     verify_files,
 )
 from capsteer.capture.sink import CaptureEnd, CaptureRequest
@@ -126,7 +131,8 @@ class ShardedWriter:
     on the caller's thread; `flush` raises when anything failed. While writes keep
     failing, kept batches add up in memory (as the synchronous writer's buffer did).
     Done-callbacks run on a flush thread, in hand-off order, and must not call back
-    into the writer.
+    into the writer. `digest` names the shards' digest in the manifest (publish.DIGESTS;
+    a manifest rebuilt on resume hashes the shards it lacks with it).
     """
 
     def __init__(
@@ -143,6 +149,7 @@ class ShardedWriter:
         fs: FileSystem = DEFAULT_FS,
         flush_threads: int = 2,
         max_pending: int = 2,
+        digest: str = DEFAULT_DIGEST,
     ) -> None:
         if flush_threads < 1 or max_pending < 1:
             raise ValueError("flush_threads and max_pending must be >= 1")
@@ -155,6 +162,8 @@ class ShardedWriter:
         self.spec = spec
         self.job_id = job_id or self.dir.name
         self.fs = fs
+        self.digest = check_digest(digest)
+        new_hasher(digest)  # a missing library fails here, not on a flush thread
         self.flush_threads = int(flush_threads)
         self.max_pending = int(max_pending)
         self._row_bytes = self.hidden * torch.empty(0, dtype=dtype).element_size() * len(self.keys)
@@ -203,7 +212,7 @@ class ShardedWriter:
                 entry = {
                     "name": name,
                     "bytes": path.stat().st_size,
-                    "sha256": sha256_file(path),
+                    **digest_fields(self.digest, file_digest(path, self.digest)),
                     "rows": rows,
                     "requests": sum(1 for e in self.index if e["shard"] == name),
                 }
@@ -358,7 +367,7 @@ class ShardedWriter:
             self._cond.notify_all()
 
     def _publish(self, job: _Shard) -> AtomicFile:
-        """Temp name, write + sha256, fsync, rename, fsync dir (no lock held)."""
+        """Temp name, write + digest, fsync, rename, fsync dir (no lock held)."""
         batch = job.batch
         rows = sum(len(b.positions) for b in batch)
         plans: list[TensorPlan] = [
@@ -368,7 +377,7 @@ class ShardedWriter:
         for key in self.keys:
             plans.append(TensorPlan(key_name(*key), self.dtype, (rows, self.hidden),
                                     lambda key=key: self._row_bytes_of(batch, key)))
-        f = AtomicFile(self.dir, shard_name(job.number), self.fs)
+        f = AtomicFile(self.dir, shard_name(job.number), self.fs, self.digest)
         try:
             for piece in stream_safetensors(plans, {"format": "pt", "capsteer_job": self.job_id}):
                 f.write(piece)
@@ -408,7 +417,7 @@ class ShardedWriter:
         with self._cond:
             self.done_ids.update(ids)
             self._unindexed.difference_update(ids)
-        entry = {"name": name, "bytes": f.size, "sha256": f.sha256, "rows": start,
+        entry = {**f.entry(), "rows": start,
                  "requests": len(batch)}
         self.shards = sorted([*(s for s in self.shards if s["name"] != name), entry],
                              key=lambda s: s["name"])
@@ -462,10 +471,17 @@ class ShardedWriter:
             "rows": sum(s["rows"] for s in self.shards),
             "index": INDEX_FILE,
             "shards": self.shards,
-            "files": [{"name": s["name"], "bytes": s["bytes"], "sha256": s["sha256"]} for s in self.shards],
+            "files": [_file_entry(s) for s in self.shards],
             "updated_at": time.time(),
         }
         write_json_atomic(self.dir, MANIFEST_FILE, manifest, self.fs)
+
+
+def _file_entry(shard: dict[str, Any]) -> dict[str, Any]:
+    """A shard's `files` entry: name, bytes and the digest fields it was listed with
+    (each shard keeps its own digest, so a job resumed with another one mixes them)."""
+    name, _ = entry_digest(shard)
+    return {k: shard[k] for k in ("name", "bytes", "digest", name) if isinstance(k, str) and k in shard}
 
 
 def _row_pieces(chunks: list[torch.Tensor], idx: np.ndarray) -> list[torch.Tensor]:

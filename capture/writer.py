@@ -54,11 +54,14 @@ from capsteer.capture.layouts import (
 from capsteer.capture.paths import relative_dir, validate_capture_id
 from capsteer.capture.pool import POLICIES, Budget, Grant, Overloaded, WorkerThreads
 from capsteer.capture.publish import (
+    DEFAULT_DIGEST,
     DEFAULT_FS,
     AtomicFile,
     FileSystem,
+    check_digest,
     ensure_dir,
     fsync_dir,
+    new_hasher,
     sweep_temp_files,
     temp_name,
     write_json_atomic,
@@ -94,8 +97,9 @@ def estimate_bytes(
 
 
 def default_workers() -> int:
-    """Writer threads: every published byte is sha256-hashed (about 1.2 GB/s a thread),
-    so the pool needs several cores to keep up with a fast disk (bench/results)."""
+    """Writer threads: every published byte is hashed (sha256 about 1.8 GB/s a core,
+    blake3 about 6; on digest threads that overlap the writes), so the pool needs
+    several cores to keep up with a fast disk (bench/README.md)."""
     return max(2, min(8, (os.cpu_count() or 2) // 2))
 
 
@@ -216,6 +220,7 @@ class CaptureWriter:
 
     root: capture root (api.md §5). budget_bytes: row bytes held in memory at most.
     policy: "block" | "drop" | "reject". fs: syscall wrapper (tests inject latency).
+    digest: the data files' digest recorded in manifests (publish.DIGESTS).
     """
 
     def __init__(
@@ -229,11 +234,14 @@ class CaptureWriter:
         sweep: bool = True,
         keep_receipts: int = 10_000,
         clock: Callable[[], float] = time.time,
+        digest: str = DEFAULT_DIGEST,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown overload policy {policy!r}; accepted: {', '.join(POLICIES)}")
         self.root = Path(root).resolve()
         self.fs = fs
+        self.digest = check_digest(digest)
+        new_hasher(digest)  # a missing library fails here, not in every publish
         self.clock = clock
         ensure_dir(self.root, fs)
         self.swept: list[Path] = sweep_temp_files(self.root) if sweep else []
@@ -704,7 +712,7 @@ class CaptureWriter:
                         )
                     )
                     tensors[name] = {"file": fname, "shape": [n, hidden], "dtype": DTYPE_NAME[out]}
-                f = AtomicFile(cap.path, fname, self.fs)
+                f = AtomicFile(cap.path, fname, self.fs, self.digest)
                 files.append(f)
                 meta = {"format": "pt", "capsteer_capture_id": req.capture_id}
                 for piece in stream_safetensors(plans, meta):
@@ -722,7 +730,7 @@ class CaptureWriter:
                 finish_reason=end.finish_reason,
                 positions=positions.tolist(),
                 token_ids=token_ids.tolist(),
-                files=[{"name": f.name, "bytes": f.size, "sha256": f.sha256} for f in files],
+                files=[f.entry() for f in files],
                 tensors=tensors,
             )
             durable_at = self.clock()
