@@ -148,6 +148,10 @@ class Engine:
         self.tokenizer = self.llm.get_tokenizer()
         self.capture_dir = extra["capsteer"].get("capture_dir")
 
+    def stats(self) -> list[dict]:
+        """Each worker's diagnostics (mode, plan builds and reuses, sync-checked steps)."""
+        return list(self.llm.collective_rpc("capsteer_stats"))
+
     def close(self) -> None:
         """Stop the engine-core process now rather than at interpreter exit."""
         core = getattr(self.llm.llm_engine, "engine_core", None)

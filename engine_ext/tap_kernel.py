@@ -4,7 +4,10 @@ Rows of requests without hooks (slot 0, most rows in a typical batch) return at
 once, so a site costs one small launch instead of a dozen full-tensor passes. The
 arithmetic is the torch reference's (`HookRuntime._tap_dense_torch`): per kind (sublayer
 output, then stream) x <- round(x + alpha (src.u) u + w), then the captured value is
-copied to its staging row. Set CAPSTEER_TAP_KERNEL=torch to use the reference.
+copied to its staging row. A row reads only what its entries need (identity: nothing,
+`add`: w, projections: u and the residual) and writes x back only when steered, so
+steering every layer costs one small read of w per steered row and site.
+Set CAPSTEER_TAP_KERNEL=torch to use the reference.
 """
 
 from __future__ import annotations
@@ -41,30 +44,36 @@ if triton is not None:
             offs = tl.arange(0, BLOCK)
             mask = offs < hidden
             x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-            r = tl.zeros([BLOCK], dtype=tl.float32)
-            if HAS_RES:
-                r = tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
             for kind in tl.static_range(2):
                 if (KINDS >> kind) & 1:  # the kinds this call carries (compile-time)
                     entry = tl.load(slot_entry_ptr + ((slot * 2 + gen) * 2 + kind) * num_sites
                                     + site)
-                    u = tl.load(u_ptr + entry * hidden + offs, mask=mask, other=0.0)
-                    w = tl.load(w_ptr + entry * hidden + offs, mask=mask, other=0.0)
-                    alpha = tl.load(alpha_ptr + entry)
-                    if kind == 1 and HAS_RES:
-                        src = x + r
-                    else:
-                        src = x
-                    proj = tl.sum(src * u, axis=0)
-                    x = (x + alpha * proj * u + w).to(DTYPE).to(tl.float32)
-                    if kind == 1 and HAS_RES:
-                        val = (x + r).to(DTYPE)
-                    else:
-                        val = x.to(DTYPE)
+                    # Only what the entry needs is read: an identity entry (0) reads nothing
+                    # and writes nothing back; `add` reads w only; a projection also reads u
+                    # and, on the stream, the residual.
+                    if entry != 0:
+                        alpha = tl.load(alpha_ptr + entry)
+                        w = tl.load(w_ptr + entry * hidden + offs, mask=mask, other=0.0)
+                        if alpha != 0.0:
+                            u = tl.load(u_ptr + entry * hidden + offs, mask=mask, other=0.0)
+                            if kind == 1 and HAS_RES:
+                                r = tl.load(r_ptr + row * stride_r + offs, mask=mask,
+                                            other=0.0).to(tl.float32)
+                                proj = tl.sum((x + r) * u, axis=0)
+                            else:
+                                proj = tl.sum(x * u, axis=0)
+                            x = x + alpha * proj * u
+                        x = (x + w).to(DTYPE).to(tl.float32)
+                        tl.store(x_ptr + row * stride_x + offs, x.to(DTYPE), mask=mask)
                     base = tl.load(point_base_ptr + (slot * 2 + kind) * num_sites + site)
                     if (base >= 0) & (rank >= 0):
+                        if kind == 1 and HAS_RES:
+                            r = tl.load(r_ptr + row * stride_r + offs, mask=mask,
+                                        other=0.0).to(tl.float32)
+                            val = (x + r).to(DTYPE)
+                        else:
+                            val = x.to(DTYPE)
                         tl.store(staging_ptr + (base + rank) * stride_s + offs, val, mask=mask)
-            tl.store(x_ptr + row * stride_x + offs, x.to(DTYPE), mask=mask)
 
 
 def tap(runtime, x: torch.Tensor, residual: torch.Tensor | None, site: int,

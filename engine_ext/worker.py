@@ -13,6 +13,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from capsteer.capture.sink import CaptureEnd, CaptureRequest, CaptureSink, MemorySink
@@ -69,6 +70,11 @@ class EngineHooks:
         self.end_notices: dict[str, int | None] = {}  # reports that came before the finish
         self.end_wait_s = float(self.config.get("end_wait_s", 60.0))
         self.planned = False
+        self.dense_live = False  # device index buffers hold a plan's rows
+        self.reuse: tuple | None = None  # see _reuse_key
+        self.runtime_plan_kept = StepPlan()
+        self.plan_builds = 0
+        self.plan_reuses = 0
         self.pinned_plan = False  # the canary sets its own plan; real steps must not replace it
         self.num_tokens_gathered = 0
         self.harvester = Harvester(self.runtime.staging.shape[0], self.sites.hidden_size, dtype) \
@@ -153,7 +159,20 @@ class EngineHooks:
         if self.pinned_plan:
             return
         if not self.requests:
+            if self.dense_live:  # a kept plan must not steer rows of later requests
+                self.runtime.reset_dense()
+                self.dense_live = False
+            self.reuse = None
             self.planned = False
+            return
+        if self._same_steady_batch(layout):
+            # Steady decode of steering-only requests: the plan (and, on the device, the
+            # per-token index already uploaded) is the last step's, unchanged.
+            self.plan_reuses += 1
+            if not self.device_driven:
+                self.runtime.set_plan(self.runtime_plan_kept, layout.num_tokens_padded)
+            self.num_tokens_gathered = 0
+            self.planned = True
             return
         plan = build_step_plan(layout.req_ids, layout.query_start_loc, layout.start_positions,
                                self.requests, layout.input_ids_host,
@@ -161,10 +180,34 @@ class EngineHooks:
         if self.device_driven and plan.staging_rows > self.runtime.trash_row:
             plan = self._shed_captures(plan, layout)
         self.runtime.set_plan(plan, layout.num_tokens_padded)
+        self.plan_builds += 1
+        self.dense_live = self.device_driven
         self.num_tokens_gathered = 0
         if plan.token_rows is not None and layout.input_ids is not None:
             self.num_tokens_gathered = self.runtime.gather_tokens(layout.input_ids)
+        self.reuse = self._reuse_key(plan, layout)
+        self.runtime_plan_kept = plan
         self.planned = True
+
+    def _reuse_key(self, plan: StepPlan, layout: adapter.BatchLayout) -> tuple | None:
+        """What a later step must match to reuse `plan`, or None when it may not be reused.
+
+        Reusable: no capture anywhere in the batch (captured rows and tokens change every
+        step) and every hooked row already generated (a prompt row's position class can
+        change on the next step). With the same requests in the same rows, the next
+        step's rows are then in the same class with the same slots and entries."""
+        if plan.routes or plan.row_hooks is None or not bool(plan.row_hooks[2].all()):
+            return None
+        if any(self.requests[r].capture is not None for r in layout.req_ids
+               if r in self.requests):
+            return None
+        return (list(layout.req_ids), layout.query_start_loc.copy(), layout.num_tokens_padded)
+
+    def _same_steady_batch(self, layout: adapter.BatchLayout) -> bool:
+        key = self.reuse
+        return (key is not None and layout.num_tokens_padded == key[2]
+                and np.array_equal(layout.query_start_loc, key[1])
+                and layout.req_ids == key[0])
 
     def _shed_captures(self, plan: StepPlan, layout: adapter.BatchLayout) -> StepPlan:
         """A step whose captured rows exceed the staging buffer: fail the largest captures
@@ -213,9 +256,10 @@ class EngineHooks:
                 r.offset: r.offset + len(r.positions)].clone())
             self.runtime.set_plan(StepPlan(), 0)
             return
-        self.runtime.reset_dense()
-        if not plan.routes:
+        if not plan.routes:  # steering only: the index stays valid for a reused plan
             return
+        self.runtime.reset_dense()
+        self.dense_live = False
         owners = [(self.requests[rid], pos) for rid, pos in plan.token_owners]
 
         def deliver(rows: torch.Tensor, tokens: torch.Tensor) -> None:
@@ -448,5 +492,6 @@ class CapsteerWorker(adapter.platform_worker_base()):  # type: ignore[misc]
         hooks = self.capsteer
         return {"sync_checked_steps": hooks.sync_checked_steps,
                 "harvest_errors": [repr(e) for e in (hooks.harvester.errors if hooks.harvester else [])],
-                "live_requests": len(hooks.requests), "mode": "device" if hooks.device_driven else "host"}
+                "live_requests": len(hooks.requests), "mode": "device" if hooks.device_driven else "host",
+                "plan_builds": hooks.plan_builds, "plan_reuses": hooks.plan_reuses}
 

@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from capsteer.engine import Request
+from capsteer.reference import hf_greedy
+from capsteer.steering.spec import parse_steering_spec
 
 from .conftest import capsteer_engine
 from .helpers import assert_matches_hf, greedy, token_prompt
@@ -87,3 +89,39 @@ def test_captured_prompt_never_reuses_cache(engine_pool, model_dirs, hf_models):
     assert cap.num_cached_tokens == 0
     assert cap.captures.positions.tolist() == list(range(40))
     assert_matches_hf(hf_models["qwen3"], cap)
+
+
+def test_reused_plans_keep_steering_and_captures_exact(engine_pool, model_dirs, hf_models):
+    """Steady decode of steering-only batches reuses the last step's plan; as requests
+    finish and a capture joins and leaves, every output and capture still equals the
+    request run alone, and the steered outputs equal HF's forward hooks."""
+    engine = capsteer_engine(engine_pool, model_dirs, "qwen3")
+    steer = lambda seed, hook, layer: {  # noqa: E731
+        "vectors": [{"hook": hook, "layer": layer, "vector": vector(seed), "scale": 6.0}]}
+    requests = [
+        Request(prompt_token_ids=token_prompt(200 + i, 6 + 3 * i), sampling=greedy(6 + 5 * i),
+                steering=steer(10 + i, hook, layer))
+        for i, (hook, layer) in enumerate([("resid_post", 1), ("mlp_out", 2), ("resid_pre", 3),
+                                           ("attn_out", 0), ("resid_mid", 2)])]
+    requests.append(Request(prompt_token_ids=token_prompt(210, 8), sampling=greedy(18)))
+    requests.append(Request(prompt_token_ids=token_prompt(211, 7), sampling=greedy(9),
+                            capture={"hooks": ["resid_post"], "layers": "all",
+                                     "positions": "all"}))
+    (before,) = engine.stats()
+    batched = engine.generate(requests)
+    (after,) = engine.stats()
+    assert after["plan_reuses"] > before["plan_reuses"], (before, after)
+    assert after["plan_builds"] > before["plan_builds"]
+    for req, together in zip(requests, batched, strict=True):
+        (alone,) = engine.generate([req])
+        assert together.token_ids == alone.token_ids
+        if req.capture is not None:
+            for key, value in together.captures.tensors.items():
+                torch.testing.assert_close(value, alone.captures.tensors[key], atol=1e-5,
+                                           rtol=1e-5)
+            assert_matches_hf(hf_models["qwen3"], together)
+        if req.steering is not None:
+            spec = parse_steering_spec(req.steering, num_layers=4, hidden_size=128)
+            ref_tokens, _ = hf_greedy(hf_models["qwen3"], req.prompt_token_ids,
+                                      req.sampling["max_tokens"], steering=spec)
+            assert together.token_ids == ref_tokens
