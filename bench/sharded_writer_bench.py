@@ -18,7 +18,11 @@ fresh tensor (a clone, as the worker makes), then finished requests get
 
     .venv/bin/python bench/sharded_writer_bench.py [--requests 192] [--shard-mib 256]
         [--batch-tokens 2048] [--flush-threads 2] [--max-pending 2] [--repeat 3]
-        [--impl OLD_SHARDED_PY] [--dir DIR]
+        [--digest sha256|blake3] [--impl OLD_SHARDED_PY] [--dir DIR]
+
+`--digest` picks the shards' digest (default: the writer's, sha256); `--inline-hash`
+hashes on the flush thread itself, as before issue 12 (no digest threads). The summary
+also gives the process CPU seconds per GB of shards (hashing included).
 
 `--impl` times another copy of capture/sharded.py on the same machine, e.g.
 `git show REV:capture/sharded.py > /tmp/sharded_old.py; ... --impl /tmp/sharded_old.py`.
@@ -68,6 +72,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--shard-mib", type=int, default=256)
     ap.add_argument("--flush-threads", type=int, default=None)
     ap.add_argument("--max-pending", type=int, default=None)
+    ap.add_argument("--digest", default=None, help="shard digest: sha256 or blake3 (writer default)")
+    ap.add_argument("--inline-hash", action="store_true",
+                    help="hash on the writing thread (the pre-issue-12 path) instead of digest threads")
     ap.add_argument("--impl", default=None, help="path of another capture/sharded.py to time")
     ap.add_argument("--dir", default=None, help="parent directory for the job (default: $TMPDIR)")
     ap.add_argument("--repeat", type=int, default=1, help="runs; the median run is summarized")
@@ -101,7 +108,7 @@ def run_once(args: argparse.Namespace, mod: ModuleType, kw: dict) -> dict:
         done = [0] * args.requests  # positions fed so far
         durations: list[float] = []  # every sink call, seconds
         clone_s = 0.0
-        t_start = time.perf_counter()
+        t_start, cpu_start = time.perf_counter(), time.process_time()
         for i in range(args.requests):
             t0 = time.perf_counter()
             sink.open(CaptureRequest(f"c{i}", f"r{i}", "bench", spec,
@@ -133,7 +140,7 @@ def run_once(args: argparse.Namespace, mod: ModuleType, kw: dict) -> dict:
                 durations.append(time.perf_counter() - t0)
         t_fed = time.perf_counter()
         writer.close()
-        t_end = time.perf_counter()
+        t_end, cpu_s = time.perf_counter(), time.process_time() - cpu_start
         assert len(writer.done_ids) == args.requests, len(writer.done_ids)
         rows = sum(lengths)
         stalls = [d for d in durations if d > STALL_S]
@@ -143,7 +150,7 @@ def run_once(args: argparse.Namespace, mod: ModuleType, kw: dict) -> dict:
             "shard_bytes": sum(p.stat().st_size for p in (tmp / "job").glob("shard-*.safetensors")),
             "wall_s": t_end - t_start, "caller_s": sum(durations), "drain_s": t_end - t_fed,
             "calls": len(durations), "worst_s": max(durations), "stalls": len(stalls),
-            "stall_s": sum(stalls), "clone_s": clone_s,
+            "stall_s": sum(stalls), "clone_s": clone_s, "cpu_s": cpu_s,
         }
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -163,9 +170,13 @@ def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.torch_threads)
     mod = load_impl(args.impl)
+    if args.inline_hash:
+        from capsteer.capture import publish
+
+        publish._OVERLAP_MIN = 1 << 62
     kw = {}
     params = inspect.signature(mod.ShardedWriter).parameters
-    for name in ("flush_threads", "max_pending"):
+    for name in ("flush_threads", "max_pending", "digest"):
         if getattr(args, name) is not None:
             if name not in params:
                 raise SystemExit(f"{args.impl or 'sharded.py'} has no {name} argument")
@@ -175,7 +186,8 @@ def main() -> None:
         runs.append(run_once(args, mod, kw))
         report(runs[-1], f"run {n + 1}: ")
     r = sorted(runs, key=lambda r: r["wall_s"])[len(runs) // 2]
-    print(f"impl: {args.impl or 'capture/sharded.py'}  writer kwargs: {kw or 'defaults'}")
+    print(f"impl: {args.impl or 'capture/sharded.py'}  writer kwargs: {kw or 'defaults'}"
+          f"{'  (hash inline)' if args.inline_hash else ''}")
     print(f"load: {args.requests} requests, {r['rows']} rows x {r['keys']} keys x {args.hidden} "
           f"{args.dtype} = {r['bytes'] / 1e9:.2f} GB of rows ({r['shard_bytes'] / 1e9:.2f} GB "
           f"of shards), shard {args.shard_mib} MiB, {args.batch_tokens} tokens per step")
@@ -187,6 +199,8 @@ def main() -> None:
           f" slowest {r['worst_s'] * 1e3:.0f} ms)")
     print(f"final writer.close() (drain):            {r['drain_s']:6.2f} s")
     print(f"bench's own row clones (not counted):    {r['clone_s']:6.2f} s")
+    print(f"process cpu (all threads, clones incl.): {r['cpu_s']:6.2f} s  "
+          f"{r['cpu_s'] / (r['shard_bytes'] / 1e9):6.2f} s per GB of shards")
     if args.repeat > 1:
         print(f"(median of {args.repeat} runs by wall time)")
 

@@ -9,13 +9,19 @@ local disk the repository lives on):
   with the `packed` and `per_file` layouts, timed from the first open to the last
   manifest being durable. MB/s counts published data-file bytes.
 Prints a table and the writer/disk ratio (target >= 0.8 for packed).
+`--digest` picks the files' digest (sha256, blake3); `--digest-compare` first times
+one thread publishing files through AtomicFile with no digest, sha256 and blake3,
+each hashed inline and on the digest thread (what a durable write spends hashing),
+then the packed writer with each digest.
 
     python bench/storage.py [--total-mib 2048] [--dir DIR] [--workers 2] [--repeat 2] [--diagnose-hash]
+        [--digest sha256|blake3] [--digest-compare]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -26,14 +32,14 @@ import sys
 import tempfile
 import threading
 import time
-import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from capsteer.capture import CaptureEnd, CaptureRequest, CaptureWriter, parse_capture_spec, publish
+from capsteer.capture.publish import DIGESTS, AtomicFile, fsync_dir, new_hasher
 
 MIB = 1 << 20
 
@@ -71,10 +77,10 @@ def loop_rate(directory: Path, mib: int) -> float:
     return mib * MIB / dt / 1e6
 
 
-def sha256_rate(threads: int, mib: int = 512) -> float:
-    """MB/s of hashlib.sha256 over in-memory data with `threads` threads in parallel.
+def sha256_rate(threads: int, mib: int = 512, digest: str = "sha256") -> float:
+    """MB/s of a digest (default sha256) over in-memory data, `threads` threads in parallel.
 
-    The manifest needs every file's sha256, so this bounds the writer on CPU-poor
+    The manifest needs every file's digest, so this bounds the writer on CPU-poor
     machines; printed so the ratio can be read against it.
     """
     data = os.urandom(64 * MIB)
@@ -82,7 +88,9 @@ def sha256_rate(threads: int, mib: int = 512) -> float:
 
     def work() -> None:
         for _ in range(rounds):
-            hashlib.sha256(data).digest()
+            h = hashlib.sha256() if digest == "sha256" else new_hasher(digest)
+            h.update(memoryview(data))
+            h.hexdigest()
 
     pool = [threading.Thread(target=work) for _ in range(threads)]
     t0 = time.perf_counter()
@@ -93,8 +101,68 @@ def sha256_rate(threads: int, mib: int = 512) -> float:
     return threads * rounds * 64 * MIB / (time.perf_counter() - t0) / 1e6
 
 
+@contextlib.contextmanager
+def _hashing(overlap: bool) -> Iterator[None]:
+    """overlap=False: every piece hashed inline on the writing thread, as before issue 12."""
+    saved = publish._OVERLAP_MIN
+    publish._OVERLAP_MIN = saved if overlap else 1 << 62
+    try:
+        yield
+    finally:
+        publish._OVERLAP_MIN = saved
+
+
+def publish_breakdown(directory: Path, digest: str | None, overlap: bool, files: int, file_mib: int,
+                      piece_mib: int = 4) -> dict[str, float]:
+    """One thread publishing `files` files of `file_mib` MiB through AtomicFile (pieces of
+    `piece_mib` MiB, as the writer streams them): MB/s, and the thread's wall and CPU
+    seconds. overlap=False hashes inline on the writing thread (the pre-issue-12 path)."""
+    src = memoryview(os.urandom(64 * MIB))
+    pieces = file_mib // piece_mib
+    os.sync()  # start clean: no dirty pages left by the previous configuration
+    with _hashing(overlap):
+        t0, c0 = time.perf_counter(), time.thread_time()
+        for i in range(files):
+            f = AtomicFile(directory, f"bench-{i}.bin", digest=digest)
+            for k in range(pieces):
+                off = (k * piece_mib * MIB) % len(src)
+                f.write(src[off: off + piece_mib * MIB])
+            f.commit()
+            if digest is not None:
+                f.hexdigest  # noqa: B018 (waits for the last piece)
+        fsync_dir(directory)
+        wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
+    for i in range(files):
+        (directory / f"bench-{i}.bin").unlink()
+    nbytes = files * pieces * piece_mib * MIB
+    return {"mb_s": nbytes / wall / 1e6, "wall_s": wall, "thread_cpu_s": cpu, "bytes": nbytes}
+
+
+def digest_compare(directory: Path, repeat: int, files: int = 6, file_mib: int = 128) -> dict[str, object]:
+    """publish_breakdown for every digest, inline and overlapped, interleaved `repeat`
+    times in a rotating order; prints medians (this box's disk and neighbours are noisy)."""
+    configs: list[tuple[str | None, bool]] = [(None, False)]
+    configs += [(d, o) for d in DIGESTS for o in (False, True)]
+    runs: dict[str, list[dict[str, float]]] = {}
+    for r in range(repeat):
+        for digest, overlap in configs[r % len(configs):] + configs[:r % len(configs)]:
+            label = "none" if digest is None else f"{digest} {'overlapped' if overlap else 'inline'}"
+            runs.setdefault(label, []).append(
+                publish_breakdown(directory, digest, overlap, files, file_mib))
+    print(f"one thread publishing {files} x {file_mib} MiB files (4 MiB pieces), "
+          f"median of {repeat}:")
+    print(f"{'digest':<22}{'MB/s':>8}{'wall s':>9}{'thread cpu s':>14}")
+    out: dict[str, object] = {}
+    for label, rs in runs.items():
+        med = {k: statistics.median(r[k] for r in rs) for k in ("mb_s", "wall_s", "thread_cpu_s")}
+        print(f"{label:<22}{med['mb_s']:>8.0f}{med['wall_s']:>9.2f}{med['thread_cpu_s']:>14.2f}")
+        out[label] = {**med, "all_mb_s": [round(r["mb_s"]) for r in rs]}
+    return out
+
+
 def writer_rate(
-    directory: Path, layout: str, total_mib: int, layers: int, hidden: int, prompt: int, workers: int
+    directory: Path, layout: str, total_mib: int, layers: int, hidden: int, prompt: int, workers: int,
+    digest: str = "sha256",
 ) -> dict[str, float]:
     spec = parse_capture_spec(
         {"hooks": ["resid_post"], "layers": "all", "positions": "all", "layout": layout}, num_layers=layers
@@ -107,8 +175,8 @@ def writer_rate(
     positions = np.arange(prompt, dtype=np.int64)
     token_ids = tuple(range(prompt))
     root = directory / f"captures-{layout}"
-    w = CaptureWriter(root, budget_bytes=max(4 * per_request, 1 << 30), workers=workers)
-    t0 = time.perf_counter()
+    w = CaptureWriter(root, budget_bytes=max(4 * per_request, 1 << 30), workers=workers, digest=digest)
+    t0, c0 = time.perf_counter(), time.process_time()
     for i in range(n_requests):
         cid = f"bench-{layout}-{i}"
         w.open(CaptureRequest(cid, cid, "bench", spec, token_ids, torch.bfloat16, hidden, layers))
@@ -116,7 +184,7 @@ def writer_rate(
             w.write(cid, "resid_post", layer, positions, rows[layer])
         w.close(CaptureEnd(cid, (*token_ids, 0)))
     w.flush()
-    dt = time.perf_counter() - t0
+    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
     receipts = [w.receipt(f"bench-{layout}-{i}") for i in range(n_requests)]
     w.shutdown()
     bad = [r for r in receipts if r is None or r.status != "ok"]
@@ -126,11 +194,12 @@ def writer_rate(
     files = sum(len(r.files) for r in receipts if r is not None)
     publish = statistics.median(r.timings["publish_s"] for r in receipts if r is not None)
     shutil.rmtree(root)
-    return {"mb_s": data / dt / 1e6, "bytes": data, "files": files, "seconds": dt, "median_publish_s": publish}
+    return {"mb_s": data / dt / 1e6, "bytes": data, "files": files, "seconds": dt, "median_publish_s": publish,
+            "cpu_s_per_gb": cpu / (data / 1e9)}
 
 
 def _without_sha256(fn: Callable[[], dict[str, float]]) -> dict[str, float]:
-    """Run fn with the publisher's sha256 replaced by a no-op (diagnostic only)."""
+    """Run fn with the publisher's hasher (any digest) replaced by a no-op (diagnostic only)."""
 
     class _NoHash:
         def update(self, data: object) -> None:
@@ -139,12 +208,12 @@ def _without_sha256(fn: Callable[[], dict[str, float]]) -> dict[str, float]:
         def hexdigest(self) -> str:
             return "0" * 64
 
-    saved = publish.hashlib
-    publish.hashlib = types.SimpleNamespace(sha256=_NoHash)  # type: ignore[assignment]
+    saved = publish.new_hasher
+    publish.new_hasher = lambda name: _NoHash()  # type: ignore[assignment]
     try:
         return fn()
     finally:
-        publish.hashlib = saved
+        publish.new_hasher = saved
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -160,8 +229,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--diagnose-hash",
         action="store_true",
-        help="also time packed with sha256 stubbed out (NOT a valid configuration: shows what hashing costs)",
+        help="also time packed with the digest stubbed out (NOT a valid configuration: shows what hashing costs)",
     )
+    ap.add_argument("--digest", choices=DIGESTS, default="sha256", help="the writer's file digest")
+    ap.add_argument("--digest-compare", action="store_true",
+                    help="also time each digest: one thread's durable writes, then the packed writer")
     args = ap.parse_args(argv)
 
     base = args.dir or Path(__file__).parent / "results"
@@ -169,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="storage-", suffix=".tmp", dir=base))
     torch.set_num_threads(1)
     try:
+        result: dict[str, object] = {"digest": args.digest}
+        if args.digest_compare:
+            result["publish_breakdown"] = digest_compare(work, max(3, args.repeat))
         disk_dd: list[float] = []
         disk_loop: list[float] = []
         runs: dict[str, list[dict[str, float]]] = {"packed": [], "per_file": []}
@@ -179,32 +254,53 @@ def main(argv: list[str] | None = None) -> int:
             disk_loop.append(loop_rate(work, args.total_mib))
             for layout in runs:
                 runs[layout].append(
-                    writer_rate(work, layout, args.total_mib, args.layers, args.hidden, args.prompt, args.workers)
+                    writer_rate(work, layout, args.total_mib, args.layers, args.hidden, args.prompt, args.workers,
+                                args.digest)
                 )
         disk = max(disk_dd + disk_loop)
         print(f"directory: {work.parent} ({args.total_mib} MiB per measurement, best of {args.repeat})")
         print(f"request shape: {args.layers} layers x {args.hidden} hidden x {args.prompt} positions, bf16 "
-              f"= {args.layers * args.hidden * args.prompt * 2 / MIB:.0f} MiB; {args.workers} writer threads")
+              f"= {args.layers * args.hidden * args.prompt * 2 / MIB:.0f} MiB; {args.workers} writer threads; "
+              f"digest {args.digest}")
         print(f"{'measurement':<34}{'MB/s':>9}{'ratio':>8}")
         if disk_dd:
             print(f"{'disk: dd bs=1M conv=fsync':<34}{max(disk_dd):>9.0f}{max(disk_dd) / disk:>8.2f}")
         print(f"{'disk: python 1 MiB writes + fsync':<34}{max(disk_loop):>9.0f}{max(disk_loop) / disk:>8.2f}")
-        result: dict[str, object] = {"disk_dd_mb_s": disk_dd, "disk_loop_mb_s": disk_loop, "disk_mb_s": disk}
+        result.update({"disk_dd_mb_s": disk_dd, "disk_loop_mb_s": disk_loop, "disk_mb_s": disk})
         for layout, rs in runs.items():
             best = max(rs, key=lambda r: r["mb_s"])
             label = f"writer: {layout} ({best['files']:.0f} files)"
             print(f"{label:<34}{best['mb_s']:>9.0f}{best['mb_s'] / disk:>8.2f}"
-                  f"   median publish {best['median_publish_s']:.2f}s")
+                  f"   median publish {best['median_publish_s']:.2f}s, {best['cpu_s_per_gb']:.2f} cpu s/GB")
             result[layout] = {**best, "ratio": best["mb_s"] / disk, "all_mb_s": [r["mb_s"] for r in rs]}
-        sha = {n: sha256_rate(n) for n in (1, args.workers)}
-        print(f"context: sha256 alone runs at {sha[1]:.0f} MB/s on 1 thread, "
-              f"{sha[args.workers]:.0f} MB/s on {args.workers} threads (every published byte is hashed)")
-        result["sha256_mb_s"] = sha
+        for name in DIGESTS:
+            rates = {n: sha256_rate(n, digest=name) for n in (1, args.workers)}
+            print(f"context: {name} alone runs at {rates[1]:.0f} MB/s on 1 thread, "
+                  f"{rates[args.workers]:.0f} MB/s on {args.workers} threads (every published byte is hashed)")
+            result[f"{name}_mb_s"] = rates
+        if args.digest_compare:
+            cases = [("sha256", False), *((name, True) for name in DIGESTS)]
+            packed: dict[str, list[dict[str, float]]] = {}
+            for r in range(max(3, args.repeat)):  # interleaved, rotating: the disk drifts
+                for name, overlap in cases[r % 3:] + cases[:r % 3]:
+                    label = f"{name} {'overlapped' if overlap else 'inline'}"
+                    os.sync()
+                    with _hashing(overlap):
+                        packed.setdefault(label, []).append(writer_rate(
+                            work, "packed", args.total_mib, args.layers, args.hidden, args.prompt,
+                            args.workers, name))
+            for label, rs in packed.items():
+                mb = statistics.median(r["mb_s"] for r in rs)
+                cpu = statistics.median(r["cpu_s_per_gb"] for r in rs)
+                print(f"packed writer, {label:<18} median {mb:6.0f} MB/s ({mb / disk:.2f} of disk), "
+                      f"{cpu:.2f} process cpu s/GB; runs {[round(r['mb_s']) for r in rs]}")
+                result[f"packed {label}"] = {"median_mb_s": mb, "cpu_s_per_gb": cpu,
+                                             "all_mb_s": [r["mb_s"] for r in rs]}
         if args.diagnose_hash:
             nohash = _without_sha256(
                 lambda: writer_rate(work, "packed", args.total_mib, args.layers, args.hidden, args.prompt, args.workers)
             )
-            print(f"diagnostic: packed with sha256 stubbed out: {nohash['mb_s']:.0f} MB/s "
+            print(f"diagnostic: packed with the digest stubbed out: {nohash['mb_s']:.0f} MB/s "
                   f"({nohash['mb_s'] / disk:.2f} of disk; manifests then carry bogus hashes)")
             result["packed_no_sha256_diagnostic"] = nohash
         ratio = result["packed"]["ratio"]  # type: ignore[index]
