@@ -13,6 +13,7 @@ from typing import Any
 
 import yaml
 
+from capsteer.capture.publish import DIGESTS
 from capsteer.capture.spec import LAYOUTS
 from capsteer.config.server import (
     CONFIG_ENV_VAR,
@@ -60,6 +61,7 @@ SERVER_FLAGS: list[ServerFlag] = [
     _field_flag("capture_dir", metavar="DIR"),
     _field_flag("capture_layout", choices=tuple(LAYOUTS)),
     _field_flag("capture_overload", choices=OVERLOAD_POLICIES),
+    _field_flag("capture_digest", choices=DIGESTS),
     _field_flag("capture_budget", metavar="SIZE"),
     _field_flag("capture_wait_timeout", type=float, metavar="SECONDS"),
     _field_flag("steering_dir", metavar="DIR"),

@@ -32,6 +32,7 @@ from pydantic_settings import (
 )
 from pydantic_settings.exceptions import SettingsError
 
+from capsteer.capture.publish import DEFAULT_DIGEST, DIGESTS
 from capsteer.capture.spec import DEFAULT_SPEC, LAYOUTS
 
 ENV_VAR = "CAPSTEER_SERVER_SETTINGS"  # the resolved settings, JSON, launcher -> API process
@@ -108,6 +109,8 @@ class ServerSettings(BaseSettings):
                                                       + ", ".join(LAYOUTS))
     capture_overload: str = Field("block", description="when the in-flight budget is full: "
                                   "block (spill), drop, reject (429)")
+    capture_digest: str = Field(DEFAULT_DIGEST, description="checksum recorded per file in "
+                                "manifests: sha256 (api.md) or blake3 (faster; named in the entry)")
     capture_budget: int = Field(1 << 30, description="bytes of capture rows in flight "
                                 "(engine memory), e.g. 1GiB")
     capture_wait_timeout: float = Field(60.0, description="seconds a capture_wait response "
@@ -121,10 +124,11 @@ class ServerSettings(BaseSettings):
     global_capture: str | None = Field(None, description="capture shorthand applied to every "
                                        "request without a `capture` field")
 
-    @field_validator("capture_layout", "capture_overload")
+    @field_validator("capture_layout", "capture_overload", "capture_digest")
     @classmethod
     def _check_choice(cls, value: str, info: ValidationInfo) -> str:
-        choices = {"capture_layout": LAYOUTS, "capture_overload": OVERLOAD_POLICIES}[info.field_name]
+        choices = {"capture_layout": LAYOUTS, "capture_overload": OVERLOAD_POLICIES,
+                   "capture_digest": DIGESTS}[info.field_name]
         if value not in choices:
             raise ValueError(f"must be one of {', '.join(choices)}; got {value!r}")
         return value
@@ -194,9 +198,12 @@ class ServerSettings(BaseSettings):
 
     def worker_config(self) -> dict[str, Any]:
         """The part the engine workers need (passed through vLLM's additional_config)."""
-        return {"capture_dir": os.path.abspath(self.capture_dir),
-                "capture_budget": self.capture_budget,
-                "capture_overload": self.capture_overload}
+        config: dict[str, Any] = {"capture_dir": os.path.abspath(self.capture_dir),
+                                  "capture_budget": self.capture_budget,
+                                  "capture_overload": self.capture_overload}
+        if self.capture_digest != DEFAULT_DIGEST:
+            config["capture_digest"] = self.capture_digest
+        return config
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:

@@ -382,7 +382,8 @@ def _durable_writer(config: dict) -> CaptureSink | None:
     return CaptureWriter(
         root, budget_bytes=int(config.get("capture_budget", 1 << 30)),
         policy=str(config.get("capture_overload", "block")),
-        workers=int(config["capture_workers"]) if "capture_workers" in config else None)
+        workers=int(config["capture_workers"]) if "capture_workers" in config else None,
+        digest=str(config.get("capture_digest", "sha256")))
 
 
 def _sharded_sink(config: dict, model: str, hidden: int, model_dtype: torch.dtype):
@@ -397,7 +398,8 @@ def _sharded_sink(config: dict, model: str, hidden: int, model_dtype: torch.dtyp
     dtype = model_dtype if spec.dtype == "auto" else getattr(torch, spec.dtype)
     writer = ShardedWriter(job["dir"], keys=spec.keys(), hidden_size=hidden, dtype=dtype,
                            shard_bytes=int(job.get("shard_bytes", 1 << 30)), model=model,
-                           spec=spec, job_id=job.get("job_id"))
+                           spec=spec, job_id=job.get("job_id"),
+                           digest=str(job.get("digest", "sha256")))
     return ShardedSink(writer)
 
 

@@ -60,7 +60,8 @@ def resumed_job(tmp_path_factory, model_dirs, engine_pool):
     out = tmp_path / "job"
     cmd = [sys.executable, "-m", "capsteer.cli", "extract", model_dirs["qwen3"], "--input",
            str(inp), "--output", str(out), "--hooks", "resid_post,mlp_out", "--layers", "all",
-           "--positions", "prompt", "--shard-size", "16KiB", "--no-progress", *FLAGS]
+           "--positions", "prompt", "--shard-size", "16KiB", "--digest", "blake3", "--no-progress",
+           *FLAGS]
     log = open(tmp_path / "killed.log", "wb")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 300
@@ -76,6 +77,7 @@ def resumed_job(tmp_path_factory, model_dirs, engine_pool):
 
     result = extract(model_dirs["qwen3"], inp, out, hooks=["resid_post", "mlp_out"],
                      layers="all", positions="prompt", shard_size=16 << 10, progress=False,
+                     digest="blake3",
                      capture_dtype="auto", dtype="float32", max_model_len=512,
                      gpu_memory_utilization=0.15, max_num_seqs=16)
     return out, records, done_before, result
@@ -88,8 +90,9 @@ def test_killed_job_resumes_to_exactly_once_and_equals_hf(resumed_job, hf_models
 
     ids = [e["id"] for e in _index(out)]
     assert sorted(ids) == sorted(r["id"] for r in records), "gaps or duplicates"
-    job = read_sharded(out)  # verifies every shard's sha256 against the job manifest
+    job = read_sharded(out)  # verifies every shard's digest against the job manifest
     assert len(job.manifest["shards"]) > 2
+    assert {s.get("digest") for s in job.manifest["shards"]} == {"blake3"}  # --digest blake3
     for shard in job.manifest["shards"]:  # plain safetensors, no capsteer needed
         tensors = load_file(out / shard["name"])
         assert {"positions", "token_ids", "resid_post.0", "mlp_out.3"} <= set(tensors)

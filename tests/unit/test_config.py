@@ -109,7 +109,8 @@ def test_precedence_flag_env_file_default(tmp_path: Path,
     assert s.steering_dir == "sv-file" and s.capture_wait_timeout == 5.0  # file > default
     assert s.capture_budget == 1 << 30  # default
     assert r.sources == {"capture_dir": "flag", "capture_layout": "file",
-                         "capture_overload": "env", "capture_budget": "default",
+                         "capture_overload": "env", "capture_digest": "default",
+                         "capture_budget": "default",
                          "capture_wait_timeout": "file", "steering_dir": "file",
                          "admin_key": "env", "capture_default": "default",
                          "global_capture": "default"}
@@ -298,16 +299,19 @@ def test_worker_config() -> None:
                         "capture_overload": "drop"}).worker_config()
     assert wc == {"capture_dir": os.path.abspath("caps"), "capture_budget": 1024,
                   "capture_overload": "drop"}
+    blake = ServerSettings(capture_digest="blake3").worker_config()
+    assert blake["capture_digest"] == "blake3"  # the workers' writer records it
 
 
 # ---- flags and `capsteer config show` ----
 def test_server_flags_shared_definition() -> None:
     flags = {f.flag: f for f in cli.SERVER_FLAGS}
     assert list(flags) == ["--config", "--capture-dir", "--capture-layout", "--capture-overload",
-                           "--capture-budget", "--capture-wait-timeout", "--steering-dir",
+                           "--capture-digest", "--capture-budget", "--capture-wait-timeout", "--steering-dir",
                            "--admin-key", "--global-capture"]
     assert flags["--capture-layout"].choices == ("packed", "per_file")
     assert flags["--capture-overload"].choices == OVERLOAD_POLICIES
+    assert flags["--capture-digest"].choices == ("sha256", "blake3")
     assert flags["--config"].field is None
     assert all(f.field in ServerSettings.model_fields for f in cli.SERVER_FLAGS if f.field)
     assert all(f.help for f in cli.SERVER_FLAGS)
