@@ -271,8 +271,9 @@ def add_command(subparsers: Any) -> None:
     p.add_argument("--hook-name", help="column name for a single exported key (default "
                    "blocks.{layer}.hook_{hook}; SAELens's AutoModelForCausalLM models use HF "
                    "module names such as model.layers.16)")
-    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
-                   help="stored dtype (Arrow has no bfloat16)")
+    p.add_argument("--capture-dtype", default="float32", choices=sorted(DTYPES),
+                   help="stored dtype of the exported activations (Arrow has no bfloat16); "
+                        "named as in capsteer extract, where --dtype is the model's")
     p.add_argument("--rows-per-file", type=int, default=1024, help="rows per Arrow file")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_main)
@@ -288,7 +289,7 @@ def _main(args: Any) -> int:
         hook_names = {(canonical_hook(keys[0][0]), keys[0][1]): args.hook_name}
     try:
         result = export_sae_lens(args.job, args.out, keys=keys, context_size=args.context_size,
-                                 hook_names=hook_names, dtype=args.dtype,
+                                 hook_names=hook_names, dtype=args.capture_dtype,
                                  rows_per_file=args.rows_per_file,
                                  progress=not args.no_progress)
     except (OSError, KeyError, ValueError, ImportError) as e:
