@@ -443,6 +443,9 @@ def check_engine_features(worker: object) -> None:
     for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
         if int(getattr(par, name, 1) or 1) > 1:
             problems.append(f"{name} > 1 (rows are sharded across ranks)")
+    dp = _worker_data_parallel_problem(worker)
+    if dp is not None:
+        problems.append(dp)
     if int(getattr(par, "pipeline_parallel_size", 1) or 1) > 1 and (
             capsteer_config(worker).get("sharded")):
         problems.append("pipeline parallelism with an extraction job's shards (each stage "
@@ -450,6 +453,52 @@ def check_engine_features(worker: object) -> None:
     if problems:
         raise UnsupportedError("capsteer cannot hook this engine configuration: "
                                + "; ".join(problems))
+
+
+def data_parallel_problem(par: object) -> str | None:
+    """Why capsteer cannot serve this data-parallel layout, or None.
+
+    Supported: `capsteer serve --data-parallel-size N` with vLLM's internal load
+    balancing and every engine on this node: the API servers poll one local capture
+    root and reach every engine through their DP client. The rest is refused by name
+    rather than served with captures landing where no API server looks."""
+    size = int(getattr(par, "data_parallel_size", 1) or 1)
+    if size <= 1:
+        return None
+    if getattr(par, "data_parallel_external_lb", False):
+        return ("external data-parallel load balancing (--data-parallel-external-lb, "
+                "--data-parallel-rank, --data-parallel-multi-port-external-lb); run "
+                "independent `capsteer serve` instances instead")
+    if getattr(par, "data_parallel_hybrid_lb", False):
+        return ("hybrid data-parallel load balancing (--data-parallel-hybrid-lb, "
+                "--data-parallel-start-rank)")
+    backend = str(getattr(par, "data_parallel_backend", "mp"))
+    if backend != "mp":
+        return f"--data-parallel-backend {backend} (only the default mp backend is supported)"
+    local = int(getattr(par, "data_parallel_size_local", size) or 0)
+    if local != size:
+        return (f"data-parallel engines on several nodes (--data-parallel-size-local {local} "
+                f"of --data-parallel-size {size}, --headless); run every engine on one node")
+    return None
+
+
+def _worker_data_parallel_problem(worker: object) -> str | None:
+    """A worker sees data_parallel_size > 1 only where the DP ranks are coupled: vLLM
+    runs dense models' DP engines as independent DP=1 engines, but MoE engines in
+    lockstep (idle ranks run dummy batches for the experts' all-to-all), and the
+    in-process engine only through an external launcher."""
+    par = worker.vllm_config.parallel_config
+    size = int(getattr(par, "data_parallel_size", 1) or 1)
+    if size <= 1:
+        return None
+    if capsteer_config(worker).get("frontend") != "server":
+        return (f"data_parallel_size={size} in the in-process engine (capsteer extract, "
+                "capsteer.Engine); use `capsteer extract --ray` or `capsteer serve "
+                "--data-parallel-size N`")
+    return data_parallel_problem(par) or (
+        "--data-parallel-size with a mixture-of-experts model (its DP engines run in "
+        "lockstep with dummy batches capsteer is not validated against); use "
+        "--tensor-parallel-size")
 
 
 def checkpoint_dtype(worker: object) -> torch.dtype | None:
@@ -504,6 +553,42 @@ def served_model(engine_client: object) -> ServedModel:
                        num_layers=int(hf.num_hidden_layers), hidden_size=int(hf.hidden_size),
                        max_model_len=int(config.max_model_len), dtype=config.dtype,
                        architecture=arch, family=families.family_for(arch))
+
+
+@dataclass(frozen=True)
+class Topology:
+    """How many engines and API server processes serve this model (vLLM's DP / scale-out)."""
+
+    data_parallel_size: int
+    api_servers: int
+    api_rank: int
+
+
+def served_topology(engine_client: object) -> Topology:
+    """This API server's view of the deployment; refuses a DP layout capsteer cannot serve."""
+    par = engine_client.vllm_config.parallel_config
+    problem = data_parallel_problem(par)
+    if problem is not None:
+        raise UnsupportedError(f"capsteer cannot serve {problem}")
+    return Topology(int(par.data_parallel_size or 1),
+                    max(int(getattr(par, "_api_process_count", 1) or 1), 1),
+                    max(int(getattr(par, "_api_process_rank", 0) or 0), 0))
+
+
+async def collective_rpc_all(engine_client: object, method: str, args: tuple = (),
+                             timeout_s: float | None = None) -> list:
+    """`collective_rpc` on every worker of every data-parallel engine, answers flattened.
+
+    vLLM's DP client sends a utility call to all its engines but hands back only the
+    first engine's answer; capsteer needs every engine's (metrics) and every engine to
+    hear end reports (only the one holding a capture acts on it)."""
+    core = getattr(engine_client, "engine_core", None)
+    engines = getattr(core, "core_engines", None) or ()
+    call_all = getattr(core, "call_utility_all_async", None)
+    if call_all is None or len(engines) < 2:
+        return list(await engine_client.collective_rpc(method, timeout=timeout_s, args=args))
+    per_engine = await call_all("collective_rpc", method, timeout_s, args, None)
+    return [answer for answers in per_engine for answer in answers]
 
 
 def api_keys(app: object) -> list[str]:

@@ -6,6 +6,10 @@
   one call in flight, the rest queue behind it.
 - Metrics: the writers run in the workers, so /metrics asks each worker for a
   snapshot of its capture metrics at scrape time (last good one on failure).
+
+Under vLLM's data parallelism both calls go to every worker of every DP engine
+(adapter.collective_rpc_all): the engine holding a capture is not known here, and
+every engine's metrics count.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from typing import Any
+
+from capsteer.engine_ext import adapter
 
 log = logging.getLogger("vllm.capsteer.server")
 
@@ -37,9 +43,8 @@ class EngineLink:
         while self._ends:
             batch, self._ends = self._ends, []
             try:
-                await asyncio.wait_for(
-                    self.engine.collective_rpc("capsteer_end_captures", args=(batch,)),
-                    self.rpc_timeout_s)
+                await asyncio.wait_for(adapter.collective_rpc_all(
+                    self.engine, "capsteer_end_captures", args=(batch,)), self.rpc_timeout_s)
             except Exception:  # the workers publish on their own after end_wait_s
                 log.exception("capsteer: reporting %d capture ends to the engine failed", len(batch))
 
@@ -50,8 +55,8 @@ class EngineLink:
 
     async def metrics_snapshots(self, timeout_s: float = 5.0) -> list[dict]:
         try:
-            self._last_metrics = list(await asyncio.wait_for(
-                self.engine.collective_rpc("capsteer_metrics"), timeout_s))
+            self._last_metrics = await asyncio.wait_for(
+                adapter.collective_rpc_all(self.engine, "capsteer_metrics"), timeout_s)
         except Exception:
             log.warning("capsteer: workers did not answer the metrics call; "
                         "serving their last snapshot")

@@ -3,7 +3,8 @@ with capsteer's worker in every engine process and capsteer's middleware on its 
 
 capsteer flags are parsed here; every other flag goes to `vllm serve` unchanged.
 The settings reach the API process(es) through one environment variable and the
-workers through vLLM's `--additional-config`.
+workers through vLLM's `--additional-config`; a private runtime directory (pending
+captures shared by several API server processes) through another.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import os
 from capsteer.config.cli import add_server_flags, load_from_args
 from capsteer.config.server import ENV_VAR, ConfigError
 from capsteer.engine_ext.version import hooks_code_hash
+from capsteer.server.peers import RUNTIME_ENV, make_runtime_dir
 
 WORKER_CLS = "capsteer.engine_ext.worker.CapsteerWorker"
 MIDDLEWARE = "capsteer.server.middleware.CapsteerMiddleware"
@@ -34,7 +36,39 @@ def vllm_argv(model: str, passthrough: list[str], worker_config: dict | None = N
     section = extra.setdefault("capsteer", {})
     section.update(worker_config or {})
     section["hooks_code"] = hooks_code_hash()
+    section["frontend"] = "server"  # lets the workers tell served DP from the in-process engine
     return [*argv, "--middleware", MIDDLEWARE, "--additional-config", json.dumps(extra)]
+
+
+# vLLM DP launch modes capsteer refuses (engine_ext/adapter.data_parallel_problem says why
+# for the resolved config; this catches the flags before minutes of engine start-up).
+UNSUPPORTED_DP_FLAGS = {
+    ("--data-parallel-external-lb", "-dpe"): "external data-parallel load balancing",
+    ("--data-parallel-rank", "-dpn"): "external data-parallel load balancing",
+    ("--data-parallel-multi-port-external-lb", "-dpm"): "external data-parallel load balancing",
+    ("--data-parallel-hybrid-lb", "-dph"): "hybrid data-parallel load balancing",
+    ("--data-parallel-start-rank", "-dpr"): "hybrid / multi-node data parallelism",
+    ("--headless",): "engines without an API server (multi-node data parallelism)",
+}
+
+
+def refuse_unsupported_dp(passthrough: list[str]) -> None:
+    """SystemExit naming the first vLLM data-parallel flag capsteer cannot serve."""
+    for i, arg in enumerate(passthrough):
+        name = arg.split("=", 1)[0]
+        for flags, what in UNSUPPORTED_DP_FLAGS.items():
+            if name in flags:
+                raise SystemExit(
+                    f"capsteer serve: {flags[0]} is not supported ({what}); capsteer serves "
+                    "vLLM's internal load balancing with every engine on this node: "
+                    "`capsteer serve MODEL --data-parallel-size N` (docs/server.md, Data "
+                    "parallelism)")
+        if name in ("--data-parallel-backend", "-dpb"):
+            value = arg.split("=", 1)[1] if "=" in arg else (
+                passthrough[i + 1] if i + 1 < len(passthrough) else "")
+            if value != "mp":
+                raise SystemExit(f"capsteer serve: --data-parallel-backend {value} is not "
+                                 "supported; only the default mp backend is")
 
 
 def add_command(subparsers: argparse._SubParsersAction) -> None:
@@ -64,7 +98,10 @@ def _run(args: argparse.Namespace, passthrough: list[str] | None = None) -> int:
     if args.vanilla:
         run_vllm_serve([args.model, *extra])
         return 0
+    refuse_unsupported_dp(extra)
     os.environ[ENV_VAR] = settings.to_env()
+    if RUNTIME_ENV not in os.environ:  # shared by the API server processes vLLM starts
+        os.environ[RUNTIME_ENV] = make_runtime_dir()
     host = extra[extra.index("--host") + 1] if "--host" in extra else "127.0.0.1"
     port = extra[extra.index("--port") + 1] if "--port" in extra else "8000"
     served = extra[extra.index("--served-model-name") + 1] if "--served-model-name" in extra \

@@ -9,7 +9,8 @@ to `vllm serve`, so every vLLM endpoint and flag keeps working. The middleware:
   vLLM sees the request (400 naming the field; 429 under the reject policy) and
   rewrites them into `vllm_xargs` and `cache_salt`;
 - on the way back, adds `capture_results` (see responses.py);
-- on /metrics, appends the capsteer metrics to vLLM's.
+- on /metrics, appends the capsteer metrics to vLLM's (see metrics.py for several
+  API server processes).
 """
 
 from __future__ import annotations
@@ -221,6 +222,7 @@ class CapsteerMiddleware:
         await self.app({**scope, "headers": headers}, receive, collect)
         if start.get("status") == 200:
             snapshots = await self.state.link.metrics_snapshots()
+            body[:] = metrics.strip_capsteer(bytes(body))
             body.extend(metrics.render(snapshots, self.state.registry.count()))
         out_headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
         out_headers.append((b"content-length", str(len(body)).encode()))

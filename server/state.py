@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,8 +13,11 @@ from capsteer.config.server import ServerSettings
 from capsteer.engine_ext import adapter
 from capsteer.server.engine_link import EngineLink
 from capsteer.server.fields import ModelShape
+from capsteer.server.peers import PeerBoard
 from capsteer.server.tracker import CaptureTracker
 from capsteer.steering.registry import VectorRegistry
+
+log = logging.getLogger("vllm.capsteer.server")
 
 
 @dataclass
@@ -26,10 +30,12 @@ class CapsteerState:
     link: EngineLink
     api_keys: list[str]
     global_capture: dict | None = None  # the capture object every request without one gets
+    topology: adapter.Topology | None = None
 
     @classmethod
     def create(cls, app: object, settings: ServerSettings) -> CapsteerState:
         engine = adapter.app_engine_client(app)
+        topology = adapter.served_topology(engine)  # refuses DP layouts capsteer cannot serve
         model = adapter.served_model(engine)
         itemsize = torch.empty((), dtype=model.dtype).element_size()
         shape = ModelShape(model.num_layers, model.hidden_size, model.max_model_len, itemsize)
@@ -44,6 +50,23 @@ class CapsteerState:
             except SpecError as exc:
                 raise ValueError(f"capsteer: --global-capture {settings.global_capture!r}: "
                                  f"{exc}") from None
-        return cls(settings, model, shape, registry,
-                   CaptureTracker(settings.capture_dir, settings.capture_budget),
-                   EngineLink(engine), adapter.api_keys(app), global_capture)
+        peers = PeerBoard.from_env() if topology.api_servers > 1 else None
+        if topology.api_servers > 1 and peers is None:
+            log.warning("capsteer: %d API server processes but no shared runtime directory "
+                        "(start with `capsteer serve`); a receipt lookup reaching another "
+                        "process answers 404 until the capture is durable",
+                        topology.api_servers)
+        tracker = CaptureTracker(settings.capture_dir, admission_budget(settings, topology),
+                                 peers=peers)
+        return cls(settings, model, shape, registry, tracker, EngineLink(engine),
+                   adapter.api_keys(app), global_capture, topology)
+
+
+def admission_budget(settings: ServerSettings, topology: adapter.Topology) -> int:
+    """This API server's share of what the reject policy admits in flight.
+
+    `--capture-budget` is what each engine's capture writer may hold, so the deployment
+    holds `budget x DP size`; the API servers admit that total in equal shares (one
+    budget each with vLLM's default of one API server per DP engine)."""
+    total = settings.capture_budget * topology.data_parallel_size
+    return max(total // topology.api_servers, 1)

@@ -5,7 +5,9 @@ for the outcome. One poller task looks for the manifests of every tracked captur
 (one thread hop per tick, however many are pending) and resolves the waiters.
 The same table is the server's in-flight account for the `reject` policy: a
 capture reserves its estimated bytes at admission and frees them when its manifest
-appears (or the request never reached the engine).
+appears (or the request never reached the engine). Under several API server
+processes each has its own table and budget; `peers` lets a receipt lookup in one
+see captures pending in another.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from capsteer.capture.receipts import Receipt, find_receipt, pending
+from capsteer.server.peers import PeerBoard
 
 log = logging.getLogger("vllm.capsteer.server")
 
@@ -32,7 +35,7 @@ class CaptureTracker:
     """Reservations and receipt waits for captures in flight (asyncio, one event loop)."""
 
     def __init__(self, root: str | Path, budget_bytes: int, *, poll_s: float = 0.02,
-                 forget_after_s: float = 3600.0) -> None:
+                 forget_after_s: float = 3600.0, peers: PeerBoard | None = None) -> None:
         self.root = Path(root)
         self.budget = budget_bytes
         self.poll_s = poll_s
@@ -40,6 +43,7 @@ class CaptureTracker:
         self._tracked: dict[str, _Tracked] = {}
         self._task: asyncio.Task | None = None
         self.reserved_bytes = 0
+        self.peers = peers
 
     # ---- admission ----
     def try_reserve(self, capture_id: str, nbytes: int) -> bool:
@@ -52,6 +56,8 @@ class CaptureTracker:
     def track(self, capture_id: str, nbytes: int = 0) -> None:
         self._tracked[capture_id] = _Tracked(nbytes, time.monotonic())
         self.reserved_bytes += nbytes
+        if self.peers is not None:
+            self.peers.add(capture_id)
         self._ensure_poller()
 
     def untrack(self, capture_id: str) -> None:
@@ -59,13 +65,17 @@ class CaptureTracker:
         entry = self._tracked.pop(capture_id, None)
         if entry is not None:
             self.reserved_bytes -= entry.reserved
+            if self.peers is not None:
+                self.peers.remove(capture_id)
             for fut in entry.waiters:
                 if not fut.done():
                     fut.set_result(Receipt(capture_id, "error", error="the request failed before "
                                            "reaching the engine; nothing was captured"))
 
     def is_tracked(self, capture_id: str) -> bool:
-        return capture_id in self._tracked
+        """In flight here or, under several API servers, in another one."""
+        return capture_id in self._tracked or (
+            self.peers is not None and self.peers.holds(capture_id))
 
     # ---- receipts ----
     async def wait(self, capture_id: str, timeout: float) -> Receipt:
@@ -108,6 +118,8 @@ class CaptureTracker:
                     receipt = pending(capture_id, "no manifest yet")
                 del self._tracked[capture_id]
                 self.reserved_bytes -= entry.reserved
+                if self.peers is not None:
+                    self.peers.remove(capture_id)
                 for fut in entry.waiters:
                     if not fut.done():
                         fut.set_result(receipt)

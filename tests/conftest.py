@@ -85,7 +85,7 @@ ENGINE_ORDER = ("qwen3", "qwen3-durable", "qwen3-eager", "llama", "qwen2", "mist
                 "gemma2", "gemma3", "phi3", "olmo2", "granite", "qwen2_moe", "qwen3_moe", "mixtral",
                 "olmoe", "vanilla", "other", "extract",
                 "qwen3-tp2", "qwen3-pp2",
-                "server-vanilla", "server", "server-reject", "quickstart")
+                "server-vanilla", "server", "server-reject", "server-dp2", "quickstart")
 
 
 def _engine_group(item) -> int:
