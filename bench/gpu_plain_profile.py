@@ -1,0 +1,99 @@
+"""Where a plain (no fields) capsteer engine spends GPU time that stock vLLM does not.
+
+One process per configuration (vanilla vLLM, capsteer plain), each in-process
+(VLLM_ENABLE_V1_MULTIPROCESSING=0, so torch.profiler sees the model's kernels): the model
+runner class, the compilation config, then one prefill batch and one decode batch timed
+and profiled. Prints the top kernels by CUDA time per configuration and the greedy
+tokens of a few prompts (plain identity).
+
+    python bench/gpu_plain_profile.py [--out DIR]      (--one CONFIG runs one process)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+def one(config: str, model: str, out: Path) -> None:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    import random
+
+    import torch
+    from vllm import LLM, SamplingParams
+
+    kw = dict(dtype="bfloat16", seed=0, max_model_len=1024, gpu_memory_utilization=0.6,
+              max_num_batched_tokens=2048)
+    if config == "vanilla":
+        llm = LLM(model=model, **kw)
+    else:
+        from capsteer.engine import Engine
+
+        llm = Engine(model, capsteer_config={"capture_dir": "/tmp/prof-captures"}, **kw).llm
+    info = {"config": config}
+    info["runner"] = llm.collective_rpc(
+        lambda self: f"{type(self.model_runner).__module__}.{type(self.model_runner).__name__}")
+    cc = llm.llm_engine.vllm_config.compilation_config
+    info["cudagraph_mode"] = str(cc.cudagraph_mode)
+    info["splitting_ops"] = list(cc.splitting_ops or [])
+    info["custom_ops"] = list(cc.custom_ops or [])
+    info["pass_config"] = str(cc.pass_config)
+    rng = random.Random(1)
+
+    def prompts(n: int, length: int) -> list[dict]:
+        return [{"prompt_token_ids": [rng.randrange(100, 150000) for _ in range(length)]}
+                for _ in range(n)]
+
+    greedy = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    ident = [{"prompt_token_ids": [random.Random(i).randrange(100, 150000) for _ in range(64)]}
+             for i in range(8)]
+    info["identity"] = [o.outputs[0].token_ids for o in llm.generate(ident, greedy, use_tqdm=False)]
+    for name, (n, p, g) in {"prefill": (128, 512, 1), "decode": (256, 128, 128)}.items():
+        sp = SamplingParams(max_tokens=g, temperature=0.0, ignore_eos=True)
+        llm.generate(prompts(n, p), sp, use_tqdm=False)  # warm
+        t = time.perf_counter()
+        llm.generate(prompts(n, p), sp, use_tqdm=False)
+        info[f"{name}_s"] = time.perf_counter() - t
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            llm.generate(prompts(n, p), sp, use_tqdm=False)
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
+        (out / f"profile-{config}-{name}.txt").write_text(table)
+        info[f"{name}_top"] = table.splitlines()[:40]
+    (out / f"plain-profile-{config}.json").write_text(json.dumps(info, indent=1))
+    print("RESULT " + json.dumps({k: v for k, v in info.items() if not k.endswith("_top")}))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--one")
+    ap.add_argument("--model", default="/tmp/prof-model")
+    ap.add_argument("--out", default=os.environ.get("OUT") or "/tmp/prof-out")
+    a = ap.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if a.one:
+        one(a.one, a.model, out)
+        return
+    import perf_models
+
+    perf_models.write_model(a.model, "qwen3-0.6b", "cuda")
+    for config in ("vanilla", "plain"):
+        proc = subprocess.run([sys.executable, __file__, "--one", config, "--model", a.model,
+                               "--out", str(out)], capture_output=True, text=True)
+        res = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+        print(config, proc.returncode, res[0][:1500] if res else proc.stderr[-4000:], flush=True)
+        (out / f"{config}.log").write_text(proc.stdout[-20000:] + proc.stderr[-20000:])
+    for f in sorted(out.glob("profile-*.txt")):
+        print(f"== {f.name}\n" + "\n".join(f.read_text().splitlines()[:22]), flush=True)
+
+
+if __name__ == "__main__":
+    main()
