@@ -125,7 +125,9 @@ def extract(
     positions: object = "prompt", capture_dtype: str = "auto", shard_size: int = 1 << 30,
     digest: str = "sha256",
     max_tokens: int = 1, progress: bool = True, window: int | None = None,
-    engine: Engine | None = None, **engine_kwargs: Any,
+    engine: Engine | None = None, ray: bool = False, num_replicas: int | None = None,
+    ray_address: str | None = None, ray_batch_size: int | None = None,
+    **engine_kwargs: Any,
 ) -> ExtractResult:
     """Run (or resume) an extraction job; returns what this run did.
 
@@ -134,8 +136,19 @@ def extract(
     `capture_dtype` is the stored activations' dtype ("auto": the model's); `digest` the
     shards' digest in the manifest (sha256, or blake3: faster to write and verify). Pass
     `engine` to reuse one whose capsteer config already names this job directory.
+    `ray=True` runs `num_replicas` engines on Ray Data instead (capsteer.extract_ray;
+    `ray_address`: an existing cluster; `ray_batch_size`: prompts per Ray Data batch).
     """
     out = Path(output)
+    if ray or (num_replicas, ray_address, ray_batch_size) != (None, None, None):
+        from capsteer.extract_ray import extract_on_ray
+
+        return extract_on_ray(
+            model, input_path, out, ray=ray, engine=engine, hooks=hooks, layers=layers,
+            positions=positions, capture_dtype=capture_dtype, shard_size=shard_size,
+            max_tokens=max_tokens, progress=progress, window=window,
+            num_replicas=num_replicas, ray_address=ray_address, ray_batch_size=ray_batch_size,
+            engine_kwargs=engine_kwargs, digest=digest)
     records = read_records(input_path)
     done = indexed_ids(out)
     todo = [r for r in records if r.id not in done]
@@ -255,8 +268,9 @@ def _run(engine: Engine, todo: list[Record], spec: CaptureSpec, max_tokens: int,
             prompt["cache_salt"] = f"capsteer-capture-{capture_id}"  # every position is fed
             params = SamplingParams(max_tokens=max_tokens, temperature=0.0,
                                     extra_args={EXTRA_ARGS_KEY: payload})
-            request_id = llm_engine.add_request(capture_id, prompt, params) or capture_id
-            live[request_id] = (rec, capture_id)
+            # outputs carry the id given here; add_request returns vLLM's internal one
+            llm_engine.add_request(capture_id, prompt, params)
+            live[capture_id] = (rec, capture_id)
         if not llm_engine.has_unfinished_requests():
             break
         for output in llm_engine.step():
@@ -335,6 +349,18 @@ def build_parser():
     job.add_argument("--max-tokens", type=int, default=1,
                      help="tokens generated per request (1: the prompt only is fed)")
     job.add_argument("--no-progress", action="store_true")
+    ray = p.add_argument_group("Ray", "capsteer: run the job on engine replicas through Ray "
+                               "Data (needs capsteer[ray]; docs/scale-out.md)")
+    ray.add_argument("--ray", action="store_true",
+                     help="one engine per replica, each writing its own shards into --output")
+    ray.add_argument("--num-replicas", type=int, default=None,
+                     help="engine replicas, --tensor-parallel-size GPUs each (1 when not given)")
+    ray.add_argument("--ray-address", default=None,
+                     help="an existing Ray cluster (e.g. auto, ray://head:10001); default: "
+                          "start a local one. Every node and this process must see --output")
+    ray.add_argument("--ray-batch-size", type=int, default=None,
+                     help="prompts per Ray Data batch (64 when not given; 8 batches are queued per "
+                          "replica)")
     EngineArgs.add_cli_args(p)
     return p
 
@@ -358,6 +384,7 @@ def _split(text: str) -> object:
 def main(argv: list[str]) -> int:
     """`capsteer extract ARGV`."""
     from capsteer.config.server import parse_size
+    from capsteer.extract_ray import RayMissing
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -373,12 +400,14 @@ def main(argv: list[str]) -> int:
             or not positions.lstrip("-").isdigit() else [int(positions)],
             capture_dtype=args.capture_dtype, shard_size=parse_size(args.shard_size),
             digest=args.digest,
-            max_tokens=args.max_tokens, progress=not args.no_progress, **kwargs)
+            max_tokens=args.max_tokens, progress=not args.no_progress, ray=args.ray,
+            num_replicas=args.num_replicas, ray_address=args.ray_address,
+            ray_batch_size=args.ray_batch_size, **kwargs)
     except KeyboardInterrupt:
         print(f"\ninterrupted: finished requests are in {args.output}; run the same command "
               "again to resume", flush=True)
         return 130
-    except (InputError, ValueError) as exc:
+    except (InputError, ValueError, RayMissing) as exc:
         print(f"capsteer extract: {exc}", flush=True)
         return 2
     print(f"{result.requests} requests extracted ({result.skipped} already done), "

@@ -1,0 +1,813 @@
+"""Extraction jobs on Ray Data: N engine replicas, one job directory (issue 14, api.md §5).
+
+Ray Data reads the input (JSONL through `read_text`, Parquet through `read_parquet`) and
+`map_batches` it over a fixed pool of N actors, each holding one capsteer `Engine`
+(`tensor_parallel_size` GPUs each). Ray schedules; capsteer only writes.
+
+Disk layout, the same as a single-engine job's once the run ends:
+- Each replica's worker writes an ordinary sharded job of its own into the staging
+  directory `DIR/.staging/r-<random>/` (shards, index, manifest; durable as always). A
+  replica reports a batch only when every id of it is in its staging index and its
+  shards are in its staging manifest.
+- The driver is the one writer of `DIR/index.jsonl` and `DIR/manifest.json`. For a
+  reported shard it hard-links (where the filesystem cannot: renames) the complete,
+  durable staging file to the job's next `shard-NNNNN.safetensors`, fsyncs `DIR`, lists it
+  in the manifest, and only then appends (fsync) the index lines and rewrites the manifest's
+  counts. So no partial file is ever under a final name, the index names only durable
+  shards, as before, and every shard it names is in the manifest.
+- Resume (and the end of a run): shards `index.jsonl` does not name are deleted, a torn
+  last line is cut, staged work the index lacks (a replica finished it, the driver was
+  killed before committing it) is committed from the staging directories, which are then
+  removed. Every id is skipped whichever replica did it; `index.jsonl` lists it once.
+One driver per job directory at a time.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import queue
+import shutil
+import threading
+import time
+import uuid
+from collections import Counter, OrderedDict, deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from capsteer.capture.layouts import MANIFEST_FILE
+from capsteer.capture.publish import (
+    DEFAULT_FS,
+    FileSystem,
+    check_digest,
+    ensure_dir,
+    fsync_dir,
+    write_json_atomic,
+)
+from capsteer.capture.sharded import INDEX_FILE, read_index, shard_name
+from capsteer.extract import (
+    ExtractResult,
+    InputError,
+    Record,
+    _check_digest,
+    _job_dir_bytes,
+    _prompts,
+    _shards,
+    _warn_if_narrower,
+    job_config,
+    read_records,
+)
+
+logger = logging.getLogger("capsteer.extract")
+
+STAGING_DIR = ".staging"
+FLUSH_TIMEOUT_S = 120.0  # idle replica: finished requests must reach its staging index by then
+_INSTALL_HINT = "capsteer extract --ray needs Ray Data: pip install 'capsteer[ray]'"
+# Environment the replicas get from the driver (also on a cluster started elsewhere).
+_FORWARDED_ENV = ("VLLM_", "CAPSTEER_")
+
+
+class RayMissing(ImportError):
+    """`--ray` without Ray Data installed."""
+
+
+def require_ray() -> Any:
+    """The `ray` module with Ray Data, or RayMissing saying what to install."""
+    try:
+        import ray
+        import ray.data
+    except ImportError as exc:
+        raise RayMissing(f"{_INSTALL_HINT} ({exc})") from exc
+    return ray
+
+
+# --------------------------------------------------------------------------- input
+def _check_row(where: str, row: object) -> tuple[str | None, str | None, list | None]:
+    """(id or None, prompt, messages) of one input row, with read_records' rules."""
+    if not isinstance(row, dict):
+        raise InputError(f"{where}: expected an object")
+    prompt, messages = row.get("prompt"), row.get("messages")
+    if (prompt is None) == (messages is None):
+        raise InputError(f"{where}: give exactly one of 'prompt' or 'messages'")
+    if prompt is not None and not isinstance(prompt, str):
+        raise InputError(f"{where}: 'prompt' must be a string")
+    if messages is not None and not isinstance(messages, list):
+        raise InputError(f"{where}: 'messages' must be a list")
+    rid = str(row["id"]) if row.get("id") is not None else None
+    return rid, prompt, messages
+
+
+def _iter_rows(path: Path) -> Iterator[tuple[str, object]]:
+    """(where, row) for every input row, streamed (the prompts are not kept)."""
+    if path.suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise InputError("reading Parquet needs pyarrow (pip install pyarrow)") from None
+        n = 0
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=8192):
+            for row in batch.to_pylist():
+                n += 1
+                yield f"{path}:{n}", row
+        return
+    n = 0
+    with open(path, encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            n += 1
+            try:
+                yield f"{path}:{lineno}", json.loads(line)
+            except ValueError as exc:
+                raise InputError(f"{path}:{lineno}: not JSON ({exc})") from None
+
+
+def scan_ids(path: str | Path) -> tuple[list[str], bool]:
+    """Every row's id in input order (line number where a row has none) and whether each
+    row named its own; checks the rows as read_records does (unique ids, prompt xor
+    messages) without keeping the prompts. The driver needs it for the job's total and
+    for what is left to do."""
+    ids: list[str] = []
+    seen: set[str] = set()
+    all_named = True
+    for n, (where, row) in enumerate(_iter_rows(Path(path)), 1):
+        rid, _, _ = _check_row(where, row)
+        if rid is None:
+            rid, all_named = str(n), False
+        if rid in seen:
+            raise InputError(f"{where}: duplicate id {rid!r}")
+        seen.add(rid)
+        ids.append(rid)
+    return ids, all_named
+
+
+def _normalized(rows: Iterable[tuple[str, object]], skip: frozenset[str]) -> Any:
+    """A pyarrow table (id, prompt, messages as JSON) of the rows not in `skip`."""
+    import pyarrow as pa
+
+    ids, prompts, messages = [], [], []
+    for where, row in rows:
+        rid, prompt, msgs = _check_row(where, row)
+        if rid is None:  # scan_ids saw an id on every row; the file changed under the job
+            raise RuntimeError(f"{where}: no 'id' (was the input file changed during the job?)")
+        if rid in skip:
+            continue
+        ids.append(rid)
+        prompts.append(prompt)
+        messages.append(None if msgs is None else json.dumps(msgs))
+    return pa.table({"id": ids, "prompt": prompts, "messages": messages},
+                    schema=pa.schema([("id", pa.string()), ("prompt", pa.string()),
+                                      ("messages", pa.string())]))
+
+
+def _from_text(batch: Any, path: str, skip: frozenset[str]) -> Any:
+    """Ray Data step: JSONL lines (read_text) to normalized rows, done ids dropped."""
+
+    def rows() -> Iterator[tuple[str, object]]:
+        for line in batch.column("text").to_pylist():
+            if line is None or not line.strip():
+                continue
+            try:
+                yield path, json.loads(line)
+            except ValueError as exc:
+                raise InputError(f"{path}: not JSON ({exc})") from None
+
+    return _normalized(rows(), skip)
+
+
+def _from_parquet(batch: Any, path: str, skip: frozenset[str]) -> Any:
+    """Ray Data step: Parquet rows to normalized rows, done ids dropped."""
+    return _normalized(((path, r) for r in batch.to_pylist()), skip)
+
+
+# ------------------------------------------------------------------- job directory
+def _read_index_cut(path: Path) -> list[dict[str, Any]]:
+    """Index entries; a torn final line (a crash mid-append) is cut off the file."""
+    if not path.exists():
+        return []
+    raw = path.read_bytes()
+    cut = raw.rfind(b"\n") + 1
+    if cut != len(raw):
+        with open(path, "r+b") as fh:
+            fh.truncate(cut)
+            os.fsync(fh.fileno())
+    return [json.loads(line) for line in raw[:cut].splitlines() if line.strip()]
+
+
+def _shard_number(name: str) -> int | None:
+    stem = name.removeprefix("shard-").removesuffix(".safetensors")
+    return int(stem) if stem.isdigit() and name.startswith("shard-") else None
+
+
+def _publish_link(src: Path, dst: Path) -> None:
+    """Put a complete, durable file under its final name at once: a hard link (the staging
+    directory keeps its own valid manifest), or a rename where links are not supported."""
+    try:
+        os.link(src, dst)
+    except OSError as exc:
+        if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK,
+                             errno.EXDEV):
+            raise
+        if dst.exists():
+            raise FileExistsError(dst) from exc
+        os.rename(src, dst)
+
+
+@dataclass
+class _StagedShard:
+    """A staging shard's listing (manifest `shards` and `files` entries)."""
+
+    shard: dict[str, Any]
+    file: dict[str, Any]
+    header: dict[str, Any]  # the staging manifest without shards/files/index counts
+
+
+def _staging_listing(staging: Path) -> dict[str, _StagedShard]:
+    manifest_path = staging / MANIFEST_FILE
+    if not manifest_path.exists():
+        return {}
+    manifest = json.loads(manifest_path.read_text())
+    header = {k: v for k, v in manifest.items()
+              if k not in ("shards", "files", "requests", "rows", "updated_at")}
+    files = {f["name"]: f for f in manifest.get("files", [])}
+    return {s["name"]: _StagedShard(s, files.get(s["name"], {"name": s["name"]}), header)
+            for s in manifest.get("shards", [])}
+
+
+class JobCommitter:
+    """The one writer of a job's `index.jsonl` and `manifest.json` under Ray (the driver).
+
+    Opening recovers the directory as ShardedWriter does (torn line cut, unindexed
+    `shard-*` files deleted); `commit` publishes replica-reported rows; `merge_staging`
+    commits what replicas made durable but the driver never committed, then removes the
+    staging directories."""
+
+    def __init__(self, out: str | Path, fs: FileSystem = DEFAULT_FS) -> None:
+        self.dir = Path(out)
+        self.fs = fs
+        ensure_dir(self.dir, fs)
+        self.index_path = self.dir / INDEX_FILE
+        self.index = _read_index_cut(self.index_path)
+        self._index_size = self.index_path.stat().st_size if self.index_path.exists() else 0
+        self.done: set[str] = {str(e["id"]) for e in self.index}
+        referenced = {e["shard"] for e in self.index}
+        removed = False
+        for p in self.dir.glob("shard-*.safetensors"):
+            if p.name not in referenced:  # linked, but the index never said so
+                p.unlink()
+                removed = True
+        if removed:
+            fsync_dir(self.dir, fs)
+        manifest: dict[str, Any] = {}
+        if (self.dir / MANIFEST_FILE).exists():
+            manifest = json.loads((self.dir / MANIFEST_FILE).read_text())
+        self.header: dict[str, Any] | None = {
+            k: v for k, v in manifest.items()
+            if k not in ("shards", "files", "requests", "rows", "updated_at")} or None
+        self.shards = {s["name"]: s for s in manifest.get("shards", []) if s["name"] in referenced}
+        self.files = {f["name"]: f for f in manifest.get("files", []) if f["name"] in referenced}
+        missing = referenced - set(self.shards)
+        if missing:  # a single-engine writer's manifest lagged its index; it rebuilds those
+            raise RuntimeError(f"{self.dir}: shards {sorted(missing)[:3]} are indexed but not in "
+                               f"{MANIFEST_FILE}; run the job once without --ray to rebuild it")
+        numbers = [n for n in map(_shard_number, referenced) if n is not None]
+        self.next_shard = 1 + max(numbers, default=-1)
+        if self.header is not None and (len(manifest.get("shards", [])) != len(self.shards)
+                                        or manifest.get("requests") != len(self.index)):
+            self._write_manifest()  # killed between a listing and the index append it preceded
+        self.linked: dict[tuple[str, str], str] = {}  # (replica, staging shard) -> job shard
+        self.tokens = 0  # prompt tokens committed by this committer
+        self.committed = 0
+        self.per_replica: Counter[str] = Counter()  # requests committed, by staging directory
+        self._listings: dict[str, dict[str, _StagedShard]] = {}
+
+    # ------------------------------------------------------------------ commit
+    def commit(self, rows: Iterable[dict[str, Any]]) -> int:
+        """Publish reported rows (id, replica, shard, row_start, row_count, prompt_tokens);
+        returns how many were new. Ids already indexed are skipped with a warning."""
+        groups: OrderedDict[tuple[str, str], list[dict[str, Any]]] = OrderedDict()
+        for r in rows:
+            groups.setdefault((str(r["replica"]), str(r["shard"])), []).append(r)
+        entries: list[dict[str, Any]] = []
+        linked_any = False
+        seen: set[str] = set()
+        for key, group in groups.items():
+            fresh = []
+            for r in group:
+                rid = str(r["id"])
+                if rid in self.done or rid in seen:
+                    logger.warning("capsteer extract: %s reported twice; indexed once", rid)
+                    continue
+                seen.add(rid)
+                fresh.append(r)
+            if not fresh:
+                continue
+            name = self.linked.get(key)
+            if name is None:
+                name = self._link(*key)
+                linked_any = True
+            entries += [{"id": str(r["id"]), "shard": name, "row_start": int(r["row_start"]),
+                         "row_count": int(r["row_count"]),
+                         "prompt_tokens": int(r["prompt_tokens"])} for r in fresh]
+            self.per_replica[key[0]] += len(fresh)
+        if linked_any:  # the new names are durable and listed before the index says so,
+            fsync_dir(self.dir, self.fs)  # so an indexed shard is always in the manifest
+            self._write_manifest()
+        if entries:
+            self._append_index(entries)
+            self._write_manifest()
+        return len(entries)
+
+    def _link(self, replica: str, staged_name: str) -> str:
+        listing = self._listings.get(replica)
+        if listing is None or staged_name not in listing:
+            listing = self._listings[replica] = _staging_listing(self._staging(replica))
+        staged = listing.get(staged_name)
+        if staged is None:
+            raise RuntimeError(f"{replica}: {staged_name} was reported but is not in its "
+                               f"staging {MANIFEST_FILE}")
+        self._check_header(staged.header, replica)
+        name = shard_name(self.next_shard)
+        self.next_shard += 1
+        _publish_link(self._staging(replica) / staged_name, self.dir / name)
+        self.linked[(replica, staged_name)] = name
+        self.shards[name] = {**staged.shard, "name": name}
+        self.files[name] = {**staged.file, "name": name}
+        return name
+
+    def _check_header(self, header: dict[str, Any], replica: str) -> None:
+        """Every replica (and a job resumed with --ray) must write the same kind of rows."""
+        if self.header is None:
+            self.header = dict(header)
+            return
+        for key in ("format", "dtype", "hidden_size", "keys"):
+            if self.header.get(key) != header.get(key):
+                raise ValueError(f"{self.dir}: replica {replica} writes {key}="
+                                 f"{header.get(key)!r}, the job holds {self.header.get(key)!r}")
+
+    def _staging(self, replica: str) -> Path:
+        return self.dir / STAGING_DIR / replica
+
+    def _append_index(self, entries: list[dict[str, Any]]) -> None:
+        """Append + fsync the lines; on failure cut the file back to its last good size."""
+        data = "".join(json.dumps(e, separators=(",", ":")) + "\n" for e in entries).encode()
+        fd = os.open(self.index_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC,
+                     0o644)
+        try:
+            if os.fstat(fd).st_size != self._index_size:
+                os.ftruncate(fd, self._index_size)
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+                self.fs.fsync(fd)
+                fsync_dir(self.dir, self.fs)
+            except BaseException:
+                try:
+                    os.ftruncate(fd, self._index_size)
+                except OSError:
+                    pass
+                raise
+            self._index_size = os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+        self.index += entries
+        self.done.update(e["id"] for e in entries)
+        self.tokens += sum(e["prompt_tokens"] for e in entries)
+        self.committed += len(entries)
+
+    def _write_manifest(self) -> None:
+        shards = [self.shards[n] for n in sorted(self.shards)]
+        manifest = {**(self.header or {}), "requests": len(self.index),
+                    "rows": sum(int(s["rows"]) for s in shards), "index": INDEX_FILE,
+                    "shards": shards, "files": [self.files[n] for n in sorted(self.files)],
+                    "updated_at": time.time()}
+        write_json_atomic(self.dir, MANIFEST_FILE, manifest, self.fs)
+
+    # ----------------------------------------------------------------- recovery
+    def merge_staging(self) -> int:
+        """Commit what any replica made durable (staging index + manifest) and the job index
+        lacks, then delete the staging directories; returns the requests recovered. Run it
+        only while no replica of this job is alive."""
+        root = self.dir / STAGING_DIR
+        if not root.is_dir():
+            return 0
+        by_id = {str(e["id"]): e for e in self.index}
+        recovered = 0
+        for staging in sorted(p for p in root.iterdir() if p.is_dir()):
+            replica = staging.name
+            listing = self._listings[replica] = _staging_listing(staging)
+            entries = read_index(staging / INDEX_FILE)
+            for e in entries:  # a shard partly indexed before the kill keeps its job name
+                job = by_id.get(str(e["id"]))
+                key = (replica, e["shard"])
+                if job is None or key in self.linked or e["shard"] not in listing:
+                    continue
+                src, dst = staging / e["shard"], self.dir / job["shard"]
+                if src.exists() and dst.exists() and os.path.samefile(src, dst):
+                    self.linked[key] = job["shard"]
+            rows = [{**e, "replica": replica} for e in entries
+                    if e["shard"] in listing and (staging / e["shard"]).exists()
+                    and str(e["id"]) not in self.done]
+            recovered += self.commit(rows)
+        shutil.rmtree(root)
+        fsync_dir(self.dir, self.fs)
+        self._listings.clear()
+        return recovered
+
+
+# ------------------------------------------------------------------------ replicas
+@dataclass
+class _Ticket:
+    """One Ray Data batch inside a replica: done when every id of it is staged."""
+
+    ids: list[str]
+    started: float
+    remaining: set[str] = field(default_factory=set)
+    entries: dict[str, dict[str, Any]] = field(default_factory=dict)
+    error: BaseException | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+def _reported(ids: list[str], replica: str, entries: list[dict[str, Any]],
+              started: float) -> Any:
+    """A replica's answer for one batch: where each request sits in its staging shards."""
+    import pyarrow as pa
+
+    return pa.table({
+        "id": pa.array(ids, pa.string()), "replica": pa.array([replica] * len(ids), pa.string()),
+        "shard": pa.array([e["shard"] for e in entries], pa.string()),
+        "row_start": pa.array([int(e["row_start"]) for e in entries], pa.int64()),
+        "row_count": pa.array([int(e["row_count"]) for e in entries], pa.int64()),
+        "prompt_tokens": pa.array([int(e["prompt_tokens"]) for e in entries], pa.int64()),
+        "started": pa.array([started] * len(ids), pa.float64())})
+
+
+class Replica:
+    """A Ray Data actor: one capsteer Engine writing its own staging job.
+
+    Batches arrive on up to `max_concurrent_calls_per_actor` threads and are queued to a
+    single engine thread that keeps the engine's queue full across batches (no drain
+    between them); a call returns once all its ids are durable in the staging directory.
+    The partly filled shard is flushed only when the engine has nothing else to do."""
+
+    def __init__(self, model: str, output: str, spec: dict[str, Any], shard_size: int,
+                 max_tokens: int, window: int | None, engine_kwargs: dict[str, Any],
+                 digest: str) -> None:
+        from capsteer.capture.spec import CaptureSpec
+        from capsteer.engine import Engine
+
+        self.name = "r-" + uuid.uuid4().hex[:12]
+        out = Path(output)
+        self.dir = out / STAGING_DIR / self.name
+        self.spec = CaptureSpec.from_dict(spec)
+        self.max_tokens = max_tokens
+        kwargs = dict(engine_kwargs)
+        config = job_config(self.dir, self.spec, shard_size, kwargs, digest=digest)
+        config["sharded"]["job_id"] = out.name  # shard metadata names the job, not the stage
+        self.engine = Engine(model, capsteer_config=config, **kwargs)
+        _warn_if_narrower(self.spec.dtype, self.engine.dtype)
+        self.limit = window or 4 * int(
+            self.engine.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs)
+        self._inbox: queue.Queue[tuple[list[Any], _Ticket] | None] = queue.Queue()
+        self._error: BaseException | None = None
+        self._owner: dict[str, _Ticket] = {}  # id -> its ticket (engine thread only)
+        self._staged: dict[str, dict[str, Any]] = {}
+        self._listed: set[str] = set()
+        self._index_offset = 0
+        self._thread = threading.Thread(target=self._loop, name="capsteer-replica", daemon=True)
+        self._thread.start()
+
+    def __call__(self, batch: Any) -> Any:
+        started = time.time()
+        if self._error is not None:
+            raise RuntimeError(f"replica {self.name} failed earlier: {self._error!r}")
+        rows = batch.to_pylist()
+        records = [Record(str(r["id"]), r["prompt"],
+                          None if r["messages"] is None else json.loads(r["messages"]))
+                   for r in rows]
+        ticket = _Ticket([r.id for r in records], started, {r.id for r in records})
+        if records:
+            self._inbox.put((records, ticket))
+            ticket.done.wait()
+        if ticket.error is not None:
+            raise RuntimeError(f"replica {self.name}: {ticket.error!r}") from ticket.error
+        entries = [ticket.entries[i] for i in ticket.ids]
+        return _reported(ticket.ids, self.name, entries, started)
+
+    # ---- the engine thread
+    def _loop(self) -> None:
+        try:
+            self._drive()
+        except BaseException as exc:  # every waiting call fails with it, none hangs
+            self._error = exc
+            logger.exception("capsteer replica %s failed", self.name)
+            for ticket in {id(t): t for t in self._owner.values()}.values():
+                ticket.error = exc
+                ticket.done.set()
+            while True:
+                try:
+                    item = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not None:
+                    item[1].error = exc
+                    item[1].done.set()
+
+    def _drive(self) -> None:
+        from vllm import SamplingParams
+
+        from capsteer.engine import new_capture_id
+        from capsteer.engine_ext.plan import EXTRA_ARGS_KEY
+
+        llm = self.engine.llm
+        llm_engine = llm.llm_engine
+        pending: deque[Any] = deque()
+        live: set[str] = set()  # request ids given to vLLM (capture ids)
+        capture_of: dict[str, str] = {}  # capture id -> record id
+        unflushed: set[str] = set()  # finished ids not yet seen durable
+        payload_spec = self.spec.to_dict()
+        stuck_since: float | None = None
+        while True:
+            idle = not pending and not live
+            try:
+                item = self._inbox.get(timeout=0.05) if idle and not unflushed \
+                    else self._inbox.get_nowait()
+                while True:
+                    if item is None:
+                        return
+                    records, ticket = item
+                    for rec in records:
+                        self._owner[rec.id] = ticket
+                        pending.append(rec)
+                    item = self._inbox.get_nowait()
+            except queue.Empty:
+                pass
+            while pending and len(live) < self.limit:
+                rec = pending.popleft()
+                _, prompt = next(_prompts(self.engine, [rec]))
+                capture_id = new_capture_id()
+                payload = {"capture": payload_spec, "capture_id": capture_id, "sink": "sharded",
+                           "record_id": rec.id, "await_end": True}
+                prompt["cache_salt"] = f"capsteer-capture-{capture_id}"  # every position is fed
+                params = SamplingParams(max_tokens=self.max_tokens, temperature=0.0,
+                                        extra_args={EXTRA_ARGS_KEY: payload})
+                llm_engine.add_request(capture_id, prompt, params)  # outputs carry this id
+                live.add(capture_id)
+                capture_of[capture_id] = rec.id
+            if llm_engine.has_unfinished_requests():
+                ends = []
+                for output in llm_engine.step():
+                    if output.finished and output.request_id in live:
+                        live.discard(output.request_id)
+                        unflushed.add(capture_of.pop(output.request_id))
+                        ends.append((output.request_id, len(output.outputs[0].token_ids)))
+                if ends:
+                    llm.collective_rpc("capsteer_end_captures", args=(ends,))
+            elif live:  # never spin on requests the engine no longer has
+                raise RuntimeError(f"the engine finished {len(live)} requests without a final "
+                                   f"output (e.g. {sorted(live)[:3]})")
+            elif unflushed and not pending and self._inbox.empty():
+                llm.collective_rpc("capsteer_flush_sharded")  # idle: publish the partial shard
+                self._poll_staging(unflushed)
+                if not unflushed:
+                    stuck_since = None
+                    continue
+                # The workers close a capture when they see its request finish, on the engine
+                # core's next (possibly empty) step, which can come after this flush: retry.
+                stuck_since = stuck_since or time.monotonic()
+                if time.monotonic() - stuck_since > FLUSH_TIMEOUT_S:
+                    raise RuntimeError(f"{len(unflushed)} requests finished but are not in "
+                                       f"{self.dir / INDEX_FILE} after {FLUSH_TIMEOUT_S:.0f} s "
+                                       f"(e.g. {sorted(unflushed)[:3]}); see the engine log")
+                time.sleep(0.02)
+                continue
+            self._poll_staging(unflushed)
+
+    def _poll_staging(self, unflushed: set[str]) -> None:
+        """Read index lines the worker appended since the last poll; finish tickets whose ids
+        are all in the staging index and whose shards are in the staging manifest."""
+        path = self.dir / INDEX_FILE
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            return
+        if size > self._index_offset:
+            with open(path, "rb") as fh:
+                fh.seek(self._index_offset)
+                raw = fh.read(size - self._index_offset)
+            cut = raw.rfind(b"\n") + 1
+            self._index_offset += cut
+            for line in raw[:cut].splitlines():
+                if line.strip():
+                    e = json.loads(line)
+                    self._staged[str(e["id"])] = e
+        if not self._staged:
+            return
+        if any(e["shard"] not in self._listed for e in self._staged.values()):
+            self._listed = set(_staging_listing(self.dir))
+        for rid in [r for r, e in self._staged.items() if e["shard"] in self._listed]:
+            e = self._staged.pop(rid)
+            unflushed.discard(rid)
+            ticket = self._owner.pop(rid, None)
+            if ticket is None:
+                continue
+            ticket.entries[rid] = e
+            ticket.remaining.discard(rid)
+            if not ticket.remaining:
+                ticket.done.set()
+
+
+# -------------------------------------------------------------------------- driver
+DEFAULT_BATCH_SIZE = 64  # prompts per Ray Data batch
+IN_FLIGHT_PER_REPLICA = 8  # batches queued inside each replica (keeps its engine fed)
+WAIT_FOR_REPLICAS_S = 3600  # unless DataContext.wait_for_min_actors_s says otherwise
+
+
+@dataclass
+class _Job:
+    """What the driver needs to run one job (all paths resolved, spec parsed)."""
+
+    model: str
+    path: Path
+    out: Path
+    spec: Any
+    shard_size: int
+    max_tokens: int
+    progress: bool
+    window: int | None
+    num_replicas: int
+    batch_size: int
+    engine_kwargs: dict[str, Any]
+    digest: str
+
+
+def _replica_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k.startswith(_FORWARDED_ENV)}
+
+
+def extract_on_ray(
+    model: str, input_path: str | Path, output: str | Path, *, ray: bool, engine: Any,
+    hooks: Any, layers: object, positions: object, capture_dtype: str, shard_size: int,
+    max_tokens: int, progress: bool, window: int | None, num_replicas: int | None,
+    ray_address: str | None, ray_batch_size: int | None, engine_kwargs: dict[str, Any],
+    digest: str = "sha256",
+) -> ExtractResult:
+    """`extract(..., ray=True)`: run (or resume) a job on engine replicas through Ray Data."""
+    from capsteer.capture.spec import parse_capture_spec
+    from capsteer.extract import _check_job, _model_layers
+
+    if not ray:
+        raise ValueError("num_replicas, ray_address and ray_batch_size need ray=True (--ray)")
+    if engine is not None:
+        raise ValueError("ray=True starts one engine per replica; do not pass engine=")
+    replicas = 1 if num_replicas is None else int(num_replicas)
+    batch_size = DEFAULT_BATCH_SIZE if ray_batch_size is None else int(ray_batch_size)
+    if replicas < 1:
+        raise ValueError(f"num_replicas must be >= 1, got {replicas}")
+    if batch_size < 1:
+        raise ValueError(f"ray_batch_size must be >= 1, got {batch_size}")
+    for name in ("pipeline_parallel_size", "data_parallel_size"):
+        if int(engine_kwargs.get(name) or 1) > 1:
+            raise ValueError(f"--{name.replace('_', '-')} > 1 is not supported with --ray: each "
+                             "replica is one engine of --tensor-parallel-size GPUs, and the "
+                             "replicas are the data parallelism (--num-replicas)")
+    check_digest(digest)
+    ray_module = require_ray()
+    out = Path(output)
+    spec = parse_capture_spec(
+        {"hooks": [hooks] if isinstance(hooks, str) else list(hooks), "layers": layers,
+         "positions": positions, "dtype": capture_dtype}, num_layers=_model_layers(model))
+    _check_job(out, spec)
+    if Path(model).exists():  # replicas may run elsewhere (another cwd, another node)
+        model = str(Path(model).resolve())
+    job = _Job(model, Path(input_path).resolve(), out, spec, int(shard_size), int(max_tokens),
+               progress, window, replicas, batch_size, dict(engine_kwargs), digest)
+    ids, all_named = scan_ids(job.path)
+    committer = JobCommitter(out)
+    recovered = committer.merge_staging()
+    if recovered:
+        logger.warning("capsteer extract: committed %d requests that replicas had made durable "
+                       "before the last run stopped", recovered)
+    todo = [i for i in ids if i not in committer.done]
+    if not todo:
+        return ExtractResult(out, 0, len(ids), 0, 0.0, 0, _shards(out))
+    started_ray = local = False
+    if ray_module.is_initialized():
+        if ray_address is not None:
+            raise ValueError("Ray is already initialized in this process; leave ray_address "
+                             "unset to use its cluster")
+    else:
+        address = ray_address or os.environ.get("RAY_ADDRESS") or None
+        init: dict[str, Any] = {"address": address}
+        if address is None:  # a local cluster: logical CPUs for the replicas and the reads
+            init.update(num_cpus=max(os.cpu_count() or 1, replicas + 2), include_dashboard=False)
+            local = True
+        ray_module.init(**init)
+        started_ray = True
+    try:
+        return _execute(ray_module, job, ids, todo, all_named, committer, local)
+    finally:
+        if started_ray:
+            ray_module.shutdown()
+
+
+def _dataset(ray: Any, job: _Job, skip: frozenset[str], all_named: bool) -> Any:
+    """The input as normalized rows (id, prompt, messages as JSON), done ids dropped."""
+    if all_named:
+        parquet = job.path.suffix == ".parquet"
+        read = ray.data.read_parquet if parquet else ray.data.read_text
+        return read(str(job.path)).map_batches(
+            _from_parquet if parquet else _from_text,
+            fn_kwargs={"path": str(job.path), "skip": skip}, batch_format="pyarrow")
+    # ids default to line numbers, which only a reader of the whole file knows
+    logger.warning("capsteer extract: %s has rows without an 'id'; the driver reads the whole "
+                   "file to number them (give every row an id to let Ray Data read it)", job.path)
+    return ray.data.from_items([
+        {"id": r.id, "prompt": r.prompt,
+         "messages": None if r.messages is None else json.dumps(r.messages)}
+        for r in read_records(job.path) if r.id not in skip])
+
+
+def _execute(ray: Any, job: _Job, ids: list[str], todo: list[str], all_named: bool,
+             committer: JobCommitter, local: bool) -> ExtractResult:
+    from ray.data import ActorPoolStrategy, DataContext
+
+    tp = int(job.engine_kwargs.get("tensor_parallel_size") or 1)
+    cluster_gpus = float(ray.cluster_resources().get("GPU", 0))
+    gpus = tp if cluster_gpus > 0 else 0
+    if gpus and cluster_gpus < job.num_replicas * tp:
+        message = (f"{job.num_replicas} replicas x {tp} GPUs need {job.num_replicas * tp} GPUs; "
+                   f"the Ray cluster has {cluster_gpus:g}")
+        if local:  # no autoscaler will add any
+            raise ValueError(message)
+        logger.warning("capsteer extract: %s (waiting for the autoscaler)", message)
+    kwargs = dict(job.engine_kwargs)
+    if tp > 1:  # the engine's workers live inside the replica's GPUs, not in Ray tasks
+        kwargs.setdefault("distributed_executor_backend", "mp")
+    ctx = DataContext.get_current()
+    ctx.enable_progress_bars = False  # the job's bar counts everything
+    if ctx.wait_for_min_actors_s <= 0:  # all replicas up before the first batch: the work is
+        ctx.wait_for_min_actors_s = WAIT_FOR_REPLICAS_S  # spread and the timing fair
+    ensure_dir(job.out / STAGING_DIR)
+    ds = _dataset(ray, job, frozenset(committer.done), all_named).map_batches(
+        Replica, batch_size=job.batch_size, batch_format="pyarrow",
+        fn_constructor_kwargs={"model": job.model, "output": str(job.out.resolve()),
+                               "spec": job.spec.to_dict(), "shard_size": job.shard_size,
+                               "max_tokens": job.max_tokens, "window": job.window,
+                               "engine_kwargs": kwargs, "digest": job.digest},
+        compute=ActorPoolStrategy(size=job.num_replicas,
+                                  max_tasks_in_flight_per_actor=IN_FLIGHT_PER_REPLICA,
+                                  max_concurrent_calls_per_actor=IN_FLIGHT_PER_REPLICA,
+                                  enable_true_multi_threading=True),
+        num_cpus=1, num_gpus=gpus or None, runtime_env={"env_vars": _replica_env()})
+
+    bar = None
+    if job.progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(ids), initial=len(ids) - len(todo), unit="req", smoothing=0.1,
+                   desc=f"extract (ray, {job.num_replicas} replicas)")
+    bytes_before, shards_before = _job_dir_bytes(job.out), set(_shards(job.out))
+    first_start: float | None = None
+    last_commit = time.time()
+    shown = 0.0
+    try:
+        for batch in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+            rows = batch.to_pylist()
+            if not rows:
+                continue
+            committer.commit(rows)
+            last_commit = time.time()
+            start = min(float(r["started"]) for r in rows)
+            first_start = start if first_start is None else min(first_start, start)
+            if bar is not None:
+                bar.n = len(ids) - len(todo) + committer.committed
+                if time.monotonic() - shown > 0.5:
+                    shown = time.monotonic()
+                    elapsed = max(last_commit - first_start, 1e-9)
+                    bar.set_postfix_str(f"{committer.tokens / elapsed:,.0f} tok/s, "
+                                        f"{_job_dir_bytes(job.out) / 2**20:,.1f} MiB on disk",
+                                        refresh=False)
+                bar.refresh()
+    finally:
+        if bar is not None:
+            bar.close()
+    leftover = committer.merge_staging()  # none, unless a replica died between staging and return
+    if leftover:
+        logger.warning("capsteer extract: committed %d staged requests at the end", leftover)
+    missing = set(todo) - committer.done
+    if missing:
+        raise RuntimeError(f"{len(missing)} requests are not in {job.out / INDEX_FILE} after the "
+                           f"run (e.g. {sorted(missing)[:3]}); see the replicas' logs; re-run to "
+                           "resume")
+    _check_digest(job.out, job.digest, shards_before)
+    logger.info("capsteer extract: requests per replica: %s",
+                ", ".join(f"{k}={v}" for k, v in sorted(committer.per_replica.items())))
+    seconds = last_commit - first_start if first_start is not None else 0.0
+    return ExtractResult(job.out, len(todo), len(ids) - len(todo), committer.tokens, seconds,
+                         _job_dir_bytes(job.out) - bytes_before, _shards(job.out))
