@@ -96,7 +96,8 @@ def main() -> None:
     log = open(log_path, "wb")
     t0 = time.monotonic()
     proc = subprocess.Popen([sys.executable, "-m", "capsteer.cli", "serve", str(model), *flags],
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            cwd=work)  # not the checkout: `capsteer` is the installed package
     url = f"http://127.0.0.1:{port}"
     report: dict = {"device": torch.cuda.get_device_name(0) if cuda else "cpu",
                     "gpus": torch.cuda.device_count() if cuda else 0,
