@@ -1,4 +1,4 @@
-"""Where a plain (no fields) capsteer engine spends GPU time that stock vLLM does not.
+"""Where plain (no fields) and steered capsteer engines spend time that stock vLLM does not.
 
 One process per configuration (vanilla vLLM, capsteer plain), each in-process
 (VLLM_ENABLE_V1_MULTIPROCESSING=0, so torch.profiler sees the model's kernels): the model
@@ -31,12 +31,25 @@ def one(config: str, model: str, out: Path) -> None:
 
     kw = dict(dtype="bfloat16", seed=0, max_model_len=1024, gpu_memory_utilization=0.6,
               max_num_batched_tokens=2048)
+    engine = None
     if config == "vanilla":
         llm = LLM(model=model, **kw)
     else:
-        from capsteer.engine import Engine
+        from capsteer.engine import Engine, Request
 
-        llm = Engine(model, capsteer_config={"capture_dir": "/tmp/prof-captures"}, **kw).llm
+        engine = Engine(model, capsteer_config={"capture_dir": "/tmp/prof-captures"}, **kw)
+        llm = engine.llm
+    steering = {"vectors": [{"hook": "resid_post", "layers": "all",
+                             "vector": [0.01] * engine.hidden_size, "scale": 1.0}]} \
+        if config == "steer" else None
+
+    def generate(batch: list[dict], sp) -> None:
+        if steering is None:
+            llm.generate(batch, sp, use_tqdm=False)
+            return
+        engine.generate([Request(prompt_token_ids=b["prompt_token_ids"], steering=steering,
+                                 sampling={"max_tokens": sp.max_tokens, "temperature": 0.0,
+                                           "ignore_eos": True}) for b in batch], timeout=900)
     info = {"config": config}
     info["runner"] = llm.collective_rpc(
         lambda self: f"{type(self.model_runner).__module__}.{type(self.model_runner).__name__}")
@@ -57,17 +70,20 @@ def one(config: str, model: str, out: Path) -> None:
     info["identity"] = [o.outputs[0].token_ids for o in llm.generate(ident, greedy, use_tqdm=False)]
     for name, (n, p, g) in {"prefill": (128, 512, 1), "decode": (256, 128, 128)}.items():
         sp = SamplingParams(max_tokens=g, temperature=0.0, ignore_eos=True)
-        llm.generate(prompts(n, p), sp, use_tqdm=False)  # warm
-        t = time.perf_counter()
-        llm.generate(prompts(n, p), sp, use_tqdm=False)
-        info[f"{name}_s"] = time.perf_counter() - t
+        generate(prompts(n, p), sp)  # warm
+        times = []
+        for _ in range(3):
+            t = time.perf_counter()
+            generate(prompts(n, p), sp)
+            times.append(time.perf_counter() - t)
+        info[f"{name}_s"] = sorted(times)[1]
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                 torch.profiler.ProfilerActivity.CUDA]) as prof:
-            llm.generate(prompts(n, p), sp, use_tqdm=False)
+            generate(prompts(n, p), sp)
         table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
         (out / f"profile-{config}-{name}.txt").write_text(table)
         info[f"{name}_top"] = table.splitlines()[:40]
-    (out / f"plain-profile-{config}.json").write_text(json.dumps(info, indent=1))
+    (out / f"plain-profile-{config}-{os.getpid()}.json").write_text(json.dumps(info, indent=1))
     print("RESULT " + json.dumps({k: v for k, v in info.items() if not k.endswith("_top")}))
 
 
@@ -85,14 +101,14 @@ def main() -> None:
     import perf_models
 
     perf_models.write_model(a.model, "qwen3-0.6b", "cuda")
-    for config in ("vanilla", "plain"):
+    for config in ("vanilla", "plain", "steer"):
         proc = subprocess.run([sys.executable, __file__, "--one", config, "--model", a.model,
                                "--out", str(out)], capture_output=True, text=True)
         res = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
         print(config, proc.returncode, res[0][:1500] if res else proc.stderr[-4000:], flush=True)
-        (out / f"{config}.log").write_text(proc.stdout[-20000:] + proc.stderr[-20000:])
-    for f in sorted(out.glob("profile-*.txt")):
-        print(f"== {f.name}\n" + "\n".join(f.read_text().splitlines()[:22]), flush=True)
+        (out / f"{config}-{time.time():.0f}.log").write_text(proc.stdout[-20000:] + proc.stderr[-20000:])
+    for f in sorted(out.glob("profile-*-prefill.txt")):
+        print(f"== {f.name}\n" + "\n".join(f.read_text().splitlines()[:14]), flush=True)
 
 
 if __name__ == "__main__":

@@ -62,6 +62,7 @@ class RequestHooks:
     dir_time: float | None = None  # the front end's clock: dates the capture directory
     slot: int = 0  # device mode: row of the per-request tables (0 = no hooks)
     steering_key: str | None = None  # requests with the same steering share table entries
+    sites: frozenset[int] = frozenset()  # sites this request steers or copies at
 
     @classmethod
     def from_extra_args(
@@ -100,6 +101,8 @@ class RequestHooks:
         except Exception:
             hooks.release(runtime)  # nothing half-registered stays behind
             raise
+        hooks.sites = frozenset([site for _, site, _ in hooks.entries]
+                                + [site for _, site in hooks.points])
         return hooks
 
     @property
@@ -224,7 +227,8 @@ def build_step_plan(
                                        sel_rows, hooks.slot))
             cap_rows[point].append(sel_rows)
             cap_count[point] += len(sel_rows)
-    plan = StepPlan(routes=routes, row_hooks=row_hooks)
+    active = frozenset().union(*{h.sites for _, h in hooked}) if hooked else frozenset()
+    plan = StepPlan(routes=routes, row_hooks=row_hooks, active_sites=active)
     if token_rows:
         plan.token_rows = torch.from_numpy(np.concatenate(token_rows))
         plan.token_owners = token_owners

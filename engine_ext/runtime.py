@@ -67,6 +67,10 @@ class StepPlan:
     row_hooks: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
     token_rows: torch.Tensor | None = None  # rows whose input ids the device must gather
     token_owners: list[tuple[str, np.ndarray]] = field(default_factory=list)
+    # Sites where some hooked request of this step steers or copies (None: every site).
+    # Outside CUDA-graph replay the op returns at once elsewhere: an eager step (a large
+    # prefill) then pays no kernel launch at sites nobody uses.
+    active_sites: frozenset[int] | None = None
 
     @property
     def empty(self) -> bool:
@@ -107,7 +111,7 @@ class HookRuntime:
         self.free_entries = list(range(max_entries - 1, 0, -1))
         # Identical steering specs share entries: key -> (entries, refcount)
         self.shared: dict[str, tuple[dict, int]] = {}
-        self.plan = StepPlan()
+        self.plan = StepPlan(active_sites=frozenset())
         self.captured: dict[tuple[int, int], torch.Tensor] = {}
         self.fired = [0] * self.num_sites  # host mode: sites reached this step (canary)
         # Slot 0 means "no hooks": its steering entries are the identity, it captures nothing.
@@ -239,7 +243,7 @@ class HookRuntime:
         """After a hooked step: rows of later steps map to slot 0 (no hooks) until re-planned."""
         self.tok_slot.zero_()
         self.tok_rank.fill_(-1)
-        self.plan = StepPlan()
+        self.plan = StepPlan(active_sites=frozenset())
 
     def gather_tokens(self, input_ids: torch.Tensor) -> int:
         """Copy the input ids of captured rows next to the activations (device mode)."""
@@ -254,9 +258,16 @@ class HookRuntime:
     def tap(self, x: torch.Tensor, residual: torch.Tensor | None, site: int,
             kinds: int = BOTH) -> None:
         if self.device_driven:
+            active = self.plan.active_sites
+            if active is not None and site not in active and not self._capturing():
+                return  # no request uses this site this step (a graph records it anyway)
             self._tap_dense(x, residual, site, kinds)
         else:
             self._tap_host(x, residual, site, kinds)
+
+    def _capturing(self) -> bool:
+        """Whether a CUDA graph is being recorded (it must hold every site's kernel)."""
+        return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
     def _tap_host(self, x: torch.Tensor, residual: torch.Tensor | None, site: int,
                   kinds: int) -> None:

@@ -281,3 +281,30 @@ def test_device_mode_clears_copy_routes_after_a_captured_step():
     rt.set_plan(plan, 1)
     assert rt.tok_slot[:1].tolist() == [slot] and rt.tok_gen[:1].tolist() == [1]
     assert rt.tok_rank[:1].tolist() == [-1] and int((rt.point_base >= 0).sum()) == 0
+
+
+def test_device_mode_skips_only_sites_no_request_uses():
+    """Outside graph capture the dense tap returns at once at sites no hooked request of
+    the step uses (eager prefill pays no launch there) and still acts at the others."""
+    rt = HookRuntime(LAYERS, HIDDEN, torch.float32, torch.device("cpu"), max_tokens=16,
+                     max_requests=4, staging_rows=64, device_driven=True)
+    a = hooks_for("a", 2, rt=rt, steering={"vectors": [
+        {"hook": "resid_post", "layer": 0, "vector": [1.0] * HIDDEN, "scale": 1.0}]})
+    c = hooks_for("c", 2, rt=rt, capture={"hooks": ["mlp_out"], "layers": [2]})
+    assert a.sites == {2} and c.sites == {2 * LAYERS}
+    plan = build_step_plan(["a", "c"], np.array([0, 2, 4]), np.array([2, 0]), {"a": a, "c": c},
+                           None)
+    assert plan.active_sites == {2, 2 * LAYERS}
+    assert build_step_plan(["plain"], np.array([0, 3]), np.array([0]), {"a": a}, None
+                           ).active_sites == frozenset()
+    rt.set_plan(plan, 4)
+    calls = []
+    rt._tap_dense = lambda x, r, site, kinds: calls.append(site)  # record, don't compute
+    for site in range(2 * LAYERS + 1):
+        rt.tap(torch.zeros(4, HIDDEN), torch.zeros(4, HIDDEN), site)
+    assert calls == [2, 2 * LAYERS]
+    rt.reset_dense()  # no plan: no site is used
+    calls.clear()
+    for site in range(2 * LAYERS + 1):
+        rt.tap(torch.zeros(4, HIDDEN), torch.zeros(4, HIDDEN), site)
+    assert calls == []
