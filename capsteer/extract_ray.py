@@ -787,7 +787,7 @@ def _execute(ray: Any, job: _Job, ids: list[str], todo: list[str], all_named: bo
             first_start = start if first_start is None else min(first_start, start)
             if bar is not None:
                 bar.n = len(ids) - len(todo) + committer.committed
-                if time.monotonic() - shown > 0.5:
+                if time.monotonic() - shown > 0.5 or bar.n == len(ids):
                     shown = time.monotonic()
                     elapsed = max(last_commit - first_start, 1e-9)
                     bar.set_postfix_str(f"{committer.tokens / elapsed:,.0f} tok/s, "

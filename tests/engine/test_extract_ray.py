@@ -129,6 +129,50 @@ def test_ray_and_single_engine_jobs_resume_each_other(tmp_path):
     assert torch.equal(job.request("a2")[keys[0]], torch.full((3, 4), 2.0))
 
 
+def test_ray_data_reads_the_records_read_records_reads(tmp_path):
+    """JSONL (read_text), Parquet (read_parquet) and JSONL without ids (numbered by the
+    driver) reach the replicas as the records a single-engine job reads, done ids left out."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import ray
+
+    from capsteer.extract import read_records
+    from capsteer.extract_ray import _dataset, _Job, scan_ids
+
+    records = _records(12)
+    records[2]["messages"].append({"role": "assistant", "content": "ok", "name": "x"})
+    named = tmp_path / "named.jsonl"
+    named.write_text("".join(json.dumps(r) + "\n" + ("\n" if i == 3 else "")
+                             for i, r in enumerate(records)))
+    parquet = tmp_path / "named.parquet"
+    message = pa.struct([("role", pa.string()), ("content", pa.string()), ("name", pa.string())])
+    schema = pa.schema([("id", pa.string()), ("prompt", pa.string()),
+                        ("messages", pa.list_(message))])
+    pq.write_table(pa.Table.from_pylist(records, schema=schema), parquet)
+    unnamed = tmp_path / "unnamed.jsonl"
+    unnamed.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "id"}) + "\n"
+                               for r in records))
+    ray.init(num_cpus=2, include_dashboard=False)
+    try:
+        for path in (named, parquet, unnamed):
+            ids, all_named = scan_ids(path)
+            assert all_named == (path != unnamed)
+            want = read_records(path)
+            assert ids == [r.id for r in want]
+            skip = frozenset(ids[:3])
+            job = _Job("m", path, tmp_path / "job", None, 1, 1, False, None, 1, 4, {}, "sha256")
+            got = sorted(_dataset(ray, job, skip, all_named).take_all(), key=lambda r: r["id"])
+            assert [r["id"] for r in got] == sorted(ids[3:])
+            by_id = {r.id: r for r in want}
+            for row in got:
+                rec = by_id[row["id"]]
+                assert row["prompt"] == rec.prompt
+                messages = None if row["messages"] is None else json.loads(row["messages"])
+                assert messages == rec.messages, (path.name, row["id"])
+    finally:
+        ray.shutdown()
+
+
 def test_ray_options_are_refused_when_misused(tmp_path, monkeypatch):
     inp = tmp_path / "p.jsonl"
     inp.write_text('{"id": "x", "prompt": "hello"}\n')
