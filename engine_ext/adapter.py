@@ -582,12 +582,24 @@ async def collective_rpc_all(engine_client: object, method: str, args: tuple = (
     vLLM's DP client sends a utility call to all its engines but hands back only the
     first engine's answer; capsteer needs every engine's (metrics) and every engine to
     hear end reports (only the one holding a capture acts on it)."""
+    import asyncio
+
     core = getattr(engine_client, "engine_core", None)
-    engines = getattr(core, "core_engines", None) or ()
-    call_all = getattr(core, "call_utility_all_async", None)
-    if call_all is None or len(engines) < 2:
+    engines = list(getattr(core, "core_engines", None) or ())
+    if len(engines) < 2:
         return list(await engine_client.collective_rpc(method, timeout=timeout_s, args=args))
-    per_engine = await call_all("collective_rpc", method, timeout_s, args, None)
+    call_all = getattr(core, "call_utility_all_async", None)  # vLLM 0.32
+    one = getattr(core, "_call_utility_async", None)  # vLLM 0.26: one engine at a time
+    if call_all is not None:
+        per_engine = await call_all("collective_rpc", method, timeout_s, args, None)
+    elif one is not None:
+        per_engine = await asyncio.gather(*(
+            one("collective_rpc", method, timeout_s, args, None, engine=engine)
+            for engine in engines))
+    else:  # never answer for one engine as if it were all of them
+        raise RuntimeError(f"capsteer: this vLLM's data-parallel client ({type(core).__name__}) "
+                           "cannot reach every engine; capsteer needs call_utility_all_async "
+                           "or _call_utility_async")
     return [answer for answers in per_engine for answer in answers]
 
 
