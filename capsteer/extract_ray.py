@@ -48,7 +48,7 @@ from capsteer.capture.publish import (
     fsync_dir,
     write_json_atomic,
 )
-from capsteer.capture.sharded import INDEX_FILE, read_index, shard_name
+from capsteer.capture.sharded import INDEX_FILE, read_index, read_index_repaired, shard_name
 from capsteer.extract import (
     ExtractResult,
     InputError,
@@ -185,19 +185,6 @@ def _from_parquet(batch: Any, path: str, skip: frozenset[str]) -> Any:
 
 
 # ------------------------------------------------------------------- job directory
-def _read_index_cut(path: Path) -> list[dict[str, Any]]:
-    """Index entries; a torn final line (a crash mid-append) is cut off the file."""
-    if not path.exists():
-        return []
-    raw = path.read_bytes()
-    cut = raw.rfind(b"\n") + 1
-    if cut != len(raw):
-        with open(path, "r+b") as fh:
-            fh.truncate(cut)
-            os.fsync(fh.fileno())
-    return [json.loads(line) for line in raw[:cut].splitlines() if line.strip()]
-
-
 def _shard_number(name: str) -> int | None:
     stem = name.removeprefix("shard-").removesuffix(".safetensors")
     return int(stem) if stem.isdigit() and name.startswith("shard-") else None
@@ -251,7 +238,7 @@ class JobCommitter:
         self.fs = fs
         ensure_dir(self.dir, fs)
         self.index_path = self.dir / INDEX_FILE
-        self.index = _read_index_cut(self.index_path)
+        self.index = read_index_repaired(self.index_path)
         self._index_size = self.index_path.stat().st_size if self.index_path.exists() else 0
         self.done: set[str] = {str(e["id"]) for e in self.index}
         referenced = {e["shard"] for e in self.index}

@@ -103,7 +103,7 @@ class _IndexAppendError(Exception):
     """The index append failed after the shard was published (the shard is retried)."""
 
 
-def _read_index(path: Path) -> list[dict[str, Any]]:
+def read_index_repaired(path: Path) -> list[dict[str, Any]]:
     """Index entries; a torn final line (crash mid-append) is cut off the file."""
     if not path.exists():
         return []
@@ -188,7 +188,7 @@ class ShardedWriter:
     # ----------------------------------------------------------------- resume
     def _recover(self) -> None:
         index_path = self.dir / INDEX_FILE
-        self.index = _read_index(index_path)
+        self.index = read_index_repaired(index_path)
         self._index_size = index_path.stat().st_size if index_path.exists() else 0
         self.done_ids: set[str] = {str(e["id"]) for e in self.index}
         referenced = {e["shard"] for e in self.index}
