@@ -741,7 +741,11 @@ def _execute(ray: Any, job: _Job, ids: list[str], todo: list[str], all_named: bo
     if ctx.wait_for_min_actors_s <= 0:  # all replicas up before the first batch: the work is
         ctx.wait_for_min_actors_s = WAIT_FOR_REPLICAS_S  # spread and the timing fair
     ensure_dir(job.out / STAGING_DIR)
-    ds = _dataset(ray, job, frozenset(committer.done), all_named).map_batches(
+    # One block per batch: a replica takes a block at a time, so blocks of the reader's size
+    # (1/8 of a small file) would hand a resume's contiguous leftover ids to one replica.
+    rows = _dataset(ray, job, frozenset(committer.done), all_named).repartition(
+        target_num_rows_per_block=job.batch_size)
+    ds = rows.map_batches(
         Replica, batch_size=job.batch_size, batch_format="pyarrow",
         fn_constructor_kwargs={"model": job.model, "output": str(job.out.resolve()),
                                "spec": job.spec.to_dict(), "shard_size": job.shard_size,
