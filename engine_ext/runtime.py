@@ -290,8 +290,8 @@ class HookRuntime:
             rows = plan.capture.get((kind, site))
             if rows is not None:
                 val = x[rows]  # advanced indexing copies: later in-place kernels cannot touch it
-                if kind == STREAM and residual is not None:
-                    val = val + residual[rows]
+                if kind == STREAM and residual is not None:  # residual may be an fp32 copy
+                    val = (val + residual[rows]).to(x.dtype)
                 self.captured[(kind, site)] = val
 
     def _tap_dense(self, x: torch.Tensor, residual: torch.Tensor | None, site: int,
@@ -315,7 +315,7 @@ class HookRuntime:
             u = self.u[entries]
             proj = (src * u).sum(-1, keepdim=True)
             x.copy_((xf + self.alpha[entries].unsqueeze(1) * proj * u + self.w[entries]).to(x.dtype))
-            val = x if kind == SUB or residual is None else x + residual
+            val = x if kind == SUB or residual is None else (x + residual).to(x.dtype)
             base = self.point_base[slot, kind, site]
             dst = torch.where((base >= 0) & (rank >= 0), base + rank,
                               torch.full_like(base, self.trash_row))
