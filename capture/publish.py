@@ -310,7 +310,8 @@ def write_json_atomic(directory: Path, name: str, obj: dict[str, Any], fs: FileS
     return f
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` still runs on this host (a zombie does not: it holds nothing)."""
     if pid == os.getpid():
         return True
     try:
@@ -340,7 +341,7 @@ def sweep_temp_files(root: Path, *, include_own: bool = False) -> list[Path]:
     for dirpath, _dirs, files in os.walk(root):
         for name in files:
             pid = temp_owner(name)
-            if pid is None or (_pid_alive(pid) and not (include_own and pid == os.getpid())):
+            if pid is None or (pid_alive(pid) and not (include_own and pid == os.getpid())):
                 continue
             path = Path(dirpath) / name
             try:

@@ -17,6 +17,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from capsteer.capture.publish import pid_alive
+
 log = logging.getLogger("vllm.capsteer.server")
 RUNTIME_ENV = "CAPSTEER_SERVE_RUNTIME_DIR"  # set by `capsteer serve`, inherited by API servers
 
@@ -65,12 +67,4 @@ class PeerBoard:
             pid = int((self.dir / capture_id).read_bytes() or b"0")
         except (OSError, ValueError):
             return False
-        if pid <= 0:
-            return False
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
+        return pid > 0 and pid_alive(pid)
