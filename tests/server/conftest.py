@@ -33,25 +33,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class ServerProcess:
-    """One server subprocess; `close()` stops it and its engine."""
+class ProcessServer:
+    """A long-running server subprocess in its own session, ready once /v1/models answers;
+    `close()` stops it and everything it started (engines, API servers)."""
 
-    def __init__(self, model_dir: str, workdir: Path, extra: list[str], name: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.workdir = workdir
-        self.log_path = workdir / f"{name}.log"
-        workdir.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "capsteer.cli", "serve", model_dir, *MODEL_FLAGS,
-               "--host", "127.0.0.1", "--port", str(self.port), *extra]
-        self._log = open(self.log_path, "wb")
-        env = {**os.environ, "VLLM_LOGGING_LEVEL": "INFO"}
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     cwd=workdir, env=env, start_new_session=True)
-        self._wait_ready()
+    def __init__(self, argv: list[str], *, cwd: Path, env: dict[str, str], url: str,
+                 log_path: Path, start_timeout_s: float = START_TIMEOUT_S) -> None:
+        self.url = url
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT,
+                                     cwd=cwd, env=env, start_new_session=True)
+        self._wait_ready(start_timeout_s)
 
-    def _wait_ready(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
@@ -62,7 +58,7 @@ class ServerProcess:
                 pass
             time.sleep(1)
         self.close()
-        raise RuntimeError(f"server not ready after {START_TIMEOUT_S} s:\n{self.log_tail()}")
+        raise RuntimeError(f"server not ready after {timeout_s:g} s:\n{self.log_tail()}")
 
     def log_tail(self, n: int = 60) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
@@ -79,6 +75,21 @@ class ServerProcess:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(30)
         self._log.close()
+
+
+class ServerProcess(ProcessServer):
+    """`capsteer serve` on a demo model with the test flags, on a free port."""
+
+    def __init__(self, model_dir: str, workdir: Path, extra: list[str], name: str,
+                 start_timeout_s: float = START_TIMEOUT_S) -> None:
+        self.port = free_port()
+        self.workdir = workdir
+        workdir.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "capsteer.cli", "serve", model_dir, *MODEL_FLAGS,
+               "--host", "127.0.0.1", "--port", str(self.port), *extra]
+        super().__init__(cmd, cwd=workdir, env={**os.environ, "VLLM_LOGGING_LEVEL": "INFO"},
+                         url=f"http://127.0.0.1:{self.port}", log_path=workdir / f"{name}.log",
+                         start_timeout_s=start_timeout_s)
 
 
 @pytest.fixture(scope="session")

@@ -39,31 +39,14 @@ STEER = {"vectors": [{"hook": "resid_post", "layer": 1, "scale": 3.0,
                       "vector": [((i * 37) % 11 - 5) / 5.0 for i in range(HIDDEN)]}]}
 
 
-class DPServer(ServerProcess):
-    """A ServerProcess with a start-up bound fit for two engines on two cores."""
-
-    def _wait_ready(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                if httpx.get(self.url + "/v1/models", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        self.close()
-        raise RuntimeError(f"server not ready after {START_TIMEOUT_S} s:\n{self.log_tail()}")
-
-
 @pytest.fixture
 def dp_server(engine_pool, model_dirs, server_root) -> ServerProcess:
     root = server_root / NAME
-    return engine_pool.get(("server", NAME), lambda: DPServer(
+    return engine_pool.get(("server", NAME), lambda: ServerProcess(
         model_dirs["qwen3"], root, [
             "--data-parallel-size", "2", "--capture-dir", str(root / "captures"),
-            "--steering-dir", str(root / "vectors"), "--capture-wait-timeout", "30"], NAME))
+            "--steering-dir", str(root / "vectors"), "--capture-wait-timeout", "30"], NAME,
+        start_timeout_s=START_TIMEOUT_S))
 
 
 def _request(i: int) -> tuple[str, dict]:

@@ -7,18 +7,15 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 
 from capsteer.capture.sharded import read_sharded
-from tests.server.conftest import free_port
+from tests.server.conftest import ProcessServer, free_port
 
 pytestmark = [pytest.mark.engine, pytest.mark.uses_engine("quickstart")]
 QUICKSTART = Path(__file__).resolve().parents[2] / "docs" / "quickstart.md"
@@ -28,36 +25,6 @@ BLOCK = re.compile(r"^```(\w+)\n(.*?)^```", re.M | re.S)
 def blocks(text: str) -> list[tuple[str, str]]:
     """(language, code) of every fenced block, in page order."""
     return [(m.group(1), m.group(2)) for m in BLOCK.finditer(text)]
-
-
-class Background:
-    """The page's long-running `capsteer serve`, stopped when the test ends."""
-
-    def __init__(self, command: str, cwd: Path, env: dict[str, str], port: int) -> None:
-        self.log = open(cwd / "serve.log", "wb")
-        self.proc = subprocess.Popen(["bash", "-c", command], cwd=cwd, env=env,
-                                     stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-        deadline = time.monotonic() + 400
-        while True:
-            assert self.proc.poll() is None, (cwd / "serve.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "the quickstart server did not start"
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).is_success:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGINT)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(30)
-        self.log.close()
 
 
 def test_quickstart_runs_as_written(tmp_path, engine_pool, monkeypatch):
@@ -85,7 +52,9 @@ def test_quickstart_runs_as_written(tmp_path, engine_pool, monkeypatch):
                 assert run.returncode == 0, f"{head}\n{run.stdout[-2000:]}{run.stderr[-3000:]}"
                 outputs.append(run.stdout)
             if serve:
-                server = Background(serve, tmp_path, env, port)
+                server = ProcessServer(["bash", "-c", serve], cwd=tmp_path, env=env,
+                                       url=f"http://127.0.0.1:{port}",
+                                       log_path=tmp_path / "serve.log")
     finally:
         if server is not None:
             server.close()
