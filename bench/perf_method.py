@@ -52,6 +52,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import perf_models
+import storage
 
 CONFIGS = ("vanilla", "plain", "steer", "capture")
 TARGETS = {"plain": 0.99, "steer": 0.95, "capture": 0.90}
@@ -116,25 +117,11 @@ def wait_gpu_free(fraction: float, timeout: float = 90.0) -> float:
 
 
 def disk_rate(directory: Path, mib: int) -> float:
-    """MB/s of `dd if=/dev/zero bs=1M conv=fsync` into `directory` (wall time measured here)."""
+    """MB/s of `dd if=/dev/zero bs=1M conv=fsync` into `directory` (bench/storage.py's
+    measurement; its Python write+fsync loop where there is no dd)."""
     directory.mkdir(parents=True, exist_ok=True)
-    target = directory / "dd.bin"
-    t0 = time.perf_counter()
-    if shutil.which("dd"):
-        subprocess.run(["dd", "if=/dev/zero", f"of={target}", "bs=1M", f"count={mib}",
-                        "conv=fsync"], check=True, capture_output=True)
-    else:
-        block = os.urandom(1 << 20)
-        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            for _ in range(mib):
-                os.write(fd, block)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    seconds = time.perf_counter() - t0
-    target.unlink()
-    return mib * (1 << 20) / seconds / 1e6
+    rate = storage.dd_rate(directory, mib)
+    return rate if rate is not None else storage.loop_rate(directory, mib)
 
 
 def parse_slots(text: str | None, total: int) -> list[int]:
