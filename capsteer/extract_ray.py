@@ -48,7 +48,7 @@ from capsteer.capture.publish import (
     fsync_dir,
     write_json_atomic,
 )
-from capsteer.capture.sharded import INDEX_FILE, read_index, read_index_repaired, shard_name
+from capsteer.capture.sharded import INDEX_FILE, read_index, recover_index, shard_name
 from capsteer.extract import (
     ExtractResult,
     InputError,
@@ -238,17 +238,8 @@ class JobCommitter:
         self.fs = fs
         ensure_dir(self.dir, fs)
         self.index_path = self.dir / INDEX_FILE
-        self.index = read_index_repaired(self.index_path)
-        self._index_size = self.index_path.stat().st_size if self.index_path.exists() else 0
+        self.index, self._index_size, referenced = recover_index(self.dir, fs)
         self.done: set[str] = {str(e["id"]) for e in self.index}
-        referenced = {e["shard"] for e in self.index}
-        removed = False
-        for p in self.dir.glob("shard-*.safetensors"):
-            if p.name not in referenced:  # linked, but the index never said so
-                p.unlink()
-                removed = True
-        if removed:
-            fsync_dir(self.dir, fs)
         manifest: dict[str, Any] = {}
         if (self.dir / MANIFEST_FILE).exists():
             manifest = json.loads((self.dir / MANIFEST_FILE).read_text())

@@ -116,6 +116,24 @@ def read_index_repaired(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in raw[:cut].splitlines() if line.strip()]
 
 
+def recover_index(directory: Path, fs: FileSystem) -> tuple[list[dict[str, Any]], int, set[str]]:
+    """A job's index as a crash left it: (entries, the index file's size, the shard names
+    they reference). A torn last line is cut, and shards the index never named (published
+    or linked just before the crash) are removed, so the directory holds what it lists."""
+    index_path = directory / INDEX_FILE
+    index = read_index_repaired(index_path)
+    size = index_path.stat().st_size if index_path.exists() else 0
+    referenced = {e["shard"] for e in index}
+    removed = False
+    for p in directory.glob("shard-*.safetensors"):
+        if p.name not in referenced:
+            p.unlink()
+            removed = True
+    if removed:
+        fsync_dir(directory, fs)
+    return index, size, referenced
+
+
 class ShardedWriter:
     """Appends finished requests to shards of about `shard_bytes`; resumable.
 
@@ -187,18 +205,8 @@ class ShardedWriter:
 
     # ----------------------------------------------------------------- resume
     def _recover(self) -> None:
-        index_path = self.dir / INDEX_FILE
-        self.index = read_index_repaired(index_path)
-        self._index_size = index_path.stat().st_size if index_path.exists() else 0
+        self.index, self._index_size, referenced = recover_index(self.dir, self.fs)
         self.done_ids: set[str] = {str(e["id"]) for e in self.index}
-        referenced = {e["shard"] for e in self.index}
-        removed = False
-        for p in self.dir.glob("shard-*.safetensors"):
-            if p.name not in referenced:  # published, but the index never said so
-                p.unlink()
-                removed = True
-        if removed:
-            fsync_dir(self.dir, self.fs)
         manifest: dict[str, Any] = {}
         if (self.dir / MANIFEST_FILE).exists():
             manifest = load_manifest(self.dir)[1]
