@@ -35,55 +35,17 @@ import subprocess
 import sys
 import time
 import zipfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import perf_models
+from perf_models import SHAPES, SPECIALS
+
 TARGET_RATIO = 1.8
-SPECIALS = ["<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-
-
-@dataclass(frozen=True)
-class Shape:
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int
-    dtype: str
-
-
-SHAPES = {
-    "llama3-8b": Shape(4096, 32, 32, 8, 128, 14336, 128256, "bfloat16"),
-    "llama-tiny": Shape(256, 4, 8, 4, 32, 768, 4096, "float32"),  # CPU smoke (head_dim >= 32)
-}
-
-
-def write_model(out: Path, shape: Shape) -> Path:
-    """Config + word-level tokenizer ("w0 w1 ..." are one token each, every id decodes)."""
-    import transformers
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    out.mkdir(parents=True, exist_ok=True)
-    words = {t: i for i, t in enumerate(SPECIALS)}
-    words.update({f"w{i}": len(SPECIALS) + i for i in range(shape.vocab - len(SPECIALS))})
-    tok = Tokenizer(models.WordLevel(vocab=words, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="<unk>", eos_token="<|im_end|>",
-        bos_token="<|endoftext|>", pad_token="<|endoftext|>").save_pretrained(str(out))
-    cfg = transformers.LlamaConfig(
-        vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
-        num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
-        num_key_value_heads=shape.kv_heads, head_dim=shape.head_dim,
-        max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=False,
-        bos_token_id=1, eos_token_id=3, pad_token_id=1)
-    cfg.architectures = ["LlamaForCausalLM"]  # no weights: say which class to build
-    cfg.dtype = shape.dtype
-    cfg.save_pretrained(str(out))
-    return out
+# Shapes and the model writer: bench/perf_models.py (the script's own directory is on
+# sys.path); the ones this run offers.
+SHAPE_NAMES = ("llama3-8b", "llama-tiny")
 
 
 def write_prompts(path: Path, n: int, lo: int, hi: int, vocab: int, seed: int) -> int:
@@ -244,7 +206,7 @@ def preflight() -> dict[str, Any]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    p.add_argument("--shape", choices=sorted(SHAPES), default=None,
+    p.add_argument("--shape", choices=SHAPE_NAMES, default=None,
                    help="default: llama3-8b on cuda, llama-tiny on cpu")
     p.add_argument("--replicas", default="1,2", help="replica counts, each its own run")
     p.add_argument("--prompts", type=int, default=None, help="default 2048 (cuda), 256 (cpu)")
@@ -291,7 +253,7 @@ def main() -> int:
     work = Path(a.work) if a.work else Path(os.environ.get("TMPDIR", "/tmp")) / "capsteer-ray-bench"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    model = write_model(work / "model", shape)
+    model = perf_models.write_model(work / "model", a.shape, a.device)
     prompts = work / "prompts.jsonl"
     total_tokens = write_prompts(prompts, n, lo, hi, shape.vocab, seed=11)
     print(f"{a.shape} ({a.device}), {n} prompts, {total_tokens} tokens, layer {a.layer}, "
