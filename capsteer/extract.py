@@ -55,43 +55,63 @@ class InputError(ValueError):
     """A bad input file: says which line and what is wrong."""
 
 
-def read_records(path: str | Path) -> list[Record]:
-    """JSONL (or Parquet with the same columns): `id` (default: line number) plus `prompt`
-    or `messages`. Ids must be unique."""
-    path = Path(path)
-    rows: list[dict[str, Any]]
+def check_row(where: str, row: object) -> tuple[str | None, str | None, list | None]:
+    """(id or None, prompt, messages) of one input row: an object with exactly one of a
+    string `prompt` or a list `messages`; `where` names the row in errors."""
+    if not isinstance(row, dict):
+        raise InputError(f"{where}: expected an object")
+    prompt, messages = row.get("prompt"), row.get("messages")
+    if (prompt is None) == (messages is None):
+        raise InputError(f"{where}: give exactly one of 'prompt' or 'messages'")
+    if prompt is not None and not isinstance(prompt, str):
+        raise InputError(f"{where}: 'prompt' must be a string")
+    if messages is not None and not isinstance(messages, list):
+        raise InputError(f"{where}: 'messages' must be a list")
+    rid = str(row["id"]) if row.get("id") is not None else None
+    return rid, prompt, messages
+
+
+def iter_input_rows(path: Path) -> Iterator[tuple[str, object]]:
+    """(where, row) for every input row, streamed: JSONL (blank lines skipped) or Parquet."""
     if path.suffix == ".parquet":
         try:
             import pyarrow.parquet as pq
         except ImportError:
             raise InputError("reading Parquet needs pyarrow (pip install pyarrow)") from None
-        rows = pq.read_table(path).to_pylist()
-    else:
-        rows = []
-        for n, line in enumerate(path.read_text().splitlines(), 1):
+        n = 0
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=8192):
+            for row in batch.to_pylist():
+                n += 1
+                yield f"{path}:{n}", row
+        return
+    with open(path, encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
             if not line.strip():
                 continue
             try:
-                rows.append(json.loads(line))
+                yield f"{path}:{lineno}", json.loads(line)
             except ValueError as exc:
-                raise InputError(f"{path}:{n}: not JSON ({exc})") from None
-    records, seen = [], set()
-    for n, row in enumerate(rows, 1):
-        if not isinstance(row, dict):
-            raise InputError(f"{path}:{n}: expected an object")
-        rid = str(row["id"]) if row.get("id") is not None else str(n)
+                raise InputError(f"{path}:{lineno}: not JSON ({exc})") from None
+
+
+def iter_records(path: str | Path) -> Iterator[tuple[Record, bool]]:
+    """(record, whether the row named its own id) for every row, checked and streamed:
+    `id` defaults to the row's number; ids must be unique."""
+    seen: set[str] = set()
+    for n, (where, row) in enumerate(iter_input_rows(Path(path)), 1):
+        rid, prompt, messages = check_row(where, row)
+        named = rid is not None
+        rid = rid if named else str(n)
         if rid in seen:
-            raise InputError(f"{path}:{n}: duplicate id {rid!r}")
+            raise InputError(f"{where}: duplicate id {rid!r}")
         seen.add(rid)
-        prompt, messages = row.get("prompt"), row.get("messages")
-        if (prompt is None) == (messages is None):
-            raise InputError(f"{path}:{n}: give exactly one of 'prompt' or 'messages'")
-        if prompt is not None and not isinstance(prompt, str):
-            raise InputError(f"{path}:{n}: 'prompt' must be a string")
-        if messages is not None and not isinstance(messages, list):
-            raise InputError(f"{path}:{n}: 'messages' must be a list")
-        records.append(Record(rid, prompt, messages))
-    return records
+        yield Record(rid, prompt, messages), named
+
+
+def read_records(path: str | Path) -> list[Record]:
+    """JSONL (or Parquet with the same columns): `id` (default: row number) plus `prompt`
+    or `messages`. Ids must be unique."""
+    return [record for record, _ in iter_records(path)]
 
 
 def _model_layers(model: str) -> int:

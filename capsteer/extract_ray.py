@@ -58,6 +58,8 @@ from capsteer.extract import (
     _prompts,
     _shards,
     _warn_if_narrower,
+    check_row,
+    iter_records,
     job_config,
     read_records,
 )
@@ -86,62 +88,16 @@ def require_ray() -> Any:
 
 
 # --------------------------------------------------------------------------- input
-def _check_row(where: str, row: object) -> tuple[str | None, str | None, list | None]:
-    """(id or None, prompt, messages) of one input row, with read_records' rules."""
-    if not isinstance(row, dict):
-        raise InputError(f"{where}: expected an object")
-    prompt, messages = row.get("prompt"), row.get("messages")
-    if (prompt is None) == (messages is None):
-        raise InputError(f"{where}: give exactly one of 'prompt' or 'messages'")
-    if prompt is not None and not isinstance(prompt, str):
-        raise InputError(f"{where}: 'prompt' must be a string")
-    if messages is not None and not isinstance(messages, list):
-        raise InputError(f"{where}: 'messages' must be a list")
-    rid = str(row["id"]) if row.get("id") is not None else None
-    return rid, prompt, messages
-
-
-def _iter_rows(path: Path) -> Iterator[tuple[str, object]]:
-    """(where, row) for every input row, streamed (the prompts are not kept)."""
-    if path.suffix == ".parquet":
-        try:
-            import pyarrow.parquet as pq
-        except ImportError:
-            raise InputError("reading Parquet needs pyarrow (pip install pyarrow)") from None
-        n = 0
-        for batch in pq.ParquetFile(path).iter_batches(batch_size=8192):
-            for row in batch.to_pylist():
-                n += 1
-                yield f"{path}:{n}", row
-        return
-    n = 0
-    with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            n += 1
-            try:
-                yield f"{path}:{lineno}", json.loads(line)
-            except ValueError as exc:
-                raise InputError(f"{path}:{lineno}: not JSON ({exc})") from None
-
-
 def scan_ids(path: str | Path) -> tuple[list[str], bool]:
     """Every row's id in input order (line number where a row has none) and whether each
     row named its own; checks the rows as read_records does (unique ids, prompt xor
     messages) without keeping the prompts. The driver needs it for the job's total and
     for what is left to do."""
     ids: list[str] = []
-    seen: set[str] = set()
     all_named = True
-    for n, (where, row) in enumerate(_iter_rows(Path(path)), 1):
-        rid, _, _ = _check_row(where, row)
-        if rid is None:
-            rid, all_named = str(n), False
-        if rid in seen:
-            raise InputError(f"{where}: duplicate id {rid!r}")
-        seen.add(rid)
-        ids.append(rid)
+    for record, named in iter_records(path):
+        ids.append(record.id)
+        all_named = all_named and named
     return ids, all_named
 
 
@@ -151,7 +107,7 @@ def _normalized(rows: Iterable[tuple[str, object]], skip: frozenset[str]) -> Any
 
     ids, prompts, messages = [], [], []
     for where, row in rows:
-        rid, prompt, msgs = _check_row(where, row)
+        rid, prompt, msgs = check_row(where, row)
         if rid is None:  # scan_ids saw an id on every row; the file changed under the job
             raise RuntimeError(f"{where}: no 'id' (was the input file changed during the job?)")
         if rid in skip:
