@@ -13,6 +13,22 @@ ALL_HOOKS = {"hooks": list(HOOKS), "layers": "all", "positions": "all"}
 ATOL = 1e-4
 
 
+WORDS = "the quick brown fox jumps over a lazy dog while seven small birds sing loudly".split()
+
+
+def extraction_records(n: int, spread: int) -> list[dict]:
+    """Extraction input rows: every third a chat, the rest prompts, of 4 to 3 + spread
+    words; ids req-i / chat-i."""
+    out = []
+    for i in range(n):
+        text = " ".join(WORDS[(i + k) % len(WORDS)] for k in range(4 + i % spread))
+        if i % 3 == 2:
+            out.append({"id": f"chat-{i}", "messages": [{"role": "user", "content": text}]})
+        else:
+            out.append({"id": f"req-{i}", "prompt": text})
+    return out
+
+
 def token_prompt(seed: int, length: int, vocab: int = 400) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(5, vocab) for _ in range(length)]

@@ -20,9 +20,10 @@ from capsteer.capture.sharded import read_sharded
 from capsteer.extract import extract
 from capsteer.reference import hf_activations
 
+from .helpers import extraction_records
+
 pytestmark = [pytest.mark.engine, pytest.mark.uses_engine("extract")]
 HIDDEN = 128  # the qwen3 demo model's hidden size
-WORDS = "the quick brown fox jumps over a lazy dog while seven small birds sing loudly".split()
 # vLLM's own flags, with vLLM's meanings: --dtype is the model's (a float32 checkpoint
 # would run in bfloat16 under vLLM's "auto").
 FLAGS = ["--dtype", "float32", "--max-model-len", "512", "--gpu-memory-utilization", "0.15",
@@ -30,14 +31,7 @@ FLAGS = ["--dtype", "float32", "--max-model-len", "512", "--gpu-memory-utilizati
 
 
 def _records(n: int) -> list[dict]:
-    out = []
-    for i in range(n):
-        text = " ".join(WORDS[(i + k) % len(WORDS)] for k in range(4 + i % 9))
-        if i % 3 == 2:
-            out.append({"id": f"chat-{i}", "messages": [{"role": "user", "content": text}]})
-        else:
-            out.append({"id": f"req-{i}", "prompt": text})
-    return out
+    return extraction_records(n, spread=9)
 
 
 def _index(out: Path) -> list[dict]:

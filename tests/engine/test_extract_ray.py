@@ -25,7 +25,8 @@ from capsteer.capture.sharded import ShardedWriter, read_index, read_sharded
 from capsteer.extract import extract
 from capsteer.extract_ray import STAGING_DIR, JobCommitter, RayMissing
 
-WORDS = "the quick brown fox jumps over a lazy dog while seven small birds sing loudly".split()
+from .helpers import extraction_records
+
 # Eager engines start in seconds instead of ~60 s of compilation on this CPU; the Ray path
 # is the same either way (compiled captures are covered by the other engine tests).
 ENGINE = dict(dtype="float32", max_model_len=512, gpu_memory_utilization=0.05, max_num_seqs=8,
@@ -38,14 +39,7 @@ KEYS = [("resid_post", 0), ("resid_post", 3), ("mlp_out", 1), ("mlp_out", 2)]
 
 
 def _records(n: int) -> list[dict]:
-    out = []
-    for i in range(n):
-        text = " ".join(WORDS[(i + k) % len(WORDS)] for k in range(4 + i % 11))
-        if i % 3 == 2:
-            out.append({"id": f"chat-{i}", "messages": [{"role": "user", "content": text}]})
-        else:
-            out.append({"id": f"req-{i}", "prompt": text})
-    return out
+    return extraction_records(n, spread=11)
 
 
 def _index_ids(out: Path) -> list[str]:
