@@ -89,8 +89,8 @@ def require_ray() -> Any:
 
 # --------------------------------------------------------------------------- input
 def scan_ids(path: str | Path) -> tuple[list[str], bool]:
-    """Every row's id in input order (line number where a row has none) and whether each
-    row named its own; checks the rows as read_records does (unique ids, prompt xor
+    """Every row's id in input order (its row number where a row has none) and whether
+    each row named its own; checks the rows as read_records does (unique ids, prompt xor
     messages) without keeping the prompts. The driver needs it for the job's total and
     for what is left to do."""
     ids: list[str] = []
