@@ -916,3 +916,40 @@ def remove_stage_files(path: Path, parts: list[dict[str, Any]], fs: FileSystem =
             fsync_dir(path, fs)
         except OSError:
             pass
+
+
+def publish_unreached(root: str | Path, capture_id: str, *, spec: CaptureSpec, model: str,
+                      reason: str, fs: FileSystem = DEFAULT_FS) -> Receipt:
+    """The error manifest of a capture whose request was aborted before any engine saw it.
+
+    No writer ever opened it, so none will publish: without this manifest its receipt
+    would stay pending. The API server writes it, like a writer's error outcome
+    (same fields, no data files). An outcome already on disk wins and is returned."""
+    root = Path(root)
+    found = find_receipt(root, capture_id)
+    if found is not None:
+        return found
+    now = time.time()
+    rel_dir = relative_dir(capture_id, spec.tag, now)
+    manifest: dict[str, Any] = {
+        "format": "capsteer.capture",
+        "format_version": FORMAT_VERSION,
+        "capture_id": capture_id,
+        "request_id": None,
+        "status": "error",
+        "error": reason,
+        "model": model,
+        "hook_semantics_version": HOOK_SEMANTICS_VERSION,
+        "layout": spec.layout,
+        "dtype": None,
+        "spec": spec.to_dict(),
+        "keys": [],
+        "positions": [],
+        "files": [],
+        "timings": {"opened_at": None, "closed_at": now},
+        "writer": {"host": socket.gethostname(), "pid": os.getpid()},
+    }
+    path = root / rel_dir
+    ensure_dir(path, fs)
+    write_json_atomic(path, MANIFEST_FILE, manifest, fs)
+    return Receipt.from_manifest(manifest, rel_dir)

@@ -24,6 +24,7 @@ from capsteer.engine_ext.plan import RequestHooks, build_step_plan
 from capsteer.engine_ext.runtime import HookRuntime, StepPlan, install_runtime
 
 logger = logging.getLogger("vllm.capsteer")  # under vLLM's configured logger
+_OPENED_KEPT = 65536  # capture ids remembered for end reports (front ends report within seconds)
 
 
 class EngineHooks:
@@ -68,6 +69,7 @@ class EngineHooks:
         self.prompts: dict[str, tuple[int, ...]] = {}
         self.awaiting_end: dict[str, _Ending] = {}  # capture_id -> finished, output length due
         self.end_notices: dict[str, int | None] = {}  # reports that came before the finish
+        self.opened: dict[str, None] = {}  # recent capture ids this worker opened (ordered)
         self.end_wait_s = float(self.config.get("end_wait_s", 60.0))
         self.planned = False
         self.dense_live = False  # device index buffers hold a plan's rows
@@ -138,6 +140,9 @@ class EngineHooks:
                 self.prompts[req_id] = tuple(prompt)
                 sink = self._sink_for(hooks)
                 self.sinks[hooks.capture_id] = sink
+                self.opened[hooks.capture_id] = None
+                if len(self.opened) > _OPENED_KEPT:
+                    del self.opened[next(iter(self.opened))]
                 sink.open(CaptureRequest(
                     capture_id=hooks.capture_id, request_id=hooks.record_id or req_id,
                     model=self.model_name,
@@ -321,17 +326,23 @@ class EngineHooks:
         else:
             self._run_on_sink_thread(lambda: ending.close(num_output))
 
-    def end_captures(self, ends: list[tuple[str, int | None]]) -> None:
-        """The front end's final output lengths (None: the request was aborted)."""
+    def end_captures(self, ends: list[tuple[str, int | None]]) -> list[str]:
+        """The front end's final output lengths (None: the request was aborted).
+
+        Returns the ids among `ends` this worker opened a capture for: an aborted capture
+        no worker opened never reached an engine, and the front end publishes its error
+        outcome. An abort for an id not seen yet is kept, so a request that still
+        arrives (its abort lost in a race) ends aborted too."""
         now = time.monotonic()
         for capture_id, num_output in ends:
             ending = self.awaiting_end.pop(capture_id, None)
             if ending is not None:
                 self._settle(ending, num_output)
-            elif capture_id in self.sinks:
+            elif capture_id in self.sinks or num_output is None:
                 self.end_notices[capture_id] = num_output  # the worker has not seen the end yet
         self.end_notices = {c: n for c, n in list(self.end_notices.items())[-4096:]}
         self.sweep_endings(now)
+        return [capture_id for capture_id, _ in ends if capture_id in self.opened]
 
     def sweep_endings(self, now: float) -> None:
         """Captures whose end report never came are published with what was fed."""
@@ -438,9 +449,11 @@ class CapsteerWorker(adapter.platform_worker_base()):  # type: ignore[misc]
         """Finished in-memory captures (the in-process engine polls this)."""
         return {cid: cap.to_wire() for cid, cap in self.capsteer.memory.take(capture_ids).items()}
 
-    def capsteer_end_captures(self, ends: list) -> None:
-        """Output lengths from the front end (server, in-process engine); None = aborted."""
-        self.capsteer.end_captures([(str(c), None if n is None else int(n)) for c, n in ends])
+    def capsteer_end_captures(self, ends: list) -> list[str]:
+        """Output lengths from the front end (server, in-process engine); None = aborted.
+        Answers which of the ids this worker opened a capture for."""
+        return self.capsteer.end_captures(
+            [(str(c), None if n is None else int(n)) for c, n in ends])
 
     def capsteer_metrics(self) -> dict:
         """This process's capture metrics (the server merges every worker's into /metrics)."""

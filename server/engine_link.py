@@ -4,6 +4,8 @@
   front end reports how many tokens the response really has (stop strings are
   found here, after the engine may have fed more). Reports are batched: at most
   one call in flight, the rest queue behind it.
+  The answer names the captures each worker opened; an aborted one no worker opened
+  never reached an engine, and the server publishes its error outcome itself.
 - Metrics: the writers run in the workers, so /metrics asks each worker for a
   snapshot of its capture metrics at scrape time (last good one on failure).
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from capsteer.engine_ext import adapter
@@ -24,9 +27,11 @@ log = logging.getLogger("vllm.capsteer.server")
 
 
 class EngineLink:
-    def __init__(self, engine_client: Any, *, rpc_timeout_s: float = 10.0) -> None:
+    def __init__(self, engine_client: Any, *, rpc_timeout_s: float = 10.0,
+                 on_unreached: Callable[[str], Awaitable[None]] | None = None) -> None:
         self.engine = engine_client
         self.rpc_timeout_s = rpc_timeout_s
+        self.on_unreached = on_unreached  # an aborted capture no worker opened
         self._ends: list[tuple[str, int | None]] = []
         self._flusher: asyncio.Task | None = None
         self._last_metrics: list[dict] = []
@@ -43,10 +48,28 @@ class EngineLink:
         while self._ends:
             batch, self._ends = self._ends, []
             try:
-                await asyncio.wait_for(adapter.collective_rpc_all(
+                answers = await asyncio.wait_for(adapter.collective_rpc_all(
                     self.engine, "capsteer_end_captures", args=(batch,)), self.rpc_timeout_s)
             except Exception:  # the workers publish on their own after end_wait_s
                 log.exception("capsteer: reporting %d capture ends to the engine failed", len(batch))
+                continue
+            await self._settle_unreached(batch, answers)
+
+    async def _settle_unreached(self, batch: list[tuple[str, int | None]],
+                                answers: list) -> None:
+        """Aborted captures no worker of any engine opened: the request was aborted before
+        it reached an engine (vLLM sends the abort ahead of this report, on the same
+        channel), so no writer will ever publish them."""
+        if self.on_unreached is None:
+            return
+        opened = {cid for answer in answers for cid in (answer or ())}
+        for capture_id, num_output in batch:
+            if num_output is None and capture_id not in opened:
+                try:
+                    await self.on_unreached(capture_id)
+                except Exception:
+                    log.exception("capsteer: publishing the outcome of capture %s, aborted "
+                                  "before it reached the engine, failed", capture_id)
 
     async def drain(self) -> None:
         """Wait until every queued report was sent (tests, shutdown)."""

@@ -57,8 +57,9 @@ class CapsteerState:
                         "process answers 404 until the capture is durable",
                         topology.api_servers)
         tracker = CaptureTracker(settings.capture_dir, admission_budget(settings, topology),
-                                 peers=peers)
-        return cls(settings, model, shape, registry, tracker, EngineLink(engine),
+                                 peers=peers, model=model.name)
+        link = EngineLink(engine, on_unreached=tracker.settle_unreached)
+        return cls(settings, model, shape, registry, tracker, link,
                    adapter.api_keys(app), global_capture, topology)
 
 

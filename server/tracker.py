@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from capsteer.capture.receipts import Receipt, find_receipt, pending
+from capsteer.capture.spec import CaptureSpec
+from capsteer.capture.writer import publish_unreached
 from capsteer.server.peers import PeerBoard
 
 log = logging.getLogger("vllm.capsteer.server")
@@ -28,6 +30,7 @@ log = logging.getLogger("vllm.capsteer.server")
 class _Tracked:
     reserved: int
     since: float
+    spec: CaptureSpec | None = None
     waiters: list[asyncio.Future] = field(default_factory=list)
 
 
@@ -35,8 +38,10 @@ class CaptureTracker:
     """Reservations and receipt waits for captures in flight (asyncio, one event loop)."""
 
     def __init__(self, root: str | Path, budget_bytes: int, *, poll_s: float = 0.02,
-                 forget_after_s: float = 3600.0, peers: PeerBoard | None = None) -> None:
+                 forget_after_s: float = 3600.0, peers: PeerBoard | None = None,
+                 model: str = "") -> None:
         self.root = Path(root)
+        self.model = model
         self.budget = budget_bytes
         self.poll_s = poll_s
         self.forget_after_s = forget_after_s
@@ -46,15 +51,15 @@ class CaptureTracker:
         self.peers = peers
 
     # ---- admission ----
-    def try_reserve(self, capture_id: str, nbytes: int) -> bool:
+    def try_reserve(self, capture_id: str, nbytes: int, spec: CaptureSpec | None = None) -> bool:
         """Reserve for the reject policy: False when the budget cannot take it now."""
         if self.reserved_bytes + nbytes > self.budget and self.reserved_bytes > 0:
             return False
-        self.track(capture_id, nbytes)
+        self.track(capture_id, nbytes, spec)
         return True
 
-    def track(self, capture_id: str, nbytes: int = 0) -> None:
-        self._tracked[capture_id] = _Tracked(nbytes, time.monotonic())
+    def track(self, capture_id: str, nbytes: int = 0, spec: CaptureSpec | None = None) -> None:
+        self._tracked[capture_id] = _Tracked(nbytes, time.monotonic(), spec)
         self.reserved_bytes += nbytes
         if self.peers is not None:
             self.peers.add(capture_id)
@@ -71,6 +76,17 @@ class CaptureTracker:
                 if not fut.done():
                     fut.set_result(Receipt(capture_id, "error", error="the request failed before "
                                            "reaching the engine; nothing was captured"))
+
+    async def settle_unreached(self, capture_id: str) -> None:
+        """Publish the error outcome of a capture aborted before any engine opened it (see
+        EngineLink); the poller then finds its manifest like any other."""
+        entry = self._tracked.get(capture_id)
+        if entry is None or entry.spec is None:
+            return
+        await asyncio.to_thread(
+            publish_unreached, self.root, capture_id, spec=entry.spec, model=self.model,
+            reason="aborted: the request was aborted before the engine ran it; "
+                   "nothing was captured")
 
     def is_tracked(self, capture_id: str) -> bool:
         """In flight here or, under several API servers, in another one."""

@@ -27,6 +27,7 @@ from capsteer.capture import (
 )
 from capsteer.capture.publish import temp_name
 from capsteer.capture.reader import sha256_file
+from capsteer.capture.writer import publish_unreached
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -240,6 +241,30 @@ def test_abort_gives_error_receipt_and_no_data(writer, root):
     files = sorted(p.name for p in (root / r.dir).iterdir())
     assert files == ["manifest.json"]
     assert find_receipt(root, "ab-1").status == "error"
+
+
+def test_unreached_capture_gets_an_error_manifest_unless_one_exists(writer, root):
+    """An abort before any engine opened the capture: the server publishes its outcome;
+    a writer that published first (or later) keeps its own."""
+    spec = make_spec(layers=[0, 1])
+    receipt = publish_unreached(root, "never-1", spec=spec, model="m", reason="aborted: early")
+    assert receipt.status == "error" and receipt.error == "aborted: early"
+    assert receipt.files == () and receipt.positions == 0
+    assert find_receipt(root, "never-1") == receipt
+    assert sorted(p.name for p in (root / receipt.dir).iterdir()) == ["manifest.json"]
+    manifest = json.loads((root / receipt.dir / "manifest.json").read_text())
+    assert manifest["spec"] == spec.to_dict() and manifest["capture_id"] == "never-1"
+
+    first, _, _ = publish(writer, "raced-1", spec)
+    again = publish_unreached(root, "raced-1", spec=spec, model="m", reason="aborted: late")
+    assert first.status == "ok" and again == find_receipt(root, "raced-1")
+    assert again.status == "ok"
+
+    late = make_request("never-1", spec, 4)  # the request arrives after all: no clobbering
+    feed(writer, late, 2)
+    writer.abort("never-1", "request aborted")
+    assert writer.future("never-1").result(10).status == "error"
+    assert find_receipt(root, "never-1").error == "aborted: early"
 
 
 @pytest.mark.parametrize("cid", ["../x", "a/b", ".hidden", "", "x" * 200, "a b", "..", "*"])

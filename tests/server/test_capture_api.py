@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -143,23 +144,80 @@ def test_no_capture_field_no_results(server, client):
 
 def test_disconnected_stream_gets_an_error_receipt(server, http):
     """A client that goes away mid-stream aborts the request: no data files are
-    published under a final name, the receipt says why."""
-    with http.stream("POST", "/v1/completions", json={
-            "model": "demo", "prompt": PROMPT, "max_tokens": 400, "temperature": 0,
-            "ignore_eos": True, "stream": True,
-            "capture": {"hooks": ["resid_post"], "positions": "all"}}) as r:
-        capture_id = r.headers["x-capsteer-capture-id"]
-        lines = r.iter_lines()
-        for _ in range(3):
-            next(lines)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        body = http.get(f"/v1/captures/{capture_id}").json()
-        if body["status"] != "pending":
-            break
-        time.sleep(0.1)
-    assert body["status"] == "error" and "abort" in body["error"], body
-    assert body["files"] == []
+    published under a final name, the receipt says why.
+
+    The client leaves as soon as the stream's headers arrive. The server writes ahead
+    of a client that does not read, so a generation can still finish before the
+    disconnect is seen (the whole 440 tokens take under a second here); such a capture
+    is complete and ok. Each attempt checks whichever outcome it got; at least one of
+    five must be the abort."""
+    for _ in range(5):
+        with http.stream("POST", "/v1/completions", json={
+                "model": "demo", "prompt": PROMPT, "max_tokens": 440, "temperature": 0,
+                "ignore_eos": True, "stream": True,
+                "capture": {"hooks": ["resid_post"], "positions": "all"}}) as r:
+            assert r.status_code == 200
+            assert r.headers["content-type"].startswith("text/event-stream")
+            capture_id = r.headers["x-capsteer-capture-id"]
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            body = http.get(f"/v1/captures/{capture_id}").json()
+            if body["status"] != "pending":
+                break
+            time.sleep(0.1)
+        if body["status"] == "error":
+            assert "abort" in body["error"], body
+            assert body["files"] == [] and body["positions"] == 0, body
+            return
+        assert body["status"] == "ok", body
+        prompt_len = body["manifest_data"]["prompt_tokens"]
+        assert body["positions"] == prompt_len + 440 - 1, body  # finished: every position
+    pytest.fail("five disconnected streams all finished before the server saw the disconnect")
+
+
+def _gauge(http: httpx.Client, name: str) -> float:
+    for line in http.get("/metrics").text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def test_abort_before_the_engine_ran_it_gets_an_error_receipt(server, http, client):
+    """A request aborted while it waits for a slot never reaches a worker, so no writer
+    will publish its capture: the server publishes the error outcome itself instead of
+    leaving the receipt pending. One plain request of 64 long prompts fills every slot
+    (--max-num-seqs 16) four times over; the captured one queues behind them and its
+    client leaves."""
+    def long_plain_batch() -> int:
+        resp = client.completions.create(model="demo", prompt=[PROMPT] * 64, max_tokens=440,
+                                         temperature=0, extra_body={"ignore_eos": True})
+        return resp.usage.completion_tokens
+
+    with ThreadPoolExecutor(1) as pool:
+        batch = pool.submit(long_plain_batch)
+        seen = []
+        while not seen or seen[-1] < 16:
+            seen.append(_gauge(http, "vllm:num_requests_running"))
+            assert not batch.done(), f"never 16 running: {seen}"
+            time.sleep(0.02)
+        with http.stream("POST", "/v1/completions", json={
+                "model": "demo", "prompt": PROMPT, "max_tokens": 8, "temperature": 0,
+                "stream": True, "capture": {"hooks": ["resid_post"], "positions": "all"}}) as r:
+            assert r.status_code == 200
+            capture_id = r.headers["x-capsteer-capture-id"]
+        deadline = time.monotonic() + 30
+        while True:
+            body = http.get(f"/v1/captures/{capture_id}").json()
+            if body["status"] != "pending" or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert batch.result() == 64 * 440
+    # Only the server writes this reason: no worker opened the capture.
+    assert body["status"] == "error" and "before the engine ran it" in body["error"], body
+    assert body["files"] == [] and body["positions"] == 0
+    manifest = body["manifest_data"]
+    assert manifest["status"] == "error" and manifest["capture_id"] == capture_id
+    assert manifest["spec"]["hooks"] == {"resid_post": [0, 1, 2, 3]}
 
 
 def test_receipt_lookup_errors(server, http):
