@@ -269,7 +269,7 @@ def _run(engine: Engine, todo: list[Record], spec: CaptureSpec, max_tokens: int,
     limit = window or 4 * int(engine.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs)
     bar = _progress(len(todo), progress)
     pending = iter(_prompts(engine, todo))
-    live: dict[str, tuple[Record, str]] = {}  # vLLM request id -> (record, capture id)
+    live: set[str] = set()  # capture ids in flight (each is its vLLM request id)
     ends: list[tuple[str, int]] = []
     tokens = finished = 0
     started = time.monotonic()
@@ -290,16 +290,16 @@ def _run(engine: Engine, todo: list[Record], spec: CaptureSpec, max_tokens: int,
                                     extra_args={EXTRA_ARGS_KEY: payload})
             # outputs carry the id given here; add_request returns vLLM's internal one
             llm_engine.add_request(capture_id, prompt, params)
-            live[capture_id] = (rec, capture_id)
+            live.add(capture_id)
         if not llm_engine.has_unfinished_requests():
             break
         for output in llm_engine.step():
             if not output.finished:
                 continue
-            entry = live.pop(output.request_id, None)
-            if entry is None:
+            capture_id = output.request_id
+            if capture_id not in live:
                 continue
-            capture_id = entry[1]
+            live.discard(capture_id)
             finished += 1
             tokens += len(output.prompt_token_ids or ())
             ends.append((capture_id, len(output.outputs[0].token_ids)))

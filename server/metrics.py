@@ -38,8 +38,6 @@ _STEERING_SAMPLE = "capsteer_api_steering_requests_total"
 _REJECTED_SAMPLE = "capsteer_api_capture_rejected_total"
 _PREFIX = b"capsteer_"
 
-_vectors_seen = 0  # the registry size at the last render (for REGISTRY readers)
-
 
 def count_rejection() -> None:
     _REJECTED.inc()
@@ -93,13 +91,12 @@ def api_snapshot(vectors: int) -> dict[str, Any]:
 
 # Every capsteer family the API server adds (the dashboard test reads it without a server).
 REGISTRY = CollectorRegistry(auto_describe=False)
-REGISTRY.register(capture_metrics.SnapshotCollector(lambda: [api_snapshot(_vectors_seen)]))
+# Names and types only: /metrics serves live values through `render`.
+REGISTRY.register(capture_metrics.SnapshotCollector(lambda: [api_snapshot(0)]))
 
 
 def render(worker_snapshots: list[dict], vectors: int) -> bytes:
     """Text exposition of the summed worker snapshots and the API servers' counts."""
-    global _vectors_seen
-    _vectors_seen = vectors
     merged = CollectorRegistry(auto_describe=False)
     sources = [*worker_snapshots, api_snapshot(vectors)]
     merged.register(capture_metrics.SnapshotCollector(lambda: sources))
