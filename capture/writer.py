@@ -22,6 +22,7 @@ outcome); the merged outcome is the manifest on disk, which the server reads.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -252,7 +253,6 @@ class CaptureWriter:
         self._caps: dict[str, _Capture] = {}
         self._caps_lock = threading.Lock()
         self._pool = WorkerThreads(workers or default_workers())
-        self._host = socket.gethostname()
         self.spilled_bytes = 0
 
     # ----------------------------------------------------------------- sink API
@@ -603,9 +603,6 @@ class CaptureWriter:
         receipt = Receipt.from_manifest(manifest, cap.rel_dir)
         return replace(receipt, manifest=cap.part) if cap.staged else receipt
 
-    def _writer_info(self) -> dict[str, Any]:
-        return {"host": self._host, "pid": os.getpid()}
-
     def _merge(self, cap: _Capture) -> None:
         """Write manifest.json from every stage's part if all are there and this writer
         wins the merge lock; never raises (this stage's own outcome is already durable).
@@ -618,9 +615,9 @@ class CaptureWriter:
         """
         try:
             parts = read_parts(cap.path, cap.req.num_stages)
-            if parts is None or not take_merge_lock(cap.path, self._writer_info()):
+            if parts is None or not take_merge_lock(cap.path, writer_info()):
                 return
-            manifest = merge_parts(cap.req.spec.keys(), parts, self.clock(), self._writer_info())
+            manifest = merge_parts(cap.req.spec.keys(), parts, self.clock(), writer_info())
             write_json_atomic(cap.path, MANIFEST_FILE, manifest, self.fs)
         except Exception as exc:
             log.error("capture %s: merging the stage parts failed: %r", cap.req.capture_id, exc)
@@ -633,33 +630,15 @@ class CaptureWriter:
     def _manifest_base(self, cap: _Capture, status: str, error: str | None, **fields: Any) -> dict[str, Any]:
         """Manifest fields in reading order; `fields` fills in what only a publish knows."""
         req = cap.req
-        manifest: dict[str, Any] = {
-            "format": "capsteer.capture",
-            "format_version": FORMAT_VERSION,
-            "capture_id": req.capture_id,
-            "request_id": req.request_id,
-            "status": status,
-            "error": error,
-            "model": req.model,
-            "hook_semantics_version": HOOK_SEMANTICS_VERSION,
-            "layout": req.spec.layout,
-            "dtype": fields.pop("dtype", None),
-            "model_dtype": DTYPE_NAME.get(req.model_dtype, str(req.model_dtype)),
-            "num_layers": req.num_layers,
-            "hidden_size": req.hidden_size,
-            "spec": req.spec.to_dict(),
-            "keys": [key_name(*k) for k in cap.key_order],
-        }
-        if cap.staged:
-            manifest["stage"] = req.stage
-            manifest["stages"] = req.num_stages
-        manifest["prompt_tokens"] = len(req.prompt_token_ids)
-        manifest.update(fields)
-        manifest.setdefault("positions", [])
-        manifest.setdefault("files", [])
-        manifest["timings"] = {"opened_at": cap.opened_at, "closed_at": cap.closed_at}
-        manifest["writer"] = self._writer_info()
-        return manifest
+        dtype = fields.pop("dtype", None)
+        staged = {"stage": req.stage, "stages": req.num_stages} if cap.staged else {}
+        return outcome_manifest(
+            req.capture_id, req.request_id, status, error, req.model, req.spec,
+            [key_name(*k) for k in cap.key_order],
+            timings={"opened_at": cap.opened_at, "closed_at": cap.closed_at}, dtype=dtype,
+            model_shape={"model_dtype": DTYPE_NAME.get(req.model_dtype, str(req.model_dtype)),
+                         "num_layers": req.num_layers, "hidden_size": req.hidden_size},
+            fields={**staged, "prompt_tokens": len(req.prompt_token_ids), **fields})
 
     def _publish(self, cap: _Capture, end: CaptureEnd, started: float) -> Receipt:
         req, spec = cap.req, cap.req.spec
@@ -918,6 +897,47 @@ def remove_stage_files(path: Path, parts: list[dict[str, Any]], fs: FileSystem =
             pass
 
 
+@functools.cache
+def _hostname() -> str:
+    return socket.gethostname()
+
+
+def writer_info() -> dict[str, Any]:
+    """Who wrote a manifest (or took a merge lock)."""
+    return {"host": _hostname(), "pid": os.getpid()}
+
+
+def outcome_manifest(capture_id: str, request_id: str | None, status: str, error: str | None,
+                     model: str, spec: CaptureSpec, keys: list[str], *,
+                     timings: dict[str, Any], dtype: str | None = None,
+                     model_shape: dict[str, Any] | None = None,
+                     fields: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A manifest's fields in reading order, for a writer's outcome and for the server's
+    outcome of a capture no writer opened; `model_shape` and `fields` are what only a
+    writer knows."""
+    manifest: dict[str, Any] = {
+        "format": "capsteer.capture",
+        "format_version": FORMAT_VERSION,
+        "capture_id": capture_id,
+        "request_id": request_id,
+        "status": status,
+        "error": error,
+        "model": model,
+        "hook_semantics_version": HOOK_SEMANTICS_VERSION,
+        "layout": spec.layout,
+        "dtype": dtype,
+        **(model_shape or {}),
+        "spec": spec.to_dict(),
+        "keys": keys,
+        **(fields or {}),
+    }
+    manifest.setdefault("positions", [])
+    manifest.setdefault("files", [])
+    manifest["timings"] = timings
+    manifest["writer"] = writer_info()
+    return manifest
+
+
 def publish_unreached(root: str | Path, capture_id: str, *, spec: CaptureSpec, model: str,
                       reason: str, fs: FileSystem = DEFAULT_FS) -> Receipt:
     """The error manifest of a capture whose request was aborted before any engine saw it.
@@ -931,24 +951,8 @@ def publish_unreached(root: str | Path, capture_id: str, *, spec: CaptureSpec, m
         return found
     now = time.time()
     rel_dir = relative_dir(capture_id, spec.tag, now)
-    manifest: dict[str, Any] = {
-        "format": "capsteer.capture",
-        "format_version": FORMAT_VERSION,
-        "capture_id": capture_id,
-        "request_id": None,
-        "status": "error",
-        "error": reason,
-        "model": model,
-        "hook_semantics_version": HOOK_SEMANTICS_VERSION,
-        "layout": spec.layout,
-        "dtype": None,
-        "spec": spec.to_dict(),
-        "keys": [],
-        "positions": [],
-        "files": [],
-        "timings": {"opened_at": None, "closed_at": now},
-        "writer": {"host": socket.gethostname(), "pid": os.getpid()},
-    }
+    manifest = outcome_manifest(capture_id, None, "error", reason, model, spec, [],
+                                timings={"opened_at": None, "closed_at": now})
     path = root / rel_dir
     ensure_dir(path, fs)
     write_json_atomic(path, MANIFEST_FILE, manifest, fs)

@@ -27,8 +27,8 @@ log = logging.getLogger("vllm.capsteer.server")
 
 
 class EngineLink:
-    def __init__(self, engine_client: Any, *, rpc_timeout_s: float = 10.0,
-                 on_unreached: Callable[[str], Awaitable[None]] | None = None) -> None:
+    def __init__(self, engine_client: Any, on_unreached: Callable[[str], Awaitable[None]], *,
+                 rpc_timeout_s: float = 10.0) -> None:
         self.engine = engine_client
         self.rpc_timeout_s = rpc_timeout_s
         self.on_unreached = on_unreached  # an aborted capture no worker opened
@@ -60,8 +60,6 @@ class EngineLink:
         """Aborted captures no worker of any engine opened: the request was aborted before
         it reached an engine (vLLM sends the abort ahead of this report, on the same
         channel), so no writer will ever publish them."""
-        if self.on_unreached is None:
-            return
         opened = {cid for answer in answers for cid in (answer or ())}
         for capture_id, num_output in batch:
             if num_output is None and capture_id not in opened:

@@ -180,14 +180,14 @@ class CapsteerMiddleware:
                         "capture fewer hooks, layers or positions, or lower max_tokens",
                         "capture", "BadRequestError"))
                     return
-                if not state.tracker.try_reserve(capture_id, estimate, hooks.capture):
+                if not state.tracker.try_reserve(capture_id, hooks.capture, estimate):
                     metrics.count_rejection()
                     await send_json(send, 429, error_body(
                         429, "capture: the server's capture budget is in use; retry shortly",
                         "capture", "RateLimitError"), [(b"retry-after", b"1")])
                     return
             else:
-                state.tracker.track(capture_id, spec=hooks.capture)
+                state.tracker.track(capture_id, hooks.capture)
         if hooks.steering is not None and not hooks.steering.is_noop:
             metrics.STEERING_REQUESTS.inc()
         encoded = json.dumps(new_body).encode()

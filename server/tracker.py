@@ -30,7 +30,7 @@ log = logging.getLogger("vllm.capsteer.server")
 class _Tracked:
     reserved: int
     since: float
-    spec: CaptureSpec | None = None
+    spec: CaptureSpec
     waiters: list[asyncio.Future] = field(default_factory=list)
 
 
@@ -51,14 +51,14 @@ class CaptureTracker:
         self.peers = peers
 
     # ---- admission ----
-    def try_reserve(self, capture_id: str, nbytes: int, spec: CaptureSpec | None = None) -> bool:
+    def try_reserve(self, capture_id: str, spec: CaptureSpec, nbytes: int) -> bool:
         """Reserve for the reject policy: False when the budget cannot take it now."""
         if self.reserved_bytes + nbytes > self.budget and self.reserved_bytes > 0:
             return False
-        self.track(capture_id, nbytes, spec)
+        self.track(capture_id, spec, nbytes)
         return True
 
-    def track(self, capture_id: str, nbytes: int = 0, spec: CaptureSpec | None = None) -> None:
+    def track(self, capture_id: str, spec: CaptureSpec, nbytes: int = 0) -> None:
         self._tracked[capture_id] = _Tracked(nbytes, time.monotonic(), spec)
         self.reserved_bytes += nbytes
         if self.peers is not None:
@@ -81,7 +81,7 @@ class CaptureTracker:
         """Publish the error outcome of a capture aborted before any engine opened it (see
         EngineLink); the poller then finds its manifest like any other."""
         entry = self._tracked.get(capture_id)
-        if entry is None or entry.spec is None:
+        if entry is None:  # refused by vLLM, or already durable
             return
         await asyncio.to_thread(
             publish_unreached, self.root, capture_id, spec=entry.spec, model=self.model,
