@@ -9,7 +9,13 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from .helpers import ALL_HOOKS, PROMPT, assert_capture_matches_hf, capture_dir
+from .helpers import (
+    ALL_HOOKS,
+    PROMPT,
+    assert_capture_matches_hf,
+    capture_dir,
+    metric_value,
+)
 
 pytestmark = [pytest.mark.engine, pytest.mark.uses_engine("server")]
 MESSAGES = [{"role": "user", "content": "tell me about foxes and dogs"}]
@@ -175,19 +181,12 @@ def test_disconnected_stream_gets_an_error_receipt(server, http):
     pytest.fail("five disconnected streams all finished before the server saw the disconnect")
 
 
-def _gauge(http: httpx.Client, name: str) -> float:
-    for line in http.get("/metrics").text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name} not in /metrics")
-
-
 def test_abort_before_the_engine_ran_it_gets_an_error_receipt(server, http, client):
     """A request aborted while it waits for a slot never reaches a worker, so no writer
     will publish its capture: the server publishes the error outcome itself instead of
     leaving the receipt pending. One plain request of 64 long prompts fills every slot
-    (--max-num-seqs 16) four times over; the captured one queues behind them and its
-    client leaves."""
+    (--max-num-seqs 16) four times over; the captured one queues behind at least two
+    rounds of them and its client leaves."""
     def long_plain_batch() -> int:
         resp = client.completions.create(model="demo", prompt=[PROMPT] * 64, max_tokens=440,
                                          temperature=0, extra_body={"ignore_eos": True})
@@ -195,10 +194,20 @@ def test_abort_before_the_engine_ran_it_gets_an_error_receipt(server, http, clie
 
     with ThreadPoolExecutor(1) as pool:
         batch = pool.submit(long_plain_batch)
+        # A scrape can stall behind the busy server: trust only a quick one that shows
+        # every slot taken and two more rounds (32 prompts, about 2 s) queued.
         seen = []
-        while not seen or seen[-1] < 16:
-            seen.append(_gauge(http, "vllm:num_requests_running"))
-            assert not batch.done(), f"never 16 running: {seen}"
+        while True:
+            started = time.monotonic()
+            text = http.get("/metrics").text
+            took = time.monotonic() - started
+            running, waiting = (metric_value(text, name, engine="0", model_name="demo")
+                                for name in ("vllm:num_requests_running",
+                                             "vllm:num_requests_waiting"))
+            seen.append((running, waiting, round(took, 2)))
+            if took < 0.3 and running >= 16 and waiting >= 32:
+                break
+            assert not batch.done(), f"never 16 running and 32 waiting: {seen}"
             time.sleep(0.02)
         with http.stream("POST", "/v1/completions", json={
                 "model": "demo", "prompt": PROMPT, "max_tokens": 8, "temperature": 0,
