@@ -83,7 +83,8 @@ def interleave_configs(parts: list[str]) -> list[str]:
 
 
 def _cold(work: Path, mark: str) -> bool:
-    cache = Path.home() / ".cache" / "vllm" / "torch_compile_cache"
+    root = os.environ.get("VLLM_CACHE_ROOT") or str(Path.home() / ".cache" / "vllm")
+    cache = Path(root) / "torch_compile_cache"
     return not (work / "warm" / mark).exists() or not cache.exists()
 
 
@@ -169,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="print the plan and estimate only")
     ap.add_argument("--no-p3all", dest="p3all", action="store_false",
                     help="skip P3-all in the first capture process")
-    ap.add_argument("--work", default="/tmp/capsteer-perf")
+    ap.add_argument("--work", default=os.environ.get("CAPSTEER_WORK") or "/tmp/capsteer-perf")
     ap.add_argument("--out", default=os.environ.get("OUT") or str(HERE / "results" / "gpu-perf"))
     a = ap.parse_args(argv)
     t0 = time.time()
