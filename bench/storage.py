@@ -14,7 +14,7 @@ one thread publishing files through AtomicFile with no digest, sha256 and blake3
 each hashed inline and on the digest thread (what a durable write spends hashing),
 then the packed writer with each digest.
 
-    python bench/storage.py [--total-mib 2048] [--dir DIR] [--workers 2] [--repeat 2] [--diagnose-hash]
+    python bench/storage.py [--total-mib 2048] [--dir DIR] [--workers N] [--repeat 2] [--diagnose-hash]
         [--digest sha256|blake3] [--digest-compare]
 """
 
@@ -40,6 +40,7 @@ import torch
 
 from capsteer.capture import CaptureEnd, CaptureRequest, CaptureWriter, parse_capture_spec, publish
 from capsteer.capture.publish import DIGESTS, AtomicFile, fsync_dir, new_hasher
+from capsteer.capture.writer import default_workers
 
 MIB = 1 << 20
 
@@ -223,7 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--prompt", type=int, default=512)
-    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--workers", type=int, default=None,
+                    help="writer threads (default: the writer's own default on this machine, "
+                         "what a server uses)")
     ap.add_argument("--repeat", type=int, default=2, help="runs per measurement (best kept)")
     ap.add_argument("--json", action="store_true", help="also print the figures as JSON")
     ap.add_argument(
@@ -235,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--digest-compare", action="store_true",
                     help="also time each digest: one thread's durable writes, then the packed writer")
     args = ap.parse_args(argv)
+    if args.workers is None:
+        args.workers = default_workers()
 
     base = args.dir or Path(__file__).parent / "results"
     base.mkdir(parents=True, exist_ok=True)

@@ -10,10 +10,16 @@ the manifest under the algorithm's name (`digest_fields`): `{"sha256": hex}` for
 sha256 (the default, api.md §5), `{"digest": "blake3", "blake3": hex}` otherwise,
 so a manifest that predates the choice reads as sha256. Hashing runs on a helper
 thread, overlapping the file's own write and fsync.
+
+Writeback starts as each large piece is written (Linux `sync_file_range`), so the disk
+works while the writer hashes and copies the next piece; the final fsync then waits
+for the tail only (bench/storage.py).
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import errno
 import hashlib
 import json
@@ -36,6 +42,23 @@ DIGESTS = ("sha256", "blake3")  # names as recorded in manifests
 DEFAULT_DIGEST = "sha256"  # api.md §5 names sha256; blake3 is opt-in (docs/capture-format.md)
 # Pieces smaller than this are hashed inline: a thread hand-off costs more than it saves.
 _OVERLAP_MIN = 256 << 10
+_SYNC_FILE_RANGE_WRITE = 2  # linux/fs.h: start writeback of dirty pages, do not wait
+
+
+def _load_sync_file_range() -> Any:
+    """libc's sync_file_range, or None where there is none (non-Linux): Python's os
+    module does not expose it."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        fn = libc.sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_SYNC_FILE_RANGE = _load_sync_file_range()
 
 
 class DigestError(ValueError):
@@ -110,6 +133,19 @@ class FileSystem:
     def write(self, fd: int, data: memoryview) -> int:
         return os.write(fd, data)
 
+    def start_writeback(self, fd: int, offset: int, nbytes: int) -> int:
+        """Ask the kernel to start writing this range to disk now, without waiting;
+        returns 0, or the errno of a refusal (ENOSYS where there is no such call).
+
+        Only a head start for the fsync that follows, which still decides durability
+        and reports any I/O error: where the call is missing or refused (another OS,
+        a filesystem without it), nothing else changes."""
+        if _SYNC_FILE_RANGE is None:
+            return errno.ENOSYS
+        if _SYNC_FILE_RANGE(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE) == 0:
+            return 0
+        return ctypes.get_errno()
+
 
 DEFAULT_FS = FileSystem()
 
@@ -181,6 +217,7 @@ class AtomicFile:
         self.final_path = directory / name
         self.size = 0
         self.fsync_s = 0.0
+        self._written = 0  # bytes handed to the kernel (size counts buffered ones too)
         self._hasher: Hasher | None = None if digest is None else new_hasher(digest)
         self._hashing: Future[object] | None = None  # the piece being hashed, at most one
         self._buf = bytearray()
@@ -235,11 +272,14 @@ class AtomicFile:
 
     def _write_all(self, mv: memoryview) -> None:
         assert self._fd is not None
+        start, nbytes = self._written, len(mv)
         while len(mv):
             n = self.fs.write(self._fd, mv)
             if n <= 0:
                 raise OSError(errno.EIO, f"short write to {self.tmp_path}")
             mv = mv[n:]
+        self._written += nbytes
+        self.fs.start_writeback(self._fd, start, nbytes)
 
     @property
     def hexdigest(self) -> str:
