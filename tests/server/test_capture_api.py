@@ -181,46 +181,67 @@ def test_disconnected_stream_gets_an_error_receipt(server, http):
     pytest.fail("five disconnected streams all finished before the server saw the disconnect")
 
 
-def test_abort_before_the_engine_ran_it_gets_an_error_receipt(server, http, client):
-    """A request aborted while it waits for a slot never reaches a worker, so no writer
-    will publish its capture: the server publishes the error outcome itself instead of
-    leaving the receipt pending. One plain request of 64 long prompts fills every slot
-    (--max-num-seqs 16) four times over; the captured one queues behind at least two
-    rounds of them and its client leaves."""
+def _capture_queued_behind_a_long_batch(http, client, prompts: int, tokens: int):
+    """Start one plain request of `prompts` long prompts, send a captured stream once a
+    quick /metrics scrape shows at least 32 of them waiting (vLLM schedules first come,
+    first served, so the capture waits behind them), and leave at its headers. Returns
+    (capture id, the batch's completion tokens), or None when the chance was missed:
+    the test process can stall for seconds while the server runs the batch on this
+    2-core machine (a 4.3 s scrape in CI; 8 s between two quick ones locally), so a
+    scrape that took 0.3 s or more does not count, and neither does a capture whose
+    headers came after the batch had ended."""
     def long_plain_batch() -> int:
-        resp = client.completions.create(model="demo", prompt=[PROMPT] * 64, max_tokens=440,
-                                         temperature=0, extra_body={"ignore_eos": True})
+        resp = client.completions.create(model="demo", prompt=[PROMPT] * prompts,
+                                         max_tokens=tokens, temperature=0,
+                                         extra_body={"ignore_eos": True})
         return resp.usage.completion_tokens
 
     with ThreadPoolExecutor(1) as pool:
         batch = pool.submit(long_plain_batch)
-        # A scrape can stall behind the busy server: trust only a quick one that shows
-        # every slot taken and two more rounds (32 prompts, about 2 s) queued.
-        seen = []
-        while True:
+        capture_id = None
+        while not batch.done():
             started = time.monotonic()
             text = http.get("/metrics").text
             took = time.monotonic() - started
-            running, waiting = (metric_value(text, name, engine="0", model_name="demo")
-                                for name in ("vllm:num_requests_running",
-                                             "vllm:num_requests_waiting"))
-            seen.append((running, waiting, round(took, 2)))
-            if took < 0.3 and running >= 16 and waiting >= 32:
+            waiting = metric_value(text, "vllm:num_requests_waiting", engine="0",
+                                   model_name="demo")
+            if took < 0.3 and waiting >= 32 and not batch.done():
+                with http.stream("POST", "/v1/completions", json={
+                        "model": "demo", "prompt": PROMPT, "max_tokens": 8, "temperature": 0,
+                        "stream": True,
+                        "capture": {"hooks": ["resid_post"], "positions": "all"}}) as r:
+                    assert r.status_code == 200
+                    capture_id = r.headers["x-capsteer-capture-id"]
+                    if batch.done():
+                        capture_id = None
                 break
-            assert not batch.done(), f"never 16 running and 32 waiting: {seen}"
             time.sleep(0.02)
-        with http.stream("POST", "/v1/completions", json={
-                "model": "demo", "prompt": PROMPT, "max_tokens": 8, "temperature": 0,
-                "stream": True, "capture": {"hooks": ["resid_post"], "positions": "all"}}) as r:
-            assert r.status_code == 200
-            capture_id = r.headers["x-capsteer-capture-id"]
-        deadline = time.monotonic() + 30
-        while True:
-            body = http.get(f"/v1/captures/{capture_id}").json()
-            if body["status"] != "pending" or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-        assert batch.result() == 64 * 440
+        completion_tokens = batch.result()
+    return None if capture_id is None else (capture_id, completion_tokens)
+
+
+def test_abort_before_the_engine_ran_it_gets_an_error_receipt(server, http, client):
+    """A request aborted while it waits for a slot never reaches a worker, so no writer
+    will publish its capture: the server publishes the error outcome itself instead of
+    leaving the receipt pending. One plain request of 64 long prompts fills every slot
+    (--max-num-seqs 16, or fewer where the KV cache is the limit); the captured one is
+    sent when at least 32 wait ahead of it, and its client leaves at the headers."""
+    prompts, tokens = 64, 440
+    for _ in range(5):
+        queued = _capture_queued_behind_a_long_batch(http, client, prompts, tokens)
+        if queued is not None:
+            break
+    else:  # the precondition, not the behaviour, could not be set up: say so, loudly
+        pytest.skip("in 5 batches of 64 no quick /metrics scrape saw 32 requests waiting "
+                    "while the batch still ran (the test process stalls under load)")
+    capture_id, completion_tokens = queued
+    assert completion_tokens == prompts * tokens
+    deadline = time.monotonic() + 30
+    while True:
+        body = http.get(f"/v1/captures/{capture_id}").json()
+        if body["status"] != "pending" or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     # Only the server writes this reason: no worker opened the capture.
     assert body["status"] == "error" and "before the engine ran it" in body["error"], body
     assert body["files"] == [] and body["positions"] == 0
