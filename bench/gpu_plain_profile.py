@@ -24,6 +24,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 def one(config: str, model: str, out: Path) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    # A fresh compile cache per configuration, so its Inductor output code can be kept
+    # (--keep-code) and the pieces of vanilla and capsteer compared line by line.
+    os.environ["VLLM_CACHE_ROOT"] = f"/tmp/prof-cache-{config}"
     import random
 
     import torch
@@ -85,6 +88,9 @@ def one(config: str, model: str, out: Path) -> None:
         info[f"{name}_top"] = table.splitlines()[:40]
     (out / f"plain-profile-{config}-{os.getpid()}.json").write_text(json.dumps(info, indent=1))
     print("RESULT " + json.dumps({k: v for k, v in info.items() if not k.endswith("_top")}))
+    if os.environ.get("CAPSTEER_KEEP_CODE"):
+        subprocess.run(f"cd /tmp && find prof-cache-{config} -name '*.py' | "
+                       f"tar czf {out}/code-{config}.tar.gz -T -", shell=True, check=False)
 
 
 def main() -> None:
@@ -92,7 +98,12 @@ def main() -> None:
     ap.add_argument("--one")
     ap.add_argument("--model", default="/tmp/prof-model")
     ap.add_argument("--out", default=os.environ.get("OUT") or "/tmp/prof-out")
+    ap.add_argument("--keep-code", action="store_true",
+                    help="tar each configuration's compiled code (Inductor output) into --out")
+    ap.add_argument("--configs", default="vanilla,plain,steer")
     a = ap.parse_args()
+    if a.keep_code:
+        os.environ["CAPSTEER_KEEP_CODE"] = "1"
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     if a.one:
@@ -101,7 +112,7 @@ def main() -> None:
     import perf_models
 
     perf_models.write_model(a.model, "qwen3-0.6b", "cuda")
-    for config in ("vanilla", "plain", "steer"):
+    for config in a.configs.split(","):
         proc = subprocess.run([sys.executable, __file__, "--one", config, "--model", a.model,
                                "--out", str(out)], capture_output=True, text=True)
         res = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
