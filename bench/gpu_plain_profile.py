@@ -24,9 +24,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 def one(config: str, model: str, out: Path) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    # A fresh compile cache per configuration, so its Inductor output code can be kept
-    # (--keep-code) and the pieces of vanilla and capsteer compared line by line.
-    os.environ["VLLM_CACHE_ROOT"] = f"/tmp/prof-cache-{config}"
+    if os.environ.get("CAPSTEER_KEEP_CODE"):
+        # A fresh compile cache per configuration, so its Inductor output code can be kept
+        # and the pieces of vanilla and capsteer compared line by line.
+        os.environ["VLLM_CACHE_ROOT"] = f"/tmp/prof-cache-{config}"
     import random
 
     import torch

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from capsteer.engine_ext import families
+from capsteer.engine_ext.runtime import new_site_key
 
 SUPPORTED_VLLM = ("0.26.", "0.32.")
 
@@ -176,34 +177,41 @@ def _hidden_states_arg(forward: Callable) -> tuple[int, str | None]:
     return 0, params[0].name if params else None
 
 
-def install_tap(module: nn.Module, tap: families.Tap, site: int) -> None:
+def install_tap(module: nn.Module, tap: families.Tap, site: int, device: torch.device,
+                *, residual_is_graph_input: bool = False) -> None:
     """Route one value through the tap op, in the module's instance-level forward.
 
     That forward is what torch.compile traces, so the op is in the compiled graph;
     parameter names stay unchanged (weight reload keeps working). The op edits the
     value in place: for a fused add+norm the sublayer input `x`, for an input the
     stream tensor (which a materialized layer's residual aliases), for an output the
-    module's returned tensor.
+    module's returned tensor. The site travels as a key tensor, a non-persistent buffer
+    of the module: a graph input like its weights, so every layer compiles to the same
+    piece (see runtime._SITE_BY_KEY). `residual_is_graph_input`: this pair tap's residual
+    reaches its compiled piece as an input (it crossed a graph split), so it is already
+    the bf16 tensor vanilla reads there and needs no fp32 copy (_stream_for_tap).
     """
     done = module.__dict__.setdefault("_capsteer_taps", set())
     if tap.read in done:
         raise RuntimeError(f"module for site {site} is already hooked ({tap.read})")
     done.add(tap.read)
+    key_name = f"_capsteer_site_key_{tap.read}"
+    module.register_buffer(key_name, new_site_key(site, device), persistent=False)
     original = module.forward
     tap_op = torch.ops.capsteer.tap
     kinds = tap.kinds
 
-    def op(x: torch.Tensor, residual: torch.Tensor | None, site: int, kinds: int) -> None:
+    def op(x: torch.Tensor, residual: torch.Tensor | None) -> None:
         # HF-shaped layers (the Transformers backend) carry [1, tokens, hidden]: rows are
         # a view, so the in-place edit lands in the module's tensor (view raises otherwise).
         if x.dim() != 2:
             x = x.view(-1, x.shape[-1])
             residual = None if residual is None else residual.view(-1, residual.shape[-1])
-        tap_op(x, residual, site, kinds)
+        tap_op(x, residual, getattr(module, key_name), kinds)
 
     if tap.read == "pair":
         def forward(x: torch.Tensor, residual: torch.Tensor | None = None):
-            op(x, _stream_for_tap(residual), site, kinds)
+            op(x, residual if residual_is_graph_input else _stream_for_tap(residual))
             if residual is None:
                 return original(x)
             return original(x, residual)
@@ -211,16 +219,30 @@ def install_tap(module: nn.Module, tap: families.Tap, site: int) -> None:
         index, name = _hidden_states_arg(original)
 
         def forward(*args, **kwargs):
-            op(args[index] if len(args) > index else kwargs[name], None, site, kinds)
+            op(args[index] if len(args) > index else kwargs[name], None)
             return original(*args, **kwargs)
     elif tap.read == "output":
         def forward(*args, **kwargs):
             out = original(*args, **kwargs)
-            op(out[0] if isinstance(out, tuple) else out, None, site, kinds)
+            op(out[0] if isinstance(out, tuple) else out, None)
             return out
     else:
         raise ValueError(f"unknown tap read {tap.read!r}")
     module.forward = forward
+
+
+def residual_crosses_split(worker: object) -> bool:
+    """Whether a deferred layer's mid-norm residual reaches its compiled piece as an input.
+
+    The residual entering post_attention_layernorm was summed before attention; where
+    vLLM splits the compiled graph at attention (its piecewise default) it crosses the
+    split as the bf16 tensor, in vanilla too. Not where Inductor partitions one graph
+    itself, or with no splitting, or with no compilation at all (eager is exact anyway)."""
+    cc = worker.vllm_config.compilation_config
+    if getattr(cc, "use_inductor_graph_partition", False):
+        return False
+    splits = set(cc.splitting_ops or ())
+    return "vllm::unified_attention_with_output" in splits or "vllm::unified_attention" in splits
 
 
 def _stream_for_tap(residual: torch.Tensor | None) -> torch.Tensor | None:

@@ -82,9 +82,13 @@ class EngineHooks:
         self.harvester = Harvester(self.runtime.staging.shape[0], self.sites.hidden_size, dtype) \
             if self.device_driven else None
         skipped = faulty_site()
+        # The mid norm's residual (pair tap at offset 1) crossed the split at attention.
+        split_residual = adapter.residual_crosses_split(worker)
         for site, module, tap in self.sites.taps:
             if site != skipped:
-                adapter.install_tap(module, tap, site)
+                adapter.install_tap(module, tap, site, worker.device,
+                                    residual_is_graph_input=split_residual and tap.offset == 1
+                                    and tap.read == "pair")
         install_runtime(self.runtime)
         # Diagnostic: torch's sync debug mode "error" over the hook code and the forward of
         # every step with hooks; any host sync there raises (GPU validation uses it).
