@@ -87,6 +87,9 @@ def one(config: str, model: str, out: Path) -> None:
         table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
         (out / f"profile-{config}-{name}.txt").write_text(table)
         info[f"{name}_top"] = table.splitlines()[:40]
+        # Host cost is what an eager step pays: the same events by self CPU time.
+        info[f"{name}_cpu_top"] = prof.key_averages().table(
+            sort_by="self_cpu_time_total", row_limit=40).splitlines()[:46]
     (out / f"plain-profile-{config}-{os.getpid()}.json").write_text(json.dumps(info, indent=1))
     print("RESULT " + json.dumps({k: v for k, v in info.items() if not k.endswith("_top")}))
     if os.environ.get("CAPSTEER_KEEP_CODE"):
