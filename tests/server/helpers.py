@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 
 import httpx
@@ -58,3 +59,20 @@ def scrape(base_url: str) -> str:
     r = httpx.get(base_url + "/metrics", timeout=30)
     r.raise_for_status()
     return r.text
+
+
+def wait_for_receipt(http: httpx.Client | str, capture_id: str, timeout_s: float = 60) -> dict:
+    """Poll `GET /v1/captures/{id}` until the receipt is no longer pending, or the deadline:
+    the last receipt either way (the caller asserts its status). `http` is a client with
+    the server's base URL, or the base URL itself."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if isinstance(http, str):
+            r = httpx.get(f"{http}/v1/captures/{capture_id}", timeout=30)
+        else:
+            r = http.get(f"/v1/captures/{capture_id}")
+        assert r.status_code == 200, r.text
+        body = r.json()
+        if body["status"] != "pending" or time.monotonic() > deadline:
+            return body
+        time.sleep(0.05)

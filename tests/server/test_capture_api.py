@@ -15,6 +15,7 @@ from .helpers import (
     assert_capture_matches_hf,
     capture_dir,
     metric_value,
+    wait_for_receipt,
 )
 
 pytestmark = [pytest.mark.engine, pytest.mark.uses_engine("server")]
@@ -120,14 +121,7 @@ def test_without_wait_receipt_is_pending_then_fetched(server, client, http):
                                      extra_body={"capture": True})
     results = resp.model_extra["capture_results"]
     assert results["status"] == "pending"
-    deadline = time.monotonic() + 60
-    while True:
-        r = http.get(f"/v1/captures/{results['capture_id']}")
-        assert r.status_code == 200, r.text
-        if r.json()["status"] != "pending" or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
-    body = r.json()
+    body = wait_for_receipt(http, results["capture_id"])
     assert body["status"] == "ok"
     assert body["manifest_data"]["capture_id"] == results["capture_id"]
     assert (capture_dir(server, body) / "manifest.json").exists()
@@ -165,12 +159,7 @@ def test_disconnected_stream_gets_an_error_receipt(server, http):
             assert r.status_code == 200
             assert r.headers["content-type"].startswith("text/event-stream")
             capture_id = r.headers["x-capsteer-capture-id"]
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            body = http.get(f"/v1/captures/{capture_id}").json()
-            if body["status"] != "pending":
-                break
-            time.sleep(0.1)
+        body = wait_for_receipt(http, capture_id)
         if body["status"] == "error":
             assert "abort" in body["error"], body
             assert body["files"] == [] and body["positions"] == 0, body
@@ -236,12 +225,7 @@ def test_abort_before_the_engine_ran_it_gets_an_error_receipt(server, http, clie
                     "while the batch still ran (the test process stalls under load)")
     capture_id, completion_tokens = queued
     assert completion_tokens == prompts * tokens
-    deadline = time.monotonic() + 30
-    while True:
-        body = http.get(f"/v1/captures/{capture_id}").json()
-        if body["status"] != "pending" or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
+    body = wait_for_receipt(http, capture_id, timeout_s=30)
     # Only the server writes this reason: no worker opened the capture.
     assert body["status"] == "error" and "before the engine ran it" in body["error"], body
     assert body["files"] == [] and body["positions"] == 0

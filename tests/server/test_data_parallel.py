@@ -17,7 +17,6 @@ import json
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -27,7 +26,7 @@ from capsteer.capture.paths import find_capture_dirs
 from capsteer.steering.spec import parse_steering_spec
 
 from .conftest import ServerProcess
-from .helpers import assert_capture_matches_hf, capture_dir
+from .helpers import assert_capture_matches_hf, capture_dir, wait_for_receipt
 
 NAME = "server-dp2"
 HIDDEN, LAYERS = 128, 4
@@ -206,10 +205,7 @@ def test_pending_receipt_from_any_api_server(dp_server):
         if statuses[0] == "pending":
             break
     assert attempts[-1][0] == "pending", f"every capture had ended at the first lookup: {attempts}"
-    deadline = time.monotonic() + 60
-    while (got := httpx.get(f"{dp_server.url}/v1/captures/{cid}", timeout=30).json())[
-            "status"] == "pending" and time.monotonic() < deadline:
-        time.sleep(0.1)
+    got = wait_for_receipt(dp_server.url, cid)
     assert got["status"] == "ok" and got["positions"] == max_tokens - 1
     missing = httpx.get(f"{dp_server.url}/v1/captures/cap-none", timeout=30)
     assert missing.status_code == 404

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import time
-
 import httpx
 import pytest
 
 from capsteer.capture import read
 
-from .helpers import PROMPT
+from .helpers import PROMPT, wait_for_receipt
 
 pytestmark = [pytest.mark.engine, pytest.mark.uses_engine("server-reject")]
 
@@ -24,11 +22,7 @@ def test_requests_without_fields_are_captured(reject_server):
     for resp in (plain, chat):
         results = resp.model_extra["capture_results"]
         capture_id = results["capture_id"]
-        deadline = time.monotonic() + 60
-        while (body := httpx.get(f"{reject_server.url}/v1/captures/{capture_id}",
-                                 timeout=30).json())["status"] == "pending":
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        body = wait_for_receipt(reject_server.url, capture_id)
         assert body["status"] == "ok", body
         cap = read(reject_server.workdir / "captures" / body["dir"])
         assert sorted(cap.keys()) == [("mlp_out", 3), ("resid_post", 0)]
