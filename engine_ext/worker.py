@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -70,6 +70,10 @@ class EngineHooks:
         self.awaiting_end: dict[str, _Ending] = {}  # capture_id -> finished, output length due
         self.end_notices: dict[str, int | None] = {}  # reports that came before the finish
         self.opened: dict[str, None] = {}  # recent capture ids this worker opened (ordered)
+        # Requests whose capture closed before they finished and that have no other hooks:
+        # a resumed (preempted) one must not open its capture again.
+        self.detached: set[str] = set()
+        self.early_closes = 0
         self.end_wait_s = float(self.config.get("end_wait_s", 60.0))
         self.planned = False
         self.dense_live = False  # device index buffers hold a plan's rows
@@ -122,7 +126,7 @@ class EngineHooks:
         if self.awaiting_end:
             self.sweep_endings(time.monotonic())
         for req_id, prompt, extra in adapter.new_requests(scheduler_output):
-            if req_id in self.requests:
+            if req_id in self.requests or req_id in self.detached:
                 continue  # resumed after preemption: keep what was captured
             try:
                 hooks = RequestHooks.from_extra_args(req_id, extra, len(prompt), self.runtime)
@@ -264,6 +268,7 @@ class EngineHooks:
             self._deliver(plan, sinks, lambda r: captured[r.point][
                 r.offset: r.offset + len(r.positions)].clone())
             self.runtime.set_plan(StepPlan(), 0)
+            self._close_complete_captures(plan)
             return
         if not plan.routes:  # steering only: the index stays valid for a reused plan
             return
@@ -284,6 +289,32 @@ class EngineHooks:
 
         self.harvester.submit_copy(self.runtime.staging, plan.staging_rows,
                                    self.runtime.token_stage, self.num_tokens_gathered, deliver)
+        self._close_complete_captures(plan)
+
+    def _close_complete_captures(self, plan: StepPlan) -> None:
+        """Close, right after the step that fed their last kept position, the captures of
+        this step that can get no more rows (prompt positions once the whole prompt is in),
+        instead of when the request finishes: publishing then overlaps the request's decode,
+        and its decode steps carry no capture (no copies, a reusable plan)."""
+        ids = {route.capture_id for route in plan.routes}
+        done = [h for h in self.requests.values()
+                if h.capture_id in ids and h.capture is not None
+                and h.fed_len >= h.prompt_len and not h.needs_output_length]
+        for hooks in done:
+            sink = self.sinks.pop(hooks.capture_id, None)
+            prompt = self.prompts.pop(hooks.req_id, ())
+            if sink is not None:
+                # A copy: the close runs on the sink thread after this step's rows.
+                ending = _Ending(replace(hooks), prompt, sink, 0.0)
+                self._run_on_sink_thread(lambda e=ending: e.close(None))
+                self.early_closes += 1
+            hooks.capture = None
+            hooks.points = {}
+            hooks.sites = frozenset(site for _, site, _ in hooks.entries)
+            if not hooks.entries:  # nothing left to do for it: a plain request from now on
+                del self.requests[hooks.req_id]
+                hooks.release(self.runtime)
+                self.detached.add(hooks.req_id)
 
     @staticmethod
     def _deliver(plan: StepPlan, sinks: dict[str, CaptureSink], rows_for) -> None:
@@ -294,6 +325,7 @@ class EngineHooks:
                 sink.write(route.capture_id, hook, layer, route.positions, rows)
 
     def _finish(self, req_id: str) -> None:
+        self.detached.discard(req_id)
         hooks = self.requests.pop(req_id, None)
         if hooks is None:
             return
@@ -512,5 +544,6 @@ class CapsteerWorker(adapter.platform_worker_base()):  # type: ignore[misc]
         return {"sync_checked_steps": hooks.sync_checked_steps,
                 "harvest_errors": [repr(e) for e in (hooks.harvester.errors if hooks.harvester else [])],
                 "live_requests": len(hooks.requests), "mode": "device" if hooks.device_driven else "host",
-                "plan_builds": hooks.plan_builds, "plan_reuses": hooks.plan_reuses}
+                "plan_builds": hooks.plan_builds, "plan_reuses": hooks.plan_reuses,
+                "early_closes": hooks.early_closes}
 

@@ -12,9 +12,12 @@ from safetensors.torch import load_file
 
 from capsteer.capture import read
 from capsteer.engine import Request
+from capsteer.reference import hf_greedy
+from capsteer.steering.spec import parse_steering_spec
 
 from .conftest import capsteer_engine
 from .helpers import assert_matches_hf, greedy, token_prompt
+from .test_steering import vector
 
 pytestmark = [pytest.mark.engine, pytest.mark.uses_engine("qwen3-durable")]
 
@@ -45,3 +48,47 @@ def test_durable_capture_equals_memory_and_hf(engine_pool, model_dirs, hf_models
     first = sorted(directory.glob("*.safetensors"))[0]
     assert "positions" in load_file(str(first))
     assert_matches_hf(hf_models["qwen3"], memory)
+
+
+def test_prompt_capture_closes_once_the_prompt_is_fed(engine_pool, model_dirs, hf_models,
+                                                      capture_root):
+    """A capture that keeps only prompt positions closes at the step that fed the prompt's
+    last token, not when its request ends: the manifest counts only the prompt as fed, the
+    decode steps after it build no per-step plan (captured batches used to build one every
+    step), and the captured values, the tokens and a steered request's steering after the
+    close are unchanged (= HF, durable = memory)."""
+    engine = capsteer_engine(engine_pool, model_dirs, "qwen3", capture_root=capture_root)
+    spec = {"hooks": ["resid_post", "attn_out"], "layers": "all", "positions": "prompt"}
+    steering = {"vectors": [{"hook": "resid_post", "layer": 1, "vector": vector(7),
+                             "scale": 6.0}]}
+    steer_spec = parse_steering_spec(steering, num_layers=4, hidden_size=128)
+    prompt, other = token_prompt(410, 24), token_prompt(411, 17)
+    decode = 40
+    (before,) = engine.stats()
+    memory, durable, steered = engine.generate([
+        Request(prompt_token_ids=prompt, sampling=greedy(decode), capture=spec),
+        Request(prompt_token_ids=prompt, sampling=greedy(decode), capture=spec, durable=True),
+        Request(prompt_token_ids=other, sampling=greedy(decode), capture=spec, durable=True,
+                steering=steering),
+    ])
+    (after,) = engine.stats()
+    assert after["early_closes"] - before["early_closes"] == 3, (before, after)
+    # One build for the prefill, one when the batch turns steering-only; decode reuses it.
+    assert after["plan_builds"] - before["plan_builds"] < decode // 4, (before, after)
+    assert after["live_requests"] == 0
+    assert memory.captures.positions.tolist() == list(range(24))
+    assert_matches_hf(hf_models["qwen3"], memory)
+    for result, n in ((durable, 24), (steered, 17)):
+        assert result.receipt.status == "ok", result.receipt
+        directory = Path(capture_root) / result.receipt.dir
+        manifest = json.loads((directory / "manifest.json").read_text())
+        assert manifest["prompt_tokens"] == manifest["fed_tokens"] == n
+        assert manifest["timings"]["closed_at"] <= manifest["timings"]["published_at"]
+        on_disk = read(directory)
+        assert on_disk.positions.tolist() == list(range(n))
+    assert durable.token_ids == memory.token_ids
+    on_disk = read(Path(capture_root) / durable.receipt.dir)
+    for (hook, layer), value in memory.captures.tensors.items():
+        torch.testing.assert_close(on_disk.tensor(hook, layer), value, atol=1e-5, rtol=1e-5)
+    ref_tokens, _ = hf_greedy(hf_models["qwen3"], other, decode, steering=steer_spec)
+    assert steered.token_ids == ref_tokens  # steering went on after the capture closed
