@@ -1,4 +1,5 @@
-"""Where plain (no fields) and steered capsteer engines spend time that stock vLLM does not.
+"""Where plain (no fields), steered and capturing capsteer engines spend time that stock
+vLLM does not.
 
 One process per configuration (vanilla vLLM, capsteer plain), each in-process
 (VLLM_ENABLE_V1_MULTIPROCESSING=0, so torch.profiler sees the model's kernels): the model
@@ -46,14 +47,20 @@ def one(config: str, model: str, out: Path) -> None:
     steering = {"vectors": [{"hook": "resid_post", "layers": "all",
                              "vector": [0.01] * engine.hidden_size, "scale": 1.0}]} \
         if config == "steer" else None
+    capture = {"hooks": ["resid_post"], "layers": [engine.num_layers // 2],
+               "positions": "prompt", "layout": "packed"} if config == "capture" else None
+    receipts: list = []
 
     def generate(batch: list[dict], sp) -> None:
-        if steering is None:
+        if steering is None and capture is None:
             llm.generate(batch, sp, use_tqdm=False)
             return
-        engine.generate([Request(prompt_token_ids=b["prompt_token_ids"], steering=steering,
-                                 sampling={"max_tokens": sp.max_tokens, "temperature": 0.0,
-                                           "ignore_eos": True}) for b in batch], timeout=900)
+        results = engine.generate(
+            [Request(prompt_token_ids=b["prompt_token_ids"], steering=steering, capture=capture,
+                     durable=capture is not None,
+                     sampling={"max_tokens": sp.max_tokens, "temperature": 0.0,
+                               "ignore_eos": True}) for b in batch], timeout=900)
+        receipts.extend(r.receipt for r in results if r.receipt is not None)
     info = {"config": config}
     info["runner"] = llm.collective_rpc(
         lambda self: f"{type(self.model_runner).__module__}.{type(self.model_runner).__name__}")
@@ -76,11 +83,24 @@ def one(config: str, model: str, out: Path) -> None:
         sp = SamplingParams(max_tokens=g, temperature=0.0, ignore_eos=True)
         generate(prompts(n, p), sp)  # warm
         times = []
+        receipts.clear()
         for _ in range(3):
             t = time.perf_counter()
             generate(prompts(n, p), sp)
             times.append(time.perf_counter() - t)
         info[f"{name}_s"] = sorted(times)[1]
+        if capture is not None:
+            info[f"{name}_publish"] = publish_timings(receipts)
+        # Every Python thread's stacks over one more batch: where the host time goes
+        # between torch ops (request path, scheduler, harvester, writer pool).
+        from stack_sampler import StackSampler
+
+        t = time.perf_counter()
+        with StackSampler() as sampler:
+            generate(prompts(n, p), sp)
+        info[f"{name}_sampled_s"] = time.perf_counter() - t
+        (out / f"stacks-{config}-{name}.json").write_text(
+            json.dumps(sampler.report(top=40), indent=1))
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                 torch.profiler.ProfilerActivity.CUDA]) as prof:
             generate(prompts(n, p), sp)
@@ -95,6 +115,19 @@ def one(config: str, model: str, out: Path) -> None:
     if os.environ.get("CAPSTEER_KEEP_CODE"):
         subprocess.run(f"cd /tmp && find prof-cache-{config} -name '*.py' | "
                        f"tar czf {out}/code-{config}.tar.gz -T -", shell=True, check=False)
+
+
+def publish_timings(receipts: list) -> dict:
+    """Medians and maxima of the manifests' timings (seconds) over the receipts."""
+    import statistics
+
+    rows: dict[str, list[float]] = {}
+    for r in receipts:
+        for k, v in (r.timings or {}).items():
+            if k.endswith("_s"):
+                rows.setdefault(k, []).append(float(v))
+    return {k: {"median": statistics.median(v), "max": max(v), "n": len(v)}
+            for k, v in rows.items()}
 
 
 def main() -> None:

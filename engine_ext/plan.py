@@ -216,12 +216,17 @@ def build_step_plan(
         if not mask.any():
             continue
         sel_rows, sel_pos = rows[mask], pos[mask]
-        if input_ids is not None:
-            for p, t in zip(sel_pos.tolist(), input_ids[sel_rows].tolist(), strict=True):
-                hooks.tokens[p] = t
-        else:  # tokens are gathered on the device and arrive with the rows
-            token_rows.append(sel_rows)
-            token_owners.append((batch_req_ids[i], sel_pos))
+        # Only generated tokens need recording: the prompt's are known (a prefill chunk of
+        # thousands of rows would otherwise be a per-token Python loop every step).
+        fed_gen = sel_pos >= hooks.prompt_len
+        if fed_gen.any():
+            gen_rows, gen_pos = sel_rows[fed_gen], sel_pos[fed_gen]
+            if input_ids is not None:
+                for p, t in zip(gen_pos.tolist(), input_ids[gen_rows].tolist(), strict=True):
+                    hooks.tokens[p] = t
+            else:  # tokens are gathered on the device and arrive with the rows
+                token_rows.append(gen_rows)
+                token_owners.append((batch_req_ids[i], gen_pos))
         for point, keys in hooks.points.items():
             routes.append(CaptureRoute(hooks.capture_id, point, keys, cap_count[point], sel_pos,
                                        sel_rows, hooks.slot))

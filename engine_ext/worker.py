@@ -73,6 +73,8 @@ class EngineHooks:
         # Requests whose capture closed before they finished and that have no other hooks:
         # a resumed (preempted) one must not open its capture again.
         self.detached: set[str] = set()
+        # Live captures whose kept positions all lie in the prompt (see _close_complete_captures).
+        self.closable: dict[str, RequestHooks] = {}
         self.early_closes = 0
         self.end_wait_s = float(self.config.get("end_wait_s", 60.0))
         self.planned = False
@@ -148,6 +150,8 @@ class EngineHooks:
                 self.prompts[req_id] = tuple(prompt)
                 sink = self._sink_for(hooks)
                 self.sinks[hooks.capture_id] = sink
+                if not hooks.needs_output_length:
+                    self.closable[req_id] = hooks
                 self.opened[hooks.capture_id] = None
                 if len(self.opened) > _OPENED_KEPT:
                     del self.opened[next(iter(self.opened))]
@@ -268,9 +272,10 @@ class EngineHooks:
             self._deliver(plan, sinks, lambda r: captured[r.point][
                 r.offset: r.offset + len(r.positions)].clone())
             self.runtime.set_plan(StepPlan(), 0)
-            self._close_complete_captures(plan)
+            self._close_complete_captures()
             return
         if not plan.routes:  # steering only: the index stays valid for a reused plan
+            self._close_complete_captures()
             return
         self.runtime.reset_dense()
         self.dense_live = False
@@ -289,18 +294,20 @@ class EngineHooks:
 
         self.harvester.submit_copy(self.runtime.staging, plan.staging_rows,
                                    self.runtime.token_stage, self.num_tokens_gathered, deliver)
-        self._close_complete_captures(plan)
+        self._close_complete_captures()
 
-    def _close_complete_captures(self, plan: StepPlan) -> None:
-        """Close, right after the step that fed their last kept position, the captures of
-        this step that can get no more rows (prompt positions once the whole prompt is in),
-        instead of when the request finishes: publishing then overlaps the request's decode,
-        and its decode steps carry no capture (no copies, a reusable plan)."""
-        ids = {route.capture_id for route in plan.routes}
-        done = [h for h in self.requests.values()
-                if h.capture_id in ids and h.capture is not None
-                and h.fed_len >= h.prompt_len and not h.needs_output_length]
+    def _close_complete_captures(self) -> None:
+        """Close, right after the step that fed the prompt's last token, the captures that
+        can get no more rows (all kept positions in the prompt), instead of when the request
+        finishes: publishing then overlaps the request's decode, and its decode steps carry
+        no capture (no copies, a reusable plan)."""
+        if not self.closable:
+            return
+        done = [h for h in self.closable.values() if h.fed_len >= h.prompt_len]
         for hooks in done:
+            del self.closable[hooks.req_id]
+            if hooks.capture is None:  # shed (staging overflow): its sink already aborted it
+                continue
             sink = self.sinks.pop(hooks.capture_id, None)
             prompt = self.prompts.pop(hooks.req_id, ())
             if sink is not None:
@@ -326,6 +333,7 @@ class EngineHooks:
 
     def _finish(self, req_id: str) -> None:
         self.detached.discard(req_id)
+        self.closable.pop(req_id, None)
         hooks = self.requests.pop(req_id, None)
         if hooks is None:
             return

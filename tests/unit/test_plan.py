@@ -55,8 +55,14 @@ def test_plan_maps_rows_to_requests_and_positions():
     assert plan.capture[(STREAM, 2)].tolist() == [2, 3, 4, 5]
     assert [(r.capture_id, r.offset, r.positions.tolist()) for r in plan.routes] == [
         ("cap-a", 0, [5]), ("cap-b", 1, [0, 1, 2])]
-    assert a.tokens == {5: 102} and b.tokens == {0: 103, 1: 104, 2: 105}
+    # Only generated tokens are recorded: the prompt's are known.
+    assert a.tokens == {5: 102} and b.tokens == {}
     assert a.fed_len == 6 and b.fed_len == 3
+    # Without host token ids, the same generated rows are gathered on the device.
+    plan = build_step_plan(["plain", "a", "b"], np.array([0, 2, 3, 6]),
+                           np.array([7, 6, 0]), {"a": a, "b": b}, None)
+    assert plan.token_rows.tolist() == [2]
+    assert [(r, p.tolist()) for r, p in plan.token_owners] == [("a", [6])]
 
 
 def test_steering_rows_follow_position_class():

@@ -1,0 +1,74 @@
+"""A sampling profiler over every Python thread of this process (bench only).
+
+torch.profiler sees torch ops and kernels; it does not say where the step thread, the
+harvester and the writer threads spend their time between ops. This samples
+`sys._current_frames()` every few milliseconds and counts, per thread name, the
+innermost function ("self") and every function on the stack ("total").
+
+    with StackSampler() as sampler:
+        work()
+    print(json.dumps(sampler.report(), indent=1))
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections import Counter, defaultdict
+from typing import Any
+
+
+def _where(frame) -> str:
+    code = frame.f_code
+    parts = code.co_filename.rsplit("/", 2)
+    return f"{'/'.join(parts[-2:])}:{code.co_firstlineno}({code.co_name})"
+
+
+class StackSampler:
+    def __init__(self, interval_s: float = 0.002, depth: int = 60) -> None:
+        self.interval_s = interval_s
+        self.depth = depth
+        self.samples: Counter[str] = Counter()
+        self.self_counts: dict[str, Counter[str]] = defaultdict(Counter)
+        self.total_counts: dict[str, Counter[str]] = defaultdict(Counter)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="stack-sampler", daemon=True)
+        self.seconds = 0.0
+
+    def __enter__(self) -> StackSampler:
+        self._started = time.perf_counter()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.seconds = time.perf_counter() - self._started
+
+    def _run(self) -> None:
+        me = threading.get_ident()
+        while not self._stop.wait(self.interval_s):
+            names = {t.ident: t.name for t in threading.enumerate()}
+            for ident, frame in sys._current_frames().items():
+                if ident == me:
+                    continue
+                name = names.get(ident, str(ident))
+                self.samples[name] += 1
+                self.self_counts[name][_where(frame)] += 1
+                seen = set()
+                f, n = frame, 0
+                while f is not None and n < self.depth:
+                    w = _where(f)
+                    if w not in seen:
+                        seen.add(w)
+                        self.total_counts[name][w] += 1
+                    f, n = f.f_back, n + 1
+
+    def report(self, top: int = 25) -> dict[str, Any]:
+        """Per thread: samples, and the top functions by self and by total samples."""
+        return {"interval_s": self.interval_s, "seconds": self.seconds, "threads": {
+            name: {"samples": count,
+                   "self": self.self_counts[name].most_common(top),
+                   "total": self.total_counts[name].most_common(top)}
+            for name, count in self.samples.most_common()}}
