@@ -14,7 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from capsteer.capture.receipts import Receipt, find_receipt
+from capsteer.capture.paths import relative_dir
+from capsteer.capture.receipts import Receipt, receipt_at
 from capsteer.capture.sink import CapturedActivations
 from capsteer.capture.spec import CaptureSpec, SpecError, parse_capture_spec
 from capsteer.engine_ext.plan import EXTRA_ARGS_KEY
@@ -73,7 +74,7 @@ def new_capture_id() -> str:
 
 def build_payload(
     capture: CaptureSpec | None, steering: SteeringSpec | None, capture_id: str | None = None,
-    durable: bool = False,
+    durable: bool = False, dir_time: float | None = None,
 ) -> HookPayload | None:
     """extra_args + cache_salt. Captured prompts never reuse cached blocks (unique
     salt); steered prompts share blocks only with identical steering."""
@@ -88,7 +89,8 @@ def build_payload(
         capture_id = capture_id or new_capture_id()
         payload["capture"] = capture.to_dict()
         payload["capture_id"] = capture_id
-        payload["dir_time"] = time.time()  # every pipeline stage dates its directory alike
+        # Every pipeline stage dates its directory alike, and the caller knows where it is.
+        payload["dir_time"] = time.time() if dir_time is None else dir_time
         payload["durable"] = durable
         payload["await_end"] = durable  # the caller reports the output length (end_captures)
         salt = f"capsteer-capture-{capture_id}"
@@ -173,6 +175,7 @@ class Engine:
         from vllm import SamplingParams
 
         prompts, params, capture_ids, durable, specs = [], [], [], [], []
+        payload_dir_time: dict[str, float] = {}  # dates each capture's directory
         parsed: dict[tuple[int, int], tuple] = {}  # a batch often shares one spec object
         for req in requests:
             memo = (id(req.capture), id(req.steering))
@@ -194,6 +197,9 @@ class Engine:
             prompts.append(prompt)
             params.append(SamplingParams(**sampling))
             capture_ids.append(payload.capture_id if payload else None)
+            if payload is not None and payload.capture_id is not None:
+                payload_dir_time[payload.capture_id] = \
+                    payload.extra_args[EXTRA_ARGS_KEY]["dir_time"]
             durable.append(req.durable)
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         ends = [(cid, len(out.outputs[0].token_ids))
@@ -202,8 +208,10 @@ class Engine:
             self.llm.collective_rpc("capsteer_end_captures", args=(ends,))
         captures = self._collect(
             [c for c, d in zip(capture_ids, durable, strict=True) if c and not d], timeout)
-        receipts = {c: self._wait_receipt(c, timeout)
-                    for c, d in zip(capture_ids, durable, strict=True) if c and d}
+        receipts = self._wait_receipts(
+            {cid: relative_dir(cid, spec.tag, payload_dir_time[cid])
+             for cid, d, spec in zip(capture_ids, durable, specs, strict=True) if cid and d},
+            timeout)
         results = []
         for out, cid, spec in zip(outputs, capture_ids, specs, strict=True):
             completion = out.outputs[0]
@@ -221,14 +229,23 @@ class Engine:
                 receipt=receipts.get(cid) if cid else None))
         return results
 
-    def _wait_receipt(self, capture_id: str, timeout: float) -> Receipt:
-        """The manifest on disk is the source of truth: poll until it is visible."""
+    def _wait_receipts(self, rel_dirs: dict[str, str], timeout: float) -> dict[str, Receipt]:
+        """The manifest on disk is the source of truth: poll each capture's own directory
+        (the engine dated it) until its manifest is visible."""
         deadline = time.monotonic() + timeout
-        while (found := find_receipt(self.capture_dir, capture_id)) is None:
+        found: dict[str, Receipt] = {}
+        while True:
+            for capture_id, rel in rel_dirs.items():
+                if capture_id not in found:
+                    receipt = receipt_at(self.capture_dir, rel)
+                    if receipt is not None:
+                        found[capture_id] = receipt
+            if len(found) == len(rel_dirs):
+                return found
             if time.monotonic() > deadline:
-                raise TimeoutError(f"capture {capture_id} not durable after {timeout:g} s")
+                missing = sorted(set(rel_dirs) - set(found))
+                raise TimeoutError(f"captures {missing[:4]} not durable after {timeout:g} s")
             time.sleep(0.01)
-        return found
 
     def _collect(self, capture_ids: list[str], timeout: float) -> dict[str, CapturedActivations]:
         """Captures close one engine step after their request finishes: poll until all are in.

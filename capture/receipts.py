@@ -69,6 +69,17 @@ def pending(capture_id: str, message: str | None = None) -> Receipt:
     return Receipt(capture_id, "pending", error=message)
 
 
+def receipt_at(root: str | Path, rel_dir: str) -> Receipt | None:
+    """The receipt of the capture published at `root/rel_dir`, or None while no manifest is
+    visible there: one file read, for callers that know the directory (the in-process
+    engine dates it itself), instead of a search of the root per capture."""
+    try:
+        manifest = json.loads((Path(root) / rel_dir / MANIFEST_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return Receipt.from_manifest(manifest, rel_dir)
+
+
 def find_receipt(root: str | Path, capture_id: str) -> Receipt | None:
     """The receipt of a published capture read from its manifest, or None if none is visible."""
     root = Path(root)

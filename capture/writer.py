@@ -939,18 +939,20 @@ def outcome_manifest(capture_id: str, request_id: str | None, status: str, error
 
 
 def publish_unreached(root: str | Path, capture_id: str, *, spec: CaptureSpec, model: str,
-                      reason: str, fs: FileSystem = DEFAULT_FS) -> Receipt:
+                      reason: str, fs: FileSystem = DEFAULT_FS,
+                      dir_time: float | None = None) -> Receipt:
     """The error manifest of a capture whose request was aborted before any engine saw it.
 
     No writer ever opened it, so none will publish: without this manifest its receipt
     would stay pending. The API server writes it, like a writer's error outcome
-    (same fields, no data files). An outcome already on disk wins and is returned."""
+    (same fields, no data files). An outcome already on disk wins and is returned.
+    `dir_time` dates its directory as the request's payload would have (default: now)."""
     root = Path(root)
     found = find_receipt(root, capture_id)
     if found is not None:
         return found
     now = time.time()
-    rel_dir = relative_dir(capture_id, spec.tag, now)
+    rel_dir = relative_dir(capture_id, spec.tag, now if dir_time is None else dir_time)
     manifest = outcome_manifest(capture_id, None, "error", reason, model, spec, [],
                                 timings={"opened_at": None, "closed_at": now})
     path = root / rel_dir

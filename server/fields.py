@@ -106,11 +106,13 @@ def parse_hook_fields(
     return HookFields(capture, wait, steering, stream, wants_usage)
 
 
-def rewrite_body(body: dict[str, Any], hooks: HookFields, capture_id: str | None) -> dict[str, Any]:
-    """The body stock vLLM accepts: capsteer fields out, `vllm_xargs` and `cache_salt` in."""
+def rewrite_body(body: dict[str, Any], hooks: HookFields, capture_id: str | None,
+                 dir_time: float | None = None) -> dict[str, Any]:
+    """The body stock vLLM accepts: capsteer fields out, `vllm_xargs` and `cache_salt` in.
+    `dir_time` dates the capture's directory (default: now)."""
     out = {k: v for k, v in body.items() if k not in HOOK_FIELDS}
     payload = build_payload(hooks.capture, hooks.steering, capture_id=capture_id,
-                            durable=hooks.capture is not None)
+                            durable=hooks.capture is not None, dir_time=dir_time)
     if payload is None:
         return out
     xargs = out.get("vllm_xargs")

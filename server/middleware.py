@@ -19,6 +19,7 @@ import hashlib
 import json
 import logging
 import secrets
+import time
 from collections.abc import Awaitable, Callable
 
 from capsteer.config.server import ServerSettings
@@ -166,7 +167,8 @@ class CapsteerMiddleware:
                 default_layout=state.settings.capture_layout,
                 capture_default=state.settings.capture_default)
             capture_id = new_capture_id() if hooks.capture is not None else None
-            new_body = rewrite_body(body, hooks, capture_id)
+            dir_time = time.time()
+            new_body = rewrite_body(body, hooks, capture_id, dir_time)
         except FieldError as exc:
             await send_json(send, 400, error_body(400, str(exc), exc.field, "BadRequestError"))
             return
@@ -180,14 +182,15 @@ class CapsteerMiddleware:
                         "capture fewer hooks, layers or positions, or lower max_tokens",
                         "capture", "BadRequestError"))
                     return
-                if not state.tracker.try_reserve(capture_id, hooks.capture, estimate):
+                if not state.tracker.try_reserve(capture_id, hooks.capture, estimate,
+                                                 dir_time=dir_time):
                     metrics.count_rejection()
                     await send_json(send, 429, error_body(
                         429, "capture: the server's capture budget is in use; retry shortly",
                         "capture", "RateLimitError"), [(b"retry-after", b"1")])
                     return
             else:
-                state.tracker.track(capture_id, hooks.capture)
+                state.tracker.track(capture_id, hooks.capture, dir_time=dir_time)
         if hooks.steering is not None and not hooks.steering.is_noop:
             metrics.STEERING_REQUESTS.inc()
         encoded = json.dumps(new_body).encode()

@@ -18,12 +18,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from capsteer.capture.receipts import Receipt, find_receipt, pending
+from capsteer.capture.paths import relative_dir
+from capsteer.capture.receipts import Receipt, find_receipt, pending, receipt_at
 from capsteer.capture.spec import CaptureSpec
 from capsteer.capture.writer import publish_unreached
 from capsteer.server.peers import PeerBoard
 
 log = logging.getLogger("vllm.capsteer.server")
+SEARCH_AFTER_S = 10.0
 
 
 @dataclass
@@ -31,6 +33,7 @@ class _Tracked:
     reserved: int
     since: float
     spec: CaptureSpec
+    dir_time: float | None = None  # the payload's date for its directory (None: unknown)
     waiters: list[asyncio.Future] = field(default_factory=list)
 
 
@@ -49,17 +52,22 @@ class CaptureTracker:
         self._task: asyncio.Task | None = None
         self.reserved_bytes = 0
         self.peers = peers
+        self._searched_at = 0.0
 
     # ---- admission ----
-    def try_reserve(self, capture_id: str, spec: CaptureSpec, nbytes: int) -> bool:
+    def try_reserve(self, capture_id: str, spec: CaptureSpec, nbytes: int,
+                    dir_time: float | None = None) -> bool:
         """Reserve for the reject policy: False when the budget cannot take it now."""
         if self.reserved_bytes + nbytes > self.budget and self.reserved_bytes > 0:
             return False
-        self.track(capture_id, spec, nbytes)
+        self.track(capture_id, spec, nbytes, dir_time=dir_time)
         return True
 
-    def track(self, capture_id: str, spec: CaptureSpec, nbytes: int = 0) -> None:
-        self._tracked[capture_id] = _Tracked(nbytes, time.monotonic(), spec)
+    def track(self, capture_id: str, spec: CaptureSpec, nbytes: int = 0,
+              dir_time: float | None = None) -> None:
+        """`dir_time`: the time the request's payload dates its directory with (the poller
+        then reads that one manifest instead of searching the root)."""
+        self._tracked[capture_id] = _Tracked(nbytes, time.monotonic(), spec, dir_time)
         self.reserved_bytes += nbytes
         if self.peers is not None:
             self.peers.add(capture_id)
@@ -86,7 +94,7 @@ class CaptureTracker:
         await asyncio.to_thread(
             publish_unreached, self.root, capture_id, spec=entry.spec, model=self.model,
             reason="aborted: the request was aborted before the engine ran it; "
-                   "nothing was captured")
+                   "nothing was captured", dir_time=entry.dir_time)
 
     def is_tracked(self, capture_id: str) -> bool:
         """In flight here or, under several API servers, in another one."""
@@ -115,8 +123,9 @@ class CaptureTracker:
     async def _poll(self) -> None:
         while self._tracked:
             ids = list(self._tracked)
+            where = {c: (self._rel_dir(c, e), e.since) for c, e in self._tracked.items()}
             try:
-                found = await asyncio.to_thread(self._scan, ids)
+                found = await asyncio.to_thread(self._scan, where)
             except Exception:  # keep polling; a broken root shows up in receipts' timeouts
                 log.exception("capsteer: scanning the capture root failed")
                 found = {}
@@ -141,10 +150,25 @@ class CaptureTracker:
                         fut.set_result(receipt)
             await asyncio.sleep(self.poll_s)
 
-    def _scan(self, ids: list[str]) -> dict[str, Receipt]:
+    @staticmethod
+    def _rel_dir(capture_id: str, entry: _Tracked) -> str | None:
+        if entry.dir_time is None:
+            return None
+        return relative_dir(capture_id, entry.spec.tag, entry.dir_time)
+
+    def _scan(self, where: dict[str, tuple[str | None, float]]) -> dict[str, Receipt]:
+        """Each capture's manifest where its payload put it (one file read). The root is
+        searched for captures not dated here, and, at most once a second, for those
+        pending longer than SEARCH_AFTER_S (an outcome that landed elsewhere)."""
+        now = time.monotonic()
+        search = now - self._searched_at >= 1.0
+        if search:
+            self._searched_at = now
         out = {}
-        for capture_id in ids:
-            receipt = find_receipt(self.root, capture_id)
+        for capture_id, (rel, since) in where.items():
+            receipt = receipt_at(self.root, rel) if rel else None
+            if receipt is None and (rel is None or (search and now - since > SEARCH_AFTER_S)):
+                receipt = find_receipt(self.root, capture_id)
             if receipt is not None:
                 out[capture_id] = receipt
         return out

@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -356,3 +357,47 @@ def test_inference_mode_rows_from_engine(writer, root):
     r = writer.future("inf").result(10)
     assert r.status == "ok", r.error
     assert torch.equal(read(root / r.dir).tensor("resid_post", 0), big[4:5])
+
+
+def test_dated_receipts_are_read_where_the_payload_put_them(writer, root):
+    """A request's payload dates its directory; the in-process engine and the server's
+    tracker read that one manifest instead of searching the root, and an outcome dated
+    elsewhere is still found by the tracker's slow search once it has waited long."""
+    from dataclasses import replace
+
+    from capsteer.capture.paths import relative_dir
+    from capsteer.capture.receipts import receipt_at
+    from capsteer.server.tracker import SEARCH_AFTER_S, CaptureTracker
+
+    spec = make_spec(layers=[0], tag="dated")
+    day = 1_600_000_000.0  # 2020-09-13, not today: only the payload's date finds it
+    req = replace(make_request("dated-1", spec, 5), dir_time=day)
+    end, _ = feed(writer, req, 2)
+    writer.close(end)
+    published = writer.future("dated-1").result(timeout=30)
+    rel = relative_dir("dated-1", "dated", day)
+    assert published.dir == rel and rel.startswith("2020-09-13/dated/")
+    on_disk = receipt_at(root, rel)
+    assert on_disk == find_receipt(root, "dated-1")
+    assert (on_disk.status, on_disk.dir, on_disk.files) == ("ok", rel, published.files)
+    assert receipt_at(root, relative_dir("dated-1", "dated", day + 86400)) is None
+
+    unreached = publish_unreached(root, "never-dated", spec=spec, model="m",
+                                  reason="aborted: early", dir_time=day)
+    assert unreached.dir == relative_dir("never-dated", "dated", day)
+
+    async def scans() -> None:  # the tracker lives on an event loop (its poller task)
+        tracker = CaptureTracker(root, 1 << 20)
+        now = time.monotonic()
+        tracker.track("dated-1", spec, dir_time=day)
+        tracker.track("elsewhere", spec, dir_time=day)  # not published under that date
+        other = publish_unreached(root, "elsewhere", spec=spec, model="m", reason="x",
+                                  dir_time=day + 86400)
+        where = {c: (CaptureTracker._rel_dir(c, e), e.since)
+                 for c, e in tracker._tracked.items()}
+        assert tracker._scan(where) == {"dated-1": on_disk}  # fresh: no search of the root
+        where["elsewhere"] = (where["elsewhere"][0], now - SEARCH_AFTER_S - 1)
+        tracker._searched_at = 0.0
+        assert tracker._scan(where) == {"dated-1": on_disk, "elsewhere": other}
+
+    asyncio.run(scans())
