@@ -42,7 +42,14 @@ def one(config: str, model: str, out: Path) -> None:
     else:
         from capsteer.engine import Engine, Request
 
-        engine = Engine(model, capsteer_config={"capture_dir": "/tmp/prof-captures"}, **kw)
+        # Experiments: CAPSTEER_PROFILE_CONFIG (JSON) adds capsteer config keys (e.g.
+        # capture_workers); CAPSTEER_SWITCH_INTERVAL sets this process's GIL switch interval.
+        extra = json.loads(os.environ.get("CAPSTEER_PROFILE_CONFIG") or "{}")
+        if os.environ.get("CAPSTEER_SWITCH_INTERVAL"):
+            sys.setswitchinterval(float(os.environ["CAPSTEER_SWITCH_INTERVAL"]))
+        info_extra = {"capsteer_config": extra, "switch_interval": sys.getswitchinterval()}
+        engine = Engine(model, capsteer_config={"capture_dir": "/tmp/prof-captures", **extra},
+                        **kw)
         llm = engine.llm
     steering = {"vectors": [{"hook": "resid_post", "layers": "all",
                              "vector": [0.01] * engine.hidden_size, "scale": 1.0}]} \
@@ -61,7 +68,7 @@ def one(config: str, model: str, out: Path) -> None:
                      sampling={"max_tokens": sp.max_tokens, "temperature": 0.0,
                                "ignore_eos": True}) for b in batch], timeout=900)
         receipts.extend(r.receipt for r in results if r.receipt is not None)
-    info = {"config": config}
+    info = {"config": config, **(info_extra if engine is not None else {})}
     info["runner"] = llm.collective_rpc(
         lambda self: f"{type(self.model_runner).__module__}.{type(self.model_runner).__name__}")
     cc = llm.llm_engine.vllm_config.compilation_config

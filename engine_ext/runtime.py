@@ -117,6 +117,10 @@ class HookRuntime:
         self.fired = [0] * self.num_sites  # host mode: sites reached this step (canary)
         # Slot 0 means "no hooks": its steering entries are the identity, it captures nothing.
         self.free_slots = list(range(max_requests, 0, -1))
+        # Slots whose device row holds steering entries; every other row is all zeros
+        # (the identity), so a capture-only request needs no upload when it arrives and
+        # no clearing when it leaves (two launches per request otherwise).
+        self.steered_slots: set[int] = set()
         self.slot_tables: dict[str | None, torch.Tensor] = {}  # steering key -> host table
         if device_driven:
             long = dict(dtype=torch.int64, device=device)
@@ -193,6 +197,8 @@ class HookRuntime:
         if not self.free_slots:
             raise RuntimeError("capsteer: more live requests with hooks than max_requests")
         slot = self.free_slots.pop()
+        if not entries:
+            return slot  # its row is already zero: no steering entry anywhere
         table = self.slot_tables.get(key)
         if table is None:
             table = torch.zeros(2, 2, self.num_sites, dtype=torch.int64)
@@ -202,11 +208,14 @@ class HookRuntime:
             self.slot_tables[key] = table.pin_memory() if self.device.type == "cuda" else table
             table = self.slot_tables[key]
         self.slot_entry[slot].copy_(table, non_blocking=True)
+        self.steered_slots.add(slot)
         return slot
 
     def free_slot(self, slot: int) -> None:  # slot 0 (never allocated) is a no-op
         if self.device_driven and slot:
-            self.slot_entry[slot].zero_()
+            if slot in self.steered_slots:
+                self.slot_entry[slot].zero_()
+                self.steered_slots.discard(slot)
             self.free_slots.append(slot)
 
     # ---- per step ----

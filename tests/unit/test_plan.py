@@ -314,3 +314,26 @@ def test_device_mode_skips_only_sites_no_request_uses():
     for site in range(2 * LAYERS + 1):
         rt.tap(torch.zeros(4, HIDDEN), torch.zeros(4, HIDDEN), site)
     assert calls == []
+
+
+def test_device_slot_rows_hold_entries_only_for_steered_requests():
+    """A steered request's slot row holds its entries and is cleared when it leaves; a
+    capture-only request gets a slot whose row is already the identity (all zeros), with
+    no upload on arrival and no clearing when it leaves, even when it takes a slot a
+    steered request left."""
+    rt = HookRuntime(LAYERS, HIDDEN, torch.float32, torch.device("cpu"), max_tokens=16,
+                     max_requests=1, staging_rows=64, device_driven=True)
+    steer = {"vectors": [{"hook": "resid_post", "layer": 0, "vector": [0.5] * HIDDEN}]}
+    s = hooks_for("s", 3, rt=rt, steering=steer)
+    assert s.slot == 1 and rt.steered_slots == {1}
+    assert int(rt.slot_entry[1].count_nonzero()) == 2  # prompt and generated, one site
+    s.release(rt)
+    assert rt.steered_slots == set() and int(rt.slot_entry.count_nonzero()) == 0
+    writes = []
+    original = rt.slot_entry
+    rt.slot_entry = type("Watch", (), {  # any write to a row would show up here
+        "__getitem__": lambda self, i: writes.append(i) or original[i]})()
+    c = hooks_for("c", 3, rt=rt, capture={"hooks": ["resid_post"], "layers": [0]})
+    assert c.slot == 1 and rt.steered_slots == set()
+    c.release(rt)
+    assert writes == [] and rt.free_slots == [1]
