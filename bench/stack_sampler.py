@@ -12,6 +12,8 @@ innermost function ("self") and every function on the stack ("total").
 
 from __future__ import annotations
 
+import gc
+import os
 import sys
 import threading
 import time
@@ -37,6 +39,11 @@ class StackSampler:
         self.seconds = 0.0
 
     def __enter__(self) -> StackSampler:
+        self._cpu_before = thread_cpu()
+        self.gc_counts = [0, 0, 0]
+        self.gc_seconds = [0.0, 0.0, 0.0]
+        self._gc_started = 0.0
+        gc.callbacks.append(self._on_gc)
         self._started = time.perf_counter()
         self._thread.start()
         return self
@@ -45,6 +52,19 @@ class StackSampler:
         self._stop.set()
         self._thread.join()
         self.seconds = time.perf_counter() - self._started
+        gc.callbacks.remove(self._on_gc)
+        after = thread_cpu()
+        self.cpu = sorted(((f"{name}/{tid}",
+                            round(t - self._cpu_before.get(tid, (name, 0.0))[1], 3))
+                           for tid, (name, t) in after.items()), key=lambda x: -x[1])
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+        else:
+            gen = int(info.get("generation", 0))
+            self.gc_counts[gen] += 1
+            self.gc_seconds[gen] += time.perf_counter() - self._gc_started
 
     def _run(self) -> None:
         me = threading.get_ident()
@@ -67,8 +87,30 @@ class StackSampler:
 
     def report(self, top: int = 25) -> dict[str, Any]:
         """Per thread: samples, and the top functions by self and by total samples."""
-        return {"interval_s": self.interval_s, "seconds": self.seconds, "threads": {
+        return {"interval_s": self.interval_s, "seconds": self.seconds,
+                "gc": {"collections": self.gc_counts,
+                       "seconds": [round(x, 4) for x in self.gc_seconds]},
+                # CPU seconds each OS thread used (Python or not: OpenMP, CUDA, ...)
+                "thread_cpu_s": [c for c in self.cpu if c[1] > 0][:top],
+                "threads": {
             name: {"samples": count,
                    "self": self.self_counts[name].most_common(top),
                    "total": self.total_counts[name].most_common(top)}
             for name, count in self.samples.most_common()}}
+
+
+def thread_cpu() -> dict[int, tuple[str, float]]:
+    """Every OS thread of this process: tid -> (name, user + system CPU seconds)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    python = {t.native_id: f"py:{t.name}" for t in threading.enumerate()}
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+            name = stat[stat.index("(") + 1: stat.rindex(")")]
+            fields = stat[stat.rindex(")") + 2:].split()
+            out[int(tid)] = (python.get(int(tid), name), (int(fields[11]) + int(fields[12])) / tick)
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
