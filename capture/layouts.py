@@ -109,7 +109,7 @@ class TensorPlan:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * torch.empty(0, dtype=self.dtype).element_size()
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
 
 
 def tensor_plan(name: str, t: torch.Tensor) -> TensorPlan:
