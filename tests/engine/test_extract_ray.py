@@ -29,10 +29,13 @@ from .helpers import extraction_records
 
 # Eager engines start in seconds instead of ~60 s of compilation on this CPU; the Ray path
 # is the same either way (compiled captures are covered by the other engine tests).
-ENGINE = dict(dtype="float32", max_model_len=512, gpu_memory_utilization=0.05, max_num_seqs=8,
-              enforce_eager=True)
-FLAGS = ["--dtype", "float32", "--max-model-len", "512", "--gpu-memory-utilization", "0.05",
-         "--max-num-seqs", "8", "--enforce-eager"]
+# An explicit KV size: a memory fraction (vLLM CPU: fraction x node memory minus the
+# process's own RSS) left these small engines a margin the RSS could exceed (CI: -0.15 GiB).
+KV_BYTES = 128 << 20
+ENGINE = dict(dtype="float32", max_model_len=512, kv_cache_memory_bytes=KV_BYTES,
+              max_num_seqs=8, enforce_eager=True)
+FLAGS = ["--dtype", "float32", "--max-model-len", "512", "--kv-cache-memory-bytes",
+         str(KV_BYTES), "--max-num-seqs", "8", "--enforce-eager"]
 JOB = dict(hooks=["resid_post", "mlp_out"], layers="all", positions="prompt",
            shard_size=16 << 10, progress=False)
 KEYS = [("resid_post", 0), ("resid_post", 3), ("mlp_out", 1), ("mlp_out", 2)]
