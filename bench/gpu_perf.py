@@ -162,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parts", default="all", help="e.g. p1p2p3, p4p5p6, all")
     ap.add_argument("--slots", default=None, help="part of the interleave, e.g. 1-5")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--paired", action="store_true",
+                    help="interleave: a round's processes take turns batch by batch "
+                         "(perf_method.py --paired)")
     ap.add_argument("--reps", type=int, default=1, help="timed repetitions per workload/process")
     ap.add_argument("--min-seconds", type=float, default=None,
                     help="per timed repetition (default 10 on cuda, 1 on cpu)")
@@ -213,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
                    "--deadline", str(deadline)]
             if a.slots:
                 cmd += ["--slots", a.slots]
+            if a.paired:
+                cmd.append("--paired")
             if "capture" not in step["configs"] or not a.p3all:
                 cmd.append("--no-p3all")
             rc = run_step(cmd, sub / "driver.log", deadline)

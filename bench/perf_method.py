@@ -23,9 +23,21 @@ vanilla = median / vanilla median; its spread = [min / vanilla max, max / vanill
 ratio is resolved only when that interval excludes its target ("met" / "missed"),
 otherwise "unresolved". Paired per-round ratios are reported beside it.
 
+`--paired`: the processes of one round are alive together (each engine takes
+1/len(configs) of the GPU memory) and take turns on the GPU batch by batch: the driver
+hands the next batch to the process with the least timed seconds in the earliest phase
+(identity, warm-up, timed, per workload), so only one process ever runs and the
+configurations' repetitions are spread over the same minutes. A host whose speed drifts
+by tens of percent from minute to minute (seen on the lent H200s: one vanilla process's
+batches took 1.5-2.2 s) then slows every configuration of a round alike. Each process
+still runs its own >= --min-seconds repetition. The verdict then uses the rounds' paired
+ratios (config / vanilla of the same round): ratio = their median, spread = their min and
+max, >= 3 rounds; the unpaired spread is reported beside it.
+
     python bench/perf_method.py --device cpu --min-seconds 1           # smoke
     python bench/perf_method.py --device cuda --out $OUT               # all 12 slots
     python bench/perf_method.py --device cuda --slots 1-6 ; ... --slots 7-12   # two calls
+    python bench/perf_method.py --device cuda --paired --rounds 3      # rounds taking turns
     python bench/perf_method.py --summarize DIR [DIR ...]              # merge process files
 
 Each process's result is written as `perf-proc-SS-CONFIG.json` in --out and in --work (kept
@@ -41,10 +53,12 @@ import datetime as dt
 import json
 import os
 import platform
+import queue
 import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -160,9 +174,31 @@ def _wait_for(path: str | None, timeout: float) -> float:
     return time.monotonic() - t0
 
 
+class Turns:
+    """A paired process's side of the turn protocol (see --paired): before using the GPU
+    it says which phase it is in and how many timed seconds it has, and waits for "go";
+    after, it says "done". Unpaired processes never wait."""
+
+    def __init__(self, ctl_fd: int | None) -> None:
+        self.ctl = os.fdopen(ctl_fd, "w", buffering=1) if ctl_fd is not None else None
+
+    def take(self, phase: int, timed_s: float = 0.0) -> None:
+        if self.ctl is None:
+            return
+        self.ctl.write(f"want {phase} {timed_s:.6f}\n")
+        line = sys.stdin.readline()
+        if line.strip() != "go":
+            raise SystemExit(f"turn protocol: expected 'go', got {line!r}")
+
+    def give(self) -> None:
+        if self.ctl is not None:
+            self.ctl.write("done\n")
+
+
 def run_process(a: argparse.Namespace) -> dict[str, Any]:
     """One configuration, both workloads (+ identity, + P3-all); returns its figures."""
     t_start = time.time()
+    turns = Turns(a.ctl_fd)
     import vllm  # noqa: F401  (the import is what the overlap hides)
     from vllm import SamplingParams
 
@@ -173,13 +209,15 @@ def run_process(a: argparse.Namespace) -> dict[str, Any]:
     if a.imported_file:
         Path(a.imported_file).touch()
     waited_go = _wait_for(a.go_file, 3600)
-    waited_mem = wait_gpu_free(MEM[a.device] + 0.05) if a.device == "cuda" else 0.0
+    mem = a.mem_fraction or MEM[a.device]
+    # paired processes share the GPU on purpose: the driver starts them one after another
+    waited_mem = wait_gpu_free(mem + 0.05) if a.device == "cuda" and not a.ctl_fd else 0.0
     shape = perf_models.SHAPES[a.shape]
     workloads = {k: v for k, v in WORKLOADS[a.device].items() if k in a.workloads.split(",")}
     gens = [g for _, p, g in workloads.values()] + [IDENTITY[a.device][2]]
     longest = max([p + g for _, p, g in workloads.values()] + [IDENTITY[a.device][1][1] + gens[-1]])
     kw: dict[str, Any] = dict(perf_models.engine_kwargs(a.shape), seed=0,
-                              max_model_len=longest + 16, gpu_memory_utilization=MEM[a.device],
+                              max_model_len=longest + 16, gpu_memory_utilization=mem,
                               max_num_batched_tokens=STEP_TOKENS[a.device])
     # One path for every process: the capsteer config is part of vLLM's compile-cache key,
     # so a per-process path would recompile in every process (seen on CPU: one AOT cache
@@ -239,10 +277,11 @@ def run_process(a: argparse.Namespace) -> dict[str, Any]:
                            "import_s": import_s, "waited_go_s": waited_go,
                            "waited_gpu_memory_s": waited_mem, "startup_s": startup_s,
                            "engine_kwargs": kw, "min_seconds": a.min_seconds, "reps": a.reps,
-                           "workloads": {}}
+                           "paired": a.ctl_fd is not None, "workloads": {}}
     if a.config in ("vanilla", "plain") and a.identity:
         n, _, gen = IDENTITY[a.device]
         prompts = _identity_prompts(a.device, shape.vocab)
+        turns.take(0)
         if llm is not None:
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                                 SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True),
@@ -253,16 +292,19 @@ def run_process(a: argparse.Namespace) -> dict[str, Any]:
             tokens = [r.token_ids for r in engine.generate(
                 [Request(prompt_token_ids=p, sampling={"max_tokens": gen, "temperature": 0.0,
                                                        "ignore_eos": True}) for p in prompts])]
+        turns.give()
         out["identity_tokens"] = tokens
     _wait_for(a.wait_file, 300)  # the next process has finished importing: nothing overlaps
-    for name, (n, prompt, gen) in workloads.items():
+    for w_index, (name, (n, prompt, gen)) in enumerate(workloads.items()):
         seed0 = {"prefill": 1_000, "decode": 2_000}[name]
         vocab = shape.vocab
         # Untimed warm-up: a quarter batch at full prompt length, 64 tokens out (CUDA graphs
         # are captured at start-up; this covers first-use set-up, not every batch size).
+        turns.take(1 + 2 * w_index)
         t = time.perf_counter()
         batch(_prompts(seed0 + 999, max(1, n // 4), prompt, vocab), min(gen, 64), capture, steer)
         warm_s = time.perf_counter() - t
+        turns.give()
         clear_captures()
         reps = []
         b = 0
@@ -272,9 +314,11 @@ def run_process(a: argparse.Namespace) -> dict[str, Any]:
             while sum(times) < a.min_seconds or len(times) < a.min_batches:
                 prompts = _prompts(seed0 + b, n, prompt, vocab)
                 b += 1
+                turns.take(2 + 2 * w_index, sum(times) + 1e3 * len(reps))
                 t = time.perf_counter()
                 got = batch(prompts, gen, capture, steer)
                 times.append(time.perf_counter() - t)
+                turns.give()
                 cached += got["cached"]
                 nbytes += got["bytes"]
                 generated += got["generated"]
@@ -287,7 +331,9 @@ def run_process(a: argparse.Namespace) -> dict[str, Any]:
             "requests": n, "prompt": prompt, "gen": gen, "warmup_s": warm_s, "reps": reps,
             "median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in reps)}
     if a.do_p3all and a.config == "capture":
+        turns.take(99)  # alone on the GPU, after every other process's timed batches
         out["p3all"] = _p3all(a, batch, clear_captures, capture_all, capture_dir)
+        turns.give()
     out["process_s"] = time.time() - t_start
     if llm is not None:
         llm.llm_engine.engine_core.shutdown()
@@ -354,7 +400,9 @@ def summarize(procs: list[dict[str, Any]]) -> dict[str, Any]:
     for p in procs:
         for wl, w in p["workloads"].items():
             s = stats.setdefault(p["config"], {}).setdefault(wl, {"slots": [], "per_process": [],
-                                                                  "rounds": [], "best": []})
+                                                                  "rounds": [], "best": [],
+                                                                  "all_paired": True})
+            s["all_paired"] = s["all_paired"] and bool(p.get("paired"))
             s["slots"].append(p["slot"])
             s["rounds"].append(p["round"])
             s["per_process"].append(w["median_tokens_per_s"])
@@ -375,35 +423,47 @@ def summarize(procs: list[dict[str, Any]]) -> dict[str, Any]:
                 continue
             v = van[wl]
             by_round = dict(zip(v["rounds"], v["per_process"], strict=True))
+            paired = [x / by_round[r] for r, x in zip(s["rounds"], s["per_process"], strict=True)
+                      if r in by_round]
             lo, hi = s["min"] / v["max"], s["max"] / v["min"]
-            few = min(s["processes"], v["processes"]) < MIN_PROCESSES
-            ratios.setdefault(cfg, {})[wl] = {
-                "ratio": s["median"] / v["median"], "lo": lo, "hi": hi, "target": target,
+            entry = {"ratio": s["median"] / v["median"], "lo": lo, "hi": hi, "method": "unpaired"}
+            if s["all_paired"] and v["all_paired"] and paired:
+                # processes of a round took turns on the GPU: judge by the rounds' ratios
+                entry = {"ratio": statistics.median(paired), "lo": min(paired),
+                         "hi": max(paired), "method": "paired",
+                         "unpaired": {"ratio": s["median"] / v["median"], "lo": lo, "hi": hi}}
+            # rounds (paired) or processes per configuration (unpaired) behind the spread
+            samples = len(paired) if entry["method"] == "paired" else min(s["processes"],
+                                                                           v["processes"])
+            few = samples < MIN_PROCESSES
+            ratios.setdefault(cfg, {})[wl] = entry | {
+                "samples": samples,
+                "target": target,
                 # fewer processes than the method asks for: the spread is not measured
-                "verdict": "unresolved" if few else _verdict(lo, hi, target),
+                "verdict": "unresolved" if few else _verdict(entry["lo"], entry["hi"], target),
                 "processes": [s["processes"], v["processes"]],
                 "best_batch": {"ratio": statistics.median(s["best"]) / statistics.median(v["best"]),
                                "lo": min(s["best"]) / max(v["best"]),
                                "hi": max(s["best"]) / min(v["best"])},
-                "paired_by_round": [x / by_round[r] for r, x in
-                                    zip(s["rounds"], s["per_process"], strict=True)
-                                    if r in by_round]}
+                "paired_by_round": paired}
     out: dict[str, Any] = {"stats": stats, "ratios": ratios}
     keys: dict[str, Any] = {}
     for key, cfg in (("p1_plain", "plain"), ("p3_capture_one_layer", "capture")):
         per = ratios.get(cfg, {})
         if per:  # the min over the workloads; its bounds are the min of the bounds
             lo, hi = min(r["lo"] for r in per.values()), min(r["hi"] for r in per.values())
-            few = any(min(r["processes"]) < MIN_PROCESSES for r in per.values())
+            few = any(r["samples"] < MIN_PROCESSES for r in per.values())
             keys[key] = {"value": min(r["ratio"] for r in per.values()), "lo": lo, "hi": hi,
                          "target": TARGETS[cfg],
+                         "method": ",".join(sorted({r["method"] for r in per.values()})),
                          "verdict": "unresolved" if few else _verdict(lo, hi, TARGETS[cfg]),
                          "workloads": sorted(per)}
     for wl in ("prefill", "decode"):
         r = ratios.get("steer", {}).get(wl)
         if r:
             keys[f"p2_steer_{wl}"] = {"value": r["ratio"], "lo": r["lo"], "hi": r["hi"],
-                                      "target": r["target"], "verdict": r["verdict"]}
+                                      "target": r["target"], "verdict": r["verdict"],
+                                      "method": r["method"]}
     p3 = [p["p3all"] for p in procs if "p3all" in p]
     if p3:
         best = p3[0]
@@ -439,7 +499,7 @@ def print_summary(summary: dict[str, Any]) -> None:
         for wl, s in stats.get(cfg, {}).items():
             r = ratios.get(cfg, {}).get(wl)
             tail = (f"{r['ratio']:>8.3f}{r['lo']:>7.3f}{r['hi']:>7.3f}{r['target']:>7}  "
-                    f"{r['verdict']:11}best batch {r['best_batch']['ratio']:.3f} "
+                    f"{r['verdict']:11}{r['method']:9}best batch {r['best_batch']['ratio']:.3f} "
                     f"({r['best_batch']['lo']:.3f}-{r['best_batch']['hi']:.3f})") if r else ""
             print(f"{cfg:9}{wl:9}{s['processes']:>6}{s['median']:>14,.0f}{s['min']:>12,.0f}"
                   f"{s['max']:>12,.0f}{s['spread_pct']:>9.1f}{tail}")
@@ -499,15 +559,20 @@ def estimate_process_s(device: str, config: str, min_s: float, reps: int, p3all:
 
 
 def _spawn(a: argparse.Namespace, slot: int, config: str, model: str, logs: Path,
-           sig: Path, p3all: bool, go: Path | None) -> tuple[subprocess.Popen, Path, Path]:
+           sig: Path, p3all: bool, go: Path | None,
+           ctl_fd: int | None = None) -> tuple[subprocess.Popen, Path, Path]:
     result = Path(a.work) / "procs" / a.configs.replace(",", "-") / f"perf-proc-{slot:02d}-{config}.json"
     result.unlink(missing_ok=True)
     cmd = [sys.executable, __file__, "--one", config, "--slot", str(slot), "--model", model,
            "--device", a.device, "--shape", a.shape, "--min-seconds", str(a.min_seconds),
            "--min-batches", str(a.min_batches), "--reps", str(a.reps), "--work", a.work,
-           "--workloads", a.workloads, "--result-file", str(result), "--configs", a.configs,
-           "--imported-file", str(sig / f"{slot}.imported"),
-           "--wait-file", str(sig / f"{slot}.next-imported")]
+           "--workloads", a.workloads, "--result-file", str(result), "--configs", a.configs]
+    if ctl_fd is None:
+        cmd += ["--imported-file", str(sig / f"{slot}.imported"),
+                "--wait-file", str(sig / f"{slot}.next-imported")]
+    else:
+        share = MEM[a.device] / len(a.configs.split(","))
+        cmd += ["--ctl-fd", str(ctl_fd), "--mem-fraction", f"{share:.4f}"]
     if go is not None:
         cmd += ["--go-file", str(go)]
     if p3all:
@@ -515,8 +580,145 @@ def _spawn(a: argparse.Namespace, slot: int, config: str, model: str, logs: Path
     if a.no_identity:
         cmd.append("--no-identity")
     log = logs / f"slot-{slot:02d}-{config}.log"
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    if ctl_fd is None:
+        proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    else:
+        proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                                stdin=subprocess.PIPE, text=True, pass_fds=(ctl_fd,))
     return proc, result, log
+
+
+class _Child:
+    """The driver's view of one paired process: its turn requests arrive on a pipe."""
+
+    def __init__(self, a: argparse.Namespace, slot: int, config: str, model: str, logs: Path,
+                 sig: Path, p3all: bool, events: queue.Queue) -> None:
+        self.slot, self.config = slot, config
+        read_fd, write_fd = os.pipe()
+        self.proc, self.result, self.log = _spawn(a, slot, config, model, logs, sig, p3all,
+                                                  None, ctl_fd=write_fd)
+        os.close(write_fd)
+        self.want: tuple[int, float] | None = None
+        self.busy = True  # starting up, or running a turn
+        self.turns = 0
+        self.started = time.time()
+
+        def read() -> None:
+            with os.fdopen(read_fd) as fh:
+                for line in fh:
+                    events.put((self, line.split()))
+            events.put((self, ["eof"]))
+
+        threading.Thread(target=read, daemon=True).start()
+
+    def go(self) -> None:
+        assert self.proc.stdin is not None
+        self.want = None
+        self.turns += 1
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+
+
+def _wait_event(children: list[_Child], events: queue.Queue,
+                until: Callable[[], bool], deadline: float | None) -> None:
+    """Apply turn messages until `until()` holds (a dead process counts as done)."""
+    while not until():
+        try:
+            child, msg = events.get(timeout=0.5)
+        except queue.Empty:
+            if deadline and time.time() > deadline + 30:
+                for c in children:
+                    c.proc.kill()
+                raise SystemExit("paired round: past the deadline, processes killed") from None
+            continue
+        if msg[0] == "want":
+            child.want = (int(msg[1]), float(msg[2]))
+        elif msg[0] == "done":
+            child.busy = False
+        elif msg[0] == "eof":
+            child.proc.wait()
+            child.busy = False
+
+
+def drive_paired(a: argparse.Namespace) -> int:
+    """--paired: each round's processes are alive together and take turns batch by batch."""
+    configs = a.configs.split(",")
+    total = a.rounds * len(configs)
+    slots = parse_slots(a.slots, total)
+    rounds = sorted({(s - 1) // len(configs) + 1 for s in slots})
+    out, work = Path(a.out), Path(a.work)
+    procs_dir = work / "procs" / a.configs.replace(",", "-")
+    procs_dir.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    logs = out / "logs"
+    logs.mkdir(exist_ok=True)
+    sig = work / f"signals-{os.getpid()}"
+    sig.mkdir(exist_ok=True)
+    model = str(perf_models.write_model(work / a.shape, a.shape, a.device))
+    measured = any("p3all" in p for p in load_procs([procs_dir]))
+    p3all_done = not a.p3all or measured
+    failed: list[int] = []
+    round_s: list[float] = []
+    for r in rounds:
+        plan = [((r - 1) * len(configs) + i + 1, c) for i, c in enumerate(configs)]
+        guess = max(round_s) if round_s else sum(
+            estimate_process_s(a.device, c, a.min_seconds, a.reps, False, False) for c in configs)
+        if a.deadline and time.time() + guess > a.deadline:
+            print(f"deadline: not starting round {r} (~{guess:.0f} s); run it with --slots "
+                  f"{plan[0][0]}-{plan[-1][0]}", flush=True)
+            break
+        t_round = time.time()
+        events: queue.Queue = queue.Queue()
+        children: list[_Child] = []
+        for slot, config in plan:  # one start-up at a time: each sizes its KV cache alone
+            p3 = config == "capture" and not p3all_done
+            p3all_done = p3all_done or p3
+            child = _Child(a, slot, config, model, logs, sig, p3, events)
+            children.append(child)
+            _wait_event(children, events,
+                        lambda c=child: c.want is not None or c.proc.poll() is not None,
+                        a.deadline)
+            print(f"round {r}: slot {slot} {config} up after {time.time() - child.started:.0f} s",
+                  flush=True)
+        while True:
+            live = [c for c in children if c.proc.poll() is None]
+            if not live:
+                break
+            _wait_event(children, events,
+                        lambda cs=children: all(c.want is not None or c.proc.poll() is not None
+                                                for c in cs), a.deadline)
+            waiting = [c for c in children if c.want is not None and c.proc.poll() is None]
+            if not waiting:
+                continue
+            nxt = min(waiting, key=lambda c: (c.want, c.slot))
+            nxt.busy = True
+            nxt.go()
+            _wait_event(children, events, lambda c=nxt: not c.busy, a.deadline)
+        for c in children:
+            if c.proc.returncode != 0 or not c.result.exists():
+                failed.append(c.slot)
+                tail = c.log.read_text(errors="replace").splitlines()[-40:]
+                print(f"slot {c.slot} {c.config} FAILED (rc {c.proc.returncode}); log tail:\n"
+                      + "\n".join(tail), flush=True)
+                continue
+            p = json.loads(c.result.read_text())
+            p["finished_at"] = time.time()
+            p["wall_s"] = time.time() - c.started
+            p["turns"] = c.turns
+            c.result.write_text(json.dumps(p))
+            (out / c.result.name).write_text(json.dumps(p))
+            w = " ".join(f"{k} {v['median_tokens_per_s']:,.0f} tok/s ({v['reps'][0]['batches']} "
+                         f"batches, {v['reps'][0]['seconds']:.1f} s)"
+                         for k, v in p["workloads"].items())
+            print(f"slot {c.slot:2} {c.config:8} start-up {p['startup_s']:.0f} s, "
+                  f"{c.turns} turns: {w}", flush=True)
+            _trim_log(c.log)
+        round_s.append(time.time() - t_round)
+    shutil.rmtree(sig, ignore_errors=True)
+    procs = load_procs([out, procs_dir])
+    if procs:
+        write_report(procs, out, _meta(a) | {"paired": True})
+    return 1 if failed else 0
 
 
 def drive(a: argparse.Namespace) -> int:
@@ -648,6 +850,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workloads", default="prefill,decode")
     ap.add_argument("--no-p3all", dest="p3all", action="store_false")
     ap.add_argument("--no-identity", action="store_true")
+    ap.add_argument("--paired", action="store_true",
+                    help="a round's processes alive together, taking turns batch by batch")
     ap.add_argument("--no-overlap", dest="overlap", action="store_false",
                     help="do not start the next process's imports during this one's start-up")
     ap.add_argument("--deadline", type=float, default=None, help="epoch seconds")
@@ -659,6 +863,8 @@ def main(argv: list[str] | None = None) -> int:
                    "--wait-file"):
         ap.add_argument(hidden, help=argparse.SUPPRESS)
     ap.add_argument("--slot", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--ctl-fd", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--mem-fraction", type=float, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--do-p3all", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     a.shape = a.shape or SHAPE[a.device]
@@ -682,7 +888,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(a.result_file).parent.mkdir(parents=True, exist_ok=True)
         Path(a.result_file).write_text(json.dumps(result))
         return 0
-    return drive(a)
+    return drive_paired(a) if a.paired else drive(a)
 
 
 if __name__ == "__main__":
