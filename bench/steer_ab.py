@@ -1,0 +1,123 @@
+"""Where steering's cost comes from, measured inside one capsteer engine process.
+
+Batches of different request kinds alternate in one engine (plain, steered at every
+layer, steered at one layer, plain, ...), so the host's drift between processes (tens of
+percent on the lent machines) cancels: what differs between the kinds is the steering
+path alone. If steering all layers costs more than one layer, the per-site work (tap
+launches, kernel time) matters; if both cost the same, the per-request or per-step work
+does. `capture_memory` (rows returned in-process) against `capture_durable` (the writer
+pool publishing to disk in the engine process) separates the capture path's own cost
+from the writer's. Run once per environment variant (e.g. CAPSTEER_TAP_KERNEL=torch) to compare.
+
+    python bench/steer_ab.py --out DIR [--rounds 4] [--workloads prefill,decode]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import perf_models
+
+# name: (requests, prompt tokens, generated tokens): perf_method's GPU workloads
+WORKLOADS = {"prefill": (256, 512, 64), "decode": (256, 128, 512)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--work", default="/tmp/capsteer-ab")
+    ap.add_argument("--shape", default="qwen3-0.6b")
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--workloads", default="prefill,decode")
+    ap.add_argument("--kinds", default="plain,steer_all,steer_one")
+    ap.add_argument("--tag", default="default")
+    ap.add_argument("--requests", type=int, default=None, help="override (CPU smoke: 4)")
+    a = ap.parse_args()
+    from capsteer.engine import Engine, Request
+
+    shape = perf_models.SHAPES[a.shape]
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = perf_models.write_model(Path(a.work) / a.shape, a.shape, device)
+    t = time.perf_counter()
+    capture_dir = Path(a.work) / "captures"
+    engine = Engine(str(model), capsteer_config={"capture_dir": str(capture_dir)},
+                    **perf_models.engine_kwargs(a.shape), seed=0,
+                    max_model_len=1024,
+                    gpu_memory_utilization=0.8 if device == "cuda" else 0.3,
+                    max_num_batched_tokens=2048)
+    startup = time.perf_counter() - t
+    vec = [0.01] * shape.hidden
+    spec = {
+        "plain": None,
+        "steer_all": {"vectors": [{"hook": "resid_post", "layers": "all", "vector": vec,
+                                   "scale": 1.0}]},
+        "steer_one": {"vectors": [{"hook": "resid_post", "layers": [shape.layers // 2],
+                                   "vector": vec, "scale": 1.0}]},
+    }
+    capture_one = {"hooks": ["resid_post"], "layers": [shape.layers // 2], "positions": "prompt",
+                   "layout": "packed"}
+    kinds = a.kinds.split(",")
+    rng = random.Random(0)
+    out: dict = {"tag": a.tag, "env": {k: v for k, v in os.environ.items()
+                                       if k.startswith(("CAPSTEER", "VLLM"))},
+                 "startup_s": startup, "workloads": {}}
+    for wl in a.workloads.split(","):
+        n, prompt, gen = WORKLOADS[wl]
+        n = a.requests or n
+        sampling = {"max_tokens": gen, "temperature": 0.0, "ignore_eos": True}
+
+        def batch(kind: str, n: int = n, prompt: int = prompt,
+                  sampling: dict = sampling) -> float:
+            prompts = [[rng.randrange(10, shape.vocab - 10) for _ in range(prompt)]
+                       for _ in range(n)]
+            capture = capture_one if kind.startswith("capture") else None
+            reqs = [Request(prompt_token_ids=p, sampling=sampling, steering=spec.get(kind),
+                            capture=capture, durable=kind == "capture_durable")
+                    for p in prompts]
+            t0 = time.perf_counter()
+            results = engine.generate(reqs, timeout=600)
+            took = time.perf_counter() - t0
+            bad = [r.receipt for r in results if r.receipt is not None and r.receipt.status != "ok"]
+            if bad:
+                raise RuntimeError(f"{len(bad)} captures failed, e.g. {bad[0]}")
+            shutil.rmtree(capture_dir, ignore_errors=True)
+            return took
+
+        for kind in kinds:  # warm-up
+            batch(kind)
+        times: dict[str, list[float]] = {k: [] for k in kinds}
+        for r in range(a.rounds):
+            order = kinds if r % 2 == 0 else kinds[::-1]
+            for kind in order:
+                times[kind].append(batch(kind))
+        base = statistics.median(times[kinds[0]])
+        res = {k: {"batch_s": v, "median_s": statistics.median(v),
+                   "ratio_vs_" + kinds[0]: base / statistics.median(v)} for k, v in times.items()}
+        out["workloads"][wl] = res
+        print(f"[{a.tag}] {wl}: " + "  ".join(
+            f"{k} {statistics.median(v):.3f} s ({base / statistics.median(v):.3f})"
+            for k, v in times.items()), flush=True)
+    try:
+        out["stats"] = engine.stats() if hasattr(engine, "stats") else None
+    except Exception as exc:  # diagnostics only
+        out["stats"] = repr(exc)
+    engine.close()
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    (Path(a.out) / f"steer-ab-{a.tag}.json").write_text(json.dumps(out, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
