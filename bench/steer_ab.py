@@ -43,7 +43,12 @@ def main() -> int:
     ap.add_argument("--tag", default="default")
     ap.add_argument("--requests", type=int, default=None, help="override (CPU smoke: 4)")
     a = ap.parse_args()
+    diagnostic = any(k.endswith(("_nolaunch", "_noop")) for k in a.kinds.split(","))
+    if diagnostic:  # the patches below reach the worker only when it runs in this process
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from capsteer.engine import Engine, Request
+    from capsteer.engine_ext import runtime as rt_mod
+    from capsteer.engine_ext import tap_kernel
 
     shape = perf_models.SHAPES[a.shape]
     import torch
@@ -66,6 +71,21 @@ def main() -> int:
         "steer_one": {"vectors": [{"hook": "resid_post", "layers": [shape.layers // 2],
                                    "vector": vec, "scale": 1.0}]},
     }
+    # Diagnostics (wrong outputs on purpose, never a product path): the same steered
+    # requests with the tap's Triton launch skipped (`_nolaunch`), or with the op
+    # returning before the runtime is reached (`_noop`): what each layer of a tap costs.
+    spec["steer_all_nolaunch"] = spec["steer_all_noop"] = spec["steer_all"]
+    real_launch = tap_kernel.tap
+
+    def patched(kind: str):
+        if kind.endswith("_nolaunch"):
+            tap_kernel.tap = lambda *args, **kw: None
+            return lambda: setattr(tap_kernel, "tap", real_launch)
+        if kind.endswith("_noop"):
+            runtime = rt_mod.RUNTIME
+            rt_mod.RUNTIME = None
+            return lambda: setattr(rt_mod, "RUNTIME", runtime)
+        return lambda: None
     capture_one = {"hooks": ["resid_post"], "layers": [shape.layers // 2], "positions": "prompt",
                    "layout": "packed"}
     kinds = a.kinds.split(",")
@@ -86,9 +106,13 @@ def main() -> int:
             reqs = [Request(prompt_token_ids=p, sampling=sampling, steering=spec.get(kind),
                             capture=capture, durable=kind == "capture_durable")
                     for p in prompts]
+            restore = patched(kind)
             t0 = time.perf_counter()
-            results = engine.generate(reqs, timeout=600)
-            took = time.perf_counter() - t0
+            try:
+                results = engine.generate(reqs, timeout=600)
+            finally:
+                took = time.perf_counter() - t0
+                restore()
             bad = [r.receipt for r in results if r.receipt is not None and r.receipt.status != "ok"]
             if bad:
                 raise RuntimeError(f"{len(bad)} captures failed, e.g. {bad[0]}")
