@@ -70,6 +70,10 @@ import storage
 
 CONFIGS = ("vanilla", "plain", "steer", "capture")
 TARGETS = {"plain": 0.99, "steer": 0.95, "capture": 0.90}
+# Diagnostic configurations (name them in --configs): ratios vs vanilla, no target.
+# steer_one: steering at one layer (the middle one) instead of all; beside `steer` it says
+# how much of steering's cost grows with the number of steered sites.
+DIAGNOSTIC = ("steer_one",)
 MIN_PROCESSES = 3  # per configuration, before a ratio's spread counts
 # name: (requests, prompt tokens, generated tokens)
 WORKLOADS = {
@@ -268,7 +272,9 @@ def run_process(a: argparse.Namespace) -> dict[str, Any]:
         shutil.rmtree(capture_dir, ignore_errors=True)
         capture_dir.mkdir(parents=True, exist_ok=True)
 
-    steer = steering if a.config == "steer" else None
+    steer = {"steer": steering, "steer_one": {"vectors": [
+        {"hook": "resid_post", "layers": [one_layer], "vector": [0.01] * shape.hidden,
+         "scale": 1.0}]}}.get(a.config)
     capture = capture_one if a.config == "capture" else None
     per_round = len(a.configs.split(","))
     out: dict[str, Any] = {"config": a.config, "slot": a.slot,
@@ -417,7 +423,7 @@ def summarize(procs: list[dict[str, Any]]) -> dict[str, Any]:
                      spread_pct=100 * (max(v) - min(v)) / statistics.median(v))
     ratios: dict[str, dict[str, Any]] = {}
     van = stats.get("vanilla", {})
-    for cfg, target in TARGETS.items():
+    for cfg, target in [*TARGETS.items(), *((c, None) for c in DIAGNOSTIC)]:
         for wl, s in stats.get(cfg, {}).items():
             if wl not in van:
                 continue
@@ -440,7 +446,8 @@ def summarize(procs: list[dict[str, Any]]) -> dict[str, Any]:
                 "samples": samples,
                 "target": target,
                 # fewer processes than the method asks for: the spread is not measured
-                "verdict": "unresolved" if few else _verdict(entry["lo"], entry["hi"], target),
+                "verdict": "n/a" if target is None else (
+                    "unresolved" if few else _verdict(entry["lo"], entry["hi"], target)),
                 "processes": [s["processes"], v["processes"]],
                 "best_batch": {"ratio": statistics.median(s["best"]) / statistics.median(v["best"]),
                                "lo": min(s["best"]) / max(v["best"]),
@@ -495,10 +502,10 @@ def print_summary(summary: dict[str, Any]) -> None:
     stats, ratios = summary["stats"], summary["ratios"]
     print(f"\n{'config':9}{'workload':9}{'procs':>6}{'median tok/s':>14}{'min':>12}{'max':>12}"
           f"{'spread%':>9}{'ratio':>8}{'lo':>7}{'hi':>7}{'target':>7}  verdict")
-    for cfg in CONFIGS:
+    for cfg in (*CONFIGS, *DIAGNOSTIC):
         for wl, s in stats.get(cfg, {}).items():
             r = ratios.get(cfg, {}).get(wl)
-            tail = (f"{r['ratio']:>8.3f}{r['lo']:>7.3f}{r['hi']:>7.3f}{r['target']:>7}  "
+            tail = (f"{r['ratio']:>8.3f}{r['lo']:>7.3f}{r['hi']:>7.3f}{r['target']!s:>7}  "
                     f"{r['verdict']:11}{r['method']:9}best batch {r['best_batch']['ratio']:.3f} "
                     f"({r['best_batch']['lo']:.3f}-{r['best_batch']['hi']:.3f})") if r else ""
             print(f"{cfg:9}{wl:9}{s['processes']:>6}{s['median']:>14,.0f}{s['min']:>12,.0f}"
