@@ -136,6 +136,10 @@ class HookRuntime:
             self.point_base_clear = True  # no copy routed: nothing to upload for it
             self.trash_row = staging_rows
             self.use_kernel = tap_kernel.available(torch.device(device))
+            # Compiled tap kernels launched without Triton's JIT (tap_kernel.tap), per
+            # specialisation; they hold this runtime's buffer addresses.
+            self.tap_direct = self.use_kernel and tap_kernel.direct_launch_supported()
+            self.tap_launchers: dict[tuple, tuple] = {}
             self.staging = torch.zeros(staging_rows + 1, hidden_size, dtype=dtype, device=device)
             self.token_stage = torch.zeros(max(staging_rows, 1), **long)
 

@@ -8,6 +8,15 @@ copied to its staging row. A row reads only what its entries need (identity: not
 `add`: w, projections: u and the residual) and writes x back only when steered, so
 steering every layer costs one small read of w per steered row and site.
 Set CAPSTEER_TAP_KERNEL=torch to use the reference.
+
+Launch cost matters more than the kernel: a step too large for CUDA graphs (a long
+prefill) calls the tap from Python at every steered site, and Triton's `JITFunction.run`
+spends ~25 us a call binding and specialising 21 arguments and asking the driver about
+each of 11 pointers (H100, `bench/tap_launch.py`), where the kernel itself runs ~6 us.
+After the first launch of a specialisation, `tap` calls the compiled kernel's launcher
+directly with integer addresses (the runtime's buffers never move). Only for the Triton
+release whose launcher it was written against (`DIRECT_TRITON`); other releases, the CPU
+interpreter and CAPSTEER_TAP_LAUNCH=jit take the JIT path.
 """
 
 from __future__ import annotations
@@ -23,6 +32,17 @@ except ImportError:  # CPU builds: host mode never uses this
     triton = None
 
 
+# The launcher signature `_direct` calls: CompiledKernel.run(gx, gy, gz, stream, function,
+# packed_metadata, launch_metadata, enter_hook, exit_hook, *kernel args).
+DIRECT_TRITON = ("3.6.",)
+
+
+def direct_launch_supported() -> bool:
+    return (triton is not None and triton.__version__.startswith(DIRECT_TRITON)
+            and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+            and os.environ.get("CAPSTEER_TAP_LAUNCH", "direct") != "jit")
+
+
 def available(device: torch.device) -> bool:
     return (triton is not None and device.type == "cuda"
             and os.environ.get("CAPSTEER_TAP_KERNEL", "triton") != "torch")
@@ -31,7 +51,9 @@ def available(device: torch.device) -> bool:
 if triton is not None:
     _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
-    @triton.jit
+    # `site` differs at every call: never specialise on it (a kernel compiled for site 1 or
+    # for a multiple of 16 would be wrong for other sites when launched directly).
+    @triton.jit(do_not_specialize=["site"])
     def _tap(x_ptr, r_ptr, slot_ptr, gen_ptr, rank_ptr, slot_entry_ptr, point_base_ptr,
              u_ptr, w_ptr, alpha_ptr, staging_ptr, site, num_sites, hidden, stride_x, stride_r,
              stride_s, HAS_RES: tl.constexpr, KINDS: tl.constexpr, DTYPE: tl.constexpr,
@@ -83,9 +105,32 @@ def tap(runtime, x: torch.Tensor, residual: torch.Tensor | None, site: int,
     if n == 0:
         return
     res = residual if residual is not None else x
-    _tap[(n,)](
+    xp, rp = x.data_ptr(), res.data_ptr()
+    # Everything the JIT specialises on, but `site` (never) and the runtime's buffers
+    # (fixed for the runtime's life): pointer alignment, strides, constexprs.
+    key = (residual is not None, kinds, x.dtype, hidden, x.stride(0), res.stride(0), xp & 15,
+           rp & 15)
+    launch = runtime.tap_launchers.get(key)
+    if launch is not None:
+        run, function, metadata, device, fixed, tail = launch
+        run(n, 1, 1, _raw_stream(device), function, metadata, None, None, None,
+            xp, rp, *fixed, site, runtime.num_sites, hidden, key[4], key[5], *tail)
+        return
+    consts = (residual is not None, kinds, _TL[x.dtype], triton.next_power_of_2(hidden))
+    kernel = _tap[(n,)](
         x, res, runtime.tok_slot, runtime.tok_gen, runtime.tok_rank, runtime.slot_entry,
         runtime.point_base, runtime.u, runtime.w, runtime.alpha, runtime.staging, site,
         runtime.num_sites, hidden, x.stride(0), res.stride(0), runtime.staging.stride(0),
-        HAS_RES=residual is not None, KINDS=kinds, DTYPE=_TL[x.dtype],
-        BLOCK=triton.next_power_of_2(hidden))
+        HAS_RES=consts[0], KINDS=consts[1], DTYPE=consts[2], BLOCK=consts[3])
+    if runtime.tap_direct and all(hasattr(kernel, a) for a in ("run", "function",
+                                                             "packed_metadata")):
+        fixed = tuple(t.data_ptr() for t in (
+            runtime.tok_slot, runtime.tok_gen, runtime.tok_rank, runtime.slot_entry,
+            runtime.point_base, runtime.u, runtime.w, runtime.alpha, runtime.staging))
+        runtime.tap_launchers[key] = (kernel.run, kernel.function, kernel.packed_metadata,
+                                      torch.cuda.current_device(), fixed,
+                                      (runtime.staging.stride(0), *consts))
+
+
+def _raw_stream(device_index: int) -> int:
+    return torch._C._cuda_getCurrentRawStream(device_index)
