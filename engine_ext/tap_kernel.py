@@ -107,9 +107,10 @@ def tap(runtime, x: torch.Tensor, residual: torch.Tensor | None, site: int,
     res = residual if residual is not None else x
     xp, rp = x.data_ptr(), res.data_ptr()
     # Everything the JIT specialises on, but `site` (never) and the runtime's buffers
-    # (fixed for the runtime's life): pointer alignment, strides, constexprs.
+    # (fixed for the runtime's life): pointer types (the residual may be an fp32 copy at
+    # one site and bf16 at the next) and alignment, strides, constexprs.
     key = (residual is not None, kinds, x.dtype, hidden, x.stride(0), res.stride(0), xp & 15,
-           rp & 15)
+           rp & 15, res.dtype)
     launch = runtime.tap_launchers.get(key)
     if launch is not None:
         run, function, metadata, device, fixed, tail = launch
