@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -40,6 +41,12 @@ class Harvester:
         for slot in self.slots:
             slot.free.set()
         self.next = 0
+        # Diagnostics: seconds the step thread waited for a free ring slot (backpressure),
+        # and seconds this thread spent delivering rows to the sink (holding the GIL for
+        # much of it), with the number of copies delivered.
+        self.wait_s = 0.0
+        self.deliver_s = 0.0
+        self.copies = 0
         self.queue: queue.Queue = queue.Queue()
         self.errors: list[BaseException] = []
         self.thread = threading.Thread(target=self._run, name="capsteer-harvest", daemon=True)
@@ -53,7 +60,10 @@ class Harvester:
         `deliver(rows, tokens)` gets host views it must copy from before returning."""
         slot = self.slots[self.next]
         self.next = (self.next + 1) % len(self.slots)
-        slot.free.wait()
+        if not slot.free.is_set():
+            start = time.perf_counter()
+            slot.free.wait()
+            self.wait_s += time.perf_counter() - start
         slot.free.clear()
         slot.rows[:rows].copy_(staging[:rows], non_blocking=True)
         slot.tokens[:num_tokens].copy_(tokens[:num_tokens], non_blocking=True)
@@ -64,6 +74,10 @@ class Harvester:
     def submit_call(self, fn: Callable[[], None]) -> None:
         """Run `fn` on the harvester thread after everything submitted before it."""
         self.queue.put((None, None, (0, 0), fn))
+
+    def stats(self) -> dict[str, float]:
+        return {"wait_s": round(self.wait_s, 6), "deliver_s": round(self.deliver_s, 6),
+                "copies": self.copies}
 
     def drain(self) -> None:
         done = threading.Event()
@@ -79,7 +93,10 @@ class Harvester:
                     continue
                 try:
                     event.synchronize()
+                    start = time.perf_counter()
                     fn(slot.rows[:rows], slot.tokens[:num_tokens])
+                    self.deliver_s += time.perf_counter() - start
+                    self.copies += 1
                 finally:
                     slot.free.set()
             except BaseException as exc:  # keep harvesting; surface the error to the worker

@@ -83,6 +83,9 @@ class EngineHooks:
         self.runtime_plan_kept = StepPlan()
         self.plan_builds = 0
         self.plan_reuses = 0
+        # Host seconds the step thread spent in the hooks' own per-step work (diagnostics:
+        # what capture and steering add to a step beyond the forward itself).
+        self.host_s = {"before_step": 0.0, "before_forward": 0.0, "after_step": 0.0}
         self.pinned_plan = False  # the canary sets its own plan; real steps must not replace it
         self.num_tokens_gathered = 0
         self.harvester = Harvester(self.runtime.staging.shape[0], self.sites.hidden_size, dtype) \
@@ -101,6 +104,7 @@ class EngineHooks:
         self.sync_debug = bool(self.config.get("sync_debug", False)) and self.device_driven
         self.sync_checked_steps = 0
         before = self._no_sync(self._before_forward) if self.sync_debug else self._before_forward
+        before = self._timed("before_forward", before)
         adapter.install_pre_forward(worker.model_runner, before)
         if self.sync_debug:
             adapter.wrap_forward_calls(worker.model_runner, self._no_sync)
@@ -109,6 +113,17 @@ class EngineHooks:
                     "materialized" if self.sites.materialized else "deferred",
                     len(self.sites.local_sites), self.runtime.num_sites, self.stage,
                     self.num_stages, "device" if self.device_driven else "host")
+
+    def _timed(self, phase: str, fn):
+        host_s, clock = self.host_s, time.perf_counter
+
+        def timed(*args, **kwargs):
+            start = clock()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                host_s[phase] += clock() - start
+        return timed
 
     def _no_sync(self, fn):
         def wrapped(*args, **kwargs):
@@ -483,9 +498,14 @@ class CapsteerWorker(adapter.platform_worker_base()):  # type: ignore[misc]
         return out
 
     def execute_model(self, scheduler_output, *args, **kwargs):
-        self.capsteer.before_step(scheduler_output)
+        hooks, clock = self.capsteer, time.perf_counter
+        start = clock()
+        hooks.before_step(scheduler_output)
+        hooks.host_s["before_step"] += clock() - start
         out = super().execute_model(scheduler_output, *args, **kwargs)
-        self.capsteer.after_step()
+        start = clock()
+        hooks.after_step()
+        hooks.host_s["after_step"] += clock() - start
         return out
 
     # ---- collective_rpc surface ----
@@ -553,5 +573,7 @@ class CapsteerWorker(adapter.platform_worker_base()):  # type: ignore[misc]
                 "harvest_errors": [repr(e) for e in (hooks.harvester.errors if hooks.harvester else [])],
                 "live_requests": len(hooks.requests), "mode": "device" if hooks.device_driven else "host",
                 "plan_builds": hooks.plan_builds, "plan_reuses": hooks.plan_reuses,
-                "early_closes": hooks.early_closes}
+                "early_closes": hooks.early_closes,
+                "host_s": {k: round(v, 6) for k, v in hooks.host_s.items()},
+                "harvest": hooks.harvester.stats() if hooks.harvester else None}
 

@@ -76,6 +76,9 @@ def test_prompt_capture_closes_once_the_prompt_is_fed(engine_pool, model_dirs, h
     # One build for the prefill, one when the batch turns steering-only; decode reuses it.
     assert after["plan_builds"] - before["plan_builds"] < decode // 4, (before, after)
     assert after["live_requests"] == 0
+    # The hooks' own per-step host time is accounted for, phase by phase.
+    assert all(after["host_s"][k] > before["host_s"][k]
+               for k in ("before_step", "before_forward", "after_step")), (before, after)
     assert memory.captures.positions.tolist() == list(range(24))
     assert_matches_hf(hf_models["qwen3"], memory)
     for result, n in ((durable, 24), (steered, 17)):

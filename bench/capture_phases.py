@@ -1,0 +1,167 @@
+"""Where a capturing batch's time goes, by accounting rather than by A/B timing.
+
+A/B timings on the lent hosts drift by more than the differences looked for, so this
+measures, inside each batch, what every thread did: one process per configuration,
+engine in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0: the step loop runs on the main
+thread), P3's prefill workload (256 x 512 prompt + 64 out), and per batch:
+- wall seconds and the main (step) thread's CPU seconds: wall - CPU is time the step
+  thread was off the CPU (GIL waits, backpressure, device syncs);
+- the hooks' own per-step host seconds on the step thread (before_step, the plan and
+  index upload before the forward, after_step) and the harvester's ring waits
+  (backpressure) and delivery seconds (capsteer_stats);
+- every other thread's CPU seconds, by thread name (writer pool, digest pool,
+  harvester): their Python holds the GIL the step thread needs.
+
+    python bench/capture_phases.py [--configs vanilla,plain,capture,capture_memory] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+WORKLOAD = (256, 512, 64)
+
+
+def _thread_groups(before: dict, after: dict) -> dict[str, float]:
+    """CPU seconds per thread-name group between two `thread_cpu()` snapshots."""
+    groups: dict[str, float] = {}
+    for tid, (name, cpu) in after.items():
+        delta = cpu - before.get(tid, (name, 0.0))[1]
+        if delta <= 0:
+            continue
+        group = re.sub(r"[-_/]?\d+$", "", name.split("/")[0])
+        groups[group] = round(groups.get(group, 0.0) + delta, 4)
+    return dict(sorted(groups.items(), key=lambda kv: -kv[1]))
+
+
+def _delta(before: dict, after: dict) -> dict:
+    out = {}
+    for k, v in after.items():
+        if isinstance(v, dict):
+            out[k] = _delta(before.get(k) or {}, v)
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[k] = round(v - (before.get(k) or 0), 6)
+    return out
+
+
+def one(config: str, model: str, out: Path, batches: int, shape: str,
+        workload: tuple[int, int, int], device: str) -> dict:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    import random
+    import threading
+
+    import perf_models
+    from stack_sampler import thread_cpu
+    from vllm import LLM, SamplingParams
+
+    kw = dict(perf_models.engine_kwargs(shape), seed=0, max_model_len=1024,
+              gpu_memory_utilization=0.6 if device == "cuda" else 0.3,
+              max_num_batched_tokens=2048 if device == "cuda" else 512)
+    engine = None
+    if config == "vanilla":
+        llm = LLM(model=model, **kw)
+    else:
+        from capsteer.engine import Engine, Request
+
+        engine = Engine(model, capsteer_config={"capture_dir": "/tmp/phase-captures"}, **kw)
+        llm = engine.llm
+    n, prompt_len, gen = workload
+    rng = random.Random(1)
+    capture = None
+    if config.startswith("capture"):
+        capture = {"hooks": ["resid_post"], "layers": [engine.num_layers // 2],
+                   "positions": "prompt", "layout": "packed"}
+    steering = {"vectors": [{"hook": "resid_post", "layers": "all",
+                             "vector": [0.01] * engine.hidden_size, "scale": 1.0}]} \
+        if config == "steer" else None
+
+    def batch() -> None:
+        prompts = [[rng.randrange(100, 150000) for _ in range(prompt_len)] for _ in range(n)]
+        if engine is None:
+            llm.generate([{"prompt_token_ids": p} for p in prompts],
+                         SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True),
+                         use_tqdm=False)
+            return
+        results = engine.generate([
+            Request(prompt_token_ids=p, capture=capture, steering=steering,
+                    durable=config == "capture",
+                    sampling={"max_tokens": gen, "temperature": 0.0, "ignore_eos": True})
+            for p in prompts], timeout=900)
+        bad = [r.receipt for r in results if r.receipt is not None and r.receipt.status != "ok"]
+        if bad:
+            raise RuntimeError(f"{len(bad)} captures failed: {bad[0]}")
+
+    def stats() -> dict:
+        return engine.stats()[0] if engine is not None else {}
+
+    batch()  # warm-up
+    rows = []
+    main = threading.main_thread().native_id
+    for _ in range(batches):
+        s0, t0 = stats(), thread_cpu()
+        cpu0, wall0 = time.thread_time(), time.perf_counter()
+        batch()
+        wall, cpu = time.perf_counter() - wall0, time.thread_time() - cpu0
+        s1, t1 = stats(), thread_cpu()
+        t0.pop(main, None)
+        t1.pop(main, None)
+        rows.append({"wall_s": round(wall, 4), "main_cpu_s": round(cpu, 4),
+                     "main_off_cpu_s": round(wall - cpu, 4),
+                     "other_threads_cpu_s": _thread_groups(t0, t1),
+                     "hooks": _delta(s0, s1)})
+    result = {"config": config, "shape": shape, "workload": workload, "batches": rows}
+    (out / f"phases-{config}.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--one")
+    ap.add_argument("--configs", default="vanilla,plain,capture,capture_memory")
+    ap.add_argument("--model", default="/tmp/phase-model")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                    help="cpu: a smoke run of the script on a tiny shape")
+    ap.add_argument("--workload", default=None, help="N,PROMPT,GEN (default 256,512,64)")
+    ap.add_argument("--batches", type=int, default=3)
+    ap.add_argument("--out", default=os.environ.get("OUT") or "/tmp/phase-out")
+    a = ap.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    shape = "qwen3-0.6b" if a.device == "cuda" else "qwen3-tiny"
+    workload = tuple(int(v) for v in a.workload.split(",")) if a.workload else WORKLOAD
+    if a.one:
+        result = one(a.one, a.model, out, a.batches, shape, workload, a.device)
+        print("RESULT " + json.dumps(result), flush=True)
+        return
+    import perf_models
+
+    perf_models.write_model(a.model, shape, a.device)
+    for config in a.configs.split(","):
+        proc = subprocess.run([sys.executable, __file__, "--one", config, "--model", a.model,
+                               "--out", str(out), "--batches", str(a.batches),
+                               "--device", a.device, "--workload", ",".join(map(str, workload))],
+                              capture_output=True, text=True)
+        (out / f"{config}.log").write_text(proc.stdout[-20000:] + proc.stderr[-20000:])
+        res = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+        if not res:
+            print(config, "failed", proc.returncode, proc.stderr[-3000:], flush=True)
+            continue
+        for row in json.loads(res[0][7:])["batches"]:
+            hooks = row["hooks"]
+            print(f"{config:15s} wall {row['wall_s']:.3f} main cpu {row['main_cpu_s']:.3f} "
+                  f"off-cpu {row['main_off_cpu_s']:.3f} hooks {hooks.get('host_s')} "
+                  f"harvest {hooks.get('harvest')} others {row['other_threads_cpu_s']}",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
