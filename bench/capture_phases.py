@@ -75,6 +75,7 @@ def one(config: str, model: str, out: Path, batches: int, shape: str,
         engine = Engine(model, capsteer_config={"capture_dir": "/tmp/phase-captures"}, **kw)
         llm = engine.llm
     n, prompt_len, gen = workload
+    vocab = perf_models.SHAPES[shape].vocab - 1
     rng = random.Random(1)
     capture = None
     if config.startswith("capture"):
@@ -85,7 +86,7 @@ def one(config: str, model: str, out: Path, batches: int, shape: str,
         if config == "steer" else None
 
     def batch() -> None:
-        prompts = [[rng.randrange(100, 150000) for _ in range(prompt_len)] for _ in range(n)]
+        prompts = [[rng.randrange(100, vocab) for _ in range(prompt_len)] for _ in range(n)]
         if engine is None:
             llm.generate([{"prompt_token_ids": p} for p in prompts],
                          SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True),
