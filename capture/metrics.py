@@ -114,6 +114,17 @@ def _merged(snapshots: Iterable[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return merged
 
 
+def merge_snapshots(snapshots: Iterable[dict[str, Any]]) -> dict[str, Any]:
+    """One snapshot (the `snapshot` shape) whose samples are the sums of the given ones:
+    a worker and its writer process answer /metrics as one source."""
+    out: dict[str, Any] = {}
+    for name, entry in _merged(snapshots).items():
+        out[name] = {"type": entry["type"], "help": entry["help"],
+                     "samples": [{"name": sname, "labels": dict(labels), "value": value}
+                                 for (sname, labels), value in entry["values"].items()]}
+    return out
+
+
 class SnapshotCollector:
     """Exposes the sum of snapshots from other processes (register on the server's registry).
 

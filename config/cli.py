@@ -16,6 +16,7 @@ import yaml
 from capsteer.capture.publish import DIGESTS
 from capsteer.capture.spec import LAYOUTS
 from capsteer.config.server import (
+    CAPTURE_WRITERS,
     CONFIG_ENV_VAR,
     ENV_PREFIX,
     OVERLOAD_POLICIES,
@@ -62,6 +63,7 @@ SERVER_FLAGS: list[ServerFlag] = [
     _field_flag("capture_layout", choices=tuple(LAYOUTS)),
     _field_flag("capture_overload", choices=OVERLOAD_POLICIES),
     _field_flag("capture_digest", choices=DIGESTS),
+    _field_flag("capture_writer", choices=CAPTURE_WRITERS),
     _field_flag("capture_budget", metavar="SIZE"),
     _field_flag("capture_wait_timeout", type=float, metavar="SECONDS"),
     _field_flag("steering_dir", metavar="DIR"),

@@ -40,6 +40,7 @@ ENV_PREFIX = "CAPSTEER_"
 CONFIG_ENV_VAR = "CAPSTEER_CONFIG"  # names the YAML file when no --config is given
 FILE_SECTION = "server"  # a YAML file may hold the keys under `server:`
 OVERLOAD_POLICIES = ("block", "drop", "reject")
+CAPTURE_WRITERS = ("process", "threads")
 
 Source = Literal["default", "file", "env", "flag"]
 
@@ -111,6 +112,10 @@ class ServerSettings(BaseSettings):
                                   "block (spill), drop, reject (429)")
     capture_digest: str = Field(DEFAULT_DIGEST, description="checksum recorded per file in "
                                 "manifests: sha256 (api.md) or blake3 (faster; named in the entry)")
+    capture_writer: str = Field("process", description="where durable captures are published: "
+                                "process (a writer process beside each engine worker, so "
+                                "publishing never holds the engine's GIL) or threads (in the "
+                                "worker process)")
     capture_budget: int = Field(1 << 30, description="bytes of capture rows in flight "
                                 "(engine memory), e.g. 1GiB")
     capture_wait_timeout: float = Field(60.0, description="seconds a capture_wait response "
@@ -124,11 +129,11 @@ class ServerSettings(BaseSettings):
     global_capture: str | None = Field(None, description="capture shorthand applied to every "
                                        "request without a `capture` field")
 
-    @field_validator("capture_layout", "capture_overload", "capture_digest")
+    @field_validator("capture_layout", "capture_overload", "capture_digest", "capture_writer")
     @classmethod
     def _check_choice(cls, value: str, info: ValidationInfo) -> str:
         choices = {"capture_layout": LAYOUTS, "capture_overload": OVERLOAD_POLICIES,
-                   "capture_digest": DIGESTS}[info.field_name]
+                   "capture_digest": DIGESTS, "capture_writer": CAPTURE_WRITERS}[info.field_name]
         if value not in choices:
             raise ValueError(f"must be one of {', '.join(choices)}; got {value!r}")
         return value
@@ -203,6 +208,8 @@ class ServerSettings(BaseSettings):
                                   "capture_overload": self.capture_overload}
         if self.capture_digest != DEFAULT_DIGEST:
             config["capture_digest"] = self.capture_digest
+        if self.capture_writer != "process":
+            config["capture_writer"] = self.capture_writer
         return config
 
 

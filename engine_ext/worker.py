@@ -447,13 +447,20 @@ def _durable_writer(config: dict) -> CaptureSink | None:
     root = config.get("capture_dir")
     if not root:
         return None
+    kwargs = {"budget_bytes": int(config.get("capture_budget", 1 << 30)),
+              "policy": str(config.get("capture_overload", "block")),
+              "workers": int(config["capture_workers"]) if "capture_workers" in config else None,
+              "digest": str(config.get("capture_digest", "sha256"))}
+    mode = str(config.get("capture_writer", "process"))
+    if mode == "process":  # publishing must not hold this process's GIL (writer_process.py)
+        from capsteer.capture.writer_process import ProcessCaptureWriter
+
+        return ProcessCaptureWriter(root, **kwargs)
+    if mode != "threads":
+        raise ValueError(f"capture_writer must be process or threads; got {mode!r}")
     from capsteer.capture.writer import CaptureWriter
 
-    return CaptureWriter(
-        root, budget_bytes=int(config.get("capture_budget", 1 << 30)),
-        policy=str(config.get("capture_overload", "block")),
-        workers=int(config["capture_workers"]) if "capture_workers" in config else None,
-        digest=str(config.get("capture_digest", "sha256")))
+    return CaptureWriter(root, **kwargs)
 
 
 def _sharded_sink(config: dict, model: str, hidden: int, model_dtype: torch.dtype):
@@ -524,7 +531,9 @@ class CapsteerWorker(adapter.platform_worker_base()):  # type: ignore[misc]
         from capsteer.capture import metrics
 
         self.capsteer.sweep_endings(time.monotonic())
-        return metrics.snapshot()
+        own = metrics.snapshot()
+        child = getattr(self.capsteer.writer, "metrics_snapshot", None)
+        return own if child is None else metrics.merge_snapshots([own, child()])
 
     def capsteer_writer_stats(self) -> dict | None:
         writer = self.capsteer.writer

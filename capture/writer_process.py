@@ -1,0 +1,438 @@
+"""The durable writer in a process of its own, so publishing never waits on the engine's GIL.
+
+Why: a capturing engine's step thread calls thousands of GIL-releasing torch ops per
+step, and each time it releases the GIL a writer thread of the same process can take
+it and hold it for its next Python segment (manifest, plan, syscall bookkeeping). On
+the H200 that kept the step thread off the CPU for 0.4-0.65 s of a 3.6 s capture batch
+(bench/results/h200-2026-11-25-session23.md). Here the engine process keeps only a
+thin `ProcessCaptureWriter`: each `write` copies the rows into a shared-memory ring (one
+torch copy, GIL released) and sends a short message on a socket; a child process runs
+the unchanged `CaptureWriter` (writer threads, digests, fsyncs, manifests, receipts).
+
+Protocol (pickled tuples on one socket pair, in order):
+  parent -> child  ("open", CaptureRequest) | ("write", id, hook, layer, positions,
+                   dtype, shape, offset, end) | ("write_bytes", id, hook, layer,
+                   positions, dtype, shape, bytes) | ("close", CaptureEnd) |
+                   ("abort", id, reason) | ("call", n, name, args) | ("shutdown", timeout)
+  child -> parent  ("ready", pid) | ("done", [ids]) | ("reply", n, value, error)
+The ring's first 8 bytes hold how far the child has consumed it (a logical offset):
+the child copies a write's rows out (CaptureWriter.write always copies) and only then
+advances it; the parent reuses ring bytes only below it (x86 store order is enough).
+
+If the child dies, the parent notices (socket EOF), writes an error outcome for every
+capture the child had not reported done, through an in-process `CaptureWriter`, and
+keeps serving on that writer: no capture is left pending and none is silently lost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import pickle
+import queue
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import Future
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from capsteer.capture import metrics
+from capsteer.capture.sink import CaptureEnd, CaptureRequest
+
+log = logging.getLogger(__name__)
+
+DEFAULT_RING_BYTES = 128 << 20
+_HEADER = 64  # the consumed counter, padded to a cache line
+_ALIGN = 64
+_DONE_BATCH_S = 0.02  # the child reports finished captures at most this often
+_CALL_TIMEOUT_S = 30.0
+
+
+def _align(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _dumps(msg: tuple) -> bytes:
+    return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+class ProcessCaptureWriter:
+    """A `CaptureSink` whose `CaptureWriter` runs in a child process (see module doc).
+
+    Same constructor arguments as `CaptureWriter` (forwarded to the child), plus
+    `ring_bytes`: the shared-memory ring rows cross in (a larger write is sent inline).
+    """
+
+    def __init__(self, root: str | Path, *, budget_bytes: int = 1 << 30, policy: str = "block",
+                 workers: int | None = None, digest: str = "sha256",
+                 ring_bytes: int = DEFAULT_RING_BYTES) -> None:
+        from capsteer.capture.pool import POLICIES
+        from capsteer.capture.publish import check_digest
+
+        if policy not in POLICIES:
+            raise ValueError(f"unknown overload policy {policy!r}; accepted: {', '.join(POLICIES)}")
+        check_digest(digest)
+        self.root = Path(root).resolve()
+        self._writer_kwargs: dict[str, Any] = {"budget_bytes": budget_bytes, "policy": policy,
+                                               "workers": workers, "digest": digest}
+        self.ring_bytes = _align(max(ring_bytes, 1 << 20))
+        self._fd = os.memfd_create("capsteer-capture-ring", os.MFD_CLOEXEC)
+        os.ftruncate(self._fd, _HEADER + self.ring_bytes)
+        import mmap
+
+        self._mm = mmap.mmap(self._fd, _HEADER + self.ring_bytes)
+        self._ring = torch.frombuffer(self._mm, dtype=torch.uint8, offset=_HEADER,
+                                      count=self.ring_bytes)
+        self._head = 0  # logical bytes handed to the child (monotonic)
+        ours, theirs = socket.socketpair()
+        self._conn = Connection(ours.detach())
+        child_fd = theirs.detach()
+        config = {"root": str(self.root), "ring_bytes": self.ring_bytes, **self._writer_kwargs}
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": "",
+               "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "capsteer.capture.writer_process",
+                 "--sock-fd", str(child_fd), "--ring-fd", str(self._fd), "--config", json.dumps(config)],
+                pass_fds=(child_fd, self._fd), env=env, stdin=subprocess.DEVNULL)
+        finally:
+            os.close(child_fd)
+        self._send_lock = threading.Lock()
+        self._state_lock = threading.Lock()
+        self._inflight: dict[str, CaptureRequest] = {}  # opened, not reported done by the child
+        self._calls: dict[int, Future[Any]] = {}
+        self._next_call = 0
+        self._fallback: Any = None  # the in-process CaptureWriter after the child died
+        self.failure: str | None = None
+        self._closing = False
+        self._last_metrics: dict[str, Any] = {}
+        self.ready = threading.Event()
+        self.child_pid: int | None = None
+        self.ring_waits = 0  # writes that waited for the child to free ring space
+        self.inline_writes = 0  # writes too large for the ring, sent on the socket
+        self._reader = threading.Thread(target=self._read_loop, name="capsteer-writer-link", daemon=True)
+        self._reader.start()
+
+    # ----------------------------------------------------------------- sink API
+    def open(self, request: CaptureRequest) -> None:
+        if request.dir_time is None:  # the parent dates it, so a failover finds the same dir
+            from dataclasses import replace
+
+            request = replace(request, dir_time=time.time())
+        with self._state_lock:
+            fallback = self._fallback
+            if fallback is None:  # before the send: a failover from here on aborts it
+                self._inflight[request.capture_id] = request
+        if fallback is not None:
+            fallback.open(request)
+            return
+        self._send(("open", request))
+
+    def write(self, capture_id: str, hook: str, layer: int, positions: np.ndarray,
+              rows: torch.Tensor) -> None:
+        if self._fallback is not None:
+            self._fallback.write(capture_id, hook, layer, positions, rows)
+            return
+        pos = np.ascontiguousarray(positions, dtype=np.int64).reshape(-1)
+        nbytes = rows.numel() * rows.element_size()
+        shape, dtype = tuple(rows.shape), rows.dtype
+        if 2 * _align(nbytes) > self.ring_bytes:  # the child's copy-out needs this (see _serve)
+            self.inline_writes += 1
+            data = rows.contiguous().view(torch.uint8).reshape(-1).numpy().tobytes()
+            self._send(("write_bytes", capture_id, hook, int(layer), pos, dtype, shape, data))
+            return
+        with self._send_lock:  # one producer at a time owns the ring's head
+            offset, end = self._reserve(_align(nbytes))
+            if offset < 0:
+                return  # the child died while we waited; the fallback took over
+            if nbytes:
+                dst = self._ring[offset:offset + nbytes].view(dtype).view(shape)
+                dst.copy_(rows)
+            self._send_locked(("write", capture_id, hook, int(layer), pos, dtype, shape, offset, end))
+
+    def close(self, end: CaptureEnd) -> None:
+        if self._fallback is not None:
+            self._fallback.close(end)
+            return
+        self._send(("close", end))
+
+    def abort(self, capture_id: str, reason: str) -> None:
+        if self._fallback is not None:
+            self._fallback.abort(capture_id, reason)
+            return
+        self._send(("abort", capture_id, reason))
+
+    # ------------------------------------------------------------ diagnostics
+    def stats(self) -> dict[str, Any] | None:
+        """The child writer's stats (CaptureWriter.stats) plus this link's counters."""
+        own = {"process": self.child_pid, "failure": self.failure, "ring_bytes": self.ring_bytes,
+               "ring_waits": self.ring_waits, "inline_writes": self.inline_writes}
+        if self._fallback is not None:
+            return {**self._fallback.stats(), **own}
+        got = self._call("stats")
+        return None if got is None else {**got, **own}
+
+    def metrics_snapshot(self) -> dict[str, Any]:
+        """The child's capture metrics (metrics.snapshot shape); the last good one if it
+        does not answer, so counters never go backwards on a slow scrape."""
+        if self._fallback is None:
+            got = self._call("metrics", timeout=5.0)
+            if got is not None:
+                self._last_metrics = got
+        return self._last_metrics
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every capture closed so far is published."""
+        if self._fallback is not None:
+            return bool(self._fallback.flush(timeout))
+        got = self._call("flush", timeout, timeout=None if timeout is None else timeout + 5.0)
+        return bool(got)
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Publish what was closed, abort what is open, and let the child exit."""
+        self._closing = True
+        if self._fallback is None:
+            try:
+                self._send(("shutdown", timeout))
+            except OSError:
+                pass
+            try:
+                self.proc.wait(None if timeout is None else timeout + 10.0)
+            except subprocess.TimeoutExpired:
+                log.error("capsteer: capture writer process %d did not exit; killing it", self.proc.pid)
+                self.proc.kill()
+        else:
+            self._fallback.shutdown(timeout)
+        self._reader.join(5.0)
+
+    # -------------------------------------------------------------- internals
+    def _consumed(self) -> int:
+        return struct.unpack_from("<Q", self._mm, 0)[0]
+
+    def _reserve(self, n: int) -> tuple[int, int]:
+        """(physical offset, logical end) of n free ring bytes (caller holds the send
+        lock); waits for the child to consume older writes. (-1, -1) if the child died."""
+        head = self._head
+        phys = head % self.ring_bytes
+        if phys + n > self.ring_bytes:  # no wrap inside one write: skip the tail
+            head += self.ring_bytes - phys
+            phys = 0
+        end = head + n
+        if end - self._consumed() > self.ring_bytes:
+            self.ring_waits += 1
+            while end - self._consumed() > self.ring_bytes:
+                if self._fallback is not None or self.failure is not None:
+                    return -1, -1
+                time.sleep(0.0002)
+        self._head = end
+        return phys, end
+
+    def _send(self, msg: tuple) -> None:
+        with self._send_lock:
+            self._send_locked(msg)
+
+    def _send_locked(self, msg: tuple) -> None:
+        try:
+            self._conn.send_bytes(_dumps(msg))
+        except OSError as exc:
+            # Every capture this message concerns was opened before it, so it is in
+            # _inflight and the failover gives it its error outcome; nothing to replay.
+            self._fail(f"capture writer process unreachable: {exc!r}")
+
+    def _call(self, name: str, *args: Any, timeout: float | None = _CALL_TIMEOUT_S) -> Any:
+        fut: Future[Any] = Future()
+        with self._state_lock:
+            n = self._next_call = self._next_call + 1
+            self._calls[n] = fut
+        try:
+            self._send(("call", n, name, args))
+            return fut.result(timeout)
+        except Exception as exc:
+            log.warning("capsteer: capture writer process call %s failed: %r", name, exc)
+            return None
+        finally:
+            with self._state_lock:
+                self._calls.pop(n, None)
+
+    def _read_loop(self) -> None:
+        try:
+            while True:
+                msg = pickle.loads(self._conn.recv_bytes())
+                kind = msg[0]
+                if kind == "done":
+                    with self._state_lock:
+                        for cid in msg[1]:
+                            self._inflight.pop(cid, None)
+                elif kind == "reply":
+                    _, n, value, error = msg
+                    with self._state_lock:
+                        fut = self._calls.get(n)
+                    if fut is not None and not fut.done():
+                        if error is None:
+                            fut.set_result(value)
+                        else:
+                            fut.set_exception(RuntimeError(error))
+                elif kind == "ready":
+                    self.child_pid = int(msg[1])
+                    self.ready.set()
+        except (EOFError, OSError) as exc:
+            if not self._closing:
+                code = self.proc.poll()
+                self._fail(f"capture writer process exited (code {code}): {exc!r}"
+                           if code is not None else f"capture writer process link broke: {exc!r}")
+
+    def _fail(self, reason: str) -> None:
+        """Switch to an in-process writer; every capture the child had not finished
+        gets an error outcome there (an outcome already on disk is kept)."""
+        from capsteer.capture.writer import CaptureWriter
+
+        with self._state_lock:
+            if self._fallback is not None:
+                return
+            self.failure = reason
+            log.error("capsteer: %s; captures it held end with an error, new captures are "
+                      "published by threads of the engine process", reason)
+            fallback = CaptureWriter(self.root, **self._writer_kwargs)
+            for request in self._inflight.values():
+                fallback.open(request)
+                fallback.abort(request.capture_id, reason)
+            self._inflight.clear()
+            calls, self._calls = self._calls, {}
+            self._fallback = fallback
+        for fut in calls.values():
+            if not fut.done():
+                fut.set_exception(RuntimeError(reason))
+        try:
+            self.proc.kill()
+        except OSError:
+            pass
+
+
+# ---------------------------------------------------------------------- child
+def _serve(sock_fd: int, ring_fd: int, config: dict[str, Any]) -> None:
+    import mmap
+
+    from capsteer.capture.writer import CaptureWriter
+
+    conn = Connection(sock_fd)
+    ring_bytes = int(config.pop("ring_bytes"))
+    mm = mmap.mmap(ring_fd, _HEADER + ring_bytes)
+    ring = torch.frombuffer(mm, dtype=torch.uint8, offset=_HEADER, count=ring_bytes)
+    writer = CaptureWriter(config.pop("root"), **config)
+    send_lock = threading.Lock()
+    finished: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+
+    def send(msg: tuple) -> None:
+        with send_lock:
+            conn.send_bytes(_dumps(msg))
+
+    def report_done() -> None:
+        """Finished ids in batches, so the engine's link thread wakes rarely."""
+        while True:
+            cid = finished.get()
+            ids = [] if cid is None else [cid]
+            time.sleep(_DONE_BATCH_S)
+            stop = cid is None
+            while True:
+                try:
+                    more = finished.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    stop = True
+                else:
+                    ids.append(more)
+            if ids:
+                try:
+                    send(("done", ids))
+                except OSError:
+                    return
+            if stop:
+                return
+
+    reporter = threading.Thread(target=report_done, name="capsteer-writer-done", daemon=True)
+    reporter.start()
+    send(("ready", os.getpid()))
+
+    def call(name: str, args: tuple) -> Any:
+        if name == "stats":
+            return writer.stats()
+        if name == "metrics":
+            return metrics.snapshot()
+        if name == "flush":
+            return writer.flush(*args)
+        raise ValueError(f"unknown call {name!r}")
+
+    shutdown_timeout: float | None = None
+    while True:
+        try:
+            msg = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            break  # the engine process is gone: publish what was closed, abort the rest
+        kind = msg[0]
+        try:
+            if kind == "write":
+                _, cid, hook, layer, pos, dtype, shape, offset, end = msg
+                nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+                rows = ring[offset:offset + nbytes].view(dtype).view(shape)
+                if 2 * nbytes >= ring_bytes:  # CaptureWriter.write copies rows of a larger
+                    rows = rows.clone()       # storage; the parent keeps writes below half
+                try:
+                    writer.write(cid, hook, layer, pos, rows)  # copies the rows out
+                finally:
+                    struct.pack_into("<Q", mm, 0, end)
+            elif kind == "write_bytes":
+                _, cid, hook, layer, pos, dtype, shape, data = msg
+                rows = torch.frombuffer(bytearray(data), dtype=dtype).view(shape)
+                writer.write(cid, hook, layer, pos, rows)
+            elif kind == "open":
+                request = msg[1]
+                writer.open(request)
+                writer.add_done_callback(request.capture_id, lambda r: finished.put(r.capture_id))
+            elif kind == "close":
+                writer.close(msg[1])
+            elif kind == "abort":
+                writer.abort(msg[1], msg[2])
+            elif kind == "call":
+                _, n, name, args = msg
+                try:
+                    send(("reply", n, call(name, args), None))
+                except Exception as exc:
+                    send(("reply", n, None, f"{type(exc).__name__}: {exc}"))
+            elif kind == "shutdown":
+                shutdown_timeout = msg[1]
+                break
+        except OSError:
+            raise
+        except Exception:  # one bad message must not take every other capture down
+            log.exception("capsteer writer process: handling %s failed", kind)
+    writer.shutdown(shutdown_timeout)
+    finished.put(None)
+    reporter.join(5.0)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="capsteer capture writer process (internal)")
+    parser.add_argument("--sock-fd", type=int, required=True)
+    parser.add_argument("--ring-fd", type=int, required=True)
+    parser.add_argument("--config", required=True)
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the engine; it tells us
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s capsteer-writer %(levelname)s %(message)s")
+    torch.set_num_threads(2)
+    _serve(args.sock_fd, args.ring_fd, json.loads(args.config))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,164 @@
+"""The durable writer in its own process: same files as the in-process writer, rows that
+cross the shared-memory ring (wrapping, waiting, inline), metrics and stats from the
+child, and no capture left pending or silently lost when the child dies."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from capture_helpers import feed, make_request, make_spec, temp_files
+
+from capsteer.capture import CaptureWriter, find_receipt, read
+from capsteer.capture.metrics import sample_value
+from capsteer.capture.writer_process import ProcessCaptureWriter
+
+
+def wait_receipt(root: Path, cid: str, timeout: float = 60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = find_receipt(root, cid)
+        if found is not None:
+            return found
+        time.sleep(0.02)
+    raise AssertionError(f"no manifest for {cid} after {timeout}s")
+
+
+@pytest.fixture
+def proc_writer(root: Path):
+    w = ProcessCaptureWriter(root, budget_bytes=64 << 20, workers=2, ring_bytes=1 << 20)
+    assert w.ready.wait(60), "the writer process never said it was ready"
+    yield w
+    w.shutdown(timeout=30)
+
+
+def publish_both(proc_writer, threads_root: Path, cid: str, spec, **kw):
+    dtype = kw.pop("dtype", torch.float32)
+    hidden = kw.pop("hidden", 16)
+    prompt_len = kw.pop("prompt_len", 6)
+    generated = kw.pop("generated", 4)
+    req = make_request(cid, spec, prompt_len, hidden=hidden, dtype=dtype)
+    end, refs = feed(proc_writer, req, generated, **kw)
+    proc_writer.close(end)
+    with CaptureWriter(threads_root, workers=1) as ref_writer:
+        ref_end, _ = feed(ref_writer, req, generated, **kw)
+        ref_writer.close(ref_end)
+        ref_receipt = ref_writer.future(cid).result(30)
+    return wait_receipt(proc_writer.root, cid), ref_receipt, refs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["packed", "per_file"])
+def test_same_capture_as_the_in_process_writer(proc_writer, root, tmp_path, dtype, layout):
+    spec = make_spec(hooks={"resid_post": "all", "resid_mid": [0, -1]}, layout=layout)
+    cid = f"same-{layout}-{str(dtype).split('.')[-1]}"
+    got, ref, refs = publish_both(proc_writer, tmp_path / "ref", cid, spec, dtype=dtype,
+                                  prefill_chunk=4, recompute_from=5)
+    assert got.status == ref.status == "ok", (got.error, ref.error)
+    mine, theirs = read(root / got.dir), read(tmp_path / "ref" / ref.dir)
+    assert mine.positions.tolist() == theirs.positions.tolist() == list(range(9))
+    assert mine.token_ids.tolist() == theirs.token_ids.tolist()
+    for key in spec.keys():
+        assert torch.equal(mine.tensor(*key), theirs.tensor(*key))
+        assert torch.equal(mine.tensor(*key), refs[key][:9])
+    assert mine.manifest["writer"]["pid"] != os.getpid()  # published by the child
+    assert temp_files(root) == []
+
+
+def test_rows_wrap_the_ring_wait_for_it_and_go_inline_when_large(proc_writer, root):
+    spec = make_spec(layers=[0, 1], positions="all")
+    # 1 MiB ring: 64 captures of 2 keys x 40 rows x 1024 floats (160 KiB a write) wrap it
+    # many times and make the parent wait for the child to consume.
+    cids = [f"wrap-{i}" for i in range(64)]
+    refs_by_cid = {}
+    for cid in cids:
+        req = make_request(cid, spec, 40, hidden=1024)
+        end, refs = feed(proc_writer, req, 1)
+        proc_writer.close(end)
+        refs_by_cid[cid] = refs
+    # One write larger than half the ring crosses inline on the socket.
+    big = make_request("wrap-big", spec, 300, hidden=1024)
+    end, big_refs = feed(proc_writer, big, 1)
+    proc_writer.close(end)
+    refs_by_cid["wrap-big"] = big_refs
+    assert proc_writer.flush(60)
+    for cid, refs in refs_by_cid.items():
+        receipt = wait_receipt(root, cid)
+        assert receipt.status == "ok", receipt.error
+        cap = read(root / receipt.dir)
+        for key, rows in refs.items():
+            assert torch.equal(cap.tensor(*key), rows), (cid, key)
+    stats = proc_writer.stats()
+    assert stats is not None and stats["process"] == proc_writer.child_pid
+    assert stats["inline_writes"] == 2  # the big request's two keys
+    assert stats["ring_waits"] > 0
+    assert stats["open_captures"] == 0
+
+
+def test_metrics_come_from_the_child(proc_writer, root):
+    spec = make_spec(layers=[0])
+    for i in range(3):
+        req = make_request(f"met-{i}", spec, 4)
+        end, _ = feed(proc_writer, req, 2)
+        proc_writer.close(end)
+    req = make_request("met-aborted", spec, 4)
+    feed(proc_writer, req, 2)
+    proc_writer.abort("met-aborted", "client went away")
+    assert proc_writer.flush(30)
+    snap = proc_writer.metrics_snapshot()
+    assert sample_value(snap, "capsteer_capture_requests_total", status="ok") == 3
+    assert sample_value(snap, "capsteer_capture_requests_total", status="error") == 1
+    assert wait_receipt(root, "met-aborted").status == "error"
+
+
+def test_a_dead_writer_process_ends_its_captures_with_errors_and_serving_goes_on(root):
+    w = ProcessCaptureWriter(root, budget_bytes=64 << 20, workers=1, ring_bytes=1 << 20)
+    try:
+        assert w.ready.wait(60)
+        spec = make_spec(layers=[0])
+        done_req = make_request("dead-done", spec, 4)
+        end, _ = feed(w, done_req, 2)
+        w.close(end)
+        assert w.flush(30)
+        open_req = make_request("dead-open", spec, 4)
+        feed(w, open_req, 2)  # opened, rows sent, never closed
+        os.kill(w.child_pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while w.failure is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert w.failure is not None and "exited" in w.failure
+        assert wait_receipt(root, "dead-done").status == "ok"  # kept, not overwritten
+        lost = wait_receipt(root, "dead-open")
+        assert lost.status == "error" and "writer process" in lost.error
+        # New captures are published in this process from now on.
+        after = make_request("dead-after", spec, 4)
+        end, refs = feed(w, after, 3)
+        w.close(end)
+        receipt = wait_receipt(root, "dead-after")
+        assert receipt.status == "ok", receipt.error
+        assert torch.equal(read(root / receipt.dir).tensor("resid_post", 0), refs[("resid_post", 0)])
+        assert w.stats()["failure"] == w.failure
+    finally:
+        w.shutdown(timeout=30)
+
+
+def test_engine_process_exit_publishes_closed_and_aborts_open(root):
+    """The parent going away (EOF on the link) is a shutdown: closed captures are
+    published, open ones get an error outcome, and the child exits."""
+    w = ProcessCaptureWriter(root, budget_bytes=64 << 20, workers=1, ring_bytes=1 << 20)
+    assert w.ready.wait(60)
+    spec = make_spec(layers=[0])
+    closed = make_request("eof-closed", spec, 4)
+    end, _ = feed(w, closed, 2)
+    w.close(end)
+    feed(w, make_request("eof-open", spec, 4), 2)
+    w._closing = True  # as if this process had died: no failover here
+    socket.socket(fileno=os.dup(w._conn.fileno())).shutdown(socket.SHUT_RDWR)
+    assert w.proc.wait(60) == 0
+    assert wait_receipt(root, "eof-closed").status == "ok"
+    assert wait_receipt(root, "eof-open").status == "error"
