@@ -12,7 +12,10 @@ thread), P3's prefill workload (256 x 512 prompt + 64 out), and per batch:
 - every other thread's CPU seconds, by thread name (writer pool, digest pool,
   harvester): their Python holds the GIL the step thread needs.
 
-    python bench/capture_phases.py [--configs vanilla,plain,capture,capture_memory] [--out DIR]
+`capture` publishes through the writer process (capture_writer=process, the default);
+`capture_threads` through the in-process writer threads, for the A/B of the two.
+
+    python bench/capture_phases.py [--configs vanilla,plain,capture,capture_threads,capture_memory]
 """
 
 from __future__ import annotations
@@ -72,7 +75,9 @@ def one(config: str, model: str, out: Path, batches: int, shape: str,
     else:
         from capsteer.engine import Engine, Request
 
-        engine = Engine(model, capsteer_config={"capture_dir": "/tmp/phase-captures"}, **kw)
+        writer = "threads" if config == "capture_threads" else "process"
+        engine = Engine(model, capsteer_config={"capture_dir": "/tmp/phase-captures",
+                                                "capture_writer": writer}, **kw)
         llm = engine.llm
     n, prompt_len, gen = workload
     vocab = perf_models.SHAPES[shape].vocab - 1
@@ -94,7 +99,7 @@ def one(config: str, model: str, out: Path, batches: int, shape: str,
             return
         results = engine.generate([
             Request(prompt_token_ids=p, capture=capture, steering=steering,
-                    durable=config == "capture",
+                    durable=config in ("capture", "capture_threads"),
                     sampling={"max_tokens": gen, "temperature": 0.0, "ignore_eos": True})
             for p in prompts], timeout=900)
         bad = [r.receipt for r in results if r.receipt is not None and r.receipt.status != "ok"]
