@@ -125,6 +125,9 @@ def one(config: str, model: str, out: Path, batches: int, shape: str,
                      "other_threads_cpu_s": _thread_groups(t0, t1),
                      "hooks": _delta(s0, s1)})
     result = {"config": config, "shape": shape, "workload": workload, "batches": rows}
+    if engine is not None:  # which writer published (a failed writer process says why)
+        result["writer"] = list(engine.llm.collective_rpc("capsteer_writer_stats"))
+        print("WRITER", json.dumps(result["writer"]), flush=True)
     (out / f"phases-{config}.json").write_text(json.dumps(result, indent=1))
     return result
 

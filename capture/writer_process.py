@@ -99,11 +99,15 @@ class ProcessCaptureWriter:
         self._conn = Connection(ours.detach())
         child_fd = theirs.detach()
         config = {"root": str(self.root), "ring_bytes": self.ring_bytes, **self._writer_kwargs}
-        env = {**os.environ, "CUDA_VISIBLE_DEVICES": "",
-               "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+        # The child imports capsteer from this process's sys.path, in its order: `-m` would
+        # put the working directory first, where a source checkout's capsteer/ folder can
+        # shadow the package this process runs.
+        boot = (f"import sys; sys.path[:0] = {[p for p in sys.path if p]!r}; "
+                "from capsteer.capture.writer_process import main; main()")
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "capsteer.capture.writer_process",
+                [sys.executable, "-c", boot,
                  "--sock-fd", str(child_fd), "--ring-fd", str(self._fd), "--config", json.dumps(config)],
                 pass_fds=(child_fd, self._fd), env=env, stdin=subprocess.DEVNULL)
         finally:
