@@ -10,8 +10,8 @@ torch copy, GIL released) and sends a short message on a socket; a child process
 the unchanged `CaptureWriter` (writer threads, digests, fsyncs, manifests, receipts).
 
 Protocol (pickled tuples on one socket pair, in order):
-  parent -> child  ("open", CaptureRequest) | ("write", id, hook, layer, positions,
-                   dtype, shape, offset, end) | ("write_bytes", id, hook, layer,
+  parent -> child  ("open", CaptureRequest) | ("writes", [(id, hook, layer, positions,
+                   dtype, shape, offset, end), ...]) | ("write_bytes", id, hook, layer,
                    positions, dtype, shape, bytes) | ("close", CaptureEnd) |
                    ("abort", id, reason) | ("call", n, name, args) | ("shutdown", timeout)
   child -> parent  ("ready", pid) | ("done", [ids]) | ("reply", n, value, error)
@@ -57,6 +57,7 @@ _HEADER = 64  # the consumed counter, padded to a cache line
 _ALIGN = 64
 _DONE_BATCH_S = 0.02  # the child reports finished captures at most this often
 _CALL_TIMEOUT_S = 30.0
+_MAX_BATCH = 256  # ring writes per message at most
 
 
 def _align(n: int) -> int:
@@ -72,7 +73,11 @@ class ProcessCaptureWriter:
 
     Same constructor arguments as `CaptureWriter` (forwarded to the child), plus
     `ring_bytes`: the shared-memory ring rows cross in (a larger write is sent inline).
+    A step's writes go out as one message at `end_step` (or before any other message,
+    or when the ring must wait), so the engine's sink thread wakes the child once a step.
     """
+
+    copies_rows = True  # write() copies the rows before it returns: callers pass views
 
     def __init__(self, root: str | Path, *, budget_bytes: int = 1 << 30, policy: str = "block",
                  workers: int | None = None, digest: str = "sha256",
@@ -95,6 +100,7 @@ class ProcessCaptureWriter:
         self._ring = torch.frombuffer(self._mm, dtype=torch.uint8, offset=_HEADER,
                                       count=self.ring_bytes)
         self._head = 0  # logical bytes handed to the child (monotonic)
+        self._pending: list[tuple] = []  # this step's ring writes, not sent yet
         ours, theirs = socket.socketpair()
         self._conn = Connection(ours.detach())
         child_fd = theirs.detach()
@@ -163,7 +169,14 @@ class ProcessCaptureWriter:
             if nbytes:
                 dst = self._ring[offset:offset + nbytes].view(dtype).view(shape)
                 dst.copy_(rows)
-            self._send_locked(("write", capture_id, hook, int(layer), pos, dtype, shape, offset, end))
+            self._pending.append((capture_id, hook, int(layer), pos, dtype, shape, offset, end))
+            if len(self._pending) >= _MAX_BATCH:
+                self._send_pending_locked()
+
+    def end_step(self) -> None:
+        """The step's rows are all written: send them to the child as one message."""
+        with self._send_lock:
+            self._send_pending_locked()
 
     def close(self, end: CaptureEnd) -> None:
         if self._fallback is not None:
@@ -235,6 +248,7 @@ class ProcessCaptureWriter:
         end = head + n
         if end - self._consumed() > self.ring_bytes:
             self.ring_waits += 1
+            self._send_pending_locked()  # the child can only free what it was sent
             while end - self._consumed() > self.ring_bytes:
                 if self._fallback is not None or self.failure is not None:
                     return -1, -1
@@ -246,7 +260,19 @@ class ProcessCaptureWriter:
         with self._send_lock:
             self._send_locked(msg)
 
+    def _send_pending_locked(self) -> None:
+        if self._pending:
+            batch, self._pending = self._pending, []
+            self._send_raw_locked(("writes", batch))
+
     def _send_locked(self, msg: tuple) -> None:
+        """Send `msg` after this step's pending writes (a close follows its rows)."""
+        self._send_pending_locked()
+        self._send_raw_locked(msg)
+
+    def _send_raw_locked(self, msg: tuple) -> None:
+        if self._fallback is not None:
+            return  # the failover already gave every capture of this message its outcome
         try:
             self._conn.send_bytes(_dumps(msg))
         except OSError as exc:
@@ -261,6 +287,8 @@ class ProcessCaptureWriter:
             self._calls[n] = fut
         try:
             self._send(("call", n, name, args))
+            if self._fallback is not None and not fut.done():  # sent to no one
+                raise RuntimeError(self.failure or "capture writer process gone")
             return fut.result(timeout)
         except Exception as exc:
             log.warning("capsteer: capture writer process call %s failed: %r", name, exc)
@@ -292,7 +320,10 @@ class ProcessCaptureWriter:
                     self.ready.set()
         except (EOFError, OSError) as exc:
             if not self._closing:
-                code = self.proc.poll()
+                try:
+                    code = self.proc.wait(1.0)  # a broken link is most often a dead child
+                except subprocess.TimeoutExpired:
+                    code = None
                 self._fail(f"capture writer process exited (code {code}): {exc!r}"
                            if code is not None else f"capture writer process link broke: {exc!r}")
 
@@ -386,16 +417,19 @@ def _serve(sock_fd: int, ring_fd: int, config: dict[str, Any]) -> None:
             break  # the engine process is gone: publish what was closed, abort the rest
         kind = msg[0]
         try:
-            if kind == "write":
-                _, cid, hook, layer, pos, dtype, shape, offset, end = msg
-                nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-                rows = ring[offset:offset + nbytes].view(dtype).view(shape)
-                if 2 * nbytes >= ring_bytes:  # CaptureWriter.write copies rows of a larger
-                    rows = rows.clone()       # storage; the parent keeps writes below half
-                try:
-                    writer.write(cid, hook, layer, pos, rows)  # copies the rows out
-                finally:
-                    struct.pack_into("<Q", mm, 0, end)
+            if kind == "writes":
+                for cid, hook, layer, pos, dtype, shape, offset, end in msg[1]:
+                    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+                    rows = ring[offset:offset + nbytes].view(dtype).view(shape)
+                    if 2 * nbytes >= ring_bytes:  # CaptureWriter.write copies rows of a larger
+                        rows = rows.clone()       # storage; the parent keeps writes below half
+                    try:
+                        writer.write(cid, hook, layer, pos, rows)  # copies the rows out
+                    except Exception as exc:  # the capture ends with an error, the step goes on
+                        log.exception("capsteer writer process: write for %s failed", cid)
+                        writer.abort(cid, f"rows could not be taken: {type(exc).__name__}: {exc}")
+                    finally:
+                        struct.pack_into("<Q", mm, 0, end)
             elif kind == "write_bytes":
                 _, cid, hook, layer, pos, dtype, shape, data = msg
                 rows = torch.frombuffer(bytearray(data), dtype=dtype).view(shape)

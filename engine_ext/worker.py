@@ -285,7 +285,7 @@ class EngineHooks:
         if not self.device_driven:
             captured = self.runtime.take_captured()
             self._deliver(plan, sinks, lambda r: captured[r.point][
-                r.offset: r.offset + len(r.positions)].clone())
+                r.offset: r.offset + len(r.positions)])
             self.runtime.set_plan(StepPlan(), 0)
             self._close_complete_captures()
             return
@@ -305,7 +305,7 @@ class EngineHooks:
                 start += len(positions)
             self._deliver(plan, sinks, lambda r: rows[
                 plan.staging_offset[r.point] + r.offset:
-                plan.staging_offset[r.point] + r.offset + len(r.positions)].clone())
+                plan.staging_offset[r.point] + r.offset + len(r.positions)])
 
         self.harvester.submit_copy(self.runtime.staging, plan.staging_rows,
                                    self.runtime.token_stage, self.num_tokens_gathered, deliver)
@@ -340,11 +340,20 @@ class EngineHooks:
 
     @staticmethod
     def _deliver(plan: StepPlan, sinks: dict[str, CaptureSink], rows_for) -> None:
+        """Hand each route's rows (views of a buffer reused next step) to its sink: a copy
+        of its own unless the sink copies them itself before `write` returns; a sink that
+        batches a step's writes is told when the step's rows are all handed over."""
         for route in plan.routes:
             rows = rows_for(route)
             sink = sinks[route.capture_id]
+            if not getattr(sink, "copies_rows", False):
+                rows = rows.clone()
             for hook, layer in route.keys:
                 sink.write(route.capture_id, hook, layer, route.positions, rows)
+        for sink in {id(s): s for s in sinks.values()}.values():
+            end_step = getattr(sink, "end_step", None)
+            if end_step is not None:
+                end_step()
 
     def _finish(self, req_id: str) -> None:
         self.detached.discard(req_id)
