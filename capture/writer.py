@@ -902,9 +902,17 @@ def _hostname() -> str:
     return socket.gethostname()
 
 
+ENGINE_PID_ENV = "CAPSTEER_ENGINE_PID"  # set for a writer process: whose rows it publishes
+
+
 def writer_info() -> dict[str, Any]:
-    """Who wrote a manifest (or took a merge lock)."""
-    return {"host": _hostname(), "pid": os.getpid()}
+    """Who wrote a manifest (or took a merge lock): host and pid, and for a writer process
+    (capture/writer_process.py) the engine worker whose captures it publishes."""
+    info: dict[str, Any] = {"host": _hostname(), "pid": os.getpid()}
+    engine_pid = os.environ.get(ENGINE_PID_ENV)
+    if engine_pid:
+        info["engine_pid"] = int(engine_pid)
+    return info
 
 
 def outcome_manifest(capture_id: str, request_id: str | None, status: str, error: str | None,

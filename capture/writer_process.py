@@ -27,6 +27,7 @@ keeps serving on that writer: no capture is left pending and none is silently lo
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import logging
 import os
@@ -101,11 +102,14 @@ class ProcessCaptureWriter:
                                       count=self.ring_bytes)
         self._head = 0  # logical bytes handed to the child (monotonic)
         self._pending: list[tuple] = []  # this step's ring writes, not sent yet
+        self._opens: collections.deque[tuple] = collections.deque()  # queued without a lock
         ours, theirs = socket.socketpair()
         self._conn = Connection(ours.detach())
         child_fd = theirs.detach()
         config = {"root": str(self.root), "ring_bytes": self.ring_bytes, **self._writer_kwargs}
-        env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+        from capsteer.capture.writer import ENGINE_PID_ENV
+
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", ENGINE_PID_ENV: str(os.getpid())}
         # The child imports capsteer from this process's sys.path, in its order: `-m` would
         # put the working directory first, where a source checkout's capsteer/ folder can
         # shadow the package this process runs.
@@ -147,7 +151,11 @@ class ProcessCaptureWriter:
         if fallback is not None:
             fallback.open(request)
             return
-        self._send(("open", request))
+        # The engine's step thread opens captures: it must never wait for the send lock,
+        # which the sink thread holds while it copies rows. Every send drains these first,
+        # and a capture's rows and close are sent after its open was queued, so the child
+        # still sees the open first.
+        self._opens.append(("open", request))
 
     def write(self, capture_id: str, hook: str, layer: int, positions: np.ndarray,
               rows: torch.Tensor) -> None:
@@ -261,6 +269,8 @@ class ProcessCaptureWriter:
             self._send_locked(msg)
 
     def _send_pending_locked(self) -> None:
+        while self._opens:
+            self._send_raw_locked(self._opens.popleft())
         if self._pending:
             batch, self._pending = self._pending, []
             self._send_raw_locked(("writes", batch))

@@ -66,7 +66,9 @@ def test_same_capture_as_the_in_process_writer(proc_writer, root, tmp_path, dtyp
     for key in spec.keys():
         assert torch.equal(mine.tensor(*key), theirs.tensor(*key))
         assert torch.equal(mine.tensor(*key), refs[key][:9])
-    assert mine.manifest["writer"]["pid"] != os.getpid()  # published by the child
+    assert mine.manifest["writer"]["pid"] == proc_writer.child_pid != os.getpid()
+    assert mine.manifest["writer"]["engine_pid"] == os.getpid()  # whose rows they are
+    assert "engine_pid" not in theirs.manifest["writer"]  # the in-process writer
     assert temp_files(root) == []
 
 
@@ -157,6 +159,7 @@ def test_engine_process_exit_publishes_closed_and_aborts_open(root):
     end, _ = feed(w, closed, 2)
     w.close(end)
     feed(w, make_request("eof-open", spec, 4), 2)
+    w.end_step()  # the worker ends every step so: what it had is on the link
     w._closing = True  # as if this process had died: no failover here
     socket.socket(fileno=os.dup(w._conn.fileno())).shutdown(socket.SHUT_RDWR)
     assert w.proc.wait(60) == 0

@@ -117,13 +117,16 @@ def test_captures_from_both_ranks_once_each_equal_hf(dp_server, hf_models):
     on_disk = sorted(p.name for p in root.glob("*/*/*") if p.is_dir())
     assert on_disk == sorted(ids)  # nothing else, nothing twice
 
-    # Both ranks wrote: every manifest names its writer process; two engines, two workers.
+    # Both ranks wrote: every manifest names the worker its writer process publishes for;
+    # two engines, two workers.
     writers = set()
     with httpx.Client(base_url=dp_server.url, timeout=60) as http:
         for cid in ids:
             body = http.get(f"/v1/captures/{cid}").json()
             assert body["status"] == "ok" and body["capture_id"] == cid
-            writers.add(body["manifest_data"]["writer"]["pid"])
+            writer = body["manifest_data"]["writer"]
+            assert writer["pid"] != writer["engine_pid"]  # the worker's writer process
+            writers.add(writer["engine_pid"])
     worker_pids = {int(p) for p in re.findall(
         r"\((?:Worker|EngineCore)\w* pid=(\d+)\).*capsteer: hooks installed",
         dp_server.log_text())}
