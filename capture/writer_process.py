@@ -13,8 +13,10 @@ Protocol (pickled tuples on one socket pair, in order):
   parent -> child  ("open", CaptureRequest) | ("writes", [(id, hook, layer, positions,
                    dtype, shape, offset, end), ...]) | ("write_bytes", id, hook, layer,
                    positions, dtype, shape, bytes) | ("close", CaptureEnd) |
-                   ("abort", id, reason) | ("call", n, name, args) | ("shutdown", timeout)
+                   ("abort", id, reason) | ("call", n, "flush", args) | ("shutdown", timeout)
   child -> parent  ("ready", pid) | ("done", [ids]) | ("reply", n, value, error)
+A second socket pair carries diagnostics out of band: (n, "stats" | "metrics") answered
+by (n, value, error) from a thread of the child, so a scrape never waits behind rows.
 The ring's first 8 bytes hold how far the child has consumed it (a logical offset):
 the child copies a write's rows out (CaptureWriter.write always copies) and only then
 advances it; the parent reuses ring bytes only below it (x86 store order is enough).
@@ -106,6 +108,13 @@ class ProcessCaptureWriter:
         ours, theirs = socket.socketpair()
         self._conn = Connection(ours.detach())
         child_fd = theirs.detach()
+        # Diagnostics (stats, metrics) on a socket of their own, answered by a thread of the
+        # child: a scrape never waits behind queued rows or for the sink thread's lock.
+        ctl_ours, ctl_theirs = socket.socketpair()
+        self._ctl = Connection(ctl_ours.detach())
+        ctl_fd = ctl_theirs.detach()
+        self._ctl_lock = threading.Lock()
+        self._ctl_seq = 0
         config = {"root": str(self.root), "ring_bytes": self.ring_bytes, **self._writer_kwargs}
         from capsteer.capture.writer import ENGINE_PID_ENV
 
@@ -118,10 +127,12 @@ class ProcessCaptureWriter:
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-c", boot,
-                 "--sock-fd", str(child_fd), "--ring-fd", str(self._fd), "--config", json.dumps(config)],
-                pass_fds=(child_fd, self._fd), env=env, stdin=subprocess.DEVNULL)
+                 "--sock-fd", str(child_fd), "--ctl-fd", str(ctl_fd), "--ring-fd", str(self._fd),
+                 "--config", json.dumps(config)],
+                pass_fds=(child_fd, ctl_fd, self._fd), env=env, stdin=subprocess.DEVNULL)
         finally:
             os.close(child_fd)
+            os.close(ctl_fd)
         self._send_lock = threading.Lock()
         self._state_lock = threading.Lock()
         self._inflight: dict[str, CaptureRequest] = {}  # opened, not reported done by the child
@@ -205,14 +216,14 @@ class ProcessCaptureWriter:
                "ring_waits": self.ring_waits, "inline_writes": self.inline_writes}
         if self._fallback is not None:
             return {**self._fallback.stats(), **own}
-        got = self._call("stats")
+        got = self._control("stats", _CALL_TIMEOUT_S)
         return None if got is None else {**got, **own}
 
     def metrics_snapshot(self) -> dict[str, Any]:
         """The child's capture metrics (metrics.snapshot shape); the last good one if it
         does not answer, so counters never go backwards on a slow scrape."""
         if self._fallback is None:
-            got = self._call("metrics", timeout=5.0)
+            got = self._control("metrics", 5.0)
             if got is not None:
                 self._last_metrics = got
         return self._last_metrics
@@ -307,6 +318,28 @@ class ProcessCaptureWriter:
             with self._state_lock:
                 self._calls.pop(n, None)
 
+    def _control(self, name: str, timeout: float) -> Any:
+        """A diagnostics call on the control socket; None on timeout or a dead child (a
+        late answer is recognised by its number and dropped by the next call)."""
+        with self._ctl_lock:
+            self._ctl_seq += 1
+            seq = self._ctl_seq
+            deadline = time.monotonic() + timeout
+            try:
+                self._ctl.send_bytes(_dumps((seq, name)))
+                while self._ctl.poll(max(0.0, deadline - time.monotonic())):
+                    got_seq, value, error = pickle.loads(self._ctl.recv_bytes())
+                    if got_seq != seq:
+                        continue  # the answer to a call that timed out
+                    if error is not None:
+                        raise RuntimeError(error)
+                    return value
+                log.warning("capsteer: capture writer process did not answer %s in %.0f s",
+                            name, timeout)
+            except (OSError, EOFError, RuntimeError) as exc:
+                log.warning("capsteer: capture writer process call %s failed: %r", name, exc)
+            return None
+
     def _read_loop(self) -> None:
         try:
             while True:
@@ -365,7 +398,29 @@ class ProcessCaptureWriter:
 
 
 # ---------------------------------------------------------------------- child
-def _serve(sock_fd: int, ring_fd: int, config: dict[str, Any]) -> None:
+def _answer_control(ctl: Connection, writer: Any) -> None:
+    """The child's diagnostics thread: stats and metrics while the main loop moves rows."""
+    while True:
+        try:
+            seq, name = pickle.loads(ctl.recv_bytes())
+        except (EOFError, OSError):
+            return
+        try:
+            if name == "stats":
+                value, error = writer.stats(), None
+            elif name == "metrics":
+                value, error = metrics.snapshot(), None
+            else:
+                value, error = None, f"unknown control call {name!r}"
+        except Exception as exc:  # the caller gets the error
+            value, error = None, f"{type(exc).__name__}: {exc}"
+        try:
+            ctl.send_bytes(_dumps((seq, value, error)))
+        except OSError:
+            return
+
+
+def _serve(sock_fd: int, ctl_fd: int, ring_fd: int, config: dict[str, Any]) -> None:
     import mmap
 
     from capsteer.capture.writer import CaptureWriter
@@ -408,14 +463,12 @@ def _serve(sock_fd: int, ring_fd: int, config: dict[str, Any]) -> None:
 
     reporter = threading.Thread(target=report_done, name="capsteer-writer-done", daemon=True)
     reporter.start()
+    threading.Thread(target=_answer_control, args=(Connection(ctl_fd), writer),
+                     name="capsteer-writer-control", daemon=True).start()
     send(("ready", os.getpid()))
 
     def call(name: str, args: tuple) -> Any:
-        if name == "stats":
-            return writer.stats()
-        if name == "metrics":
-            return metrics.snapshot()
-        if name == "flush":
+        if name == "flush":  # in order: after every row and close sent before it
             return writer.flush(*args)
         raise ValueError(f"unknown call {name!r}")
 
@@ -473,13 +526,14 @@ def _serve(sock_fd: int, ring_fd: int, config: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="capsteer capture writer process (internal)")
     parser.add_argument("--sock-fd", type=int, required=True)
+    parser.add_argument("--ctl-fd", type=int, required=True)
     parser.add_argument("--ring-fd", type=int, required=True)
     parser.add_argument("--config", required=True)
     args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the engine; it tells us
     logging.basicConfig(level=logging.INFO, format="%(asctime)s capsteer-writer %(levelname)s %(message)s")
     torch.set_num_threads(2)
-    _serve(args.sock_fd, args.ring_fd, json.loads(args.config))
+    _serve(args.sock_fd, args.ctl_fd, args.ring_fd, json.loads(args.config))
 
 
 if __name__ == "__main__":
