@@ -381,7 +381,10 @@ class ProcessCaptureWriter:
             self.failure = reason
             log.error("capsteer: %s; captures it held end with an error, new captures are "
                       "published by threads of the engine process", reason)
-            fallback = CaptureWriter(self.root, **self._writer_kwargs)
+            # No sweep here: the engine's step thread may be waiting on this lock, and a
+            # large root takes long to walk; the dead child's temp files (hidden, named by
+            # its pid) are swept when a writer next starts on the root.
+            fallback = CaptureWriter(self.root, sweep=False, **self._writer_kwargs)
             for request in self._inflight.values():
                 fallback.open(request)
                 fallback.abort(request.capture_id, reason)
