@@ -36,14 +36,19 @@ class Grant(enum.Enum):
     DIRECT = "direct"  # block policy, chunk alone exceeds what memory may hold: spill it
 
 
+def check_budget(limit_bytes: int, policy: str) -> None:
+    """ValueError unless `policy` is an overload policy and the budget is positive."""
+    if policy not in POLICIES:
+        raise ValueError(f"unknown overload policy {policy!r}; accepted: {', '.join(POLICIES)}")
+    if limit_bytes <= 0:
+        raise ValueError("budget must be positive")
+
+
 class Budget:
     """Thread-safe byte accounting with block / drop / reject semantics."""
 
     def __init__(self, limit_bytes: int, policy: str = "block") -> None:
-        if policy not in POLICIES:
-            raise ValueError(f"unknown overload policy {policy!r}; accepted: {', '.join(POLICIES)}")
-        if limit_bytes <= 0:
-            raise ValueError("budget must be positive")
+        check_budget(limit_bytes, policy)
         self.limit = int(limit_bytes)
         self.policy = policy
         self._cond = threading.Condition()

@@ -53,7 +53,7 @@ from capsteer.capture.layouts import (
     tensor_plan,
 )
 from capsteer.capture.paths import relative_dir, validate_capture_id
-from capsteer.capture.pool import POLICIES, Budget, Grant, Overloaded, WorkerThreads
+from capsteer.capture.pool import Budget, Grant, Overloaded, WorkerThreads, check_budget
 from capsteer.capture.publish import (
     DEFAULT_DIGEST,
     DEFAULT_FS,
@@ -237,8 +237,7 @@ class CaptureWriter:
         clock: Callable[[], float] = time.time,
         digest: str = DEFAULT_DIGEST,
     ) -> None:
-        if policy not in POLICIES:
-            raise ValueError(f"unknown overload policy {policy!r}; accepted: {', '.join(POLICIES)}")
+        check_budget(budget_bytes, policy)
         self.root = Path(root).resolve()
         self.fs = fs
         self.digest = check_digest(digest)

@@ -13,7 +13,7 @@ Protocol (pickled tuples on one socket pair, in order):
   parent -> child  ("open", CaptureRequest) | ("writes", [(id, hook, layer, positions,
                    dtype, shape, offset, end), ...]) | ("write_bytes", id, hook, layer,
                    positions, dtype, shape, bytes) | ("close", CaptureEnd) |
-                   ("abort", id, reason) | ("call", n, "flush", args) | ("shutdown", timeout)
+                   ("abort", id, reason) | ("flush", n, timeout) | ("shutdown", timeout)
   child -> parent  ("ready", pid) | ("done", [ids]) | ("reply", n, value, error)
 A second socket pair carries diagnostics out of band: (n, "stats" | "metrics") answered
 by (n, value, error) from a thread of the child, so a scrape never waits behind rows.
@@ -85,11 +85,10 @@ class ProcessCaptureWriter:
     def __init__(self, root: str | Path, *, budget_bytes: int = 1 << 30, policy: str = "block",
                  workers: int | None = None, digest: str = "sha256",
                  ring_bytes: int = DEFAULT_RING_BYTES) -> None:
-        from capsteer.capture.pool import POLICIES
+        from capsteer.capture.pool import check_budget
         from capsteer.capture.publish import check_digest
 
-        if policy not in POLICIES:
-            raise ValueError(f"unknown overload policy {policy!r}; accepted: {', '.join(POLICIES)}")
+        check_budget(budget_bytes, policy)  # here, not as a failover when the child starts
         check_digest(digest)
         self.root = Path(root).resolve()
         self._writer_kwargs: dict[str, Any] = {"budget_bytes": budget_bytes, "policy": policy,
@@ -307,7 +306,7 @@ class ProcessCaptureWriter:
             n = self._next_call = self._next_call + 1
             self._calls[n] = fut
         try:
-            self._send(("call", n, name, args))
+            self._send((name, n, *args))
             if self._fallback is not None and not fut.done():  # sent to no one
                 raise RuntimeError(self.failure or "capture writer process gone")
             return fut.result(timeout)
@@ -470,11 +469,6 @@ def _serve(sock_fd: int, ctl_fd: int, ring_fd: int, config: dict[str, Any]) -> N
                      name="capsteer-writer-control", daemon=True).start()
     send(("ready", os.getpid()))
 
-    def call(name: str, args: tuple) -> Any:
-        if name == "flush":  # in order: after every row and close sent before it
-            return writer.flush(*args)
-        raise ValueError(f"unknown call {name!r}")
-
     shutdown_timeout: float | None = None
     while True:
         try:
@@ -508,10 +502,10 @@ def _serve(sock_fd: int, ctl_fd: int, ring_fd: int, config: dict[str, Any]) -> N
                 writer.close(msg[1])
             elif kind == "abort":
                 writer.abort(msg[1], msg[2])
-            elif kind == "call":
-                _, n, name, args = msg
+            elif kind == "flush":  # in order: after every row and close sent before it
+                _, n, timeout = msg
                 try:
-                    send(("reply", n, call(name, args), None))
+                    send(("reply", n, writer.flush(timeout), None))
                 except Exception as exc:
                     send(("reply", n, None, f"{type(exc).__name__}: {exc}"))
             elif kind == "shutdown":
