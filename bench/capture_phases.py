@@ -13,9 +13,13 @@ thread), P3's prefill workload (256 x 512 prompt + 64 out), and per batch:
   harvester): their Python holds the GIL the step thread needs.
 
 `capture` publishes through the writer process (capture_writer=process, the default);
-`capture_threads` through the in-process writer threads, for the A/B of the two.
+`capture_threads` through the in-process writer threads, for the A/B of the two;
+`capture_spin` has the harvester spin on its copy events (the old wait) instead of
+sleeping in the driver; `capture_all` captures every layer (P3-all; its captures are
+removed after each batch, untimed). The writer process's threads are accounted too
+(`writer_threads_cpu_s`).
 
-    python bench/capture_phases.py [--configs vanilla,plain,capture,capture_threads,capture_memory]
+    python bench/capture_phases.py [--configs vanilla,plain,capture,capture_threads,capture_spin,capture_all,capture_memory]
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 WORKLOAD = (256, 512, 64)
+CAPTURE_DIR = "/tmp/phase-captures"
+DURABLE = ("capture", "capture_threads", "capture_spin", "capture_all")
 
 
 def _thread_groups(before: dict, after: dict) -> dict[str, float]:
@@ -60,6 +66,7 @@ def one(config: str, model: str, out: Path, batches: int, shape: str,
         workload: tuple[int, int, int], device: str) -> dict:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import random
+    import shutil
     import threading
 
     import perf_models
@@ -76,7 +83,13 @@ def one(config: str, model: str, out: Path, batches: int, shape: str,
         from capsteer.engine import Engine, Request
 
         writer = "threads" if config == "capture_threads" else "process"
-        engine = Engine(model, capsteer_config={"capture_dir": "/tmp/phase-captures",
+        if config == "capture_spin":
+            from capsteer.engine_ext.harvest import Harvester
+
+            Harvester.blocking_wait = False  # in-process engine: the worker's harvester
+        # As perf_method.py: staging for a whole step at every layer (capture_all needs it).
+        staging = kw["max_num_batched_tokens"] * (perf_models.SHAPES[shape].layers + 1)
+        engine = Engine(model, capsteer_config={"capture_dir": CAPTURE_DIR, "staging_rows": staging,
                                                 "capture_writer": writer}, **kw)
         llm = engine.llm
     n, prompt_len, gen = workload
@@ -84,7 +97,8 @@ def one(config: str, model: str, out: Path, batches: int, shape: str,
     rng = random.Random(1)
     capture = None
     if config.startswith("capture"):
-        capture = {"hooks": ["resid_post"], "layers": [engine.num_layers // 2],
+        capture = {"hooks": ["resid_post"],
+                   "layers": "all" if config == "capture_all" else [engine.num_layers // 2],
                    "positions": "prompt", "layout": "packed"}
     steering = {"vectors": [{"hook": "resid_post", "layers": "all",
                              "vector": [0.01] * engine.hidden_size, "scale": 1.0}]} \
@@ -99,7 +113,7 @@ def one(config: str, model: str, out: Path, batches: int, shape: str,
             return
         results = engine.generate([
             Request(prompt_token_ids=p, capture=capture, steering=steering,
-                    durable=config in ("capture", "capture_threads"),
+                    durable=config in DURABLE,
                     sampling={"max_tokens": gen, "temperature": 0.0, "ignore_eos": True})
             for p in prompts], timeout=900)
         bad = [r.receipt for r in results if r.receipt is not None and r.receipt.status != "ok"]
@@ -109,21 +123,32 @@ def one(config: str, model: str, out: Path, batches: int, shape: str,
     def stats() -> dict:
         return engine.stats()[0] if engine is not None else {}
 
+    def clear() -> None:
+        if config == "capture_all":  # several GB a batch: keep the disk from filling
+            shutil.rmtree(CAPTURE_DIR, ignore_errors=True)
+
     batch()  # warm-up
+    clear()
+    writer_pid = None
+    if engine is not None:
+        first = next(iter(engine.llm.collective_rpc("capsteer_writer_stats")), None)
+        writer_pid = (first or {}).get("process")
     rows = []
     main = threading.main_thread().native_id
     for _ in range(batches):
-        s0, t0 = stats(), thread_cpu()
+        s0, t0, w0 = stats(), thread_cpu(), thread_cpu(writer_pid) if writer_pid else {}
         cpu0, wall0 = time.thread_time(), time.perf_counter()
         batch()
         wall, cpu = time.perf_counter() - wall0, time.thread_time() - cpu0
-        s1, t1 = stats(), thread_cpu()
+        s1, t1, w1 = stats(), thread_cpu(), thread_cpu(writer_pid) if writer_pid else {}
         t0.pop(main, None)
         t1.pop(main, None)
         rows.append({"wall_s": round(wall, 4), "main_cpu_s": round(cpu, 4),
                      "main_off_cpu_s": round(wall - cpu, 4),
                      "other_threads_cpu_s": _thread_groups(t0, t1),
+                     "writer_threads_cpu_s": _thread_groups(w0, w1),
                      "hooks": _delta(s0, s1)})
+        clear()
     result = {"config": config, "shape": shape, "workload": workload, "batches": rows}
     if engine is not None:  # which writer published (a failed writer process says why)
         result["writer"] = list(engine.llm.collective_rpc("capsteer_writer_stats"))
@@ -168,7 +193,8 @@ def main() -> None:
             hooks = row["hooks"]
             print(f"{config:15s} wall {row['wall_s']:.3f} main cpu {row['main_cpu_s']:.3f} "
                   f"off-cpu {row['main_off_cpu_s']:.3f} hooks {hooks.get('host_s')} "
-                  f"harvest {hooks.get('harvest')} others {row['other_threads_cpu_s']}",
+                  f"harvest {hooks.get('harvest')} others {row['other_threads_cpu_s']} "
+                  f"writer process {row.get('writer_threads_cpu_s')}",
                   flush=True)
 
 

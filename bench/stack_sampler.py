@@ -99,14 +99,20 @@ class StackSampler:
             for name, count in self.samples.most_common()}}
 
 
-def thread_cpu() -> dict[int, tuple[str, float]]:
-    """Every OS thread of this process: tid -> (name, user + system CPU seconds)."""
+def thread_cpu(pid: int | None = None) -> dict[int, tuple[str, float]]:
+    """Every OS thread of this process (or of `pid`): tid -> (name, user + system CPU
+    seconds). Python thread names are known for this process only."""
     tick = os.sysconf("SC_CLK_TCK")
-    python = {t.native_id: f"py:{t.name}" for t in threading.enumerate()}
+    python = {t.native_id: f"py:{t.name}" for t in threading.enumerate()} if pid is None else {}
+    proc = "/proc/self" if pid is None else f"/proc/{pid}"
     out = {}
-    for tid in os.listdir("/proc/self/task"):
+    try:
+        tids = os.listdir(f"{proc}/task")
+    except OSError:
+        return out
+    for tid in tids:
         try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
+            with open(f"{proc}/task/{tid}/stat") as f:
                 stat = f.read()
             name = stat[stat.index("(") + 1: stat.rindex(")")]
             fields = stat[stat.rindex(")") + 2:].split()

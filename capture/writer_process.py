@@ -6,8 +6,13 @@ it and hold it for its next Python segment (manifest, plan, syscall bookkeeping)
 the H200 that kept the step thread off the CPU for 0.4-0.65 s of a 3.6 s capture batch
 (bench/results/h200-2026-11-25-session23.md). Here the engine process keeps only a
 thin `ProcessCaptureWriter`: each `write` copies the rows into a shared-memory ring (one
-torch copy, GIL released) and sends a short message on a socket; a child process runs
+memcpy, GIL released) and sends a short message on a socket; a child process runs
 the unchanged `CaptureWriter` (writer threads, digests, fsyncs, manifests, receipts).
+
+Neither side wakes a thread pool for its copies: an OpenMP team spins on its cores
+after every parallel copy, and that spinning took cores (and SMT siblings) the step
+thread runs on. The parent copies with one memmove; the child runs with one intra-op
+thread (bench/results/h100-2026-11-25-session25.md).
 
 Protocol (pickled tuples on one socket pair, in order):
   parent -> child  ("open", CaptureRequest) | ("writes", [(id, hook, layer, positions,
@@ -30,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import ctypes
 import json
 import logging
 import os
@@ -117,7 +123,8 @@ class ProcessCaptureWriter:
         config = {"root": str(self.root), "ring_bytes": self.ring_bytes, **self._writer_kwargs}
         from capsteer.capture.writer import ENGINE_PID_ENV
 
-        env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", ENGINE_PID_ENV: str(os.getpid())}
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", ENGINE_PID_ENV: str(os.getpid()),
+               **_ONE_THREAD_ENV}
         # The child imports capsteer from this process's sys.path, in its order: `-m` would
         # put the working directory first, where a source checkout's capsteer/ folder can
         # shadow the package this process runs.
@@ -185,8 +192,7 @@ class ProcessCaptureWriter:
             if offset < 0:
                 return  # the child died while we waited; the fallback took over
             if nbytes:
-                dst = self._ring[offset:offset + nbytes].view(dtype).view(shape)
-                dst.copy_(rows)
+                copy_rows(self._ring[offset:offset + nbytes].view(dtype).view(shape), rows)
             self._pending.append((capture_id, hook, int(layer), pos, dtype, shape, offset, end))
             if len(self._pending) >= _MAX_BATCH:
                 self._send_pending_locked()
@@ -422,6 +428,25 @@ def _answer_control(ctl: Connection, writer: Any) -> None:
             return
 
 
+# The child's copies run on its calling threads: no OpenMP or BLAS team that would spin
+# on other cores after each parallel region.
+_ONE_THREAD_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def copy_rows(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst[...] = src for host tensors of one shape and dtype. Contiguous rows go by one
+    memmove on the calling thread (ctypes releases the GIL for it) rather than torch's
+    copy, which splits large copies over the intra-op OpenMP team; other layouts (and
+    device tensors) take torch's copy."""
+    if (src.device.type == "cpu" and src.dtype == dst.dtype and src.shape == dst.shape
+            and src.is_contiguous() and dst.is_contiguous()):
+        nbytes = src.numel() * src.element_size()
+        if nbytes:
+            ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)
+        return
+    dst.copy_(src)
+
+
 def _serve(sock_fd: int, ctl_fd: int, ring_fd: int, config: dict[str, Any]) -> None:
     import mmap
 
@@ -529,7 +554,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the engine; it tells us
     logging.basicConfig(level=logging.INFO, format="%(asctime)s capsteer-writer %(levelname)s %(message)s")
-    torch.set_num_threads(2)
+    torch.set_num_threads(1)  # its copies are small and serial; no team to spin
     _serve(args.sock_fd, args.ctl_fd, args.ring_fd, json.loads(args.config))
 
 

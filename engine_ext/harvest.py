@@ -27,15 +27,23 @@ class _Slot:
     rows: torch.Tensor
     tokens: torch.Tensor
     free: threading.Event
+    copied: torch.cuda.Event  # recorded after this slot's copies; re-recorded only once free
 
 
 class Harvester:
     """Pinned ring of staging copies plus one thread that feeds the sink in order."""
 
+    # The harvester sleeps in the driver until a copy lands (cudaEventBlockingSync)
+    # instead of spinning on the event: a spinning waiter polls the driver while the
+    # step thread launches work through it. False restores the spin, for the A/B in
+    # bench/capture_phases.py (config `capture_spin`).
+    blocking_wait = True
+
     def __init__(self, rows: int, hidden: int, dtype: torch.dtype, ring: int = 2) -> None:
         self.slots = [
             _Slot(torch.empty(rows, hidden, dtype=dtype, pin_memory=True),
-                  torch.empty(rows, dtype=torch.int64, pin_memory=True), threading.Event())
+                  torch.empty(rows, dtype=torch.int64, pin_memory=True), threading.Event(),
+                  torch.cuda.Event(blocking=self.blocking_wait))
             for _ in range(ring)
         ]
         for slot in self.slots:
@@ -67,9 +75,8 @@ class Harvester:
         slot.free.clear()
         slot.rows[:rows].copy_(staging[:rows], non_blocking=True)
         slot.tokens[:num_tokens].copy_(tokens[:num_tokens], non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        self.queue.put((event, slot, (rows, num_tokens), deliver))
+        slot.copied.record()
+        self.queue.put((slot.copied, slot, (rows, num_tokens), deliver))
 
     def submit_call(self, fn: Callable[[], None]) -> None:
         """Run `fn` on the harvester thread after everything submitted before it."""
