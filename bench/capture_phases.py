@@ -37,7 +37,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 WORKLOAD = (256, 512, 64)
 CAPTURE_DIR = "/tmp/phase-captures"
-DURABLE = ("capture", "capture_threads", "capture_spin", "capture_all")
+DURABLE = ("capture", "capture_threads", "capture_spin", "capture_all", "capture_omp1",
+           "capture_torchcopy", "capture_small_staging")
 
 
 def _thread_groups(before: dict, after: dict) -> dict[str, float]:
@@ -65,6 +66,8 @@ def _delta(before: dict, after: dict) -> dict:
 def one(config: str, model: str, out: Path, batches: int, shape: str,
         workload: tuple[int, int, int], device: str) -> dict:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if config == "capture_omp1":  # before torch loads: no intra-op OpenMP team at all
+        os.environ["OMP_NUM_THREADS"] = "1"
     import random
     import shutil
     import threading
@@ -87,10 +90,17 @@ def one(config: str, model: str, out: Path, batches: int, shape: str,
             from capsteer.engine_ext.harvest import Harvester
 
             Harvester.blocking_wait = False  # in-process engine: the worker's harvester
+        if config == "capture_torchcopy":  # rows into the writer's ring by torch's copy_
+            from capsteer.capture import writer_process
+
+            writer_process.copy_rows = lambda dst, src: dst.copy_(src)
         # As perf_method.py: staging for a whole step at every layer (capture_all needs it).
+        # (capture_small_staging: the default staging buffer.)
         staging = kw["max_num_batched_tokens"] * (perf_models.SHAPES[shape].layers + 1)
-        engine = Engine(model, capsteer_config={"capture_dir": CAPTURE_DIR, "staging_rows": staging,
-                                                "capture_writer": writer}, **kw)
+        settings = {"capture_dir": CAPTURE_DIR, "capture_writer": writer}
+        if config != "capture_small_staging":
+            settings["staging_rows"] = staging
+        engine = Engine(model, capsteer_config=settings, **kw)
         llm = engine.llm
     n, prompt_len, gen = workload
     vocab = perf_models.SHAPES[shape].vocab - 1
@@ -143,7 +153,10 @@ def one(config: str, model: str, out: Path, batches: int, shape: str,
         s1, t1, w1 = stats(), thread_cpu(), thread_cpu(writer_pid) if writer_pid else {}
         t0.pop(main, None)
         t1.pop(main, None)
+        busiest = sorted(((t1[tid][1] - t0.get(tid, ("", 0.0))[1], t1[tid][0], tid) for tid in t1),
+                         reverse=True)[:24]
         rows.append({"wall_s": round(wall, 4), "main_cpu_s": round(cpu, 4),
+                     "busiest_threads": [[round(c, 3), n, tid] for c, n, tid in busiest if c > 0],
                      "main_off_cpu_s": round(wall - cpu, 4),
                      "other_threads_cpu_s": _thread_groups(t0, t1),
                      "writer_threads_cpu_s": _thread_groups(w0, w1),
@@ -194,7 +207,8 @@ def main() -> None:
             print(f"{config:15s} wall {row['wall_s']:.3f} main cpu {row['main_cpu_s']:.3f} "
                   f"off-cpu {row['main_off_cpu_s']:.3f} hooks {hooks.get('host_s')} "
                   f"harvest {hooks.get('harvest')} others {row['other_threads_cpu_s']} "
-                  f"writer process {row.get('writer_threads_cpu_s')}",
+                  f"writer process {row.get('writer_threads_cpu_s')} "
+                  f"busiest {[c for c, _, _ in row['busiest_threads'][:16]]}",
                   flush=True)
 
 

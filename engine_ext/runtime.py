@@ -78,6 +78,18 @@ class StepPlan:
         return not self.steer and not self.capture
 
 
+def _pinned_copy(host: torch.Tensor) -> torch.Tensor:
+    """`host` in a pinned block, filled by numpy on this thread: torch's own copy splits a
+    large tensor over its OpenMP team, whose threads then spin on their cores after
+    every step (bench/results/h100-2026-11-25-session25.md)."""
+    pinned = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
+    try:
+        pinned.numpy()[...] = host.numpy()
+    except TypeError:  # a dtype numpy lacks (bfloat16)
+        pinned.copy_(host)
+    return pinned
+
+
 class HookRuntime:
     """Per-worker persistent state: steering tables, index buffers, captured rows."""
 
@@ -133,7 +145,10 @@ class HookRuntime:
             self.slot_entry = torch.zeros(max_requests + 1, 2, 2, self.num_sites, **long)
             # [slot, kind, site] -> first staging row of that request's copy, or -1
             self.point_base = torch.full((max_requests + 1, 2, self.num_sites), -1, **long)
-            self.point_base_clear = True  # no copy routed: nothing to upload for it
+            # Flat entries of point_base not -1 now (the last routed step's); a step
+            # uploads only its changes (a few entries), never the whole table.
+            self.point_base_set = np.zeros(0, np.int64)
+            self.point_updates = torch.zeros(2, self.point_base.numel(), **long)
             self.trash_row = staging_rows
             self.use_kernel = tap_kernel.available(torch.device(device))
             # Compiled tap kernels launched without Triton's JIT (tap_kernel.tap), per
@@ -147,7 +162,15 @@ class HookRuntime:
         """Host -> model device without a host sync: pinned (cached allocator) + async copy."""
         if self.device.type != "cuda":
             return host
-        return host.pin_memory().to(self.device, non_blocking=True)
+        return _pinned_copy(host).to(self.device, non_blocking=True)
+
+    def _upload_into(self, dst: torch.Tensor, host: np.ndarray) -> None:
+        """dst[...] = host without a host sync or a device temporary: one async copy from
+        a pinned block (the cached allocator reuses it only after this copy's event)."""
+        if self.device.type != "cuda":
+            dst.copy_(torch.from_numpy(host))
+            return
+        dst.copy_(_pinned_copy(torch.from_numpy(host)), non_blocking=True)
 
     # ---- steering tables (written when a request arrives, not per step) ----
     def alloc_entry(self, u: torch.Tensor, alpha: float, w: torch.Tensor) -> int:
@@ -244,14 +267,30 @@ class HookRuntime:
             gen[rows] = generated
         for route in plan.routes:
             rank[route.rows] = np.arange(len(route.rows))
-        self.tok_index[:, :n].copy_(self._upload(torch.from_numpy(index)))
-        if plan.routes or not self.point_base_clear:  # steering-only steps skip this table
-            base = np.full(tuple(self.point_base.shape), -1, np.int64)
-            for route in plan.routes:
-                kind, site = route.point
-                base[route.slot, kind, site] = plan.staging_offset[route.point] + route.offset
-            self.point_base.copy_(self._upload(torch.from_numpy(base)))
-            self.point_base_clear = not plan.routes
+        self._upload_into(self.tok_index[:, :n], index)
+        if plan.routes or len(self.point_base_set):  # steering-only steps skip this table
+            self._update_point_base(plan)
+
+    def _update_point_base(self, plan: StepPlan) -> None:
+        """point_base = this step's routes, -1 elsewhere, by scattering only the entries
+        that change: the routes' (value: first staging row) and the last step's that no
+        route of this step sets again (value: -1)."""
+        routed: dict[int, int] = {}  # flat entry -> first staging row (a later route wins)
+        for route in plan.routes:
+            kind, site = route.point
+            flat = (route.slot * 2 + kind) * self.num_sites + site
+            routed[flat] = plan.staging_offset[route.point] + route.offset
+        keys = np.fromiter(routed, np.int64, len(routed))
+        stale = np.setdiff1d(self.point_base_set, keys)
+        k = len(stale) + len(keys)
+        update = np.empty((2, k), np.int64)
+        update[0, :len(stale)] = stale
+        update[0, len(stale):] = keys
+        update[1, :len(stale)] = -1
+        update[1, len(stale):] = np.fromiter(routed.values(), np.int64, len(routed))
+        self._upload_into(self.point_updates[:, :k], update)
+        self.point_base.view(-1).scatter_(0, self.point_updates[0, :k], self.point_updates[1, :k])
+        self.point_base_set = keys
 
     def reset_dense(self) -> None:
         """After a hooked step: rows of later steps map to slot 0 (no hooks) until re-planned."""

@@ -289,6 +289,39 @@ def test_device_mode_clears_copy_routes_after_a_captured_step():
     assert rt.tok_rank[:1].tolist() == [-1] and int((rt.point_base >= 0).sum()) == 0
 
 
+def test_device_mode_copy_table_follows_the_batch_as_it_changes():
+    """point_base is updated by the entries that change only: after every step it equals
+    the table built from scratch for that step's routes (-1 everywhere else), as
+    captures join, overlap and leave."""
+    rt = HookRuntime(LAYERS, HIDDEN, torch.float32, torch.device("cpu"), max_tokens=16,
+                     max_requests=4, staging_rows=64, device_driven=True)
+    reqs = {r: hooks_for(r, 8, rt=rt, capture={"hooks": hooks, "layers": layers})
+            for r, hooks, layers in (("a", ["resid_pre"], [1]), ("b", ["resid_post"], [0, 2]),
+                                     ("c", ["mlp_out"], [2]))}
+
+    def expected(plan) -> torch.Tensor:
+        base = torch.full(tuple(rt.point_base.shape), -1, dtype=torch.int64)
+        for route in plan.routes:
+            kind, site = route.point
+            base[route.slot, kind, site] = plan.staging_offset[route.point] + route.offset
+        return base
+
+    steps = [(["a"], [0, 3], [0]), (["a", "b"], [0, 2, 5], [3, 0]), (["b", "c"], [0, 3, 5], [3, 0]),
+             (["c"], [0, 3], [2]), (["a", "c"], [0, 1, 2], [5, 5])]
+    seen = 0
+    for ids, qsl, starts in steps:
+        plan = build_step_plan(ids, np.array(qsl), np.array(starts), reqs, None,
+                               host_steering=False)
+        rt.set_plan(plan, qsl[-1])
+        assert torch.equal(rt.point_base, expected(plan)), ids
+        seen += len(plan.routes)
+        rt.reset_dense()
+    assert seen > 5
+    plan = build_step_plan(["d"], np.array([0, 2]), np.array([0]), reqs, None, host_steering=False)
+    rt.set_plan(plan, 2)  # a step with no routes clears what the last one set
+    assert int((rt.point_base >= 0).sum()) == 0 and len(rt.point_base_set) == 0
+
+
 def test_device_mode_skips_only_sites_no_request_uses():
     """Outside graph capture the dense tap returns at once at sites no hooked request of
     the step uses (eager prefill pays no launch there) and still acts at the others."""
