@@ -160,6 +160,8 @@ def one(config: str, model: str, out: Path, batches: int, shape: str,
                      "main_off_cpu_s": round(wall - cpu, 4),
                      "other_threads_cpu_s": _thread_groups(t0, t1),
                      "writer_threads_cpu_s": _thread_groups(w0, w1),
+                     "writer_busiest_threads": sorted((round(w1[t][1] - w0.get(t, ("", 0.0))[1], 3)
+                                                       for t in w1), reverse=True)[:12],
                      "hooks": _delta(s0, s1)})
         clear()
     result = {"config": config, "shape": shape, "workload": workload, "batches": rows}
@@ -208,7 +210,8 @@ def main() -> None:
                   f"off-cpu {row['main_off_cpu_s']:.3f} hooks {hooks.get('host_s')} "
                   f"harvest {hooks.get('harvest')} others {row['other_threads_cpu_s']} "
                   f"writer process {row.get('writer_threads_cpu_s')} "
-                  f"busiest {[c for c, _, _ in row['busiest_threads'][:16]]}",
+                  f"busiest {[c for c, _, _ in row['busiest_threads'][:16]]} "
+                  f"writer busiest {row['writer_busiest_threads']}",
                   flush=True)
 
 
