@@ -16,7 +16,7 @@ from capture_helpers import feed, make_request, make_spec, temp_files
 
 from capsteer.capture import CaptureWriter, find_receipt, read
 from capsteer.capture.metrics import sample_value
-from capsteer.capture.writer_process import ProcessCaptureWriter
+from capsteer.capture.writer_process import ProcessCaptureWriter, copy_rows
 
 
 def wait_receipt(root: Path, cid: str, timeout: float = 60.0):
@@ -165,3 +165,20 @@ def test_engine_process_exit_publishes_closed_and_aborts_open(root):
     assert w.proc.wait(60) == 0
     assert wait_receipt(root, "eof-closed").status == "ok"
     assert wait_receipt(root, "eof-open").status == "error"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_copy_rows_copies_contiguous_rows_by_memmove_and_others_by_torch(dtype):
+    """The ring copy is exact for contiguous rows (the memmove path), strided rows and a
+    dtype change (torch's copy), and for zero rows."""
+    src = torch.randn(6, 40).to(dtype)
+    dst = torch.zeros(6, 40, dtype=dtype)
+    copy_rows(dst, src)
+    assert torch.equal(dst, src)
+    strided = torch.randn(40, 6).to(dtype).t()
+    copy_rows(dst, strided)
+    assert torch.equal(dst, strided)
+    wider = torch.zeros(6, 40, dtype=torch.float64)
+    copy_rows(wider, src)
+    assert torch.equal(wider, src.double())
+    copy_rows(dst[:0], src[:0])
