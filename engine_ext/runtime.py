@@ -148,7 +148,7 @@ class HookRuntime:
             # Flat entries of point_base not -1 now (the last routed step's); a step
             # uploads only its changes (a few entries), never the whole table.
             self.point_base_set = np.zeros(0, np.int64)
-            self.point_updates = torch.zeros(2, self.point_base.numel(), **long)
+            self.point_updates = torch.zeros(2 * self.point_base.numel(), **long)
             self.trash_row = staging_rows
             self.use_kernel = tap_kernel.available(torch.device(device))
             # Compiled tap kernels launched without Triton's JIT (tap_kernel.tap), per
@@ -288,8 +288,9 @@ class HookRuntime:
         update[0, len(stale):] = keys
         update[1, :len(stale)] = -1
         update[1, len(stale):] = np.fromiter(routed.values(), np.int64, len(routed))
-        self._upload_into(self.point_updates[:, :k], update)
-        self.point_base.view(-1).scatter_(0, self.point_updates[0, :k], self.point_updates[1, :k])
+        dev = self.point_updates[:2 * k].view(2, k)  # contiguous: one plain async copy
+        self._upload_into(dev, update)
+        self.point_base.view(-1).scatter_(0, dev[0], dev[1])
         self.point_base_set = keys
 
     def reset_dense(self) -> None:
