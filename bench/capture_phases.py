@@ -37,17 +37,20 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 WORKLOAD = (256, 512, 64)
 CAPTURE_DIR = "/tmp/phase-captures"
-DURABLE = ("capture", "capture_threads", "capture_spin", "capture_all", "capture_omp1",
-           "capture_torchcopy", "capture_small_staging")
+
+
+def _thread_deltas(before: dict, after: dict) -> list[tuple[float, str, int]]:
+    """(CPU seconds, name, tid) of every thread that ran between two `thread_cpu()`
+    snapshots, busiest first."""
+    deltas = [(cpu - before.get(tid, (name, 0.0))[1], name, tid)
+              for tid, (name, cpu) in after.items()]
+    return sorted((d for d in deltas if d[0] > 0), reverse=True)
 
 
 def _thread_groups(before: dict, after: dict) -> dict[str, float]:
     """CPU seconds per thread-name group between two `thread_cpu()` snapshots."""
     groups: dict[str, float] = {}
-    for tid, (name, cpu) in after.items():
-        delta = cpu - before.get(tid, (name, 0.0))[1]
-        if delta <= 0:
-            continue
+    for delta, name, _ in _thread_deltas(before, after):
         group = re.sub(r"[-_/]?\d+$", "", name.split("/")[0])
         groups[group] = round(groups.get(group, 0.0) + delta, 4)
     return dict(sorted(groups.items(), key=lambda kv: -kv[1]))
@@ -123,7 +126,7 @@ def one(config: str, model: str, out: Path, batches: int, shape: str,
             return
         results = engine.generate([
             Request(prompt_token_ids=p, capture=capture, steering=steering,
-                    durable=config in DURABLE,
+                    durable=capture is not None and config != "capture_memory",
                     sampling={"max_tokens": gen, "temperature": 0.0, "ignore_eos": True})
             for p in prompts], timeout=900)
         bad = [r.receipt for r in results if r.receipt is not None and r.receipt.status != "ok"]
@@ -153,15 +156,14 @@ def one(config: str, model: str, out: Path, batches: int, shape: str,
         s1, t1, w1 = stats(), thread_cpu(), thread_cpu(writer_pid) if writer_pid else {}
         t0.pop(main, None)
         t1.pop(main, None)
-        busiest = sorted(((t1[tid][1] - t0.get(tid, ("", 0.0))[1], t1[tid][0], tid) for tid in t1),
-                         reverse=True)[:24]
         rows.append({"wall_s": round(wall, 4), "main_cpu_s": round(cpu, 4),
-                     "busiest_threads": [[round(c, 3), n, tid] for c, n, tid in busiest if c > 0],
+                     "busiest_threads": [[round(c, 3), n, tid]
+                                         for c, n, tid in _thread_deltas(t0, t1)[:24]],
                      "main_off_cpu_s": round(wall - cpu, 4),
                      "other_threads_cpu_s": _thread_groups(t0, t1),
                      "writer_threads_cpu_s": _thread_groups(w0, w1),
-                     "writer_busiest_threads": sorted((round(w1[t][1] - w0.get(t, ("", 0.0))[1], 3)
-                                                       for t in w1), reverse=True)[:12],
+                     "writer_busiest_threads": [round(c, 3)
+                                                for c, _, _ in _thread_deltas(w0, w1)[:12]],
                      "hooks": _delta(s0, s1)})
         clear()
     result = {"config": config, "shape": shape, "workload": workload, "batches": rows}

@@ -7,6 +7,7 @@ tensor in memory. The output is plain safetensors: any safetensors reader opens 
 
 from __future__ import annotations
 
+import ctypes
 import json
 import struct
 from collections.abc import Callable, Iterable, Iterator
@@ -96,6 +97,20 @@ def as_bytes(t: torch.Tensor) -> memoryview:
     if t.numel() == 0:
         return memoryview(b"")
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def copy_rows(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst[...] = src for host tensors of one shape and dtype. Contiguous rows go by one
+    memmove on the calling thread (ctypes releases the GIL for it) rather than torch's
+    copy, which splits large copies over the intra-op OpenMP team (its threads then spin
+    on other cores); other layouts, dtype changes and device tensors take torch's copy."""
+    if (src.device.type == "cpu" and src.dtype == dst.dtype and src.shape == dst.shape
+            and src.is_contiguous() and dst.is_contiguous()):
+        nbytes = src.numel() * src.element_size()
+        if nbytes:
+            ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)
+        return
+    dst.copy_(src)
 
 
 @dataclass

@@ -10,8 +10,8 @@ memcpy, GIL released) and sends a short message on a socket; a child process run
 the unchanged `CaptureWriter` (writer threads, digests, fsyncs, manifests, receipts).
 
 Neither side wakes a thread pool for its copies: an OpenMP team spins on its cores
-after every parallel copy, and that spinning took cores (and SMT siblings) the step
-thread runs on. The parent copies with one memmove; the child runs with one intra-op
+after every parallel copy, and that spinning took CPU the step thread needed. The
+parent copies with one memmove (`layouts.copy_rows`); the child runs with one intra-op
 thread (bench/results/h100-2026-11-25-session25.md).
 
 Protocol (pickled tuples on one socket pair, in order):
@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import ctypes
 import json
 import logging
 import os
@@ -57,6 +56,7 @@ import numpy as np
 import torch
 
 from capsteer.capture import metrics
+from capsteer.capture.layouts import copy_rows
 from capsteer.capture.sink import CaptureEnd, CaptureRequest
 
 log = logging.getLogger(__name__)
@@ -431,20 +431,6 @@ def _answer_control(ctl: Connection, writer: Any) -> None:
 # The child's copies run on its calling threads: no OpenMP or BLAS team that would spin
 # on other cores after each parallel region.
 _ONE_THREAD_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-
-
-def copy_rows(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """dst[...] = src for host tensors of one shape and dtype. Contiguous rows go by one
-    memmove on the calling thread (ctypes releases the GIL for it) rather than torch's
-    copy, which splits large copies over the intra-op OpenMP team; other layouts (and
-    device tensors) take torch's copy."""
-    if (src.device.type == "cpu" and src.dtype == dst.dtype and src.shape == dst.shape
-            and src.is_contiguous() and dst.is_contiguous()):
-        nbytes = src.numel() * src.element_size()
-        if nbytes:
-            ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)
-        return
-    dst.copy_(src)
 
 
 def _serve(sock_fd: int, ctl_fd: int, ring_fd: int, config: dict[str, Any]) -> None:

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from capsteer.capture.layouts import copy_rows
 from capsteer.engine_ext import tap_kernel
 from capsteer.engine_ext.families import BOTH, STREAM, SUB
 
@@ -79,14 +80,11 @@ class StepPlan:
 
 
 def _pinned_copy(host: torch.Tensor) -> torch.Tensor:
-    """`host` in a pinned block, filled by numpy on this thread: torch's own copy splits a
-    large tensor over its OpenMP team, whose threads then spin on their cores after
-    every step (bench/results/h100-2026-11-25-session25.md)."""
+    """`host` in a pinned block, copied on this thread (`copy_rows`): torch's own copy
+    splits a large tensor over its OpenMP team, whose threads then spin on their cores
+    after every step (bench/results/h100-2026-11-25-session25.md)."""
     pinned = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
-    try:
-        pinned.numpy()[...] = host.numpy()
-    except TypeError:  # a dtype numpy lacks (bfloat16)
-        pinned.copy_(host)
+    copy_rows(pinned, host)
     return pinned
 
 

@@ -15,8 +15,9 @@ import torch
 from capture_helpers import feed, make_request, make_spec, temp_files
 
 from capsteer.capture import CaptureWriter, find_receipt, read
+from capsteer.capture.layouts import copy_rows
 from capsteer.capture.metrics import sample_value
-from capsteer.capture.writer_process import ProcessCaptureWriter, copy_rows
+from capsteer.capture.writer_process import ProcessCaptureWriter
 
 
 def wait_receipt(root: Path, cid: str, timeout: float = 60.0):
