@@ -1,0 +1,144 @@
+"""ProcessCaptureWriter throughput under the P3-all load, without an engine.
+
+P3-all (every layer x every prompt position, durable) is bounded by the path rows take
+after the GPU: the engine's sink thread copies each step's rows into the shared-memory
+ring, the writer process takes them out and its writer threads publish them. This
+drives that path alone, as the sink thread does: per engine step of `--batch-tokens`
+tokens (chunked prefill), one `write` per request in the step and key, a view of a
+source buffer as rows, then `end_step`; finished requests are closed. It prints the
+publish rate (first write to everything durable), the seconds the producer spent in
+`write` (the engine's sink thread would spend them), ring waits, and the CPU seconds of
+each of the writer process's threads, so a serial stage shows up as one busy thread.
+
+    .venv/bin/python bench/writer_process_bench.py [--requests 64] [--positions 512]
+        [--layers 28] [--batch-tokens 8192] [--dir DIR] [--repeat 2] [--system-malloc] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from stack_sampler import thread_cpu
+
+from capsteer.capture.sink import CaptureEnd, CaptureRequest
+from capsteer.capture.spec import parse_capture_spec
+from capsteer.capture.writer_process import ProcessCaptureWriter
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--positions", type=int, default=512, help="prompt length of every request")
+    ap.add_argument("--layers", type=int, default=28)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--batch-tokens", type=int, default=8192, help="tokens per engine step")
+    ap.add_argument("--ring-mib", type=int, default=None, help="ring size (default: the writer's)")
+    ap.add_argument("--workers", type=int, default=None, help="writer threads (default: the writer's)")
+    ap.add_argument("--system-malloc", action="store_true",
+                    help="the writer process hands freed row buffers back to the system "
+                         "(glibc's default) instead of keeping them (keep_freed_memory)")
+    ap.add_argument("--dir", default=None, help="parent directory of the capture root")
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--json", action="store_true", help="print the runs as JSON too")
+    return ap.parse_args()
+
+
+def run_once(args: argparse.Namespace, writer: ProcessCaptureWriter, run: int) -> dict:
+    dtype = torch.bfloat16
+    spec = parse_capture_spec({"hooks": ["resid_post"], "layers": "all", "positions": "prompt"},
+                              num_layers=args.layers)
+    keys = spec.keys()
+    source = torch.randn(args.batch_tokens, args.hidden).to(dtype)  # the harvester's staging
+    prompt = tuple(range(args.positions))
+    ids = [f"r{run}x{i}" for i in range(args.requests)]
+    done = [0] * args.requests
+    pending = list(range(args.requests))
+    waits0 = writer.ring_waits
+    cpu0 = thread_cpu(writer.child_pid)
+    write_s = 0.0
+    t0 = time.perf_counter()
+    for cid in ids:
+        writer.open(CaptureRequest(cid, cid, "bench", spec, prompt, dtype, args.hidden, args.layers))
+    while pending:
+        budget, finished, row = args.batch_tokens, [], 0
+        for i in pending:
+            if budget == 0:
+                break
+            n = min(budget, args.positions - done[i])
+            pos = np.arange(done[i], done[i] + n, dtype=np.int64)
+            t = time.perf_counter()
+            for hook, layer in keys:
+                writer.write(ids[i], hook, layer, pos, source[row:row + n])
+            write_s += time.perf_counter() - t
+            done[i] += n
+            budget -= n
+            row += n
+            if done[i] == args.positions:
+                finished.append(i)
+        writer.end_step()
+        for i in finished:
+            pending.remove(i)
+            writer.close(CaptureEnd(ids[i], prompt, "length"))
+    t_fed = time.perf_counter()
+    ok = writer.flush(600)
+    t_end = time.perf_counter()
+    cpu1 = thread_cpu(writer.child_pid)
+    nbytes = args.requests * args.positions * len(keys) * args.hidden * 2
+    by_name: dict[str, float] = {}
+    for tid, (name, cpu) in cpu1.items():
+        delta = cpu - cpu0.get(tid, (name, 0.0))[1]
+        key = "main" if tid == writer.child_pid else name
+        by_name[key] = by_name.get(key, 0.0) + delta
+    return {
+        "flushed": ok,
+        "bytes": nbytes,
+        "seconds": t_end - t0,
+        "mb_s": nbytes / (t_end - t0) / 1e6,
+        "fed_s": t_fed - t0,
+        "producer_write_s": write_s,
+        "ring_waits": writer.ring_waits - waits0,
+        "child_cpu_s": {k: round(v, 3) for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])},
+    }
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(1)
+    parent = Path(args.dir) if args.dir else None
+    tmp = Path(tempfile.mkdtemp(prefix="writer-process-bench-", dir=parent))
+    ProcessCaptureWriter.keep_freed_memory = not args.system_malloc
+    kw = {} if args.ring_mib is None else {"ring_bytes": args.ring_mib << 20}
+    writer = ProcessCaptureWriter(tmp / "root", workers=args.workers, **kw)
+    try:
+        if not writer.ready.wait(60):
+            raise SystemExit("the writer process did not start")
+        runs = []
+        for r in range(args.repeat):
+            got = run_once(args, writer, r)
+            runs.append(got)
+            print(f"run {r}: {got['mb_s']:.0f} MB/s ({got['bytes'] / 1e9:.2f} GB in {got['seconds']:.2f} s; "
+                  f"fed in {got['fed_s']:.2f} s, producer in write {got['producer_write_s']:.2f} s, "
+                  f"ring waits {got['ring_waits']}); child CPU s {got['child_cpu_s']}", flush=True)
+            shutil.rmtree(tmp / "root", ignore_errors=True)
+            (tmp / "root").mkdir()
+        print(f"median {statistics.median(r['mb_s'] for r in runs):.0f} MB/s")
+        if args.json:
+            print(json.dumps({"args": vars(args), "runs": runs}))
+    finally:
+        writer.shutdown(60)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
