@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -31,8 +33,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from stack_sampler import thread_cpu
 
+from capsteer.capture.layouts import MANIFEST_FILE
 from capsteer.capture.sink import CaptureEnd, CaptureRequest
 from capsteer.capture.spec import parse_capture_spec
+from capsteer.capture.writer import CaptureWriter
 from capsteer.capture.writer_process import ProcessCaptureWriter
 
 
@@ -48,13 +52,31 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--system-malloc", action="store_true",
                     help="the writer process hands freed row buffers back to the system "
                          "(glibc's default) instead of keeping them (keep_freed_memory)")
+    ap.add_argument("--in-process", action="store_true",
+                    help="publish through an in-process CaptureWriter (no ring, no child): "
+                         "the writer's own rate at this load")
     ap.add_argument("--dir", default=None, help="parent directory of the capture root")
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--json", action="store_true", help="print the runs as JSON too")
     return ap.parse_args()
 
 
-def run_once(args: argparse.Namespace, writer: ProcessCaptureWriter, run: int) -> dict:
+def manifest_timings(root: Path) -> dict:
+    """Seconds the writer threads spent per phase, summed over the published manifests
+    (queued: closed until a thread took it; write: data files written; fsync: of them)."""
+    sums = {"captures": 0, "queued_s": 0.0, "write_s": 0.0, "fsync_s": 0.0}
+    publish = []
+    for path in root.rglob(MANIFEST_FILE):
+        timings = json.loads(path.read_text()).get("timings", {})
+        sums["captures"] += 1
+        for k in ("queued_s", "write_s", "fsync_s"):
+            sums[k] += float(timings.get(k, 0.0))
+        publish.append(float(timings.get("publish_s", 0.0)))
+    sums["median_publish_s"] = statistics.median(publish) if publish else None
+    return {k: round(v, 3) if isinstance(v, float) else v for k, v in sums.items()}
+
+
+def run_once(args: argparse.Namespace, writer: Any, run: int, root: Path) -> dict:
     dtype = torch.bfloat16
     spec = parse_capture_spec({"hooks": ["resid_post"], "layers": "all", "positions": "prompt"},
                               num_layers=args.layers)
@@ -64,8 +86,9 @@ def run_once(args: argparse.Namespace, writer: ProcessCaptureWriter, run: int) -
     ids = [f"r{run}x{i}" for i in range(args.requests)]
     done = [0] * args.requests
     pending = list(range(args.requests))
-    waits0 = writer.ring_waits
-    cpu0 = thread_cpu(writer.child_pid)
+    child = getattr(writer, "child_pid", None)  # None: the writer runs in this process
+    waits0 = getattr(writer, "ring_waits", 0)
+    cpu0 = thread_cpu(child)
     write_s = 0.0
     t0 = time.perf_counter()
     for cid in ids:
@@ -86,19 +109,20 @@ def run_once(args: argparse.Namespace, writer: ProcessCaptureWriter, run: int) -
             row += n
             if done[i] == args.positions:
                 finished.append(i)
-        writer.end_step()
+        if child is not None:
+            writer.end_step()
         for i in finished:
             pending.remove(i)
             writer.close(CaptureEnd(ids[i], prompt, "length"))
     t_fed = time.perf_counter()
     ok = writer.flush(600)
     t_end = time.perf_counter()
-    cpu1 = thread_cpu(writer.child_pid)
+    cpu1 = thread_cpu(child)
     nbytes = args.requests * args.positions * len(keys) * args.hidden * 2
     by_name: dict[str, float] = {}
     for tid, (name, cpu) in cpu1.items():
         delta = cpu - cpu0.get(tid, (name, 0.0))[1]
-        key = "main" if tid == writer.child_pid else name
+        key = "main" if tid in (child, os.getpid()) else name
         by_name[key] = by_name.get(key, 0.0) + delta
     return {
         "flushed": ok,
@@ -107,7 +131,8 @@ def run_once(args: argparse.Namespace, writer: ProcessCaptureWriter, run: int) -
         "mb_s": nbytes / (t_end - t0) / 1e6,
         "fed_s": t_fed - t0,
         "producer_write_s": write_s,
-        "ring_waits": writer.ring_waits - waits0,
+        "ring_waits": getattr(writer, "ring_waits", 0) - waits0,
+        "writer_timings": manifest_timings(root),
         "child_cpu_s": {k: round(v, 3) for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])},
     }
 
@@ -119,17 +144,21 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="writer-process-bench-", dir=parent))
     ProcessCaptureWriter.keep_freed_memory = not args.system_malloc
     kw = {} if args.ring_mib is None else {"ring_bytes": args.ring_mib << 20}
-    writer = ProcessCaptureWriter(tmp / "root", workers=args.workers, **kw)
-    try:
+    if args.in_process:
+        writer: Any = CaptureWriter(tmp / "root", workers=args.workers)
+    else:
+        writer = ProcessCaptureWriter(tmp / "root", workers=args.workers, **kw)
         if not writer.ready.wait(60):
             raise SystemExit("the writer process did not start")
+    try:
         runs = []
         for r in range(args.repeat):
-            got = run_once(args, writer, r)
+            got = run_once(args, writer, r, tmp / "root")
             runs.append(got)
             print(f"run {r}: {got['mb_s']:.0f} MB/s ({got['bytes'] / 1e9:.2f} GB in {got['seconds']:.2f} s; "
                   f"fed in {got['fed_s']:.2f} s, producer in write {got['producer_write_s']:.2f} s, "
-                  f"ring waits {got['ring_waits']}); child CPU s {got['child_cpu_s']}", flush=True)
+                  f"ring waits {got['ring_waits']}); writer CPU s {got['child_cpu_s']}; "
+                  f"manifest timings {got['writer_timings']}", flush=True)
             shutil.rmtree(tmp / "root", ignore_errors=True)
             (tmp / "root").mkdir()
         print(f"median {statistics.median(r['mb_s'] for r in runs):.0f} MB/s")
