@@ -55,6 +55,11 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--in-process", action="store_true",
                     help="publish through an in-process CaptureWriter (no ring, no child): "
                          "the writer's own rate at this load")
+    ap.add_argument("--switch-interval", type=float, default=None,
+                    help="sys.setswitchinterval for an --in-process writer (Python's default 0.005)")
+    ap.add_argument("--inline-hash", action="store_true",
+                    help="an --in-process writer hashes every piece on its writing thread "
+                         "(no digest-thread hand-off)")
     ap.add_argument("--dir", default=None, help="parent directory of the capture root")
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--json", action="store_true", help="print the runs as JSON too")
@@ -144,6 +149,15 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="writer-process-bench-", dir=parent))
     ProcessCaptureWriter.keep_freed_memory = not args.system_malloc
     kw = {} if args.ring_mib is None else {"ring_bytes": args.ring_mib << 20}
+    if args.switch_interval is not None or args.inline_hash:
+        if not args.in_process:
+            raise SystemExit("--switch-interval and --inline-hash apply to --in-process")
+        if args.switch_interval is not None:
+            sys.setswitchinterval(args.switch_interval)
+        if args.inline_hash:
+            from capsteer.capture import publish
+
+            publish._OVERLAP_MIN = 1 << 62
     if args.in_process:
         writer: Any = CaptureWriter(tmp / "root", workers=args.workers)
     else:
