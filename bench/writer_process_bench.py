@@ -11,7 +11,7 @@ publish rate (first write to everything durable), the seconds the producer spent
 each of the writer process's threads, so a serial stage shows up as one busy thread.
 
     .venv/bin/python bench/writer_process_bench.py [--requests 64] [--positions 512]
-        [--layers 28] [--batch-tokens 8192] [--dir DIR] [--repeat 2] [--system-malloc] [--json]
+        [--layers 28] [--batch-tokens 8192] [--dir DIR] [--repeat 2] [--json]
 """
 
 from __future__ import annotations
@@ -49,9 +49,6 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--batch-tokens", type=int, default=8192, help="tokens per engine step")
     ap.add_argument("--ring-mib", type=int, default=None, help="ring size (default: the writer's)")
     ap.add_argument("--workers", type=int, default=None, help="writer threads (default: the writer's)")
-    ap.add_argument("--system-malloc", action="store_true",
-                    help="the writer process hands freed row buffers back to the system "
-                         "(glibc's default) instead of keeping them (keep_freed_memory)")
     ap.add_argument("--in-process", action="store_true",
                     help="publish through an in-process CaptureWriter (no ring, no child): "
                          "the writer's own rate at this load")
@@ -147,7 +144,6 @@ def main() -> None:
     torch.set_num_threads(1)
     parent = Path(args.dir) if args.dir else None
     tmp = Path(tempfile.mkdtemp(prefix="writer-process-bench-", dir=parent))
-    ProcessCaptureWriter.keep_freed_memory = not args.system_malloc
     kw = {} if args.ring_mib is None else {"ring_bytes": args.ring_mib << 20}
     if args.switch_interval is not None or args.inline_hash:
         if not args.in_process:

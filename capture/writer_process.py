@@ -87,9 +87,6 @@ class ProcessCaptureWriter:
     """
 
     copies_rows = True  # write() copies the rows before it returns: callers pass views
-    # The child keeps freed row buffers in its heap (keep_freed_memory); a class attribute
-    # so bench/capture_phases.py can compare against glibc's default.
-    keep_freed_memory = True
 
     def __init__(self, root: str | Path, *, budget_bytes: int = 1 << 30, policy: str = "block",
                  workers: int | None = None, digest: str = "sha256",
@@ -123,8 +120,7 @@ class ProcessCaptureWriter:
         ctl_fd = ctl_theirs.detach()
         self._ctl_lock = threading.Lock()
         self._ctl_seq = 0
-        config = {"root": str(self.root), "ring_bytes": self.ring_bytes,
-                  "keep_freed_memory": self.keep_freed_memory, **self._writer_kwargs}
+        config = {"root": str(self.root), "ring_bytes": self.ring_bytes, **self._writer_kwargs}
         from capsteer.capture.writer import ENGINE_PID_ENV
 
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", ENGINE_PID_ENV: str(os.getpid()),
@@ -410,7 +406,7 @@ class ProcessCaptureWriter:
 
 
 # ---------------------------------------------------------------------- child
-def _answer_control(ctl: Connection, writer: Any, own: dict[str, Any]) -> None:
+def _answer_control(ctl: Connection, writer: Any) -> None:
     """The child's diagnostics thread: stats and metrics while the main loop moves rows."""
     while True:
         try:
@@ -419,7 +415,7 @@ def _answer_control(ctl: Connection, writer: Any, own: dict[str, Any]) -> None:
             return
         try:
             if name == "stats":
-                value, error = {**writer.stats(), **own}, None
+                value, error = writer.stats(), None
             elif name == "metrics":
                 value, error = metrics.snapshot(), None
             else:
@@ -436,35 +432,6 @@ def _answer_control(ctl: Connection, writer: Any, own: dict[str, Any]) -> None:
 # on other cores after each parallel region.
 _ONE_THREAD_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
-_M_TRIM_THRESHOLD = -1  # glibc malloc.h
-_M_MMAP_THRESHOLD = -3
-_MMAP_THRESHOLD_MAX = 32 << 20  # glibc's ceiling on 64-bit
-_TRIM_THRESHOLD = (1 << 31) - 1  # mallopt takes an int
-
-
-def keep_freed_memory() -> bool:
-    """Let glibc's malloc keep freed row buffers for reuse instead of handing them back.
-
-    Why: the child copies every row out of the ring into a fresh buffer, and by default
-    glibc serves a buffer of 128 KiB and more with a new mmap and unmaps it when it is
-    freed, so each copy first faults in every page. With P3-all's 1 MiB rows that made
-    the child's main thread a serial stage at about 0.5 CPU s a GB; reusing heap memory
-    cut it to about 0.15 (bench/writer_process_bench.py). The process's resident size
-    then stays near its peak (the writer's budget), which is what the budget allows.
-    False where this is not glibc (nothing changes there)."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    mallopt.restype = ctypes.c_int
-    return bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)
-                and mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD))
-
 
 def _serve(sock_fd: int, ctl_fd: int, ring_fd: int, config: dict[str, Any]) -> None:
     import mmap
@@ -473,7 +440,6 @@ def _serve(sock_fd: int, ctl_fd: int, ring_fd: int, config: dict[str, Any]) -> N
 
     conn = Connection(sock_fd)
     ring_bytes = int(config.pop("ring_bytes"))
-    kept = bool(config.pop("keep_freed_memory", True)) and keep_freed_memory()
     mm = mmap.mmap(ring_fd, _HEADER + ring_bytes)
     ring = torch.frombuffer(mm, dtype=torch.uint8, offset=_HEADER, count=ring_bytes)
     writer = CaptureWriter(config.pop("root"), **config)
@@ -510,7 +476,7 @@ def _serve(sock_fd: int, ctl_fd: int, ring_fd: int, config: dict[str, Any]) -> N
 
     reporter = threading.Thread(target=report_done, name="capsteer-writer-done", daemon=True)
     reporter.start()
-    threading.Thread(target=_answer_control, args=(Connection(ctl_fd), writer, {"keeps_freed_memory": kept}),
+    threading.Thread(target=_answer_control, args=(Connection(ctl_fd), writer),
                      name="capsteer-writer-control", daemon=True).start()
     send(("ready", os.getpid()))
 

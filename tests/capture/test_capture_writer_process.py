@@ -101,26 +101,6 @@ def test_rows_wrap_the_ring_wait_for_it_and_go_inline_when_large(proc_writer, ro
     assert stats["inline_writes"] == 2  # the big request's two keys
     assert stats["ring_waits"] > 0
     assert stats["open_captures"] == 0
-    # Rows were copied out into reused heap memory (glibc here), and still came out right.
-    assert stats["keeps_freed_memory"] is True
-
-
-def test_glibcs_default_heap_is_kept_when_asked(root, monkeypatch):
-    monkeypatch.setattr(ProcessCaptureWriter, "keep_freed_memory", False)
-    w = ProcessCaptureWriter(root, budget_bytes=64 << 20, workers=1, ring_bytes=1 << 20)
-    try:
-        assert w.ready.wait(60)
-        req = make_request("system-malloc", make_spec(layers=[0]), 40, hidden=1024)
-        end, refs = feed(w, req, 1)
-        w.close(end)
-        assert w.flush(30)
-        receipt = wait_receipt(root, "system-malloc")
-        assert receipt.status == "ok", receipt.error
-        assert torch.equal(read(root / receipt.dir).tensor("resid_post", 0), refs[("resid_post", 0)])
-        stats = w.stats()
-        assert stats is not None and stats["keeps_freed_memory"] is False
-    finally:
-        w.shutdown(timeout=30)
 
 
 def test_metrics_come_from_the_child(proc_writer, root):
