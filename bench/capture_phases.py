@@ -16,8 +16,7 @@ thread), P3's prefill workload (256 x 512 prompt + 64 out), and per batch:
 `capture_threads` through the in-process writer threads, for the A/B of the two;
 `capture_spin` has the harvester spin on its copy events (the old wait) instead of
 sleeping in the driver; `capture_all` captures every layer (P3-all; its captures are
-removed after each batch, untimed); `capture_all_switch` is capture_all with the writer
-process's GIL switch interval at 0.5 ms. The writer process's threads are accounted too
+removed after each batch, untimed). The writer process's threads are accounted too
 (`writer_threads_cpu_s`).
 
     python bench/capture_phases.py [--configs vanilla,plain,capture,capture_threads,capture_spin,capture_all,capture_memory]
@@ -98,10 +97,6 @@ def one(config: str, model: str, out: Path, batches: int, shape: str,
             from capsteer.capture import writer_process
 
             writer_process.copy_rows = lambda dst, src: dst.copy_(src)
-        if config == "capture_all_switch":  # the writer process hands the GIL on sooner
-            from capsteer.capture.writer_process import ProcessCaptureWriter
-
-            ProcessCaptureWriter.switch_interval_s = 0.0005
         # As perf_method.py: staging for a whole step at every layer (capture_all needs it).
         # (capture_small_staging: the default staging buffer.)
         staging = kw["max_num_batched_tokens"] * (perf_models.SHAPES[shape].layers + 1)
@@ -116,7 +111,7 @@ def one(config: str, model: str, out: Path, batches: int, shape: str,
     capture = None
     if config.startswith("capture"):
         capture = {"hooks": ["resid_post"],
-                   "layers": "all" if config.startswith("capture_all") else [engine.num_layers // 2],
+                   "layers": "all" if config == "capture_all" else [engine.num_layers // 2],
                    "positions": "prompt", "layout": "packed"}
     steering = {"vectors": [{"hook": "resid_post", "layers": "all",
                              "vector": [0.01] * engine.hidden_size, "scale": 1.0}]} \
@@ -142,7 +137,7 @@ def one(config: str, model: str, out: Path, batches: int, shape: str,
         return engine.stats()[0] if engine is not None else {}
 
     def clear() -> None:
-        if config.startswith("capture_all"):  # several GB a batch: keep the disk from filling
+        if config == "capture_all":  # several GB a batch: keep the disk from filling
             shutil.rmtree(CAPTURE_DIR, ignore_errors=True)
 
     batch()  # warm-up

@@ -87,9 +87,6 @@ class ProcessCaptureWriter:
     """
 
     copies_rows = True  # write() copies the rows before it returns: callers pass views
-    # The child's sys.setswitchinterval (None: Python's 5 ms); a class attribute so
-    # bench/capture_phases.py can compare.
-    switch_interval_s: float | None = None
 
     def __init__(self, root: str | Path, *, budget_bytes: int = 1 << 30, policy: str = "block",
                  workers: int | None = None, digest: str = "sha256",
@@ -123,8 +120,7 @@ class ProcessCaptureWriter:
         ctl_fd = ctl_theirs.detach()
         self._ctl_lock = threading.Lock()
         self._ctl_seq = 0
-        config = {"root": str(self.root), "ring_bytes": self.ring_bytes,
-                  "switch_interval_s": self.switch_interval_s, **self._writer_kwargs}
+        config = {"root": str(self.root), "ring_bytes": self.ring_bytes, **self._writer_kwargs}
         from capsteer.capture.writer import ENGINE_PID_ENV
 
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", ENGINE_PID_ENV: str(os.getpid()),
@@ -444,9 +440,6 @@ def _serve(sock_fd: int, ctl_fd: int, ring_fd: int, config: dict[str, Any]) -> N
 
     conn = Connection(sock_fd)
     ring_bytes = int(config.pop("ring_bytes"))
-    switch = config.pop("switch_interval_s", None)
-    if switch is not None:
-        sys.setswitchinterval(float(switch))
     mm = mmap.mmap(ring_fd, _HEADER + ring_bytes)
     ring = torch.frombuffer(mm, dtype=torch.uint8, offset=_HEADER, count=ring_bytes)
     writer = CaptureWriter(config.pop("root"), **config)
