@@ -57,6 +57,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--inline-hash", action="store_true",
                     help="an --in-process writer hashes every piece on its writing thread "
                          "(no digest-thread hand-off)")
+    ap.add_argument("--per-piece", action="store_true",
+                    help="an --in-process writer writes each piece by itself (AtomicFile.write "
+                         "per piece, as before write_pieces batched them)")
     ap.add_argument("--dir", default=None, help="parent directory of the capture root")
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--json", action="store_true", help="print the runs as JSON too")
@@ -145,9 +148,17 @@ def main() -> None:
     parent = Path(args.dir) if args.dir else None
     tmp = Path(tempfile.mkdtemp(prefix="writer-process-bench-", dir=parent))
     kw = {} if args.ring_mib is None else {"ring_bytes": args.ring_mib << 20}
-    if args.switch_interval is not None or args.inline_hash:
+    if args.switch_interval is not None or args.inline_hash or args.per_piece:
         if not args.in_process:
-            raise SystemExit("--switch-interval and --inline-hash apply to --in-process")
+            raise SystemExit("--switch-interval, --inline-hash and --per-piece apply to --in-process")
+        if args.per_piece:
+            from capsteer.capture.publish import AtomicFile
+
+            def one_by_one(self: Any, pieces: Any) -> None:
+                for piece in pieces:
+                    self.write(piece)
+
+            AtomicFile.write_pieces = one_by_one
         if args.switch_interval is not None:
             sys.setswitchinterval(args.switch_interval)
         if args.inline_hash:

@@ -693,8 +693,7 @@ class CaptureWriter:
                 f = AtomicFile(cap.path, fname, self.fs, self.digest)
                 files.append(f)
                 meta = {"format": "pt", "capsteer_capture_id": req.capture_id}
-                for piece in stream_safetensors(plans, meta):
-                    f.write(piece)
+                f.write_pieces(stream_safetensors(plans, meta))
                 f.commit()
                 committed.append(f.final_path)
             fsync_s += sum(f.fsync_s for f in files) + fsync_dir(cap.path, self.fs)

@@ -72,3 +72,56 @@ def test_sync_file_range_reaches_the_kernel(tmp_path):
     finally:
         os.close(fd)
     assert fs.start_writeback(fd, 0, 1 << 20) == errno.EBADF
+
+
+class Writev(Recording):
+    """Records writev calls; `short`: each takes at most two buffers and half of the
+    second, as a kernel may return short."""
+
+    def __init__(self, short: bool) -> None:
+        super().__init__()
+        self.short = short
+        self.calls = 0
+
+    def writev(self, fd: int, buffers: list[memoryview]) -> int:
+        self.calls += 1
+        take = list(buffers[:2]) if self.short else list(buffers)
+        if self.short and len(take[-1]) > 1:
+            take[-1] = take[-1][: len(take[-1]) // 2]
+        n = super().writev(fd, take)
+        self.events.append(("write", self.written, n))
+        self.written += n
+        return n
+
+
+@pytest.mark.parametrize("short", [False, True])
+@pytest.mark.parametrize("digest", ["sha256", "blake3"])
+def test_write_pieces_batches_large_pieces_and_keeps_order_digest_and_writeback(tmp_path, digest, short):
+    """Small and large pieces mixed (and writev results cut short): the file is the
+    pieces in order, its digest is theirs, the writeback ranges tile it, each range
+    starts only after its bytes were handed over, and large pieces share writev calls."""
+    if digest == "blake3":
+        pytest.importorskip("blake3")
+    rng = np.random.default_rng(2)
+    sizes = [7, 1 << 20, 1 << 20, (1 << 20) + 5, 100, 3 << 20] + [1 << 20] * 20 + [9]
+    pieces = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in sizes]
+    fs = Writev(short)
+    f = AtomicFile(tmp_path, "p.bin", fs, digest=digest)
+    f.write_pieces(iter(pieces))
+    f.commit()
+    data = b"".join(pieces)
+    assert (tmp_path / "p.bin").read_bytes() == data
+    assert f.size == len(data)
+    expected = publish.new_hasher(digest)
+    expected.update(memoryview(data))
+    assert f.hexdigest == expected.hexdigest()
+    end = written_by = 0
+    for kind, offset, nbytes in fs.events:
+        if kind == "write":
+            written_by = offset + nbytes
+            continue
+        assert offset == end and nbytes > 0 and offset + nbytes <= written_by
+        end += nbytes
+    assert end == len(data)
+    if not short:  # 24 large pieces: a batch of two, then batches of up to 16 MiB
+        assert 0 < fs.calls <= 4
