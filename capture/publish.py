@@ -135,7 +135,9 @@ def _update_all(hasher: Hasher, pieces: list[memoryview]) -> None:
 
 
 class FileSystem:
-    """The syscalls whose latency matters; tests subclass it to inject slow storage."""
+    """The syscalls whose latency matters; tests subclass it to inject slow storage.
+    Data goes through `write` (single pieces, buffered small ones) and `writev` (batches
+    of large pieces, AtomicFile.write_pieces): a fault injected in one is not in the other."""
 
     def fsync(self, fd: int) -> None:
         os.fsync(fd)
