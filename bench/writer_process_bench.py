@@ -23,6 +23,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,11 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--per-piece", action="store_true",
                     help="an --in-process writer writes each piece by itself (AtomicFile.write "
                          "per piece, as before write_pieces batched them)")
+    ap.add_argument("--busy-step", type=float, default=0.0,
+                    help="run a thread beside the producer that holds the GIL in pure Python "
+                         "for this many ms, then sleeps as long (the engine's step thread)")
+    ap.add_argument("--hold-gil-copy", action="store_true",
+                    help="experiment: the producer's ring copy keeps the GIL (PyDLL memmove)")
     ap.add_argument("--dir", default=None, help="parent directory of the capture root")
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--json", action="store_true", help="print the runs as JSON too")
@@ -171,6 +177,30 @@ def main() -> None:
         writer = ProcessCaptureWriter(tmp / "root", workers=args.workers, **kw)
         if not writer.ready.wait(60):
             raise SystemExit("the writer process did not start")
+    stop = threading.Event()
+    if args.busy_step > 0:
+        def step_thread() -> None:
+            x = 0
+            while not stop.is_set():
+                end = time.perf_counter() + args.busy_step / 1e3
+                while time.perf_counter() < end:
+                    x += 1
+                time.sleep(args.busy_step / 1e3)
+
+        threading.Thread(target=step_thread, daemon=True).start()
+    if args.hold_gil_copy:
+        import ctypes
+
+        from capsteer.capture import writer_process
+
+        libc = ctypes.PyDLL(None)
+        libc.memmove.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+        libc.memmove.restype = ctypes.c_void_p
+
+        def hold(dst: torch.Tensor, src: torch.Tensor) -> None:
+            libc.memmove(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size())
+
+        writer_process.copy_rows = hold
     try:
         runs = []
         for r in range(args.repeat):
@@ -186,6 +216,7 @@ def main() -> None:
         if args.json:
             print(json.dumps({"args": vars(args), "runs": runs}))
     finally:
+        stop.set()
         writer.shutdown(60)
         shutil.rmtree(tmp, ignore_errors=True)
 
