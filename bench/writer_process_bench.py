@@ -99,6 +99,7 @@ def run_once(args: argparse.Namespace, writer: Any, run: int, root: Path) -> dic
     pending = list(range(args.requests))
     child = getattr(writer, "child_pid", None)  # None: the writer runs in this process
     waits0 = getattr(writer, "ring_waits", 0)
+    wait_s0 = getattr(writer, "ring_wait_s", 0.0)
     cpu0 = thread_cpu(child)
     write_s = 0.0
     t0 = time.perf_counter()
@@ -143,6 +144,7 @@ def run_once(args: argparse.Namespace, writer: Any, run: int, root: Path) -> dic
         "fed_s": t_fed - t0,
         "producer_write_s": write_s,
         "ring_waits": getattr(writer, "ring_waits", 0) - waits0,
+        "ring_wait_s": round(getattr(writer, "ring_wait_s", 0.0) - wait_s0, 3),
         "writer_timings": manifest_timings(root),
         "child_cpu_s": {k: round(v, 3) for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])},
     }
@@ -208,7 +210,7 @@ def main() -> None:
             runs.append(got)
             print(f"run {r}: {got['mb_s']:.0f} MB/s ({got['bytes'] / 1e9:.2f} GB in {got['seconds']:.2f} s; "
                   f"fed in {got['fed_s']:.2f} s, producer in write {got['producer_write_s']:.2f} s, "
-                  f"ring waits {got['ring_waits']}); writer CPU s {got['child_cpu_s']}; "
+                  f"ring waits {got['ring_waits']}, {got['ring_wait_s']:.2f} s); writer CPU s {got['child_cpu_s']}; "
                   f"manifest timings {got['writer_timings']}", flush=True)
             shutil.rmtree(tmp / "root", ignore_errors=True)
             (tmp / "root").mkdir()

@@ -151,6 +151,7 @@ class ProcessCaptureWriter:
         self.ready = threading.Event()
         self.child_pid: int | None = None
         self.ring_waits = 0  # writes that waited for the child to free ring space
+        self.ring_wait_s = 0.0  # and the seconds they waited
         self.inline_writes = 0  # writes too large for the ring, sent on the socket
         self._reader = threading.Thread(target=self._read_loop, name="capsteer-writer-link", daemon=True)
         self._reader.start()
@@ -218,7 +219,8 @@ class ProcessCaptureWriter:
     def stats(self) -> dict[str, Any] | None:
         """The child writer's stats (CaptureWriter.stats) plus this link's counters."""
         own = {"process": self.child_pid, "failure": self.failure, "ring_bytes": self.ring_bytes,
-               "ring_waits": self.ring_waits, "inline_writes": self.inline_writes}
+               "ring_waits": self.ring_waits, "ring_wait_s": round(self.ring_wait_s, 6),
+               "inline_writes": self.inline_writes}
         if self._fallback is not None:
             return {**self._fallback.stats(), **own}
         got = self._control("stats", _CALL_TIMEOUT_S)
@@ -272,11 +274,15 @@ class ProcessCaptureWriter:
         end = head + n
         if end - self._consumed() > self.ring_bytes:
             self.ring_waits += 1
+            started = time.perf_counter()
             self._send_pending_locked()  # the child can only free what it was sent
-            while end - self._consumed() > self.ring_bytes:
-                if self._fallback is not None or self.failure is not None:
-                    return -1, -1
-                time.sleep(0.0002)
+            try:
+                while end - self._consumed() > self.ring_bytes:
+                    if self._fallback is not None or self.failure is not None:
+                        return -1, -1
+                    time.sleep(0.0002)
+            finally:
+                self.ring_wait_s += time.perf_counter() - started
         self._head = end
         return phys, end
 

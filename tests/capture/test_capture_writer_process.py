@@ -100,6 +100,7 @@ def test_rows_wrap_the_ring_wait_for_it_and_go_inline_when_large(proc_writer, ro
     assert stats is not None and stats["process"] == proc_writer.child_pid
     assert stats["inline_writes"] == 2  # the big request's two keys
     assert stats["ring_waits"] > 0
+    assert stats["ring_wait_s"] > 0
     assert stats["open_captures"] == 0
 
 
