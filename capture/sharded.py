@@ -387,8 +387,7 @@ class ShardedWriter:
                                     lambda key=key: self._row_bytes_of(batch, key)))
         f = AtomicFile(self.dir, shard_name(job.number), self.fs, self.digest)
         try:
-            for piece in stream_safetensors(plans, {"format": "pt", "capsteer_job": self.job_id}):
-                f.write(piece)
+            f.write_pieces(stream_safetensors(plans, {"format": "pt", "capsteer_job": self.job_id}))
             f.commit()
         except BaseException:
             f.discard()

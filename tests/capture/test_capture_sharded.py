@@ -154,6 +154,11 @@ class GateFS(FileSystem):
             assert self.gate.wait(30), "test never opened the gate"
         return os.write(fd, data)
 
+    def writev(self, fd: int, buffers: list[memoryview]) -> int:
+        if _shard_of(fd):
+            assert self.gate.wait(30), "test never opened the gate"
+        return os.writev(fd, buffers)
+
 
 class FailFS(FileSystem):
     """ENOSPC on shard writes / index fsyncs / manifest fsyncs while `fail` names it."""
@@ -171,6 +176,11 @@ class FailFS(FileSystem):
         if _shard_of(fd):
             self._maybe_fail("shard_write")
         return os.write(fd, data)
+
+    def writev(self, fd: int, buffers: list[memoryview]) -> int:
+        if _shard_of(fd):
+            self._maybe_fail("shard_write")
+        return os.writev(fd, buffers)
 
     def fsync(self, fd: int) -> None:
         target = os.readlink(f"/proc/self/fd/{fd}")
@@ -432,3 +442,43 @@ def test_open_job_yields_exactly_the_indexed_rows(tmp_path):
         open_job(d)  # two keys: which one?
     with pytest.raises(KeyError):
         open_job(d, "resid_post", 1)
+
+
+def test_large_rows_go_out_by_writev_and_its_errors_surface_too(tmp_path):
+    """Pieces of 1 MiB and more are batched into writev calls (AtomicFile.write_pieces):
+    a failure there reaches the caller as a small write's does, the batch is kept, and
+    the next flush writes shards that read back exactly."""
+    hidden, n = 2048, 300  # 1.2 MiB of bf16 rows per request and key
+    d = tmp_path / "job"
+
+    class FailWritev(FailFS):  # single writes (the buffered header) go through
+        def write(self, fd: int, data: memoryview) -> int:
+            return os.write(fd, data)
+
+    fs = FailWritev("shard_write")
+    w = ShardedWriter(d, keys=KEYS, hidden_size=hidden, dtype=torch.bfloat16,
+                      shard_bytes=4 << 20, fs=fs)
+    reqs = []
+    for i in range(4):
+        g = torch.Generator().manual_seed(i)
+        tensors = {k: torch.randn(n, hidden, generator=g).to(torch.bfloat16) for k in KEYS}
+        reqs.append((f"big{i}", np.arange(n), np.arange(n) + i, tensors))
+    for rid, pos, tok, tensors in reqs:
+        try:
+            w.add(rid, pos, tok, tensors, n)
+        except OSError:
+            pass
+    with pytest.raises(OSError) as raised:
+        w.flush()
+    assert raised.value.errno == errno.ENOSPC and fs.failures >= 1  # from writev only
+    fs.fail = None
+    w.flush()
+    w.close()
+    job = read_sharded(d)  # sizes and digests of every shard
+    assert sorted(job.ids()) == [r[0] for r in reqs]
+    for rid, pos, tok, tensors in reqs:
+        got = job.request(rid)
+        assert got["positions"].tolist() == pos.tolist()
+        assert got["token_ids"].tolist() == tok.tolist()
+        for k in KEYS:
+            assert torch.equal(got[k], tensors[k])
