@@ -28,7 +28,7 @@ import re
 import secrets
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
@@ -285,14 +285,7 @@ class AtomicFile:
     def _write_batch(self, batch: list[memoryview]) -> None:
         """Hash (on a digest thread) and write large pieces, then wait for the hash."""
         self._flush()
-        self._wait_hash()
-        if self._hasher is not None:
-            self._hashing = _hash_pool().submit(_update_all, self._hasher, batch)
-        try:
-            self._writev_all(batch)
-        except BaseException:
-            self._wait_hash(raise_errors=False)
-            raise
+        self._hash_while(batch, lambda: self._writev_all(batch))
         self._wait_hash()
 
     def _writev_all(self, batch: list[memoryview]) -> None:
@@ -317,16 +310,19 @@ class AtomicFile:
             self._write_piece(memoryview(buf))
 
     def _write_piece(self, mv: memoryview) -> None:
-        """Hash `mv` (on a digest thread when large) while writing it; pieces are hashed
-        in order because the previous one is waited for first."""
+        self._hash_while([mv], lambda: self._write_all(mv))
+
+    def _hash_while(self, pieces: list[memoryview], write: Callable[[], None]) -> None:
+        """Hash `pieces` (on a digest thread when large) while `write()` writes them;
+        pieces are hashed in order because the previous hash is waited for first."""
         self._wait_hash()
         if self._hasher is not None:
-            if len(mv) >= _OVERLAP_MIN:
-                self._hashing = _hash_pool().submit(self._hasher.update, mv)
+            if sum(len(mv) for mv in pieces) >= _OVERLAP_MIN:
+                self._hashing = _hash_pool().submit(_update_all, self._hasher, pieces)
             else:
-                self._hasher.update(mv)
+                _update_all(self._hasher, pieces)
         try:
-            self._write_all(mv)
+            write()
         except BaseException:
             self._wait_hash(raise_errors=False)
             raise

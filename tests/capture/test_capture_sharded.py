@@ -474,11 +474,4 @@ def test_large_rows_go_out_by_writev_and_its_errors_surface_too(tmp_path):
     fs.fail = None
     w.flush()
     w.close()
-    job = read_sharded(d)  # sizes and digests of every shard
-    assert sorted(job.ids()) == [r[0] for r in reqs]
-    for rid, pos, tok, tensors in reqs:
-        got = job.request(rid)
-        assert got["positions"].tolist() == pos.tolist()
-        assert got["token_ids"].tolist() == tok.tolist()
-        for k in KEYS:
-            assert torch.equal(got[k], tensors[k])
+    _check_job(d, reqs)
