@@ -8,7 +8,10 @@ same prompts, and vs HF transformers (`output_hidden_states` + safetensors).
 
 Each side runs in its own process (fresh device memory; `--sides` picks them):
 - capsteer: `capsteer extract` (sharded, durable, indexed) of resid_post at the chosen
-  layers x every prompt position; the time is the job's own (start-up excluded);
+  layers x every prompt position; the time is the job's own (start-up excluded); its
+  forward stops after the deepest captured layer, as the CLI's default;
+- capsteer_full (not in the default --sides): the same job with `--full-forward` (every
+  layer runs, as stock vLLM's prefill does);
 - vllm: stock vLLM prefilling the same prompts (max_tokens=1), nothing captured;
 - hf: HF transformers with `output_hidden_states`, the captured layers' rows of real tokens
   written with safetensors `save_file` per batch, `os.sync` at the end. `--hf-batch` may
@@ -44,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import perf_models
 
 SIDES = ("hf", "capsteer", "vllm")
+ALL_SIDES = ("hf", "capsteer", "capsteer_full", "vllm")
 TARGET_VS_VLLM = 0.90
 TARGET_VS_HF = 10.0
 
@@ -170,7 +174,7 @@ def _engine_kwargs(a: argparse.Namespace, dtype: str, mem: float) -> dict[str, A
 
 
 def run_capsteer(a: argparse.Namespace, layers: list[int], out: Path, dtype: str,
-                 mem: float) -> dict[str, Any]:
+                 mem: float, full_forward: bool = False) -> dict[str, Any]:
     from capsteer.capture.spec import parse_capture_spec
     from capsteer.engine import Engine
     from capsteer.extract import extract, job_config
@@ -182,7 +186,8 @@ def run_capsteer(a: argparse.Namespace, layers: list[int], out: Path, dtype: str
     spec = parse_capture_spec({"hooks": ["resid_post"], "layers": layers, "positions": "prompt"},
                               num_layers=n_layers)
     kw = _engine_kwargs(a, dtype, mem)
-    engine = Engine(a.model, capsteer_config=job_config(job, spec, 256 << 20, kw), **kw)
+    config = job_config(job, spec, 256 << 20, kw, num_layers=n_layers, full_forward=full_forward)
+    engine = Engine(a.model, capsteer_config=config, **kw)
     load_s = time.perf_counter() - t0
 
     def one(tag: str, prompts: list[str]):
@@ -201,7 +206,7 @@ def run_capsteer(a: argparse.Namespace, layers: list[int], out: Path, dtype: str
     engine.close()
     shutil.rmtree(job, ignore_errors=True)
     return {"load_s": load_s, "warmup_s": warm.seconds if warm else None, "reps": reps,
-            **_medians(reps)}
+            "stop_at_layer": config.get("stop_at_layer"), **_medians(reps)}
 
 
 def run_vllm(a: argparse.Namespace, dtype: str, mem: float) -> dict[str, Any]:
@@ -252,8 +257,8 @@ def _one(a: argparse.Namespace) -> dict[str, Any]:
     try:
         if a.one == "hf":
             return run_hf(a, layers, work, dtype)
-        if a.one == "capsteer":
-            return run_capsteer(a, layers, work, dtype, mem)
+        if a.one in ("capsteer", "capsteer_full"):
+            return run_capsteer(a, layers, work, dtype, mem, full_forward=a.one == "capsteer_full")
         return run_vllm(a, dtype, mem)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -297,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=1, help="timed passes of capsteer and vllm")
     ap.add_argument("--no-warmup", dest="warmup", action="store_false")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    ap.add_argument("--sides", default=",".join(SIDES))
+    ap.add_argument("--sides", default=",".join(SIDES), help=f"of {','.join(ALL_SIDES)}")
     ap.add_argument("--capture-layers", default="all",
                     help="'all' or comma-separated layers (e.g. one layer for SAE training)")
     ap.add_argument("--work", default=None, help="directory for the model and outputs")
@@ -367,11 +372,16 @@ def main(argv: list[str] | None = None) -> int:
                              "target": TARGET_VS_VLLM,
                              "verdict": "unresolved" if few else _verdict(lo, hi, TARGET_VS_VLLM),
                              "note": "spread over repetitions in one process per side"}
-    print(f"\n{'':10}{'tokens':>10}{'run s':>9}{'tok/s':>11}{'load s':>9}")
-    for side in SIDES:
+    if "capsteer_full" in rows:
+        full = rows["capsteer_full"]["tokens_per_s"]
+        for side in ("capsteer", "vllm", "hf"):
+            if side in rows:
+                row[f"ratio_{side}_over_capsteer_full"] = rows[side]["tokens_per_s"] / full
+    print(f"\n{'':14}{'tokens':>10}{'run s':>9}{'tok/s':>11}{'load s':>9}")
+    for side in ALL_SIDES:
         if side in rows:
             r = rows[side]
-            print(f"{side:10}{r['tokens']:>10,}{r['run_s']:>9.2f}{r['tokens_per_s']:>11,.0f}"
+            print(f"{side:14}{r['tokens']:>10,}{r['run_s']:>9.2f}{r['tokens_per_s']:>11,.0f}"
                   f"{r['load_s']:>9.1f}")
     for key in ("p4_vs_vllm", "p4_vs_hf"):
         if key in row:
@@ -397,8 +407,9 @@ def _plot(row: dict[str, Any], out: Path, device: str) -> None:
     except ImportError:
         print("(matplotlib not installed: no plot)")
         return
-    names = [n for n in SIDES if n in row]
-    labels = {"hf": "HF transformers", "capsteer": "capsteer extract", "vllm": "vLLM, no capture"}
+    names = [n for n in ALL_SIDES if n in row]
+    labels = {"hf": "HF transformers", "capsteer": "capsteer extract",
+              "capsteer_full": "capsteer, every layer", "vllm": "vLLM, no capture"}
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.bar([labels[n] for n in names], [row[n]["tokens_per_s"] for n in names])
     ax.set_ylabel("tokens/s")

@@ -144,7 +144,8 @@ def extract(
     hooks: Sequence[str] | str = ("resid_post",), layers: object = "all",
     positions: object = "prompt", capture_dtype: str = "auto", shard_size: int = 1 << 30,
     digest: str = "sha256",
-    max_tokens: int = 1, progress: bool = True, window: int | None = None,
+    max_tokens: int = 1, full_forward: bool = False, progress: bool = True,
+    window: int | None = None,
     engine: Engine | None = None, ray: bool = False, num_replicas: int | None = None,
     ray_address: str | None = None, ray_batch_size: int | None = None,
     **engine_kwargs: Any,
@@ -154,7 +155,9 @@ def extract(
     `engine_kwargs` are vLLM's engine arguments with vLLM's meanings (`dtype` is the
     model's dtype, as in `vllm serve`; max_model_len, tensor_parallel_size, ...).
     `capture_dtype` is the stored activations' dtype ("auto": the model's); `digest` the
-    shards' digest in the manifest (sha256, or blake3: faster to write and verify). Pass
+    shards' digest in the manifest (sha256, or blake3: faster to write and verify). The
+    forward stops after the deepest captured layer (TransformerLens's stop_at_layer;
+    the values are the same) unless `full_forward` or generated positions are kept. Pass
     `engine` to reuse one whose capsteer config already names this job directory.
     `ray=True` runs `num_replicas` engines on Ray Data instead (capsteer.extract_ray;
     `ray_address`: an existing cluster; `ray_batch_size`: prompts per Ray Data batch).
@@ -166,24 +169,25 @@ def extract(
         return extract_on_ray(
             model, input_path, out, ray=ray, engine=engine, hooks=hooks, layers=layers,
             positions=positions, capture_dtype=capture_dtype, shard_size=shard_size,
-            max_tokens=max_tokens, progress=progress, window=window,
+            max_tokens=max_tokens, full_forward=full_forward, progress=progress, window=window,
             num_replicas=num_replicas, ray_address=ray_address, ray_batch_size=ray_batch_size,
             engine_kwargs=engine_kwargs, digest=digest)
     records = read_records(input_path)
     done = indexed_ids(out)
     todo = [r for r in records if r.id not in done]
+    num_layers = _model_layers(model)
     spec = parse_capture_spec(
         {"hooks": [hooks] if isinstance(hooks, str) else list(hooks), "layers": layers,
-         "positions": positions, "dtype": capture_dtype}, num_layers=_model_layers(model))
+         "positions": positions, "dtype": capture_dtype}, num_layers=num_layers)
     _check_job(out, spec)
     check_digest(digest)
     if not todo:
         return ExtractResult(out, 0, len(records), 0, 0.0, 0, _shards(out))
     owns_engine = engine is None
     if engine is None:
-        engine = Engine(model, capsteer_config=job_config(out, spec, shard_size, engine_kwargs,
-                                                          digest=digest),
-                        **engine_kwargs)
+        engine = Engine(model, capsteer_config=job_config(
+            out, spec, shard_size, engine_kwargs, digest=digest, num_layers=num_layers,
+            max_tokens=max_tokens, full_forward=full_forward), **engine_kwargs)
     _warn_if_narrower(spec.dtype, engine.dtype)
     bytes_before, shards_before = _job_dir_bytes(out), set(_shards(out))
     started = time.monotonic()  # throughput excludes engine start-up
@@ -221,17 +225,41 @@ def _check_digest(out: Path, digest: str, shards_before: set[str]) -> None:
 
 
 def job_config(out: Path, spec: CaptureSpec, shard_size: int,
-               engine_kwargs: dict[str, Any], digest: str = "sha256") -> dict[str, Any]:
+               engine_kwargs: dict[str, Any], digest: str = "sha256", *,
+               num_layers: int | None = None, max_tokens: int = 1,
+               full_forward: bool = False) -> dict[str, Any]:
     """The worker config of a job. One step copies (scheduled tokens x captured points)
     rows into a fixed staging buffer on GPUs, so the step size is pinned (2048 tokens
-    unless given) and the buffer sized to hold a whole step."""
+    unless given) and the buffer sized to hold a whole step. The forward stops after
+    the deepest captured layer (`stop_at_layer`) unless `full_forward` (or the model's
+    `num_layers` is not given)."""
     from capsteer.engine_ext.runtime import hook_point
 
     engine_kwargs.setdefault("max_num_batched_tokens", 2048)
     points = {hook_point(hook, layer) for hook, layer in spec.keys()}
-    return {"sharded": {"dir": str(out.resolve()), "spec": spec.to_dict(),
-                        "shard_bytes": int(shard_size), "job_id": out.name, "digest": digest},
-            "staging_rows": int(engine_kwargs["max_num_batched_tokens"]) * len(points)}
+    config: dict[str, Any] = {
+        "sharded": {"dir": str(out.resolve()), "spec": spec.to_dict(),
+                    "shard_bytes": int(shard_size), "job_id": out.name, "digest": digest},
+        "staging_rows": int(engine_kwargs["max_num_batched_tokens"]) * len(points)}
+    stop = None if full_forward or num_layers is None else stop_at_layer(spec, num_layers,
+                                                                          max_tokens)
+    if stop is not None:
+        config["stop_at_layer"] = stop
+    return config
+
+
+def stop_at_layer(spec: CaptureSpec, num_layers: int, max_tokens: int) -> int | None:
+    """Where a job's forward may stop (TransformerLens's stop_at_layer), or None.
+
+    Layers after the deepest captured one change no captured value, as long as every
+    captured position is fed from the prompt: a prompt's activations never depend on
+    later tokens, but a generated token comes from the last layer's logits. So only
+    when the job generates a single token (never fed back) or keeps prompt positions."""
+    from capsteer.engine_ext.runtime import layers_needed
+
+    if max_tokens > 1 and spec.positions.kind not in ("prompt", "last_prompt"):
+        return None
+    return layers_needed(spec.keys(), num_layers)
 
 
 def _shards(out: Path) -> list[str]:
@@ -368,6 +396,10 @@ def build_parser():
                           "see docs/capture-format.md)")
     job.add_argument("--max-tokens", type=int, default=1,
                      help="tokens generated per request (1: the prompt only is fed)")
+    job.add_argument("--full-forward", action="store_true",
+                     help="run every layer; by default the forward stops after the deepest "
+                          "captured layer (as TransformerLens's stop_at_layer), which changes "
+                          "no captured value and saves the later layers' time")
     job.add_argument("--no-progress", action="store_true")
     ray = p.add_argument_group("Ray", "capsteer: run the job on engine replicas through Ray "
                                "Data (needs capsteer[ray]; docs/scale-out.md)")
@@ -420,7 +452,8 @@ def main(argv: list[str]) -> int:
             or not positions.lstrip("-").isdigit() else [int(positions)],
             capture_dtype=args.capture_dtype, shard_size=parse_size(args.shard_size),
             digest=args.digest,
-            max_tokens=args.max_tokens, progress=not args.no_progress, ray=args.ray,
+            max_tokens=args.max_tokens, full_forward=args.full_forward,
+            progress=not args.no_progress, ray=args.ray,
             num_replicas=args.num_replicas, ray_address=args.ray_address,
             ray_batch_size=args.ray_batch_size, **kwargs)
     except KeyboardInterrupt:

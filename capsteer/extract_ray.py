@@ -391,7 +391,7 @@ class Replica:
 
     def __init__(self, model: str, output: str, spec: dict[str, Any], shard_size: int,
                  max_tokens: int, window: int | None, engine_kwargs: dict[str, Any],
-                 digest: str) -> None:
+                 digest: str, num_layers: int | None = None, full_forward: bool = False) -> None:
         from capsteer.capture.spec import CaptureSpec
         from capsteer.engine import Engine
 
@@ -401,7 +401,9 @@ class Replica:
         self.spec = CaptureSpec.from_dict(spec)
         self.max_tokens = max_tokens
         kwargs = dict(engine_kwargs)
-        config = job_config(self.dir, self.spec, shard_size, kwargs, digest=digest)
+        config = job_config(self.dir, self.spec, shard_size, kwargs, digest=digest,
+                            num_layers=num_layers, max_tokens=max_tokens,
+                            full_forward=full_forward)
         config["sharded"]["job_id"] = out.name  # shard metadata names the job, not the stage
         self.engine = Engine(model, capsteer_config=config, **kwargs)
         _warn_if_narrower(self.spec.dtype, self.engine.dtype)
@@ -578,6 +580,8 @@ class _Job:
     batch_size: int
     engine_kwargs: dict[str, Any]
     digest: str
+    num_layers: int
+    full_forward: bool
 
 
 def _replica_env() -> dict[str, str]:
@@ -589,7 +593,7 @@ def extract_on_ray(
     hooks: Any, layers: object, positions: object, capture_dtype: str, shard_size: int,
     max_tokens: int, progress: bool, window: int | None, num_replicas: int | None,
     ray_address: str | None, ray_batch_size: int | None, engine_kwargs: dict[str, Any],
-    digest: str = "sha256",
+    digest: str = "sha256", full_forward: bool = False,
 ) -> ExtractResult:
     """`extract(..., ray=True)`: run (or resume) a job on engine replicas through Ray Data."""
     from capsteer.capture.spec import parse_capture_spec
@@ -613,14 +617,16 @@ def extract_on_ray(
     check_digest(digest)
     ray_module = require_ray()
     out = Path(output)
+    num_layers = _model_layers(model)
     spec = parse_capture_spec(
         {"hooks": [hooks] if isinstance(hooks, str) else list(hooks), "layers": layers,
-         "positions": positions, "dtype": capture_dtype}, num_layers=_model_layers(model))
+         "positions": positions, "dtype": capture_dtype}, num_layers=num_layers)
     _check_job(out, spec)
     if Path(model).exists():  # replicas may run elsewhere (another cwd, another node)
         model = str(Path(model).resolve())
     job = _Job(model, Path(input_path).resolve(), out, spec, int(shard_size), int(max_tokens),
-               progress, window, replicas, batch_size, dict(engine_kwargs), digest)
+               progress, window, replicas, batch_size, dict(engine_kwargs), digest, num_layers,
+               full_forward)
     ids, all_named = scan_ids(job.path)
     committer = JobCommitter(out)
     recovered = committer.merge_staging()
@@ -697,7 +703,8 @@ def _execute(ray: Any, job: _Job, ids: list[str], todo: list[str], all_named: bo
         fn_constructor_kwargs={"model": job.model, "output": str(job.out.resolve()),
                                "spec": job.spec.to_dict(), "shard_size": job.shard_size,
                                "max_tokens": job.max_tokens, "window": job.window,
-                               "engine_kwargs": kwargs, "digest": job.digest},
+                               "engine_kwargs": kwargs, "digest": job.digest,
+                               "num_layers": job.num_layers, "full_forward": job.full_forward},
         compute=ActorPoolStrategy(size=job.num_replicas,
                                   max_tasks_in_flight_per_actor=IN_FLIGHT_PER_REPLICA,
                                   max_concurrent_calls_per_actor=IN_FLIGHT_PER_REPLICA,

@@ -132,9 +132,52 @@ def _config_float(model: nn.Module, name: str | None) -> float:
     return float(getattr(config, name))
 
 
-def find_sites(model: nn.Module) -> ModelSites:
+def stop_forward_problem(model: nn.Module) -> str | None:
+    """Why this model's forward cannot stop after its first layers, or None.
+
+    vLLM's native decoders run `islice(self.layers, self.start_layer, self.end_layer)`
+    (the pipeline-parallel slice) and then the final norm; lowering `end_layer` before
+    the model is compiled makes the compiled forward (and its CUDA graphs) stop there.
+    The Transformers backend loops over every layer, so it cannot."""
+    inner = getattr(model, "model", None)
+    if inner is None or not isinstance(getattr(inner, "end_layer", None), int):
+        return f"{model_architecture(model)} has no model.end_layer"
+    try:
+        source = inspect.getsource(type(inner).forward)
+    except (OSError, TypeError):
+        return f"the source of {type(inner).__name__}.forward is not available"
+    if "self.end_layer" not in source:
+        return f"{type(inner).__name__}.forward does not stop at self.end_layer"
+    return None
+
+
+def stop_forward_at(model: nn.Module, stop_at_layer: int) -> None:
+    """Run layers [0, stop_at_layer) and then the final norm (before compilation only:
+    a compiled forward keeps the loop it was traced with). Check stop_forward_problem
+    first; the sites then follow from find_sites(model, stop_at_layer)."""
+    inner = model.model
+    if not 0 < stop_at_layer <= inner.end_layer or inner.start_layer != 0:
+        raise ValueError(f"cannot stop at layer {stop_at_layer} of layers "
+                         f"[{inner.start_layer}, {inner.end_layer})")
+    inner.end_layer = stop_at_layer
+
+
+def forward_layers(model: nn.Module) -> int | None:
+    """How many decoder layers this worker's forward runs (vLLM's pipeline slice, which
+    stop_forward_at lowers), or None where the model keeps no such slice."""
+    inner = getattr(model, "model", None)
+    start, end = getattr(inner, "start_layer", None), getattr(inner, "end_layer", None)
+    return end - start if isinstance(start, int) and isinstance(end, int) else None
+
+
+def find_sites(model: nn.Module, stop_at_layer: int | None = None) -> ModelSites:
     """Resolve the family's taps on this model's modules (site 2L + offset per layer,
-    2N at the final norm); refuse when a module the family names is not there."""
+    2N at the final norm); refuse when a module the family names is not there.
+
+    `stop_at_layer` (E): the forward stops after layer E-1 (stop_forward_at), so layers
+    from E on hold no taps and the final norm, whose input is then the stream leaving
+    layer E-1, reads site 2E (resid_pre(E) = resid_post(E-1), and mlp_out(E-1) for
+    vLLM's fused add+norm) instead of 2N."""
     family = check_architecture(model)
     materialized = _is_transformers_backend(model) or family.deferred_mid_norm is None
     inner = getattr(model, "model", None)
@@ -144,9 +187,10 @@ def find_sites(model: nn.Module) -> ModelSites:
     if layers is None or final is None:
         raise UnsupportedError(f"{arch}: no model.layers / model.norm found")
     taps: list[tuple[int, nn.Module, families.Tap]] = []
+    stop = len(layers) if stop_at_layer is None else stop_at_layer
     for i, layer in enumerate(layers):
-        if _missing(layer):
-            continue  # another pipeline stage runs this layer
+        if _missing(layer) or i >= stop:
+            continue  # another pipeline stage runs this layer, or the forward stops before
         for tap in families.layer_taps(family, materialized):
             module = _submodule(layer, tap.module)
             if module is None:
@@ -155,7 +199,7 @@ def find_sites(model: nn.Module) -> ModelSites:
                     f"{family.name} family's hooks are read")
             taps.append((2 * i + tap.offset, module, tap))
     if not _missing(final):
-        taps.append((2 * len(layers), final, families.final_tap(family, materialized)))
+        taps.append((2 * stop, final, families.final_tap(family, materialized)))
     if not taps:
         raise UnsupportedError(f"{arch}: this worker holds no decoder layer")
     config = getattr(model, "config", None)

@@ -19,6 +19,7 @@ each step only rewrites index buffers. Two modes read the same plan:
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +52,17 @@ def hook_point(hook: str, layer: int) -> tuple[int, int]:
     if hook == "mlp_out":
         return SUB, 2 * layer + 2
     raise ValueError(f"unknown hook {hook!r}")
+
+
+def layers_needed(keys: Iterable[tuple[str, int]], num_layers: int) -> int | None:
+    """The fewest leading layers whose forward yields every (hook, layer) of `keys` (a
+    forward stopped after layer E-1 reads site 2E at the final norm), or None when
+    every layer is needed. Site 2L needs layers < L, sites 2L+1 and 2L+2 layer L too."""
+    sites = [hook_point(hook, layer)[1] for hook, layer in keys]
+    if not sites:
+        return None
+    stop = max(1, (max(sites) + 1) // 2)  # at least one layer: the final norm wants a residual
+    return stop if stop < num_layers else None
 
 
 @dataclass

@@ -21,7 +21,7 @@ from capsteer.engine_ext import adapter
 from capsteer.engine_ext.canary import CanaryFailed, faulty_site, run_canary
 from capsteer.engine_ext.harvest import Harvester
 from capsteer.engine_ext.plan import RequestHooks, build_step_plan
-from capsteer.engine_ext.runtime import HookRuntime, StepPlan, install_runtime
+from capsteer.engine_ext.runtime import HookRuntime, StepPlan, hook_point, install_runtime
 
 logger = logging.getLogger("vllm.capsteer")  # under vLLM's configured logger
 _OPENED_KEPT = 65536  # capture ids remembered for end reports (front ends report within seconds)
@@ -36,8 +36,14 @@ class EngineHooks:
         self.worker = worker
         self.config = adapter.capsteer_config(worker)
         model = adapter.model_of(worker)
+        self.stage, self.num_stages = adapter.pipeline_stage()
         self.sites = adapter.find_sites(model)
         adapter.check_family_features(worker, self.sites)
+        # An extraction job whose deepest hook lies before the last layer stops the
+        # forward there (TransformerLens's stop_at_layer): None = every layer runs.
+        self.stop_at_layer = self._stop_forward(model, self.config.get("stop_at_layer"))
+        if self.stop_at_layer is not None:
+            self.sites = adapter.find_sites(model, self.stop_at_layer)
         dtype = worker.vllm_config.model_config.dtype
         declared = adapter.checkpoint_dtype(worker)
         if declared == torch.float32 and dtype != torch.float32:
@@ -57,7 +63,6 @@ class EngineHooks:
             device_driven=self.device_driven,
             local_sites=self.sites.local_sites,
         )
-        self.stage, self.num_stages = adapter.pipeline_stage()
         self.model_name = adapter.model_name(worker)
         self.capture_rank = adapter.is_capture_rank()
         self.memory = MemorySink(final_positions=False)  # capsteer.engine finalizes
@@ -114,6 +119,39 @@ class EngineHooks:
                     len(self.sites.local_sites), self.runtime.num_sites, self.stage,
                     self.num_stages, "device" if self.device_driven else "host")
 
+    def _stop_forward(self, model, asked: object) -> int | None:
+        """Stop the forward after layer `asked` - 1 where the model allows it; the
+        outcome is logged either way (the captures are the same, only speed differs)."""
+        if asked is None or int(asked) >= self.sites.num_layers:
+            return None
+        stop = int(asked)
+        problem = (f"pipeline parallelism ({self.num_stages} stages)" if self.num_stages > 1
+                   else adapter.stop_forward_problem(model))
+        if problem is not None:
+            logger.warning("capsteer: the forward runs all %d layers although only the first "
+                           "%d are needed: %s", self.sites.num_layers, stop, problem)
+            return None
+        adapter.stop_forward_at(model, stop)
+        logger.info("capsteer: the forward stops after layer %d of %d (stop_at_layer=%d): "
+                    "later layers are needed by no hook of this engine", stop - 1,
+                    self.sites.num_layers, stop)
+        return stop
+
+    def _beyond_stop(self, hooks: RequestHooks) -> str | None:
+        """Why a request needs a site the stopped forward never reaches, or None."""
+        if self.stop_at_layer is None:
+            return None
+        last = 2 * self.stop_at_layer
+        keys = hooks.capture.keys() if hooks.capture is not None else ()
+        beyond = sorted({f"{hook}({layer})" for hook, layer in keys
+                         if hook_point(hook, layer)[1] > last}
+                        | {f"steering at site {site}" for _, site, _ in hooks.entries
+                           if site > last})
+        if not beyond:
+            return None
+        return (f"this engine's forward stops at layer {self.stop_at_layer} (stop_at_layer, "
+                f"set for an extraction job); {', '.join(beyond[:4])} lie beyond it")
+
     def _timed(self, phase: str, fn):
         host_s, clock = self.host_s, time.perf_counter
 
@@ -153,6 +191,15 @@ class EngineHooks:
                 continue
             if hooks is None:
                 continue
+            refusal = self._beyond_stop(hooks)
+            if refusal is not None:
+                hooks.release(self.runtime)
+                logger.error("capsteer: request %s runs without hooks: %s", req_id, refusal)
+                if hooks.capture is not None and self.capture_rank:
+                    sink = self._sink_for(hooks)
+                    sink.open(self._capture_request(req_id, prompt, hooks))
+                    sink.abort(hooks.capture_id, refusal)
+                continue
             self.requests[req_id] = hooks
             if hooks.capture is not None and not self.capture_rank:
                 hooks.capture = None  # the stream is replicated across TP ranks: rank 0 writes
@@ -170,15 +217,15 @@ class EngineHooks:
                 self.opened[hooks.capture_id] = None
                 if len(self.opened) > _OPENED_KEPT:
                     del self.opened[next(iter(self.opened))]
-                sink.open(CaptureRequest(
-                    capture_id=hooks.capture_id, request_id=hooks.record_id or req_id,
-                    model=self.model_name,
-                    spec=hooks.capture, prompt_token_ids=tuple(prompt),
-                    model_dtype=self.runtime.dtype, hidden_size=self.sites.hidden_size,
-                    num_layers=self.sites.num_layers, stage=self.stage,
-                    num_stages=self.num_stages,
-                    keys=hooks.local_keys if self.num_stages > 1 else None,
-                    dir_time=hooks.dir_time))
+                sink.open(self._capture_request(req_id, prompt, hooks))
+
+    def _capture_request(self, req_id: str, prompt, hooks: RequestHooks) -> CaptureRequest:
+        return CaptureRequest(
+            capture_id=hooks.capture_id, request_id=hooks.record_id or req_id,
+            model=self.model_name, spec=hooks.capture, prompt_token_ids=tuple(prompt),
+            model_dtype=self.runtime.dtype, hidden_size=self.sites.hidden_size,
+            num_layers=self.sites.num_layers, stage=self.stage, num_stages=self.num_stages,
+            keys=hooks.local_keys if self.num_stages > 1 else None, dir_time=hooks.dir_time)
 
     def _sink_for(self, hooks: RequestHooks) -> CaptureSink:
         if hooks.sink == "sharded" and self.sharded is not None:
@@ -591,7 +638,8 @@ class CapsteerWorker(adapter.platform_worker_base()):  # type: ignore[misc]
                 "harvest_errors": [repr(e) for e in (hooks.harvester.errors if hooks.harvester else [])],
                 "live_requests": len(hooks.requests), "mode": "device" if hooks.device_driven else "host",
                 "plan_builds": hooks.plan_builds, "plan_reuses": hooks.plan_reuses,
-                "early_closes": hooks.early_closes,
+                "early_closes": hooks.early_closes, "stop_at_layer": hooks.stop_at_layer,
+                "forward_layers": adapter.forward_layers(adapter.model_of(self)),
                 "host_s": {k: round(v, 6) for k, v in hooks.host_s.items()},
                 "harvest": hooks.harvester.stats() if hooks.harvester else None}
 

@@ -183,3 +183,70 @@ def test_sae_lens_trains_an_sae_from_the_export(resumed_job, tmp_path):
     assert trained is sae
     after = mse()
     assert after < 0.8 * before, (before, after)  # seen: 6.35 -> 2.96
+
+
+STOPPED_HOOKS = ["resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out"]
+
+
+@pytest.fixture(scope="module", params=["qwen3", "granite"])
+def stopped_job(request, tmp_path_factory, model_dirs, engine_pool):
+    """A job of every hook at layer 1 of the 4-layer demo model, whose forward therefore
+    stops after layer 1 (qwen3: vLLM's fused add+norm layout; granite: layers that add
+    their residual themselves), run on an engine the test then asks about itself:
+    (family, job dir, records, worker stats, a request capturing beyond the stop)."""
+    from capsteer.capture.spec import parse_capture_spec
+    from capsteer.engine import Engine, Request
+    from capsteer.extract import job_config
+
+    family = request.param
+    engine_pool.close()  # one engine at a time
+    tmp_path = tmp_path_factory.mktemp(f"stopped-{family}")
+    records = _records(24)
+    inp = tmp_path / "prompts.jsonl"
+    inp.write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = tmp_path / "job"
+    spec = parse_capture_spec({"hooks": STOPPED_HOOKS, "layers": [1], "positions": "prompt"},
+                              num_layers=4)
+    kw = dict(dtype="float32", max_model_len=512, gpu_memory_utilization=0.15, max_num_seqs=16)
+    config = job_config(out, spec, 16 << 10, kw, num_layers=4)
+    assert config["stop_at_layer"] == 2
+    engine = Engine(model_dirs[family], capsteer_config=config, **kw)
+    try:
+        extract(model_dirs[family], inp, out, hooks=STOPPED_HOOKS, layers=[1], positions="prompt",
+                shard_size=16 << 10, progress=False, engine=engine)
+        (stats,) = engine.llm.collective_rpc("capsteer_stats")
+        (beyond,) = engine.generate([Request(
+            prompt="model layer stream", sampling={"max_tokens": 1, "temperature": 0},
+            capture={"hooks": ["resid_post"], "layers": [3], "positions": "all"})])
+    finally:
+        engine.close()
+    return family, out, records, stats, beyond
+
+
+def test_a_job_stops_the_forward_after_its_deepest_layer_and_equals_hf(stopped_job, hf_models):
+    """The engine ran two of four layers (vLLM's own slice the forward loops over), passed
+    its start-up canary with the final norm reading resid_pre(2), and every hook at
+    layer 1 still equals HF transformers' full forward."""
+    family, out, records, stats, _ = stopped_job
+    assert stats["stop_at_layer"] == 2
+    assert stats["forward_layers"] == 2
+    job = read_sharded(out)
+    assert sorted(e["id"] for e in job.index) == sorted(r["id"] for r in records)
+    hf = hf_models[family]
+    for rec in records[::5]:
+        got = job.request(rec["id"])
+        prompt_ids = [int(t) for t in got["token_ids"]]
+        ref = hf_activations(hf, prompt_ids, prompt_len=len(prompt_ids))
+        for hook in STOPPED_HOOKS:
+            torch.testing.assert_close(torch.as_tensor(got[(hook, 1)]).float(), ref[(hook, 1)],
+                                       atol=1e-4, rtol=1e-4)
+
+
+def test_a_stopped_forward_refuses_captures_beyond_its_stop(stopped_job):
+    """A request for a layer the stopped forward never reaches gets an error naming why,
+    not rows of the wrong layer and not silence."""
+    _, _, _, _, beyond = stopped_job
+    assert beyond.captures is not None
+    assert beyond.captures.error is not None
+    assert "stop_at_layer" in beyond.captures.error and "resid_post(3)" in beyond.captures.error
+    assert not beyond.captures.tensors

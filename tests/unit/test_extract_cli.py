@@ -69,3 +69,47 @@ def test_narrower_capture_dtype_is_logged(caplog):
         _warn_if_narrower("bfloat16", torch.float32)
     assert len(caplog.records) == 1
     assert "stored as bfloat16" in caplog.records[0].getMessage()
+
+
+@pytest.mark.parametrize(("hooks", "layers", "stop"), [
+    (["resid_post"], [5], 6),          # site 12: read where layer 6 starts, i.e. after layer 5
+    (["resid_pre"], [5], 5),           # site 10: the stream entering layer 5
+    (["attn_out", "resid_mid"], [5], 6),  # site 11: inside layer 5
+    (["resid_pre"], [0], 1),           # the embedding: one layer still runs (the final norm's residual)
+    (["resid_post"], [2, 7], 8),       # the deepest captured layer decides
+    (["resid_post"], [11], None),      # the last layer: every layer runs
+    (["resid_pre"], [11], 11),
+])
+def test_the_forward_stops_after_the_deepest_captured_layer(tmp_path, hooks, layers, stop):
+    from capsteer.capture.spec import parse_capture_spec
+    from capsteer.extract import job_config
+
+    spec = parse_capture_spec({"hooks": hooks, "layers": layers, "positions": "prompt"},
+                              num_layers=12)
+    config = job_config(tmp_path, spec, 1 << 20, {}, num_layers=12)
+    assert config.get("stop_at_layer") == stop
+    assert "stop_at_layer" not in job_config(tmp_path, spec, 1 << 20, {}, num_layers=12,
+                                             full_forward=True)
+
+
+@pytest.mark.parametrize(("positions", "max_tokens", "stops"), [
+    ("prompt", 8, True), ("last_prompt", 8, True),
+    ("all", 1, True), ("last", 1, True),        # one generated token is never fed back
+    ("all", 8, False), ("generated", 8, False), ("last", 8, False), ([3, 40], 8, False),
+])
+def test_the_forward_runs_every_layer_when_generated_positions_are_kept(
+        tmp_path, positions, max_tokens, stops):
+    """A generated token comes from the last layer's logits, so a job keeping generated
+    positions needs the whole forward; prompt positions never depend on later tokens."""
+    from capsteer.capture.spec import parse_capture_spec
+    from capsteer.extract import job_config
+
+    spec = parse_capture_spec({"hooks": ["resid_post"], "layers": [1], "positions": positions},
+                              num_layers=12)
+    config = job_config(tmp_path, spec, 1 << 20, {}, num_layers=12, max_tokens=max_tokens)
+    assert ("stop_at_layer" in config) == stops
+
+
+def test_full_forward_flag():
+    assert parse("--full-forward")[0].full_forward is True
+    assert parse()[0].full_forward is False
