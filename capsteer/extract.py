@@ -45,6 +45,10 @@ class ExtractResult:
     seconds: float
     bytes_written: int
     shards: list[str] = field(default_factory=list)
+    # Decoder layers each request's forward ran, of the model's (None: not known here,
+    # e.g. on Ray replicas): fewer where the forward stopped after the deepest hook.
+    forward_layers: int | None = None
+    model_layers: int | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -194,6 +198,7 @@ def extract(
     try:
         _run(engine, todo, spec, max_tokens, progress, window, out)
         engine.llm.collective_rpc("capsteer_flush_sharded")
+        forward_layers = engine.llm.collective_rpc("capsteer_stats")[0]["forward_layers"]
     except KeyboardInterrupt:
         engine.llm.collective_rpc("capsteer_flush_sharded")  # what finished stays
         raise
@@ -210,7 +215,8 @@ def extract(
                            f"(e.g. {sorted(missing)[:3]}); see the engine log; re-run to resume")
     _check_digest(out, digest, shards_before)
     return ExtractResult(out, len(todo), len(records) - len(todo), tokens, elapsed,
-                         _job_dir_bytes(out) - bytes_before, _shards(out))
+                         _job_dir_bytes(out) - bytes_before, _shards(out),
+                         forward_layers=forward_layers, model_layers=num_layers)
 
 
 def _check_digest(out: Path, digest: str, shards_before: set[str]) -> None:
@@ -465,6 +471,7 @@ def main(argv: list[str]) -> int:
         return 2
     print(f"{result.requests} requests extracted ({result.skipped} already done), "
           f"{result.tokens} tokens in {result.seconds:.1f} s ({result.tokens_per_s:,.0f} tok/s), "
-          f"{result.bytes_written / 2**20:,.1f} MiB in {len(result.shards)} shards under {result.output}",
-          flush=True)
+          f"{result.bytes_written / 2**20:,.1f} MiB in {len(result.shards)} shards under {result.output}"
+          + (f"; the forward ran {result.forward_layers} of {result.model_layers} layers"
+             if result.forward_layers is not None else ""), flush=True)
     return 0

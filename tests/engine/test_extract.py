@@ -79,6 +79,7 @@ def resumed_job(tmp_path_factory, model_dirs, engine_pool):
 
 def test_killed_job_resumes_to_exactly_once_and_equals_hf(resumed_job, hf_models):
     out, records, done_before, result = resumed_job
+    assert (result.forward_layers, result.model_layers) == (4, 4)  # resid_post(3): every layer
     assert result.skipped == len(done_before)
     assert result.requests == len(records) - len(done_before)
 
@@ -212,24 +213,25 @@ def stopped_job(request, tmp_path_factory, model_dirs, engine_pool):
     assert config["stop_at_layer"] == 2
     engine = Engine(model_dirs[family], capsteer_config=config, **kw)
     try:
-        extract(model_dirs[family], inp, out, hooks=STOPPED_HOOKS, layers=[1], positions="prompt",
-                shard_size=16 << 10, progress=False, engine=engine)
+        result = extract(model_dirs[family], inp, out, hooks=STOPPED_HOOKS, layers=[1],
+                         positions="prompt", shard_size=16 << 10, progress=False, engine=engine)
         (stats,) = engine.llm.collective_rpc("capsteer_stats")
         (beyond,) = engine.generate([Request(
             prompt="model layer stream", sampling={"max_tokens": 1, "temperature": 0},
             capture={"hooks": ["resid_post"], "layers": [3], "positions": "all"})])
     finally:
         engine.close()
-    return family, out, records, stats, beyond
+    return family, out, records, stats, beyond, result
 
 
 def test_a_job_stops_the_forward_after_its_deepest_layer_and_equals_hf(stopped_job, hf_models):
     """The engine ran two of four layers (vLLM's own slice the forward loops over), passed
     its start-up canary with the final norm reading resid_pre(2), and every hook at
     layer 1 still equals HF transformers' full forward."""
-    family, out, records, stats, _ = stopped_job
+    family, out, records, stats, _, result = stopped_job
     assert stats["stop_at_layer"] == 2
     assert stats["forward_layers"] == 2
+    assert (result.forward_layers, result.model_layers) == (2, 4)
     job = read_sharded(out)
     assert sorted(e["id"] for e in job.index) == sorted(r["id"] for r in records)
     hf = hf_models[family]
@@ -245,7 +247,7 @@ def test_a_job_stops_the_forward_after_its_deepest_layer_and_equals_hf(stopped_j
 def test_a_stopped_forward_refuses_captures_beyond_its_stop(stopped_job):
     """A request for a layer the stopped forward never reaches gets an error naming why,
     not rows of the wrong layer and not silence."""
-    _, _, _, _, beyond = stopped_job
+    _, _, _, _, beyond, _ = stopped_job
     assert beyond.captures is not None
     assert beyond.captures.error is not None
     assert "stop_at_layer" in beyond.captures.error and "resid_post(3)" in beyond.captures.error

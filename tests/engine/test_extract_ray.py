@@ -36,9 +36,9 @@ ENGINE = dict(dtype="float32", max_model_len=512, kv_cache_memory_bytes=KV_BYTES
               max_num_seqs=8, enforce_eager=True)
 FLAGS = ["--dtype", "float32", "--max-model-len", "512", "--kv-cache-memory-bytes",
          str(KV_BYTES), "--max-num-seqs", "8", "--enforce-eager"]
-JOB = dict(hooks=["resid_post", "mlp_out"], layers="all", positions="prompt",
+# Layers 0-2 of the demo model's 4: the replicas' forwards stop after layer 2.
+JOB = dict(hooks=["resid_post", "mlp_out"], layers="0-2", positions="prompt",
            shard_size=16 << 10, progress=False)
-KEYS = [("resid_post", 0), ("resid_post", 3), ("mlp_out", 1), ("mlp_out", 2)]
 
 
 def _records(n: int) -> list[dict]:
@@ -216,11 +216,11 @@ def ray_jobs(tmp_path_factory, model_dirs, engine_pool):
     inp = tmp / "prompts.jsonl"
     inp.write_text("".join(json.dumps(r) + "\n" for r in records))
     single = tmp / "single"
-    extract(model, inp, single, **JOB, **ENGINE)
+    extract(model, inp, single, full_forward=True, **JOB, **ENGINE)  # every layer runs
 
     out = tmp / "ray-job"
     cmd = [sys.executable, "-m", "capsteer.cli", "extract", model, "--input", str(inp),
-           "--output", str(out), "--hooks", "resid_post,mlp_out", "--layers", "all",
+           "--output", str(out), "--hooks", "resid_post,mlp_out", "--layers", "0-2",
            "--positions", "prompt", "--shard-size", "16KiB", "--no-progress", "--ray",
            "--num-replicas", "2", "--ray-batch-size", "4", *FLAGS]
     log_path = tmp / "killed.log"
@@ -235,6 +235,7 @@ def ray_jobs(tmp_path_factory, model_dirs, engine_pool):
         family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
         os.killpg(proc.pid, signal.SIGKILL)  # the driver, its Ray cluster, replicas, engines
         proc.wait(30)
+    killed_log = log_path.read_text(errors="replace")
     stragglers = _wait_gone(family, 60)
     assert not stragglers, f"still running after the kill: {[p.pid for p in stragglers]}"
     done_before = set(_index_ids(out))
@@ -257,13 +258,13 @@ def ray_jobs(tmp_path_factory, model_dirs, engine_pool):
         logger.removeHandler(handler)
         logger.setLevel(old_level)
         ray.shutdown()
-    return records, single, out, done_before, staged_at_kill, result, records_log
+    return records, single, out, done_before, staged_at_kill, result, records_log, killed_log
 
 
 @pytest.mark.engine
 @pytest.mark.uses_engine("extract")
 def test_killed_ray_job_resumes_to_exactly_once(ray_jobs):
-    records, _, out, done_before, staged_at_kill, result, log = ray_jobs
+    records, _, out, done_before, staged_at_kill, result, log, _ = ray_jobs
     assert 8 <= len(done_before) < len(records), "the job was not killed mid-run"
     assert len(staged_at_kill) == 2, staged_at_kill  # both replicas had started writing
     assert result.skipped >= len(done_before)  # indexed ones, plus staged ones recovered
@@ -288,7 +289,10 @@ def test_killed_ray_job_resumes_to_exactly_once(ray_jobs):
 @pytest.mark.engine
 @pytest.mark.uses_engine("extract")
 def test_ray_job_rows_equal_a_single_engine_run(ray_jobs):
-    records, single, out, _, _, _, _ = ray_jobs
+    """The replicas' forwards stopped after the job's deepest layer (their engines say so
+    in the log Ray forwards), the single engine ran every layer: the rows are the same."""
+    records, single, out, _, _, _, _, killed_log = ray_jobs
+    assert "the forward stops after layer 2 of 4 (stop_at_layer=3)" in killed_log
     a, b = read_sharded(single), read_sharded(out)  # both verify every shard's digest
     assert b.keys() == a.keys()
     assert {k: b.manifest[k] for k in ("dtype", "hidden_size", "keys", "spec", "format")} == \
