@@ -132,9 +132,9 @@ class EngineHooks:
                            "%d are needed: %s", self.sites.num_layers, stop, problem)
             return None
         adapter.stop_forward_at(model, stop)
-        logger.info("capsteer: the forward stops after layer %d of %d (stop_at_layer=%d): "
-                    "later layers are needed by no hook of this engine", stop - 1,
-                    self.sites.num_layers, stop)
+        logger.info("capsteer: the forward runs layers 0-%d of %d and stops (stop_at_layer=%d): "
+                    "no hook of this engine needs a later one", stop - 1, self.sites.num_layers,
+                    stop)
         return stop
 
     def _beyond_stop(self, hooks: RequestHooks) -> str | None:

@@ -292,7 +292,7 @@ def test_ray_job_rows_equal_a_single_engine_run(ray_jobs):
     """The replicas' forwards stopped after the job's deepest layer (their engines say so
     in the log Ray forwards), the single engine ran every layer: the rows are the same."""
     records, single, out, _, _, _, _, killed_log = ray_jobs
-    assert "the forward stops after layer 2 of 4 (stop_at_layer=3)" in killed_log
+    assert "the forward runs layers 0-2 of 4 and stops (stop_at_layer=3)" in killed_log
     a, b = read_sharded(single), read_sharded(out)  # both verify every shard's digest
     assert b.keys() == a.keys()
     assert {k: b.manifest[k] for k in ("dtype", "hidden_size", "keys", "spec", "format")} == \
