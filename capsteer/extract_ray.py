@@ -580,8 +580,8 @@ class _Job:
     batch_size: int
     engine_kwargs: dict[str, Any]
     digest: str
-    num_layers: int
-    full_forward: bool
+    num_layers: int | None = None  # None: the replicas' forwards run every layer
+    full_forward: bool = False
 
 
 def _replica_env() -> dict[str, str]:
