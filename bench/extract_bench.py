@@ -203,10 +203,15 @@ def run_capsteer(a: argparse.Namespace, layers: list[int], out: Path, dtype: str
         res = one(f"r{r}", _prompt_set(a, r))
         reps.append({"run_s": res.seconds, "tokens": res.tokens, "bytes": res.bytes_written,
                      "tokens_per_s": res.tokens / res.seconds})
+    # Where the step loop waited (harvest wait_s: every pinned ring slot still being
+    # delivered to the shard writer) and the hooks' own host seconds, over all passes.
+    (stats,) = engine.llm.collective_rpc("capsteer_stats")
     engine.close()
     shutil.rmtree(job, ignore_errors=True)
     return {"load_s": load_s, "warmup_s": warm.seconds if warm else None, "reps": reps,
-            "stop_at_layer": config.get("stop_at_layer"), **_medians(reps)}
+            "stop_at_layer": config.get("stop_at_layer"),
+            "engine_stats": {k: stats.get(k) for k in ("forward_layers", "harvest", "host_s")},
+            **_medians(reps)}
 
 
 def run_vllm(a: argparse.Namespace, dtype: str, mem: float) -> dict[str, Any]:
