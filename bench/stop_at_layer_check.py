@@ -62,7 +62,7 @@ def _side(a: argparse.Namespace) -> dict[str, Any]:
     try:
         # Every prompt queued up front: the scheduler's batches then depend on the queue
         # alone, not on when the loop refills it, so both sides run the same batches.
-        n = sum(1 for _ in open(a.input))
+        n = len(Path(a.input).read_text().splitlines())
         res = extract(a.model, a.input, out, hooks=HOOKS, layers=[a.layer], positions="prompt",
                       progress=False, engine=engine, window=n)
         (stats,) = engine.llm.collective_rpc("capsteer_stats")
