@@ -16,7 +16,8 @@ thread), P3's prefill workload (256 x 512 prompt + 64 out), and per batch:
 `capture_threads` through the in-process writer threads, for the A/B of the two;
 `capture_spin` has the harvester spin on its copy events (the old wait) instead of
 sleeping in the driver; `capture_all` captures every layer (P3-all; its captures are
-removed after each batch, untimed). The writer process's threads are accounted too
+removed after each batch, untimed), `capture_all_one` the same through one writer
+process (the default is a pool of two on hosts of 8 or more CPUs). The writer process's threads are accounted too
 (`writer_threads_cpu_s`).
 
     python bench/capture_phases.py [--configs vanilla,plain,capture,capture_threads,capture_spin,capture_all,capture_memory]
@@ -101,6 +102,8 @@ def one(config: str, model: str, out: Path, batches: int, shape: str,
         # (capture_small_staging: the default staging buffer.)
         staging = kw["max_num_batched_tokens"] * (perf_models.SHAPES[shape].layers + 1)
         settings = {"capture_dir": CAPTURE_DIR, "capture_writer": writer}
+        if config == "capture_all_one":  # one writer process (the A/B of the default pool)
+            settings["capture_writer_processes"] = 1
         if config != "capture_small_staging":
             settings["staging_rows"] = staging
         engine = Engine(model, capsteer_config=settings, **kw)
@@ -111,7 +114,8 @@ def one(config: str, model: str, out: Path, batches: int, shape: str,
     capture = None
     if config.startswith("capture"):
         capture = {"hooks": ["resid_post"],
-                   "layers": "all" if config == "capture_all" else [engine.num_layers // 2],
+                   "layers": "all" if config.startswith("capture_all")
+                   else [engine.num_layers // 2],
                    "positions": "prompt", "layout": "packed"}
     steering = {"vectors": [{"hook": "resid_post", "layers": "all",
                              "vector": [0.01] * engine.hidden_size, "scale": 1.0}]} \
@@ -137,23 +141,27 @@ def one(config: str, model: str, out: Path, batches: int, shape: str,
         return engine.stats()[0] if engine is not None else {}
 
     def clear() -> None:
-        if config == "capture_all":  # several GB a batch: keep the disk from filling
+        if config.startswith("capture_all"):  # several GB a batch: keep the disk from filling
             shutil.rmtree(CAPTURE_DIR, ignore_errors=True)
 
     batch()  # warm-up
     clear()
-    writer_pid = None
+    writer_pids: list[int] = []  # the writer processes (a pool's children)
     if engine is not None:
-        first = next(iter(engine.llm.collective_rpc("capsteer_writer_stats")), None)
-        writer_pid = (first or {}).get("process")
+        first = next(iter(engine.llm.collective_rpc("capsteer_writer_stats")), None) or {}
+        writer_pids = [s.get("process") for s in first.get("processes") or [first]
+                       if s and s.get("process")]
+
+    def writer_cpu() -> dict:
+        return {tid: v for pid in writer_pids for tid, v in thread_cpu(pid).items()}
     rows = []
     main = threading.main_thread().native_id
     for _ in range(batches):
-        s0, t0, w0 = stats(), thread_cpu(), thread_cpu(writer_pid) if writer_pid else {}
+        s0, t0, w0 = stats(), thread_cpu(), writer_cpu()
         cpu0, wall0 = time.thread_time(), time.perf_counter()
         batch()
         wall, cpu = time.perf_counter() - wall0, time.thread_time() - cpu0
-        s1, t1, w1 = stats(), thread_cpu(), thread_cpu(writer_pid) if writer_pid else {}
+        s1, t1, w1 = stats(), thread_cpu(), writer_cpu()
         t0.pop(main, None)
         t1.pop(main, None)
         rows.append({"wall_s": round(wall, 4), "main_cpu_s": round(cpu, 4),

@@ -38,6 +38,7 @@ from capsteer.capture.layouts import MANIFEST_FILE
 from capsteer.capture.sink import CaptureEnd, CaptureRequest
 from capsteer.capture.spec import parse_capture_spec
 from capsteer.capture.writer import CaptureWriter
+from capsteer.capture.writer_pool import ProcessWriterPool
 from capsteer.capture.writer_process import ProcessCaptureWriter
 
 
@@ -50,6 +51,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--batch-tokens", type=int, default=8192, help="tokens per engine step")
     ap.add_argument("--ring-mib", type=int, default=None, help="ring size (default: the writer's)")
     ap.add_argument("--workers", type=int, default=None, help="writer threads (default: the writer's)")
+    ap.add_argument("--processes", type=int, default=1,
+                    help="writer processes (ProcessWriterPool; the engine's capture_writer_processes)")
     ap.add_argument("--in-process", action="store_true",
                     help="publish through an in-process CaptureWriter (no ring, no child): "
                          "the writer's own rate at this load")
@@ -68,6 +71,9 @@ def parse_args() -> argparse.Namespace:
                     help="experiment: the producer's ring copy keeps the GIL (PyDLL memmove)")
     ap.add_argument("--dir", default=None, help="parent directory of the capture root")
     ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--start-at", type=float, default=None,
+                    help="wall-clock time (epoch s) the first run starts at: several instances "
+                         "started together measure writers that share nothing (bench/gpu_writer_scaling.sh)")
     ap.add_argument("--json", action="store_true", help="print the runs as JSON too")
     return ap.parse_args()
 
@@ -97,11 +103,16 @@ def run_once(args: argparse.Namespace, writer: Any, run: int, root: Path) -> dic
     ids = [f"r{run}x{i}" for i in range(args.requests)]
     done = [0] * args.requests
     pending = list(range(args.requests))
-    child = getattr(writer, "child_pid", None)  # None: the writer runs in this process
+    # The writer's processes (a pool's children); [None]: the writer runs in this process.
+    children = list(getattr(writer, "child_pids", None) or [getattr(writer, "child_pid", None)])
+    child = children[0]
     waits0 = getattr(writer, "ring_waits", 0)
     wait_s0 = getattr(writer, "ring_wait_s", 0.0)
-    cpu0 = thread_cpu(child)
+    cpu0 = {k: v for pid in children for k, v in thread_cpu(pid).items()}
     write_s = 0.0
+    if run == 0 and args.start_at is not None:
+        time.sleep(max(0.0, args.start_at - time.time()))
+    epoch0 = time.time()
     t0 = time.perf_counter()
     for cid in ids:
         writer.open(CaptureRequest(cid, cid, "bench", spec, prompt, dtype, args.hidden, args.layers))
@@ -129,12 +140,13 @@ def run_once(args: argparse.Namespace, writer: Any, run: int, root: Path) -> dic
     t_fed = time.perf_counter()
     ok = writer.flush(600)
     t_end = time.perf_counter()
-    cpu1 = thread_cpu(child)
+    epoch1 = time.time()
+    cpu1 = {k: v for pid in children for k, v in thread_cpu(pid).items()}
     nbytes = args.requests * args.positions * len(keys) * args.hidden * 2
     by_name: dict[str, float] = {}
     for tid, (name, cpu) in cpu1.items():
         delta = cpu - cpu0.get(tid, (name, 0.0))[1]
-        key = "main" if tid in (child, os.getpid()) else name
+        key = "main" if tid in (*children, os.getpid()) else name
         by_name[key] = by_name.get(key, 0.0) + delta
     return {
         "flushed": ok,
@@ -142,6 +154,7 @@ def run_once(args: argparse.Namespace, writer: Any, run: int, root: Path) -> dic
         "seconds": t_end - t0,
         "mb_s": nbytes / (t_end - t0) / 1e6,
         "fed_s": t_fed - t0,
+        "epoch": [epoch0, epoch1],
         "producer_write_s": write_s,
         "ring_waits": getattr(writer, "ring_waits", 0) - waits0,
         "ring_wait_s": round(getattr(writer, "ring_wait_s", 0.0) - wait_s0, 3),
@@ -176,7 +189,11 @@ def main() -> None:
     if args.in_process:
         writer: Any = CaptureWriter(tmp / "root", workers=args.workers)
     else:
-        writer = ProcessCaptureWriter(tmp / "root", workers=args.workers, **kw)
+        if args.processes > 1:
+            writer = ProcessWriterPool(tmp / "root", processes=args.processes,
+                                       workers=args.workers, **kw)
+        else:
+            writer = ProcessCaptureWriter(tmp / "root", workers=args.workers, **kw)
         if not writer.ready.wait(60):
             raise SystemExit("the writer process did not start")
     stop = threading.Event()

@@ -44,6 +44,18 @@ def check_budget(limit_bytes: int, policy: str) -> None:
         raise ValueError("budget must be positive")
 
 
+def check_processes(processes: int, policy: str) -> None:
+    """ValueError unless `processes` writer processes can serve the overload policy: they
+    split the budget (capture/writer_pool.py), so under drop or reject a capture larger
+    than one share would be dropped or refused where one process would keep it."""
+    if processes < 1:
+        raise ValueError(f"capture writer processes must be at least 1; got {processes}")
+    if processes > 1 and policy != "block":
+        raise ValueError(f"{processes} capture writer processes split the budget, so under "
+                         f"the {policy!r} policy a capture larger than one share would be "
+                         "dropped or refused; use one process or the block policy")
+
+
 class Budget:
     """Thread-safe byte accounting with block / drop / reject semantics."""
 

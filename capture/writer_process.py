@@ -156,6 +156,12 @@ class ProcessCaptureWriter:
         self._reader = threading.Thread(target=self._read_loop, name="capsteer-writer-link", daemon=True)
         self._reader.start()
 
+    @property
+    def inflight(self) -> int:
+        """Captures opened and not yet reported done by the child (ProcessWriterPool
+        routes a new capture to the child with the fewest)."""
+        return len(self._inflight)
+
     # ----------------------------------------------------------------- sink API
     def open(self, request: CaptureRequest) -> None:
         if request.dir_time is None:  # the parent dates it, so a failover finds the same dir

@@ -64,6 +64,7 @@ SERVER_FLAGS: list[ServerFlag] = [
     _field_flag("capture_overload", choices=OVERLOAD_POLICIES),
     _field_flag("capture_digest", choices=DIGESTS),
     _field_flag("capture_writer", choices=CAPTURE_WRITERS),
+    _field_flag("capture_writer_processes", type=int, metavar="N"),
     _field_flag("capture_budget", metavar="SIZE"),
     _field_flag("capture_wait_timeout", type=float, metavar="SECONDS"),
     _field_flag("steering_dir", metavar="DIR"),

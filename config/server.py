@@ -32,6 +32,7 @@ from pydantic_settings import (
 )
 from pydantic_settings.exceptions import SettingsError
 
+from capsteer.capture.pool import check_processes
 from capsteer.capture.publish import DEFAULT_DIGEST, DIGESTS
 from capsteer.capture.spec import DEFAULT_SPEC, LAYOUTS
 
@@ -116,6 +117,10 @@ class ServerSettings(BaseSettings):
                                 "process (a writer process beside each engine worker, so "
                                 "publishing never holds the engine's GIL) or threads (in the "
                                 "worker process)")
+    capture_writer_processes: int | None = Field(
+        None, description="writer processes per engine worker (capture_writer process); "
+        "the budget is split among them, so more than one needs the block policy; none: "
+        "2 under block on a host of 8 or more CPUs, else 1")
     capture_budget: int = Field(1 << 30, description="bytes of capture rows in flight "
                                 "(engine memory), e.g. 1GiB")
     capture_wait_timeout: float = Field(60.0, description="seconds a capture_wait response "
@@ -136,6 +141,19 @@ class ServerSettings(BaseSettings):
                    "capture_digest": DIGESTS, "capture_writer": CAPTURE_WRITERS}[info.field_name]
         if value not in choices:
             raise ValueError(f"must be one of {', '.join(choices)}; got {value!r}")
+        return value
+
+    @field_validator("capture_writer_processes")
+    @classmethod
+    def _check_processes(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is None:
+            return value
+        if value < 1:
+            raise ValueError(f"must be at least 1 (or left out for the default); got {value}")
+        writer = info.data.get("capture_writer", "process")
+        if value > 1 and writer != "process":
+            raise ValueError(f"{value} processes need capture_writer process (got {writer!r})")
+        check_processes(value, info.data.get("capture_overload", "block"))
         return value
 
     @field_validator("capture_budget", mode="before")
@@ -210,6 +228,8 @@ class ServerSettings(BaseSettings):
             config["capture_digest"] = self.capture_digest
         if self.capture_writer != "process":
             config["capture_writer"] = self.capture_writer
+        if self.capture_writer_processes is not None:
+            config["capture_writer_processes"] = self.capture_writer_processes
         return config
 
 

@@ -47,14 +47,19 @@ def test_reject_policy_answers_429_and_stays_healthy(reject_server):
 @pytest.mark.engine
 @pytest.mark.uses_engine("server")
 def test_block_policy_completes_every_capture(server):
-    """64 KiB budget, eight concurrent captures of ~200 KB each: the writer spills, all land."""
+    """64 KiB budget, eight concurrent captures of ~200 KB each: the writer spills, all land.
+    The server runs two writer processes (32 KiB each): both publish, neither is the engine."""
     with ThreadPoolExecutor(8) as pool:
         responses = list(pool.map(lambda _: _post(server.url, ALL_HOOKS, max_tokens=8), range(8)))
     assert [r.status_code for r in responses] == [200] * 8
+    publishers, engines = set(), set()
     for r in responses:
         results = r.json()["capture_results"]
         assert results["status"] == "ok", results
         cap = read(capture_dir(server, results))
         assert len(cap.positions) == r.json()["usage"]["prompt_tokens"] + 7
         assert results["bytes"] > 64 * 1024
+        publishers.add(cap.manifest["writer"]["pid"])
+        engines.add(cap.manifest["writer"]["engine_pid"])
+    assert len(publishers) == 2 and len(engines) == 1 and not publishers & engines
     assert httpx.get(server.url + "/health", timeout=30).status_code == 200

@@ -110,7 +110,8 @@ def test_precedence_flag_env_file_default(tmp_path: Path,
     assert s.capture_budget == 1 << 30  # default
     assert r.sources == {"capture_dir": "flag", "capture_layout": "file",
                          "capture_overload": "env", "capture_digest": "default",
-                         "capture_writer": "default", "capture_budget": "default",
+                         "capture_writer": "default", "capture_writer_processes": "default",
+                         "capture_budget": "default",
                          "capture_wait_timeout": "file", "steering_dir": "file",
                          "admin_key": "env", "capture_default": "default",
                          "global_capture": "default"}
@@ -307,11 +308,26 @@ def test_worker_config() -> None:
         load_settings({"capture_writer": "fork"})
 
 
+def test_writer_processes_reach_the_workers_only_where_they_can_serve() -> None:
+    assert "capture_writer_processes" not in ServerSettings().worker_config()  # auto
+    two = load_settings({"capture_writer_processes": "2"}).worker_config()
+    assert two["capture_writer_processes"] == 2
+    one = load_settings({"capture_writer_processes": 1, "capture_overload": "drop"})
+    assert one.worker_config()["capture_writer_processes"] == 1
+    with pytest.raises(ConfigError, match=r"capture_writer_processes.*at least 1"):
+        load_settings({"capture_writer_processes": 0})
+    with pytest.raises(ConfigError, match=r"capture_writer_processes.*split the budget"):
+        load_settings({"capture_writer_processes": 2, "capture_overload": "reject"})
+    with pytest.raises(ConfigError, match=r"capture_writer_processes.*capture_writer process"):
+        load_settings({"capture_writer_processes": 2, "capture_writer": "threads"})
+
+
 # ---- flags and `capsteer config show` ----
 def test_server_flags_shared_definition() -> None:
     flags = {f.flag: f for f in cli.SERVER_FLAGS}
     assert list(flags) == ["--config", "--capture-dir", "--capture-layout", "--capture-overload",
-                           "--capture-digest", "--capture-writer", "--capture-budget", "--capture-wait-timeout", "--steering-dir",
+                           "--capture-digest", "--capture-writer", "--capture-writer-processes",
+                           "--capture-budget", "--capture-wait-timeout", "--steering-dir",
                            "--admin-key", "--global-capture"]
     assert flags["--capture-layout"].choices == ("packed", "per_file")
     assert flags["--capture-overload"].choices == OVERLOAD_POLICIES

@@ -1,0 +1,174 @@
+"""Several capture writer processes behind one sink, so publishing is not bound by one
+child's main thread and GIL.
+
+Why: one writer process (its ring, its child's main thread taking rows out, its writer
+threads sharing one GIL) published P3-all's load (every layer x every prompt position,
+29 MB captures) at 0.92 GB/s to an H100 host's disk and 1.07 GB/s to tmpfs. Two
+independent ones on the same host published 1.35 GB/s to the disk, whose own
+`dd conv=fsync` rate was 1.2-1.3 GB/s there, and four 2.27 GB/s to tmpfs
+(bench/results/h100-2026-11-25-writer-scaling/).
+
+Each capture lives in one child from `open` to its receipt: its rows, `close` and
+`abort` follow it there, so its files, manifest and receipt are those a single writer
+publishes. A new capture goes to the child with the fewest captures in flight.
+
+The in-flight budget is split evenly, so the row bytes held stay within the budget.
+Under the block policy a capture larger than its child's share spills rows to disk, as
+one larger than the whole budget does with one process; drop and reject would drop or
+refuse it instead, so they run one process (`check_processes`).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from capsteer.capture import metrics
+from capsteer.capture.pool import check_processes
+from capsteer.capture.sink import CaptureEnd, CaptureRequest
+from capsteer.capture.writer_process import DEFAULT_RING_BYTES, ProcessCaptureWriter
+
+# Writer processes the default configuration starts where the host has the cores: two
+# reached the disk's rate on the lent H100 hosts (16 cores); one is the bound below that.
+AUTO_PROCESSES = 2
+AUTO_MIN_CPUS = 8
+
+
+def auto_processes(policy: str) -> int:
+    """The default: AUTO_PROCESSES under the block policy on a host with the cores, else 1."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return AUTO_PROCESSES if policy == "block" and cpus >= AUTO_MIN_CPUS else 1
+
+
+class _AllReady:
+    """`ready.wait(timeout)` over every child, as `ProcessCaptureWriter.ready` answers."""
+
+    def __init__(self, writers: list[ProcessCaptureWriter]) -> None:
+        self._writers = writers
+
+    def is_set(self) -> bool:
+        return all(w.ready.is_set() for w in self._writers)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for w in self._writers:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not w.ready.wait(left):
+                return False
+        return True
+
+
+# Stats fields that add up across children (the rest are per child, under "processes").
+_SUMMED = ("budget_bytes", "inflight_bytes", "open_bytes", "sealed_bytes", "peak_bytes",
+           "open_captures", "spilled_bytes", "ring_bytes", "ring_waits", "ring_wait_s",
+           "inline_writes")
+
+
+class ProcessWriterPool:
+    """A `CaptureSink` over `processes` `ProcessCaptureWriter`s (see module doc).
+
+    Same arguments as `ProcessCaptureWriter`; `budget_bytes` is the total, split evenly,
+    and `workers` is per process."""
+
+    copies_rows = True  # every child copies rows into its ring before write returns
+
+    def __init__(self, root: str | Path, *, processes: int, budget_bytes: int = 1 << 30,
+                 policy: str = "block", workers: int | None = None, digest: str = "sha256",
+                 ring_bytes: int = DEFAULT_RING_BYTES) -> None:
+        check_processes(processes, policy)
+        share = max(1, budget_bytes // processes)
+        self.writers: list[ProcessCaptureWriter] = []
+        try:
+            for _ in range(processes):
+                self.writers.append(ProcessCaptureWriter(
+                    root, budget_bytes=share, policy=policy, workers=workers, digest=digest,
+                    ring_bytes=ring_bytes))
+        except BaseException:
+            for w in self.writers:
+                w.shutdown(10.0)
+            raise
+        self.root = self.writers[0].root
+        self.ready = _AllReady(self.writers)
+        self._route: dict[str, ProcessCaptureWriter] = {}  # open captures -> their child
+        self._next = 0
+
+    @property
+    def child_pids(self) -> list[int | None]:
+        return [w.child_pid for w in self.writers]
+
+    @property
+    def failure(self) -> str | None:
+        return next((w.failure for w in self.writers if w.failure is not None), None)
+
+    # ----------------------------------------------------------------- sink API
+    def open(self, request: CaptureRequest) -> None:
+        writer = self._route.get(request.capture_id)
+        if writer is None:
+            # The fewest captures in flight, ties taken in turn from the last choice on.
+            n = len(self.writers)
+            order = [self.writers[(self._next + i) % n] for i in range(n)]
+            writer = min(order, key=lambda w: w.inflight)
+            self._next = (self.writers.index(writer) + 1) % n
+            self._route[request.capture_id] = writer
+        writer.open(request)
+
+    def write(self, capture_id: str, hook: str, layer: int, positions: np.ndarray,
+              rows: torch.Tensor) -> None:
+        writer = self._route.get(capture_id)
+        if writer is not None:  # a writer ignores rows of captures it does not hold too
+            writer.write(capture_id, hook, layer, positions, rows)
+
+    def end_step(self) -> None:
+        for w in self.writers:
+            w.end_step()
+
+    def close(self, end: CaptureEnd) -> None:
+        writer = self._route.pop(end.capture_id, None)
+        if writer is not None:
+            writer.close(end)
+
+    def abort(self, capture_id: str, reason: str) -> None:
+        writer = self._route.pop(capture_id, None)
+        if writer is not None:
+            writer.abort(capture_id, reason)
+
+    # ------------------------------------------------------------ diagnostics
+    def stats(self) -> dict[str, Any] | None:
+        """The children's summed counters plus each child's own stats under "processes"."""
+        each = [w.stats() for w in self.writers]
+        got = [s for s in each if s is not None]
+        out: dict[str, Any] = {k: sum(s.get(k) or 0 for s in got) for k in _SUMMED}
+        out["ring_wait_s"] = round(out["ring_wait_s"], 6)
+        out.update({"policy": got[0].get("policy") if got else None, "failure": self.failure,
+                    "process": None, "processes": each})
+        return out
+
+    def metrics_snapshot(self) -> dict[str, Any]:
+        return metrics.merge_snapshots([w.metrics_snapshot() for w in self.writers])
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every capture closed so far is published, in every child."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        ok = True
+        for w in self.writers:  # the children publish meanwhile: the wait is the slowest's
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ok = w.flush(left) and ok
+        return ok
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Every child at once: publish what was closed, abort what is open, exit."""
+        threads = [threading.Thread(target=w.shutdown, args=(timeout,), daemon=True)
+                   for w in self.writers]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
