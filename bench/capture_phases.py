@@ -17,7 +17,8 @@ thread), P3's prefill workload (256 x 512 prompt + 64 out), and per batch:
 `capture_spin` has the harvester spin on its copy events (the old wait) instead of
 sleeping in the driver; `capture_all` captures every layer (P3-all; its captures are
 removed after each batch, untimed), `capture_all_one` the same through one writer
-process (the default is a pool of two on hosts of 8 or more CPUs). The writer process's threads are accounted too
+process (the default is a pool of two on hosts of 8 or more CPUs), `capture_all_wN`
+through N. The writer process's threads are accounted too
 (`writer_threads_cpu_s`).
 
     python bench/capture_phases.py [--configs vanilla,plain,capture,capture_threads,capture_spin,capture_all,capture_memory]
@@ -104,6 +105,8 @@ def one(config: str, model: str, out: Path, batches: int, shape: str,
         settings = {"capture_dir": CAPTURE_DIR, "capture_writer": writer}
         if config == "capture_all_one":  # one writer process (the A/B of the default pool)
             settings["capture_writer_processes"] = 1
+        elif re.fullmatch(r"capture_all_w\d+", config):  # capture_all_w4: four processes
+            settings["capture_writer_processes"] = int(config[len("capture_all_w"):])
         if config != "capture_small_staging":
             settings["staging_rows"] = staging
         engine = Engine(model, capsteer_config=settings, **kw)
