@@ -34,11 +34,19 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
-from capsteer.capture import CaptureEnd, CaptureRequest, CaptureWriter, parse_capture_spec, publish
+from capsteer.capture import (
+    CaptureEnd,
+    CaptureRequest,
+    CaptureWriter,
+    find_receipt,
+    parse_capture_spec,
+    publish,
+)
 from capsteer.capture.publish import DIGESTS, AtomicFile, FileSystem, fsync_dir, new_hasher
 from capsteer.capture.writer import default_workers
 
@@ -170,8 +178,10 @@ def digest_compare(directory: Path, repeat: int, files: int = 6, file_mib: int =
 
 def writer_rate(
     directory: Path, layout: str, total_mib: int, layers: int, hidden: int, prompt: int, workers: int,
-    digest: str = "sha256",
+    digest: str = "sha256", processes: int = 0,
 ) -> dict[str, float]:
+    """The writer's publish rate; `processes` >= 1 publishes through that many writer
+    processes (the engine's path: rows cross a ring into each child), 0 in this process."""
     spec = parse_capture_spec(
         {"hooks": ["resid_post"], "layers": "all", "positions": "all", "layout": layout}, num_layers=layers
     )
@@ -183,7 +193,27 @@ def writer_rate(
     positions = np.arange(prompt, dtype=np.int64)
     token_ids = tuple(range(prompt))
     root = directory / f"captures-{layout}"
-    w = CaptureWriter(root, budget_bytes=max(4 * per_request, 1 << 30), workers=workers, digest=digest)
+    budget = max(4 * per_request, 1 << 30)
+    w: Any
+    if processes >= 1:
+        from capsteer.capture.writer_pool import ProcessWriterPool
+        from capsteer.capture.writer_process import ProcessCaptureWriter
+
+        kw = {"budget_bytes": budget * processes, "workers": workers, "digest": digest}
+        w = (ProcessWriterPool(root, processes=processes, **kw) if processes > 1
+             else ProcessCaptureWriter(root, **kw))
+        if not w.ready.wait(60):
+            raise SystemExit("the writer processes did not start")
+    else:
+        w = CaptureWriter(root, budget_bytes=budget, workers=workers, digest=digest)
+    if processes >= 1:  # each child's first capture imports and warms its path: untimed
+        for i in range(processes):
+            cid = f"warm-{layout}-{i}"
+            w.open(CaptureRequest(cid, cid, "bench", spec, token_ids, torch.bfloat16, hidden, layers))
+            for layer in range(layers):
+                w.write(cid, "resid_post", layer, positions, rows[layer])
+            w.close(CaptureEnd(cid, (*token_ids, 0)))
+        w.flush()
     t0, c0 = time.perf_counter(), time.process_time()
     for i in range(n_requests):
         cid = f"bench-{layout}-{i}"
@@ -193,7 +223,7 @@ def writer_rate(
         w.close(CaptureEnd(cid, (*token_ids, 0)))
     w.flush()
     dt, cpu = time.perf_counter() - t0, time.process_time() - c0
-    receipts = [w.receipt(f"bench-{layout}-{i}") for i in range(n_requests)]
+    receipts = [find_receipt(root, f"bench-{layout}-{i}") for i in range(n_requests)]
     w.shutdown()
     bad = [r for r in receipts if r is None or r.status != "ok"]
     if bad:
@@ -242,6 +272,9 @@ def main(argv: list[str] | None = None) -> int:
         help="also time packed with the digest stubbed out (NOT a valid configuration: shows what hashing costs)",
     )
     ap.add_argument("--digest", choices=DIGESTS, default="sha256", help="the writer's file digest")
+    ap.add_argument("--processes", type=int, default=0,
+                    help="publish through N writer processes (the engine's path: 1 one child, "
+                         "2 the default pool on 8+ CPUs); 0 (default) in this process")
     ap.add_argument("--digest-compare", action="store_true",
                     help="also time each digest: one thread's durable writes, then the packed writer")
     args = ap.parse_args(argv)
@@ -253,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="storage-", suffix=".tmp", dir=base))
     torch.set_num_threads(1)
     try:
-        result: dict[str, object] = {"digest": args.digest}
+        result: dict[str, object] = {"digest": args.digest, "processes": args.processes}
         if args.digest_compare:
             result["publish_breakdown"] = digest_compare(work, max(3, args.repeat))
         disk_dd: list[float] = []
@@ -269,13 +302,14 @@ def main(argv: list[str] | None = None) -> int:
             for layout in runs:
                 runs[layout].append(
                     writer_rate(work, layout, args.total_mib, args.layers, args.hidden, args.prompt, args.workers,
-                                args.digest)
+                                args.digest, args.processes)
                 )
         disk = max(disk_dd + disk_loop + disk_writeback)
         print(f"directory: {work.parent} ({args.total_mib} MiB per measurement, best of {args.repeat})")
         print(f"request shape: {args.layers} layers x {args.hidden} hidden x {args.prompt} positions, bf16 "
               f"= {args.layers * args.hidden * args.prompt * 2 / MIB:.0f} MiB; {args.workers} writer threads; "
-              f"digest {args.digest}")
+              f"digest {args.digest}; "
+              + (f"{args.processes} writer process(es)" if args.processes else "in-process writer"))
         print(f"{'measurement':<34}{'MB/s':>9}{'ratio':>8}")
         if disk_dd:
             print(f"{'disk: dd bs=1M conv=fsync':<34}{max(disk_dd):>9.0f}{max(disk_dd) / disk:>8.2f}")
