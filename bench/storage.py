@@ -206,21 +206,19 @@ def writer_rate(
             raise SystemExit("the writer processes did not start")
     else:
         w = CaptureWriter(root, budget_bytes=budget, workers=workers, digest=digest)
-    if processes >= 1:  # each child's first capture imports and warms its path: untimed
-        for i in range(processes):
-            cid = f"warm-{layout}-{i}"
-            w.open(CaptureRequest(cid, cid, "bench", spec, token_ids, torch.bfloat16, hidden, layers))
-            for layer in range(layers):
-                w.write(cid, "resid_post", layer, positions, rows[layer])
-            w.close(CaptureEnd(cid, (*token_ids, 0)))
-        w.flush()
-    t0, c0 = time.perf_counter(), time.process_time()
-    for i in range(n_requests):
-        cid = f"bench-{layout}-{i}"
+    def publish(cid: str) -> None:
         w.open(CaptureRequest(cid, cid, "bench", spec, token_ids, torch.bfloat16, hidden, layers))
         for layer in range(layers):
             w.write(cid, "resid_post", layer, positions, rows[layer])
         w.close(CaptureEnd(cid, (*token_ids, 0)))
+
+    if processes >= 1:  # each child's first capture imports and warms its path: untimed
+        for i in range(processes):
+            publish(f"warm-{layout}-{i}")
+        w.flush()
+    t0, c0 = time.perf_counter(), time.process_time()
+    for i in range(n_requests):
+        publish(f"bench-{layout}-{i}")
     w.flush()
     dt, cpu = time.perf_counter() - t0, time.process_time() - c0
     receipts = [find_receipt(root, f"bench-{layout}-{i}") for i in range(n_requests)]
