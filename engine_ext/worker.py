@@ -509,11 +509,13 @@ def _durable_writer(config: dict) -> CaptureSink | None:
               "digest": str(config.get("capture_digest", "sha256"))}
     mode = str(config.get("capture_writer", "process"))
     if mode == "process":  # publishing must not hold this process's GIL (writer_process.py)
+        from capsteer.capture.pool import check_processes
         from capsteer.capture.writer_pool import ProcessWriterPool, auto_processes
         from capsteer.capture.writer_process import ProcessCaptureWriter
 
         processes = config.get("capture_writer_processes")
         processes = auto_processes(kwargs["policy"]) if processes is None else int(processes)
+        check_processes(processes, kwargs["policy"])  # 0, or a split budget under drop/reject
         if processes > 1:  # one child's main thread bounds it below a disk's rate
             return ProcessWriterPool(root, processes=processes, **kwargs)
         return ProcessCaptureWriter(root, **kwargs)
