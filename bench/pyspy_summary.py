@@ -9,7 +9,7 @@ from outside, waiting threads included (`--idle`), or only the GIL's holder (`--
     pip install --target /tmp/pyspy .gpu/pyspy/*.whl   # on the GPU host
     /tmp/pyspy/bin/py-spy record --subprocesses --threads --idle -r 200 -f raw \
         -o $OUT/idle.txt -- python3 bench/capture_phases.py --one capture_all ...
-    python3 bench/pyspy_summary.py $OUT/idle.txt [--top 12] [--json]
+    python3 bench/pyspy_summary.py $OUT/idle.txt [--top 12] [--json]    # or a .txt.gz
 
 For each (process, thread): its share of the samples, the innermost frames where it sat
 ("self"), and the frames most often on its stack ("total").
@@ -18,6 +18,7 @@ For each (process, thread): its share of the samples, the innermost frames where
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import re
 from collections import Counter, defaultdict
@@ -31,7 +32,8 @@ def parse(path: Path) -> dict[tuple[str, str], dict[str, Counter[str]]]:
     format: one line per distinct stack, frames joined by ';', then its sample count."""
     out: dict[tuple[str, str], dict[str, Counter[str]]] = defaultdict(
         lambda: {"samples": Counter(), "self": Counter(), "total": Counter()})
-    for line in path.read_text().splitlines():
+    text = gzip.open(path, "rt").read() if path.suffix == ".gz" else path.read_text()
+    for line in text.splitlines():
         stack, _, count = line.rpartition(" ")
         if not stack or not count.isdigit():
             continue
