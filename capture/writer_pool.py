@@ -10,7 +10,7 @@ independent ones on the same host published 1.35 GB/s to the disk, whose own
 
 Each capture lives in one child from `open` to its receipt: its rows, `close` and
 `abort` follow it there, so its files, manifest and receipt are those a single writer
-publishes. A new capture goes to the child with the fewest captures in flight.
+publishes. A new capture goes to the live child with the fewest captures in flight.
 
 The in-flight budget is split evenly, so the row bytes held stay within the budget.
 Under the block policy a capture larger than its child's share spills rows to disk, as
@@ -113,10 +113,13 @@ class ProcessWriterPool:
     def open(self, request: CaptureRequest) -> None:
         writer = self._route.get(request.capture_id)
         if writer is None:
-            # The fewest captures in flight, ties taken in turn from the last choice on.
+            # The fewest captures in flight, ties taken in turn from the last choice on; a
+            # child that died (its captures now go to threads of this process) only when
+            # every child did.
             n = len(self.writers)
             order = [self.writers[(self._next + i) % n] for i in range(n)]
-            writer = min(order, key=lambda w: w.inflight)
+            alive = [w for w in order if w.failure is None] or order
+            writer = min(alive, key=lambda w: w.inflight)
             self._next = (self.writers.index(writer) + 1) % n
             self._route[request.capture_id] = writer
         writer.open(request)

@@ -103,13 +103,16 @@ def test_a_dead_child_ends_only_its_open_captures(pool, root):
     pool.close(end)  # the surviving child publishes its capture
     kept = wait_receipt(root, "pool-b")
     assert kept.status == "ok", kept.error
-    for i in range(3):  # and new captures are published, by the survivor or the fallback
+    survivor = next(w for w in pool.writers if w is not victim)
+    for i in range(3):  # new captures go to the surviving child, not to this process
         req = make_request(f"pool-after-{i}", spec, 4)
         end, refs = feed(pool, req, 2)
         pool.close(end)
         got = wait_receipt(root, req.capture_id)
         assert got.status == "ok", got.error
-        assert torch.equal(read(root / got.dir).tensor("resid_post", 0), refs[("resid_post", 0)])
+        cap = read(root / got.dir)
+        assert torch.equal(cap.tensor("resid_post", 0), refs[("resid_post", 0)])
+        assert cap.manifest["writer"]["pid"] == survivor.child_pid
 
 
 @pytest.mark.parametrize("policy", ["drop", "reject"])
