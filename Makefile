@@ -29,7 +29,7 @@ lint: install
 	$(BIN)/ruff check .
 
 test: install lint
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=30
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not engine"
