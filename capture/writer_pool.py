@@ -55,9 +55,6 @@ class _AllReady:
     def __init__(self, writers: list[ProcessCaptureWriter]) -> None:
         self._writers = writers
 
-    def is_set(self) -> bool:
-        return all(w.ready.is_set() for w in self._writers)
-
     def wait(self, timeout: float | None = None) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout
         for w in self._writers:

@@ -148,12 +148,10 @@ class ServerSettings(BaseSettings):
     def _check_processes(cls, value: int | None, info: ValidationInfo) -> int | None:
         if value is None:
             return value
-        if value < 1:
-            raise ValueError(f"must be at least 1 (or left out for the default); got {value}")
+        check_processes(value, info.data.get("capture_overload", "block"))
         writer = info.data.get("capture_writer", "process")
         if value > 1 and writer != "process":
             raise ValueError(f"{value} processes need capture_writer process (got {writer!r})")
-        check_processes(value, info.data.get("capture_overload", "block"))
         return value
 
     @field_validator("capture_budget", mode="before")
