@@ -222,7 +222,7 @@ def run_process(a: argparse.Namespace) -> dict[str, Any]:
     longest = max([p + g for _, p, g in workloads.values()] + [IDENTITY[a.device][1][1] + gens[-1]])
     kw: dict[str, Any] = dict(perf_models.engine_kwargs(a.shape), seed=0,
                               max_model_len=longest + 16, gpu_memory_utilization=mem,
-                              max_num_batched_tokens=STEP_TOKENS[a.device])
+                              max_num_batched_tokens=a.step_tokens)
     # One path for every process: the capsteer config is part of vLLM's compile-cache key,
     # so a per-process path would recompile in every process (seen on CPU: one AOT cache
     # entry per capsteer process). Processes never overlap, so they can share it.
@@ -236,7 +236,7 @@ def run_process(a: argparse.Namespace) -> dict[str, Any]:
 
         llm = LLM(model=a.model, **kw)
     else:
-        staging = STEP_TOKENS[a.device] * (shape.layers + 1)  # P3-all: a whole step, every layer
+        staging = a.step_tokens * (shape.layers + 1)  # P3-all: a whole step, every layer
         engine = Engine(a.model, capsteer_config={"capture_dir": str(capture_dir),
                                                   "staging_rows": staging}, **kw)
     startup_s = time.perf_counter() - started
@@ -573,6 +573,7 @@ def _spawn(a: argparse.Namespace, slot: int, config: str, model: str, logs: Path
     cmd = [sys.executable, __file__, "--one", config, "--slot", str(slot), "--model", model,
            "--device", a.device, "--shape", a.shape, "--min-seconds", str(a.min_seconds),
            "--min-batches", str(a.min_batches), "--reps", str(a.reps), "--work", a.work,
+           "--step-tokens", str(a.step_tokens),
            "--workloads", a.workloads, "--result-file", str(result), "--configs", a.configs]
     if ctl_fd is None:
         cmd += ["--imported-file", str(sig / f"{slot}.imported"),
@@ -840,7 +841,8 @@ def _meta(a: argparse.Namespace) -> dict[str, Any]:
             "date": dt.date.today().isoformat(),
             "command": "python bench/perf_method.py " + " ".join(sys.argv[1:]),
             "shape": perf_models.describe(a.shape), "workloads": WORKLOADS[a.device],
-            "min_seconds": a.min_seconds, "reps": a.reps, "targets": TARGETS}
+            "min_seconds": a.min_seconds, "reps": a.reps, "step_tokens": a.step_tokens,
+            "targets": TARGETS}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -853,6 +855,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-seconds", type=float, default=None,
                     help="wall time of one timed repetition (default: 10 on cuda, 1 on cpu)")
     ap.add_argument("--min-batches", type=int, default=1)
+    ap.add_argument("--step-tokens", type=int, default=None,
+                    help="max_num_batched_tokens, the same for every config (default 2048 on "
+                         "cuda, 512 on cpu; 16384 is vLLM's own default for LLM on an H100)")
     ap.add_argument("--reps", type=int, default=1, help="timed repetitions per workload")
     ap.add_argument("--workloads", default="prefill,decode")
     ap.add_argument("--no-p3all", dest="p3all", action="store_false")
@@ -878,12 +883,14 @@ def main(argv: list[str] | None = None) -> int:
     a.work = a.work or "/tmp/capsteer-perf"
     if a.min_seconds is None:
         a.min_seconds = 10.0 if a.device == "cuda" else 1.0
+    a.step_tokens = a.step_tokens or STEP_TOKENS[a.device]
     if a.summarize:
         procs = load_procs(a.summarize)
         if not procs:
             raise SystemExit("no perf-proc-*.json found")
         a.device, a.shape = procs[0]["device"], procs[0]["shape"]
         a.min_seconds, a.reps = procs[0].get("min_seconds"), procs[0].get("reps")
+        a.step_tokens = procs[0]["engine_kwargs"].get("max_num_batched_tokens", a.step_tokens)
         meta = _meta(a) | {"device": procs[0].get("device_name", a.device)}
         write_report(procs, Path(a.out), meta)
         return 0
