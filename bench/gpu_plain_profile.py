@@ -7,7 +7,8 @@ runner class, the compilation config, then one prefill batch and one decode batc
 and profiled. Prints the top kernels by CUDA time per configuration and the greedy
 tokens of a few prompts (plain identity).
 
-    python bench/gpu_plain_profile.py [--out DIR]      (--one CONFIG runs one process)
+    python bench/gpu_plain_profile.py [--out DIR] [--configs vanilla,plain,steer,capture]
+        [--step-tokens 2048] [--keep-code]     (--one CONFIG runs one process)
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def one(config: str, model: str, out: Path) -> None:
     from vllm import LLM, SamplingParams
 
     kw = dict(dtype="bfloat16", seed=0, max_model_len=1024, gpu_memory_utilization=0.6,
-              max_num_batched_tokens=2048)
+              max_num_batched_tokens=int(os.environ.get("CAPSTEER_STEP_TOKENS") or 2048))
     engine = None
     if config == "vanilla":
         llm = LLM(model=model, **kw)
@@ -145,9 +146,11 @@ def main() -> None:
     ap.add_argument("--keep-code", action="store_true",
                     help="tar each configuration's compiled code (Inductor output) into --out")
     ap.add_argument("--configs", default="vanilla,plain,steer")
+    ap.add_argument("--step-tokens", type=int, default=2048, help="max_num_batched_tokens")
     a = ap.parse_args()
     if a.keep_code:
         os.environ["CAPSTEER_KEEP_CODE"] = "1"
+    os.environ["CAPSTEER_STEP_TOKENS"] = str(a.step_tokens)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     if a.one:
