@@ -97,6 +97,8 @@ def one(config: str, model: str, out: Path) -> None:
             generate(prompts(n, p), sp)
             times.append(time.perf_counter() - t)
         info[f"{name}_s"] = sorted(times)[1]
+        if engine is not None:  # the hooks' host seconds per phase, plan builds and reuses
+            info[f"{name}_capsteer_stats"] = engine.stats()
         if capture is not None:
             info[f"{name}_publish"] = publish_timings(receipts)
         # Every Python thread's stacks over one more batch: where the host time goes
@@ -161,7 +163,8 @@ def main() -> None:
     perf_models.write_model(a.model, "qwen3-0.6b", "cuda")
     for config in a.configs.split(","):
         proc = subprocess.run([sys.executable, __file__, "--one", config, "--model", a.model,
-                               "--out", str(out)], capture_output=True, text=True)
+                               "--out", str(out), "--step-tokens", str(a.step_tokens)],
+                              capture_output=True, text=True)
         res = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
         print(config, proc.returncode, res[0][:1500] if res else proc.stderr[-4000:], flush=True)
         (out / f"{config}-{time.time():.0f}.log").write_text(proc.stdout[-20000:] + proc.stderr[-20000:])
