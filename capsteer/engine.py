@@ -201,11 +201,12 @@ class Engine:
                 payload_dir_time[payload.capture_id] = \
                     payload.extra_args[EXTRA_ARGS_KEY]["dir_time"]
             durable.append(req.durable)
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        ends = [(cid, len(out.outputs[0].token_ids))
-                for out, cid, d in zip(outputs, capture_ids, durable, strict=True) if cid and d]
-        if ends:
-            self.llm.collective_rpc("capsteer_end_captures", args=(ends,))
+        awaited = {i: cid for i, (cid, d) in enumerate(zip(capture_ids, durable, strict=True))
+                   if cid and d}
+        if awaited:
+            outputs = self._run_reporting_ends(prompts, params, awaited)
+        else:
+            outputs = self.llm.generate(prompts, params, use_tqdm=False)
         captures = self._collect(
             [c for c, d in zip(capture_ids, durable, strict=True) if c and not d], timeout)
         receipts = self._wait_receipts(
@@ -228,6 +229,46 @@ class Engine:
                 num_cached_tokens=int(out.num_cached_tokens or 0),
                 receipt=receipts.get(cid) if cid else None))
         return results
+
+    def _run_reporting_ends(self, prompts: list[dict[str, Any]], params: list[Any],
+                            awaited: dict[int, str]) -> list[Any]:
+        """`LLM.generate`'s loop, except that a durable capture's end (its output length)
+        reaches the workers in the step its request finishes, so each capture publishes
+        while the rest of the batch runs (reported after `generate` returned, every
+        capture of a batch waited for the batch's last request, then published at once)."""
+        from vllm.sampling_params import RequestOutputKind
+
+        engine = self.llm.llm_engine
+        tag = uuid.uuid4().hex[:12]
+        index: dict[str, int] = {}
+        outputs: list[Any] = [None] * len(prompts)
+        left = len(prompts)
+        try:
+            for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
+                sp.output_kind = RequestOutputKind.FINAL_ONLY  # as LLM.generate sets it
+                request_id = f"capsteer-{tag}-{i}"
+                engine.add_request(request_id, prompt, sp)
+                index[request_id] = i
+            while left and engine.has_unfinished_requests():
+                ends = []
+                for out in engine.step():
+                    i = index.get(out.request_id)
+                    if i is None or not out.finished:
+                        continue
+                    outputs[i] = out
+                    left -= 1
+                    if i in awaited:
+                        ends.append((awaited[i], len(out.outputs[0].token_ids)))
+                if ends:
+                    self.llm.collective_rpc("capsteer_end_captures", args=(ends,))
+        except BaseException:
+            unfinished = [rid for rid, i in index.items() if outputs[i] is None]
+            if unfinished:
+                engine.abort_request(unfinished)
+            raise
+        if left:
+            raise RuntimeError(f"capsteer: {left} requests ended without an output")
+        return outputs
 
     def _wait_receipts(self, rel_dirs: dict[str, str], timeout: float) -> dict[str, Receipt]:
         """The manifest on disk is the source of truth: poll each capture's own directory

@@ -98,3 +98,28 @@ def test_prompt_capture_closes_once_the_prompt_is_fed(engine_pool, model_dirs, h
         torch.testing.assert_close(on_disk.tensor(hook, layer), value, atol=1e-5, rtol=1e-5)
     ref_tokens, _ = hf_greedy(hf_models["qwen3"], other, decode, steering=steer_spec)
     assert steered.token_ids == ref_tokens  # steering went on after the capture closed
+
+
+def test_a_finished_request_publishes_before_the_batch_ends(engine_pool, model_dirs,
+                                                            capture_root):
+    """Captures that keep generated positions close when the front end reports their
+    output length: `Engine.generate` reports it in the step a request finishes, so a
+    short request's capture is on disk while a long one in the same batch still runs
+    (reported after the whole batch, both closed at once at its end)."""
+    engine = capsteer_engine(engine_pool, model_dirs, "qwen3", capture_root=capture_root)
+    spec = {"hooks": ["resid_post"], "layers": [1], "positions": "all"}
+    short, long_ = engine.generate([
+        Request(prompt_token_ids=token_prompt(420, 12), sampling=greedy(1), capture=spec,
+                durable=True),
+        Request(prompt_token_ids=token_prompt(421, 12), sampling=greedy(60), capture=spec,
+                durable=True),
+    ])
+    timings = {}
+    for name, result, generated in (("short", short, 1), ("long", long_, 60)):
+        assert result.receipt.status == "ok", result.receipt
+        directory = Path(capture_root) / result.receipt.dir
+        manifest = json.loads((directory / "manifest.json").read_text())
+        timings[name] = manifest["timings"]
+        # every fed position: the prompt and each generated token but the last
+        assert read(directory).positions.tolist() == list(range(12 + generated - 1))
+    assert timings["short"]["published_at"] < timings["long"]["closed_at"], timings
