@@ -42,6 +42,7 @@ def main() -> int:
     ap.add_argument("--kinds", default="plain,steer_all,steer_one")
     ap.add_argument("--tag", default="default")
     ap.add_argument("--requests", type=int, default=None, help="override (CPU smoke: 4)")
+    ap.add_argument("--step-tokens", type=int, default=2048, help="max_num_batched_tokens")
     a = ap.parse_args()
     diagnostic = any(k.endswith(("_nolaunch", "_noop")) for k in a.kinds.split(","))
     if diagnostic:  # the patches below reach the worker only when it runs in this process
@@ -61,7 +62,7 @@ def main() -> int:
                     **perf_models.engine_kwargs(a.shape), seed=0,
                     max_model_len=1024,
                     gpu_memory_utilization=0.8 if device == "cuda" else 0.3,
-                    max_num_batched_tokens=2048)
+                    max_num_batched_tokens=a.step_tokens)
     startup = time.perf_counter() - t
     vec = [0.01] * shape.hidden
     spec = {
@@ -90,7 +91,7 @@ def main() -> int:
                    "layout": "packed"}
     kinds = a.kinds.split(",")
     rng = random.Random(0)
-    out: dict = {"tag": a.tag, "env": {k: v for k, v in os.environ.items()
+    out: dict = {"tag": a.tag, "step_tokens": a.step_tokens, "env": {k: v for k, v in os.environ.items()
                                        if k.startswith(("CAPSTEER", "VLLM"))},
                  "startup_s": startup, "workloads": {}}
     for wl in a.workloads.split(","):
