@@ -44,6 +44,10 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=None, help="override (CPU smoke: 4)")
     ap.add_argument("--step-tokens", type=int, default=2048, help="max_num_batched_tokens")
     a = ap.parse_args()
+    # torch.cuda.is_available() below poisons fork for CUDA, and with a model already on
+    # disk nothing else initializes CUDA here, so vLLM would fork its engine core into a
+    # process that cannot use the GPU.
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     diagnostic = any(k.endswith(("_nolaunch", "_noop")) for k in a.kinds.split(","))
     if diagnostic:  # the patches below reach the worker only when it runs in this process
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
