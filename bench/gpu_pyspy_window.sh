@@ -10,14 +10,17 @@ set -u
 out=$1; kind=$2; secs=${3:-15}; step=${4:-8192}; pyspy=${PYSPY:-/tmp/pyspy/bin/py-spy}
 mkdir -p "$out"
 log="$out/log-$kind.txt"
-python bench/steer_ab.py --out "$out" --step-tokens "$step" --rounds 200 --workloads prefill \
-    --kinds "$kind" --tag "win-$kind" > "$log" 2>&1 &
+# its own session: stopping it must reach vLLM's engine core too (it holds the GPU memory)
+setsid python bench/steer_ab.py --out "$out" --step-tokens "$step" --rounds 200 \
+    --workloads prefill --kinds "$kind" --tag "win-$kind" > "$log" 2>&1 &
 pid=$!
 for _ in $(seq 900); do grep -q "init engine" "$log" && break; sleep 1; done
 sleep 25  # the warm-up batch and a few timed ones
 "$pyspy" record --pid "$pid" --subprocesses --threads -r 200 -d "$secs" -f raw \
     -o "$out/spy-$kind.txt" > "$out/pyspy-$kind.log" 2>&1
-kill "$pid" 2>/dev/null
+kill -- "-$pid" 2>/dev/null
 wait "$pid" 2>/dev/null
+for _ in $(seq 60); do pgrep -s "$pid" > /dev/null || break; sleep 1; done
+pkill -9 -s "$pid" 2>/dev/null
 python3 bench/pyspy_summary.py "$out/spy-$kind.txt" --top 30 > "$out/summary-$kind.txt" 2>&1
 gzip -f "$out/spy-$kind.txt"
