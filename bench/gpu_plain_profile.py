@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 
-def one(config: str, model: str, out: Path) -> None:
+def one(config: str, model: str, out: Path, step_tokens: int) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if os.environ.get("CAPSTEER_KEEP_CODE"):
         # A fresh compile cache per configuration, so its Inductor output code can be kept
@@ -36,7 +36,7 @@ def one(config: str, model: str, out: Path) -> None:
     from vllm import LLM, SamplingParams
 
     kw = dict(dtype="bfloat16", seed=0, max_model_len=1024, gpu_memory_utilization=0.6,
-              max_num_batched_tokens=int(os.environ.get("CAPSTEER_STEP_TOKENS") or 2048))
+              max_num_batched_tokens=step_tokens)
     engine = None
     if config == "vanilla":
         llm = LLM(model=model, **kw)
@@ -152,11 +152,10 @@ def main() -> None:
     a = ap.parse_args()
     if a.keep_code:
         os.environ["CAPSTEER_KEEP_CODE"] = "1"
-    os.environ["CAPSTEER_STEP_TOKENS"] = str(a.step_tokens)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     if a.one:
-        one(a.one, a.model, out)
+        one(a.one, a.model, out, a.step_tokens)
         return
     import perf_models
 
