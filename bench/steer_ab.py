@@ -8,6 +8,9 @@ launches, kernel time) matters; if both cost the same, the per-request or per-st
 does. `capture_memory` (rows returned in-process) against `capture_durable` (the writer
 pool publishing to disk in the engine process) separates the capture path's own cost
 from the writer's. Run once per environment variant (e.g. CAPSTEER_TAP_KERNEL=torch) to compare.
+Diagnostic kinds (`steer_one_noplan`, ..., see DIAGNOSTICS) switch one part of the
+worker's hook path off for their batches; the result records each kind's plan builds
+and hook seconds so the switch is seen to work.
 
     python bench/steer_ab.py --out DIR [--rounds 4] [--workloads prefill,decode]
 """
@@ -29,6 +32,54 @@ import perf_models
 
 # name: (requests, prompt tokens, generated tokens): perf_method's GPU workloads
 WORKLOADS = {"prefill": (256, 512, 64), "decode": (256, 128, 512)}
+# A diagnostic kind is `<kind>_<part>`: <kind>'s requests with that part of the worker's
+# hook path switched off in the worker, between batches.
+DIAGNOSTICS = {
+    "noregister": "the worker ignores new requests' payloads (front end, payload and "
+                  "cache salt remain: everything outside the worker's hooks)",
+    "noplan": "requests are registered (slots, entries) but no step builds or uploads a plan",
+    "noop": "the tap op returns before the runtime (plans are still built and uploaded)",
+    "nolaunch": "the tap runs its Python but launches no kernel",
+}
+
+
+def _counters(engine) -> dict[str, float]:
+    stats = engine.stats()[0]
+    return {"plan_builds": stats["plan_builds"], "plan_reuses": stats["plan_reuses"],
+            **{f"host_s_{k}": v for k, v in stats["host_s"].items()}}
+
+
+def _worker_diagnostic(worker, part: str) -> str:
+    """Runs in the worker (collective_rpc): switch one part of the hook path off, or every
+    part back on ("off")."""
+    from capsteer.engine_ext import adapter, tap_kernel
+    from capsteer.engine_ext import runtime as rt
+    from capsteer.engine_ext.runtime import StepPlan
+
+    hooks = worker.capsteer
+    saved = hooks.__dict__.setdefault("_diagnostic_saved", {"tap": tap_kernel.tap})
+    hooks.__dict__.pop("before_step", None)
+    hooks.pinned_plan = False
+    rt.install_runtime(hooks.runtime)
+    tap_kernel.tap = saved["tap"]
+    if part == "noregister":
+        def finish_only(scheduler_output) -> None:
+            for req_id in adapter.finished_requests(scheduler_output):
+                hooks._finish(req_id)
+        hooks.before_step = finish_only
+    elif part == "noplan":
+        if hooks.device_driven:
+            hooks.runtime.reset_dense()
+        hooks.runtime.set_plan(StepPlan(active_sites=frozenset()), 0)
+        hooks.reuse, hooks.dense_live = None, False
+        hooks.pinned_plan = True
+    elif part == "noop":
+        rt.install_runtime(None)
+    elif part == "nolaunch":
+        tap_kernel.tap = lambda *args, **kwargs: None
+    elif part != "off":
+        raise ValueError(part)
+    return part
 
 
 def main() -> int:
@@ -48,12 +99,10 @@ def main() -> int:
     # disk nothing else initializes CUDA here, so vLLM would fork its engine core into a
     # process that cannot use the GPU.
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-    diagnostic = any(k.endswith(("_nolaunch", "_noop")) for k in a.kinds.split(","))
-    if diagnostic:  # the patches below reach the worker only when it runs in this process
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    diagnostic = any("_" in k and k.rsplit("_", 1)[1] in DIAGNOSTICS for k in a.kinds.split(","))
+    if diagnostic:  # the worker-side switch below travels to vLLM's engine core by cloudpickle
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     from capsteer.engine import Engine, Request
-    from capsteer.engine_ext import runtime as rt_mod
-    from capsteer.engine_ext import tap_kernel
 
     shape = perf_models.SHAPES[a.shape]
     import torch
@@ -76,21 +125,20 @@ def main() -> int:
         "steer_one": {"vectors": [{"hook": "resid_post", "layers": [shape.layers // 2],
                                    "vector": vec, "scale": 1.0}]},
     }
-    # Diagnostics (wrong outputs on purpose, never a product path): the same steered
-    # requests with the tap's Triton launch skipped (`_nolaunch`), or with the op
-    # returning before the runtime is reached (`_noop`): what each layer of a tap costs.
-    spec["steer_all_nolaunch"] = spec["steer_all_noop"] = spec["steer_all"]
-    real_launch = tap_kernel.tap
+    # Diagnostic kinds (wrong outputs on purpose, never a product path): a kind's requests
+    # with one part of the worker's hook path switched off (see DIAGNOSTICS), to find
+    # which part a hooked request's cost comes from.
+    for kind in a.kinds.split(","):
+        base, _, diag = kind.rpartition("_")
+        if diag in DIAGNOSTICS:
+            spec[kind] = spec[base]
 
     def patched(kind: str):
-        if kind.endswith("_nolaunch"):
-            tap_kernel.tap = lambda *args, **kw: None
-            return lambda: setattr(tap_kernel, "tap", real_launch)
-        if kind.endswith("_noop"):
-            runtime = rt_mod.RUNTIME
-            rt_mod.RUNTIME = None
-            return lambda: setattr(rt_mod, "RUNTIME", runtime)
-        return lambda: None
+        diag = kind.rpartition("_")[2]
+        if diag not in DIAGNOSTICS:
+            return lambda: None
+        engine.llm.collective_rpc(_worker_diagnostic, args=(diag,))
+        return lambda: engine.llm.collective_rpc(_worker_diagnostic, args=("off",))
     capture_one = {"hooks": ["resid_post"], "layers": [shape.layers // 2], "positions": "prompt",
                    "layout": "packed"}
     kinds = a.kinds.split(",")
@@ -98,26 +146,35 @@ def main() -> int:
     out: dict = {"tag": a.tag, "step_tokens": a.step_tokens, "env": {k: v for k, v in os.environ.items()
                                        if k.startswith(("CAPSTEER", "VLLM"))},
                  "startup_s": startup, "workloads": {}}
+    # per workload/kind: the worker's plan builds and reuses and its hooks' host seconds,
+    # summed over that kind's batches (shows what a diagnostic switched off)
+    worker_counts: dict[str, dict[str, float]] = {}
+    out["worker_counts"] = worker_counts
     for wl in a.workloads.split(","):
         n, prompt, gen = WORKLOADS[wl]
         n = a.requests or n
         sampling = {"max_tokens": gen, "temperature": 0.0, "ignore_eos": True}
 
         def batch(kind: str, n: int = n, prompt: int = prompt,
-                  sampling: dict = sampling) -> float:
+                  sampling: dict = sampling, wl: str = wl) -> float:
             prompts = [[rng.randrange(10, shape.vocab - 10) for _ in range(prompt)]
                        for _ in range(n)]
             capture = capture_one if kind.startswith("capture") else None
             reqs = [Request(prompt_token_ids=p, sampling=sampling, steering=spec.get(kind),
-                            capture=capture, durable=kind == "capture_durable")
+                            capture=capture, durable=kind.startswith("capture_durable"))
                     for p in prompts]
             restore = patched(kind)
+            before = _counters(engine)
             t0 = time.perf_counter()
             try:
                 results = engine.generate(reqs, timeout=600)
             finally:
                 took = time.perf_counter() - t0
                 restore()
+            after = _counters(engine)
+            seen = worker_counts.setdefault(f"{wl}/{kind}", {})
+            for name, value in after.items():
+                seen[name] = round(seen.get(name, 0) + value - before[name], 6)
             bad = [r.receipt for r in results if r.receipt is not None and r.receipt.status != "ok"]
             if bad:
                 raise RuntimeError(f"{len(bad)} captures failed, e.g. {bad[0]}")
