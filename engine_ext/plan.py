@@ -179,26 +179,38 @@ def build_step_plan(
     routes: list[CaptureRoute] = []
     token_rows: list[np.ndarray] = []
     token_owners: list[tuple[str, np.ndarray]] = []
-    # Requests with hooks in this batch: (batch index, hooks). Everything per row is then
-    # computed with whole-batch array ops; only captures (and host-mode steering) loop.
-    hooked = [(i, h) for i, h in enumerate(map(requests.get, batch_req_ids)) if h is not None]
+    # One pass over the batch (hundreds of rows a step): the hooked requests' batch
+    # indices, prompt lengths and slots for the whole-batch array ops below, the sites
+    # they use, and the few that need a loop of their own (captures, host-mode steering).
+    hooked_idx: list[int] = []
+    prompt_lens_l: list[int] = []
+    slots_l: list[int] = []
+    site_sets: set[frozenset[int]] = set()
+    looped: list[tuple[int, int, RequestHooks]] = []  # (hooked index, batch index, hooks)
+    get = requests.get
+    for i, req_id in enumerate(batch_req_ids):
+        hooks = get(req_id)
+        if hooks is None:
+            continue
+        if hooks.capture is not None or (host_steering and hooks.entries):
+            looped.append((len(hooked_idx), i, hooks))
+        hooked_idx.append(i)
+        prompt_lens_l.append(hooks.prompt_len)
+        slots_l.append(hooks.slot)
+        site_sets.add(hooks.sites)
     row_hooks = None
-    if hooked:
+    if hooked_idx:
         starts, lens = query_start_loc[:-1], np.diff(query_start_loc)
-        idx = np.fromiter((i for i, _ in hooked), np.int64, len(hooked))
+        idx = np.array(hooked_idx, np.int64)
         n_rows = lens[idx].astype(np.int64)
         total = int(n_rows.sum())
         first = np.cumsum(n_rows) - n_rows  # each request's first entry in the flat arrays
         offset_in_req = np.arange(total, dtype=np.int64) - np.repeat(first, n_rows)
         all_rows = np.repeat(starts[idx].astype(np.int64), n_rows) + offset_in_req
         all_pos = np.repeat(start_positions[idx].astype(np.int64), n_rows) + offset_in_req
-        prompt_lens = np.fromiter((h.prompt_len for _, h in hooked), np.int64, len(hooked))
-        slots = np.fromiter((h.slot for _, h in hooked), np.int64, len(hooked))
-        all_gen = all_pos >= np.repeat(prompt_lens, n_rows)
-        row_hooks = (all_rows, np.repeat(slots, n_rows), all_gen)
-    for j, (i, hooks) in enumerate(hooked):
-        if hooks.capture is None and not (host_steering and hooks.entries):
-            continue
+        all_gen = all_pos >= np.repeat(np.array(prompt_lens_l, np.int64), n_rows)
+        row_hooks = (all_rows, np.repeat(np.array(slots_l, np.int64), n_rows), all_gen)
+    for j, i, hooks in looped:
         k = int(n_rows[j])
         if k <= 0:
             continue
@@ -232,7 +244,7 @@ def build_step_plan(
                                        sel_rows, hooks.slot))
             cap_rows[point].append(sel_rows)
             cap_count[point] += len(sel_rows)
-    active = frozenset().union(*{h.sites for _, h in hooked}) if hooked else frozenset()
+    active = frozenset().union(*site_sets)
     plan = StepPlan(routes=routes, row_hooks=row_hooks, active_sites=active)
     if token_rows:
         plan.token_rows = torch.from_numpy(np.concatenate(token_rows))

@@ -14,7 +14,7 @@ from capsteer.engine_ext.plan import (
     build_step_plan,
     compose_entries,
 )
-from capsteer.engine_ext.runtime import STREAM, SUB, HookRuntime, hook_point
+from capsteer.engine_ext.runtime import STREAM, SUB, HookRuntime, StepPlan, hook_point
 from capsteer.steering.spec import parse_steering_spec
 
 HIDDEN, LAYERS = 8, 3
@@ -350,23 +350,62 @@ def test_device_mode_skips_only_sites_no_request_uses():
 
 
 def test_device_slot_rows_hold_entries_only_for_steered_requests():
-    """A steered request's slot row holds its entries and is cleared when it leaves; a
-    capture-only request gets a slot whose row is already the identity (all zeros), with
-    no upload on arrival and no clearing when it leaves, even when it takes a slot a
-    steered request left."""
+    """A steered request's slot row holds its entries from the next step on and is cleared
+    when it leaves; a capture-only request gets a slot whose row is already the identity
+    (all zeros), with no write on arrival and none when it leaves, even when it takes a
+    slot a steered request left."""
     rt = HookRuntime(LAYERS, HIDDEN, torch.float32, torch.device("cpu"), max_tokens=16,
                      max_requests=1, staging_rows=64, device_driven=True)
     steer = {"vectors": [{"hook": "resid_post", "layer": 0, "vector": [0.5] * HIDDEN}]}
     s = hooks_for("s", 3, rt=rt, steering=steer)
     assert s.slot == 1 and rt.steered_slots == {1}
+    rt.set_plan(StepPlan(), 4)  # the step's plan writes the rows of new requests first
     assert int(rt.slot_entry[1].count_nonzero()) == 2  # prompt and generated, one site
     s.release(rt)
-    assert rt.steered_slots == set() and int(rt.slot_entry.count_nonzero()) == 0
+    assert rt.steered_slots == set()
+    rt.set_plan(StepPlan(), 0)
+    assert int(rt.slot_entry.count_nonzero()) == 0
     writes = []
     original = rt.slot_entry
     rt.slot_entry = type("Watch", (), {  # any write to a row would show up here
-        "__getitem__": lambda self, i: writes.append(i) or original[i]})()
+        "__getitem__": lambda self, i: writes.append(i) or original[i],
+        "index_copy_": lambda self, *a: writes.append(a)})()
     c = hooks_for("c", 3, rt=rt, capture={"hooks": ["resid_post"], "layers": [0]})
     assert c.slot == 1 and rt.steered_slots == set()
+    rt.flush_slot_writes()
     c.release(rt)
+    rt.flush_slot_writes()
     assert writes == [] and rt.free_slots == [1]
+
+
+def test_device_slot_rows_of_a_step_are_written_by_one_upload():
+    """Requests arriving and leaving in one step cost one upload and one kernel, and a
+    slot left and taken again before the step holds only its new request's entries."""
+    rt = HookRuntime(LAYERS, HIDDEN, torch.float32, torch.device("cpu"), max_tokens=16,
+                     max_requests=4, staging_rows=64, device_driven=True)
+    uploads = []
+    upload = rt._upload_into
+    rt._upload_into = lambda dst, host: uploads.append(len(host)) or upload(dst, host)
+
+    def steer(layer):
+        return {"vectors": [{"hook": "resid_post", "layer": layer, "vector": [0.5] * HIDDEN}]}
+    a, b = hooks_for("a", 3, rt=rt, steering=steer(0)), hooks_for("b", 3, rt=rt, steering=steer(1))
+    rt.set_plan(StepPlan(), 4)
+    assert len(uploads) == 2  # the slot rows, then the step's per-token index
+    for h, site in ((a, 2), (b, 4)):
+        row = rt.slot_entry[h.slot]
+        assert set(row.nonzero()[:, -1].tolist()) == {site}  # only its own site is steered
+    b.release(rt)
+    c = hooks_for("c", 3, rt=rt, steering=steer(2))  # takes b's slot back in the same step
+    d = hooks_for("d", 3, rt=rt, capture={"hooks": ["resid_post"], "layers": [0]})
+    assert c.slot == b.slot
+    uploads.clear()
+    rt.set_plan(StepPlan(), 0)
+    assert len(uploads) == 1
+    assert set(rt.slot_entry[c.slot].nonzero()[:, -1].tolist()) == {6}
+    assert int(rt.slot_entry[d.slot].count_nonzero()) == 0
+    assert set(rt.slot_entry[a.slot].nonzero()[:, -1].tolist()) == {2}
+    for h in (a, c, d):
+        h.release(rt)
+    rt.set_plan(StepPlan(), 0)
+    assert int(rt.slot_entry.count_nonzero()) == 0
