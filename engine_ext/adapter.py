@@ -10,7 +10,7 @@ message that says why: never served with hooks that silently do nothing.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -366,13 +366,16 @@ def install_pre_forward(runner: object, before: Callable[[BatchLayout], None]) -
     runner.prepare_inputs = prepare_inputs
 
 
-def new_requests(scheduler_output: object) -> list[tuple[str, list[int], dict | None]]:
-    """(req_id, prompt token ids, sampling extra_args) for requests new this step."""
+def new_requests(scheduler_output: object) -> list[tuple[str, Sequence[int], dict | None]]:
+    """(req_id, prompt token ids, sampling extra_args) for requests new this step. The
+    ids are vLLM's own sequence, not a copy (hundreds of requests arrive in one step;
+    only captured ones keep a copy of their prompt)."""
     out = []
     for data in scheduler_output.scheduled_new_reqs:
         params = data.sampling_params
         extra = getattr(params, "extra_args", None) if params is not None else None
-        out.append((data.req_id, list(data.prompt_token_ids or ()), extra))
+        ids = data.prompt_token_ids
+        out.append((data.req_id, ids if ids is not None else (), extra))
     return out
 
 

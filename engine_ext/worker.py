@@ -209,7 +209,7 @@ class EngineHooks:
                     hooks.capture_id = f"{hooks.capture_id}-{len(self.sinks)}"
                     logger.warning("capsteer: capture id reused by request %s; writing it as %s",
                                    req_id, hooks.capture_id)
-                self.prompts[req_id] = tuple(prompt)
+                self.prompts[req_id] = prompt = tuple(prompt)
                 sink = self._sink_for(hooks)
                 self.sinks[hooks.capture_id] = sink
                 if not hooks.needs_output_length:
