@@ -61,6 +61,7 @@ class RequestHooks:
     record_id: str | None = None  # the job's own id for this request (sharded index)
     dir_time: float | None = None  # the front end's clock: dates the capture directory
     slot: int = 0  # device mode: row of the per-request tables (0 = no hooks)
+    shared_slot: bool = False  # the row is its steering key's, shared (steering only)
     steering_key: str | None = None  # requests with the same steering share table entries
     sites: frozenset[int] = frozenset()  # sites this request steers or copies at
 
@@ -97,7 +98,9 @@ class RequestHooks:
                 hooks.entries = runtime.acquire_entries(
                     key, lambda: compose_entries(SteeringSpec.from_dict(wire), runtime.hidden_size))
                 hooks.steering_key = key
-            hooks.slot = runtime.alloc_slot(hooks.entries, hooks.steering_key)
+            hooks.shared_slot = hooks.capture is None and bool(hooks.entries)
+            hooks.slot = runtime.alloc_slot(hooks.entries, hooks.steering_key,
+                                            shared=hooks.shared_slot)
         except Exception:
             hooks.release(runtime)  # nothing half-registered stays behind
             raise
@@ -122,7 +125,8 @@ class RequestHooks:
         return positions.kind in ("all", "generated", "last")
 
     def release(self, runtime: HookRuntime) -> None:
-        runtime.free_slot(self.slot)
+        runtime.free_slot(self.slot, self.steering_key if self.shared_slot else None)
+        self.slot, self.shared_slot = 0, False
         if self.steering_key is not None:
             runtime.release_entries(self.steering_key)
         self.entries = {}

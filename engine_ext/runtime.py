@@ -146,6 +146,8 @@ class HookRuntime:
         self.slot_tables: dict[str | None, np.ndarray] = {}  # steering key -> host table
         # slot -> its new row (None: all zeros), written by the next flush_slot_writes
         self.slot_writes: dict[int, np.ndarray | None] = {}
+        # steering key -> (row shared by its steering-only requests, requests holding it)
+        self.key_slots: dict[str, tuple[int, int]] = {}
         if device_driven:
             long = dict(dtype=torch.int64, device=device)
             # Per token: slot, position class (0 prompt / 1 generated), rank among the
@@ -231,12 +233,21 @@ class HookRuntime:
         self.alpha[idx] = 0.0
         self.free_entries.append(idx)
 
-    def alloc_slot(self, entries: dict[tuple[int, int, int], int], key: str | None = None) -> int:
-        """A per-request table row; device mode writes the request's entries into it
-        before the next forward (`flush_slot_writes`). Requests with the same steering
-        `key` (or none) reuse one host table."""
+    def alloc_slot(self, entries: dict[tuple[int, int, int], int], key: str | None = None,
+                   shared: bool = False) -> int:
+        """A table row for a request; device mode writes the request's entries into it
+        before the next forward (`flush_slot_writes`). `shared`: a request that only
+        steers takes the row of every live request with its steering `key` (hundreds of
+        requests often share one spec: one row written when the spec arrives, cleared
+        when its last request leaves, no device work per request); a capturing request
+        needs its own row (`point_base` routes its copies)."""
         if not self.device_driven:
             return 0
+        if shared and entries and key is not None:
+            found = self.key_slots.get(key)
+            if found is not None:
+                self.key_slots[key] = (found[0], found[1] + 1)
+                return found[0]
         if not self.free_slots:
             raise RuntimeError("capsteer: more live requests with hooks than max_requests")
         slot = self.free_slots.pop()
@@ -251,14 +262,25 @@ class HookRuntime:
             self.slot_tables[key] = table
         self.slot_writes[slot] = table
         self.steered_slots.add(slot)
+        if shared and key is not None:
+            self.key_slots[key] = (slot, 1)
         return slot
 
-    def free_slot(self, slot: int) -> None:  # slot 0 (never allocated) is a no-op
-        if self.device_driven and slot:
-            if slot in self.steered_slots:
-                self.slot_writes[slot] = None  # cleared before the next forward
-                self.steered_slots.discard(slot)
-            self.free_slots.append(slot)
+    def free_slot(self, slot: int, shared_key: str | None = None) -> None:
+        """Give a request's row back (slot 0, never allocated, is a no-op); a row shared
+        by `shared_key` goes back with the last request holding it."""
+        if not (self.device_driven and slot):
+            return
+        if shared_key is not None:
+            held_slot, count = self.key_slots[shared_key]
+            if count > 1:
+                self.key_slots[shared_key] = (held_slot, count - 1)
+                return
+            del self.key_slots[shared_key]
+        if slot in self.steered_slots:
+            self.slot_writes[slot] = None  # cleared before the next forward
+            self.steered_slots.discard(slot)
+        self.free_slots.append(slot)
 
     def flush_slot_writes(self) -> None:
         """Write the rows of slots taken or left since the last step: one upload and one

@@ -395,10 +395,11 @@ def test_device_slot_rows_of_a_step_are_written_by_one_upload():
     for h, site in ((a, 2), (b, 4)):
         row = rt.slot_entry[h.slot]
         assert set(row.nonzero()[:, -1].tolist()) == {site}  # only its own site is steered
+    b_slot = b.slot
     b.release(rt)
     c = hooks_for("c", 3, rt=rt, steering=steer(2))  # takes b's slot back in the same step
     d = hooks_for("d", 3, rt=rt, capture={"hooks": ["resid_post"], "layers": [0]})
-    assert c.slot == b.slot
+    assert c.slot == b_slot
     uploads.clear()
     rt.set_plan(StepPlan(), 0)
     assert len(uploads) == 1
@@ -409,3 +410,40 @@ def test_device_slot_rows_of_a_step_are_written_by_one_upload():
         h.release(rt)
     rt.set_plan(StepPlan(), 0)
     assert int(rt.slot_entry.count_nonzero()) == 0
+
+
+def test_device_requests_with_one_steering_spec_share_one_slot_row():
+    """Steering-only requests with the same spec share one row: written once when the spec
+    arrives and cleared when its last request leaves, nothing in between. A request that
+    also captures gets a row of its own (its copies are routed by its row) with the same
+    entries, and a different spec gets another row."""
+    rt = HookRuntime(LAYERS, HIDDEN, torch.float32, torch.device("cpu"), max_tokens=16,
+                     max_requests=4, staging_rows=64, device_driven=True)
+    spec = {"vectors": [{"hook": "resid_post", "layer": 0, "vector": [0.5] * HIDDEN}]}
+    first = [hooks_for(f"s{i}", 3, rt=rt, steering=spec) for i in range(3)]
+    assert {h.slot for h in first} == {first[0].slot} and len(rt.slot_writes) == 1
+    rt.set_plan(StepPlan(), 0)
+    shared_row = rt.slot_entry[first[0].slot].clone()
+    assert int(shared_row.count_nonzero()) == 2
+    cap = hooks_for("cap", 3, rt=rt, steering=spec,
+                    capture={"hooks": ["resid_post"], "layers": [1]})
+    other = hooks_for("o", 3, rt=rt, steering={"vectors": [
+        {"hook": "resid_post", "layer": 1, "vector": [0.5] * HIDDEN}]})
+    assert len({first[0].slot, cap.slot, other.slot}) == 3
+    rt.set_plan(StepPlan(), 0)
+    assert torch.equal(rt.slot_entry[cap.slot], shared_row)
+    late = hooks_for("late", 3, rt=rt, steering=spec)  # a later request of the same spec
+    assert late.slot == first[0].slot and rt.slot_writes == {}
+    row = first[0].slot
+    for h in first:
+        h.release(rt)
+    assert rt.slot_writes == {} and row not in rt.free_slots  # `late` still holds it
+    rt.set_plan(StepPlan(), 0)
+    assert torch.equal(rt.slot_entry[row], shared_row)
+    late.release(rt)
+    assert row in rt.free_slots
+    for h in (cap, other):
+        h.release(rt)
+    rt.set_plan(StepPlan(), 0)
+    assert int(rt.slot_entry.count_nonzero()) == 0 and rt.key_slots == {}
+    assert sorted(rt.free_slots) == [1, 2, 3, 4]
