@@ -19,6 +19,7 @@ each step only rewrites index buffers. Two modes read the same plan:
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -134,6 +135,8 @@ class HookRuntime:
         self.free_entries = list(range(max_entries - 1, 0, -1))
         # Identical steering specs share entries: key -> (entries, refcount)
         self.shared: dict[str, tuple[dict, int]] = {}
+        # Specs no live request uses, oldest first: their entries stay until needed.
+        self.idle: OrderedDict[str, dict] = OrderedDict()
         self.plan = StepPlan(active_sites=frozenset())
         self.captured: dict[tuple[int, int], torch.Tensor] = {}
         self.fired = [0] * self.num_sites  # host mode: sites reached this step (canary)
@@ -191,6 +194,8 @@ class HookRuntime:
 
     # ---- steering tables (written when a request arrives, not per step) ----
     def alloc_entry(self, u: torch.Tensor, alpha: float, w: torch.Tensor) -> int:
+        while not self.free_entries and self.idle:  # room from the longest-idle spec
+            self._free_spec(*self.idle.popitem(last=False))
         if not self.free_entries:
             raise RuntimeError("capsteer: steering table full (raise max_entries)")
         idx = self.free_entries.pop()
@@ -201,10 +206,16 @@ class HookRuntime:
         return idx
 
     def acquire_entries(self, key: str, build) -> dict:
-        """Entries for a steering spec, shared by every live request with the same spec."""
+        """Entries for a steering spec, shared by every live request with the same spec.
+        A spec whose last request left keeps its entries while the table has room
+        (`idle`): batches of one spec, or a spec that comes back, upload nothing again."""
         found = self.shared.get(key)
-        if found is None:
-            entries: dict = {}
+        if found is not None:
+            self.shared[key] = (found[0], found[1] + 1)
+            return found[0]
+        entries = self.idle.pop(key, None)
+        if entries is None:
+            entries = {}
             try:
                 for k, (u, alpha, w) in build().items():
                     entries[k] = self.alloc_entry(u, alpha, w)
@@ -212,10 +223,8 @@ class HookRuntime:
                 for idx in entries.values():
                     self.free_entry(idx)
                 raise
-            self.shared[key] = (entries, 1)
-            return entries
-        self.shared[key] = (found[0], found[1] + 1)
-        return found[0]
+        self.shared[key] = (entries, 1)
+        return entries
 
     def release_entries(self, key: str) -> None:
         entries, count = self.shared[key]
@@ -223,7 +232,14 @@ class HookRuntime:
             self.shared[key] = (entries, count - 1)
             return
         del self.shared[key]
-        self.slot_tables.pop(key, None)  # its entry indices go back to the free list
+        self.idle[key] = entries  # no row refers to them now; freed when room is needed
+
+    def live_entries(self) -> int:
+        """Entries held by specs some live request uses."""
+        return sum(len(entries) for entries, _ in self.shared.values())
+
+    def _free_spec(self, key: str, entries: dict) -> None:
+        self.slot_tables.pop(key, None)
         for idx in entries.values():
             self.free_entry(idx)
 
@@ -258,7 +274,7 @@ class HookRuntime:
             table = np.zeros((2, 2, self.num_sites), np.int64)
             for (kind, site, cls), entry in entries.items():
                 table[cls, kind, site] = entry
-            # Kept while the spec is live (release_entries drops it): bounded by live specs.
+            # Kept while the spec's entries are (live or idle): bounded by the table.
             self.slot_tables[key] = table
         self.slot_writes[slot] = table
         self.steered_slots.add(slot)

@@ -76,7 +76,7 @@ def test_steering_rows_follow_position_class():
     assert entries.tolist() == [s.entries[(STREAM, 2, GENERATED)]]
     assert plan.steer[(SUB, 5)][0].tolist() == [0, 1, 2]
     s.release(rt)
-    assert len(rt.free_entries) == 1023
+    assert rt.live_entries() == 0
 
 
 def test_identical_steering_shares_entries():
@@ -87,13 +87,44 @@ def test_identical_steering_shares_entries():
     c = hooks_for("c", 4, rt=rt, steering={"vectors": [
         {"hook": "resid_post", "layers": "all", "vector": [0.25] * HIDDEN}]})
     assert a.entries == b.entries and set(a.entries.values()).isdisjoint(c.entries.values())
-    used = 1023 - len(rt.free_entries)
-    assert used == 2 * 2 * LAYERS  # two specs x two position classes x layers
+    used = rt.live_entries()
+    assert used == 2 * 2 * LAYERS == 1023 - len(rt.free_entries)  # two specs x two classes x layers
     a.release(rt)
-    assert 1023 - len(rt.free_entries) == used  # b still holds them
+    assert rt.live_entries() == used  # b still holds them
     b.release(rt)
     c.release(rt)
-    assert len(rt.free_entries) == 1023
+    assert rt.live_entries() == 0
+
+
+def test_a_released_spec_keeps_its_entries_until_the_table_needs_room():
+    """A spec whose last request left is not uploaded again when it comes back (batches
+    of one spec); when the table is full, the longest-idle spec's entries are freed."""
+    rt = HookRuntime(LAYERS, HIDDEN, torch.float32, torch.device("cpu"), max_tokens=16,
+                     max_entries=1 + 2 * 2, device_driven=True)  # room for two specs
+
+    def steer(value):
+        return {"vectors": [{"hook": "resid_post", "layer": 0, "vector": [value] * HIDDEN}]}
+    a = hooks_for("a", 3, rt=rt, steering=steer(0.5))
+    kept = dict(a.entries)
+    w_before = rt.w.clone()
+    a.release(rt)
+    uploads = []
+    rt.alloc_entry = lambda *args, real=rt.alloc_entry: uploads.append(1) or real(*args)
+    again = hooks_for("a2", 3, rt=rt, steering=steer(0.5))
+    assert again.entries == kept and uploads == [] and torch.equal(rt.w, w_before)
+    again.release(rt)
+    b = hooks_for("b", 3, rt=rt, steering=steer(0.25))  # fits beside the idle spec
+    assert set(b.entries.values()).isdisjoint(kept.values()) and len(uploads) == 2
+    b_key = b.steering_key
+    b.release(rt)
+    c = hooks_for("c", 3, rt=rt, steering=steer(0.75))  # the table is full: `a` goes first
+    assert set(c.entries.values()) == set(kept.values())
+    assert list(rt.idle) == [b_key]
+    d = hooks_for("d", 3, rt=rt, steering=steer(0.5))  # `a` again: rebuilt in b's entries
+    assert rt.live_entries() == 4 and not rt.idle
+    assert torch.allclose(rt.w[d.entries[(STREAM, 2, 0)]], torch.full((HIDDEN,), 0.5))
+    with pytest.raises(RuntimeError, match="steering table full"):
+        hooks_for("e", 3, rt=rt, steering=steer(0.125))
 
 
 def test_compose_add_then_ablate_then_add():
@@ -256,16 +287,25 @@ def test_wire_form_encodes_each_vector_once_and_workers_skip_known_specs():
         assert (a.hook, a.layer, a.scale) == (b.hook, b.layer, b.scale)
         np.testing.assert_array_equal(a.vector, b.vector)
     assert again.sharing_key == spec.sharing_key == wire["key"]
-    rt = runtime()
+    entries = 2 * (LAYERS + 1)
+    rt = HookRuntime(LAYERS, HIDDEN, torch.float32, torch.device("cpu"), max_tokens=64,
+                     max_entries=1 + entries)  # room for this spec alone
     first = RequestHooks.from_extra_args("a", {"capsteer": {"steering": wire}}, 4, rt)
     # Same key, unreadable table: a live spec is found by its key, never decoded again.
     broken = {**wire, "vectors_b64": ["!"]}
     second = RequestHooks.from_extra_args("b", {"capsteer": {"steering": broken}}, 4, rt)
-    assert second.entries == first.entries and len(first.entries) == 2 * (LAYERS + 1)
+    assert second.entries == first.entries and len(first.entries) == entries
+    kept = dict(first.entries)
     first.release(rt)
     second.release(rt)
-    with pytest.raises((ValueError, IndexError)):  # released: the spec is decoded again
-        RequestHooks.from_extra_args("c", {"capsteer": {"steering": broken}}, 4, rt)
+    third = RequestHooks.from_extra_args("c", {"capsteer": {"steering": broken}}, 4, rt)
+    assert third.entries == kept  # released but kept (idle): found by its key
+    third.release(rt)
+    other = parse_steering_spec({"vectors": [{"layers": "all", "vector": [0.5] * HIDDEN}]},
+                                num_layers=LAYERS, hidden_size=HIDDEN).to_dict()
+    RequestHooks.from_extra_args("d", {"capsteer": {"steering": other}}, 4, rt).release(rt)
+    with pytest.raises((ValueError, IndexError)):  # its entries were needed: decoded again
+        RequestHooks.from_extra_args("e", {"capsteer": {"steering": broken}}, 4, rt)
 
 
 def test_device_mode_clears_copy_routes_after_a_captured_step():
