@@ -108,7 +108,8 @@ def main() -> int:
         for req_ids, qsl, starts, new, finished in steps:
             t = time.perf_counter()
             for r in finished:
-                live.pop(f"r{r}").release(runtime)
+                if f"r{r}" in live:  # a closed capture left already
+                    live.pop(f"r{r}").release(runtime)
             took["leave"] += time.perf_counter() - t
             t = time.perf_counter()
             for r in new:
@@ -123,6 +124,11 @@ def main() -> int:
             took["upload"] += time.perf_counter() - t1
             calls["plan"] += 1
             calls["upload"] += 1
+            # The worker closes a prompt-only capture once its prompt is fed; a request
+            # with nothing else to do is then a plain request (_close_complete_captures).
+            for r, h in list(live.items()):
+                if h.capture is not None and h.fed_len >= h.prompt_len and not h.entries:
+                    live.pop(r).release(runtime)
         for r in list(live):
             live.pop(r).release(runtime)
         calls["arrive"] += a.requests
