@@ -300,8 +300,9 @@ class HookRuntime:
 
     def flush_slot_writes(self) -> None:
         """Write the rows of slots taken or left since the last step: one upload and one
-        kernel a step, however many requests arrived or left (a copy and a clearing
-        launch per request cost the step thread ~0.1 ms each on an H200 host)."""
+        kernel a step, however many requests arrived or left (a copy on arrival and a
+        clearing launch on leaving cost ~25 us of CUDA calls a request on an H200 host,
+        and a step can bring hundreds)."""
         if not self.slot_writes:
             return
         k, width = len(self.slot_writes), 4 * self.num_sites
