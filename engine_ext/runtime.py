@@ -259,11 +259,11 @@ class HookRuntime:
         needs its own row (`point_base` routes its copies)."""
         if not self.device_driven:
             return 0
-        if shared and entries and key is not None:
-            found = self.key_slots.get(key)
-            if found is not None:
-                self.key_slots[key] = (found[0], found[1] + 1)
-                return found[0]
+        shared = shared and bool(entries) and key is not None
+        found = self.key_slots.get(key) if shared else None
+        if found is not None:
+            self.key_slots[key] = (found[0], found[1] + 1)
+            return found[0]
         if not self.free_slots:
             raise RuntimeError("capsteer: more live requests with hooks than max_requests")
         slot = self.free_slots.pop()
@@ -278,7 +278,7 @@ class HookRuntime:
             self.slot_tables[key] = table
         self.slot_writes[slot] = table
         self.steered_slots.add(slot)
-        if shared and key is not None:
+        if shared:
             self.key_slots[key] = (slot, 1)
         return slot
 
