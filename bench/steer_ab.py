@@ -43,6 +43,12 @@ DIAGNOSTICS = {
 }
 
 
+def _diagnostic(kind: str) -> tuple[str, str] | None:
+    """(base kind, part switched off) of a diagnostic kind, else None."""
+    base, _, part = kind.rpartition("_")
+    return (base, part) if base and part in DIAGNOSTICS else None
+
+
 def _counters(engine) -> dict[str, float]:
     stats = engine.stats()[0]
     return {"plan_builds": stats["plan_builds"], "plan_reuses": stats["plan_reuses"],
@@ -99,8 +105,7 @@ def main() -> int:
     # disk nothing else initializes CUDA here, so vLLM would fork its engine core into a
     # process that cannot use the GPU.
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-    diagnostic = any("_" in k and k.rsplit("_", 1)[1] in DIAGNOSTICS for k in a.kinds.split(","))
-    if diagnostic:  # the worker-side switch below travels to vLLM's engine core by cloudpickle
+    if any(_diagnostic(k) for k in a.kinds.split(",")):  # the worker-side switch below travels to vLLM's engine core by cloudpickle
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     from capsteer.engine import Engine, Request
 
@@ -129,15 +134,13 @@ def main() -> int:
     # with one part of the worker's hook path switched off (see DIAGNOSTICS), to find
     # which part a hooked request's cost comes from.
     for kind in a.kinds.split(","):
-        base, _, diag = kind.rpartition("_")
-        if diag in DIAGNOSTICS:
-            spec[kind] = spec[base]
+        if diag := _diagnostic(kind):
+            spec[kind] = spec[diag[0]]
 
     def patched(kind: str):
-        diag = kind.rpartition("_")[2]
-        if diag not in DIAGNOSTICS:
+        if not (diag := _diagnostic(kind)):
             return lambda: None
-        engine.llm.collective_rpc(_worker_diagnostic, args=(diag,))
+        engine.llm.collective_rpc(_worker_diagnostic, args=(diag[1],))
         return lambda: engine.llm.collective_rpc(_worker_diagnostic, args=("off",))
     capture_one = {"hooks": ["resid_post"], "layers": [shape.layers // 2], "positions": "prompt",
                    "layout": "packed"}
