@@ -174,8 +174,9 @@ def build_step_plan(
 
     `input_ids` is the host copy of this step's tokens when the runner has one;
     without it the plan lists `token_rows` for a device-side gather. Device mode
-    finds steering entries on the device (per-token slot tables): `host_steering=False`
-    skips the per-row lists only host mode needs."""
+    (`host_steering=False`) finds each row's request, slot and position class on the
+    device from per-request arrays (`StepPlan.batch_hooks`): it skips the per-row lists
+    only host mode needs, so a step whose requests only steer builds nothing per row."""
     steer_rows: dict[tuple[int, int], list[np.ndarray]] = defaultdict(list)
     steer_ents: dict[tuple[int, int], list[np.ndarray]] = defaultdict(list)
     cap_rows: dict[tuple[int, int], list[np.ndarray]] = defaultdict(list)
@@ -190,31 +191,39 @@ def build_step_plan(
     prompt_lens_l: list[int] = []
     slots_l: list[int] = []
     site_sets: set[frozenset[int]] = set()
-    looped: list[tuple[int, int, RequestHooks]] = []  # (hooked index, batch index, hooks)
+    looped: list[tuple[int, RequestHooks]] = []  # (batch index, hooks)
     get = requests.get
     for i, req_id in enumerate(batch_req_ids):
         hooks = get(req_id)
         if hooks is None:
             continue
         if hooks.capture is not None or (host_steering and hooks.entries):
-            looped.append((len(hooked_idx), i, hooks))
+            looped.append((i, hooks))
         hooked_idx.append(i)
         prompt_lens_l.append(hooks.prompt_len)
         slots_l.append(hooks.slot)
         site_sets.add(hooks.sites)
-    row_hooks = None
+    plan = StepPlan(active_sites=frozenset().union(*site_sets))
     if hooked_idx:
-        starts, lens = query_start_loc[:-1], np.diff(query_start_loc)
+        starts = query_start_loc[:-1].astype(np.int64)
         idx = np.array(hooked_idx, np.int64)
-        n_rows = lens[idx].astype(np.int64)
+        prompt_lens = np.array(prompt_lens_l, np.int64)
+        fed = start_positions[idx].astype(np.int64)
+        plan.batch_hooks = (idx, np.array(slots_l, np.int64), starts[idx] + prompt_lens - fed)
+        plan.query_ends = query_start_loc[1:].astype(np.int64)
+        plan.all_generated = bool((fed >= prompt_lens).all())
+    if looped:  # rows and positions, flat, of the requests that need a loop of their own
+        lens = np.diff(query_start_loc)
+        at = np.array([i for i, _ in looped], np.int64)
+        n_rows = lens[at].astype(np.int64)
         total = int(n_rows.sum())
         first = np.cumsum(n_rows) - n_rows  # each request's first entry in the flat arrays
         offset_in_req = np.arange(total, dtype=np.int64) - np.repeat(first, n_rows)
-        all_rows = np.repeat(starts[idx].astype(np.int64), n_rows) + offset_in_req
-        all_pos = np.repeat(start_positions[idx].astype(np.int64), n_rows) + offset_in_req
-        all_gen = all_pos >= np.repeat(np.array(prompt_lens_l, np.int64), n_rows)
-        row_hooks = (all_rows, np.repeat(np.array(slots_l, np.int64), n_rows), all_gen)
-    for j, i, hooks in looped:
+        all_rows = np.repeat(query_start_loc[at].astype(np.int64), n_rows) + offset_in_req
+        all_pos = np.repeat(start_positions[at].astype(np.int64), n_rows) + offset_in_req
+        all_gen = all_pos >= np.repeat(
+            np.array([h.prompt_len for _, h in looped], np.int64), n_rows)
+    for j, (i, hooks) in enumerate(looped):
         k = int(n_rows[j])
         if k <= 0:
             continue
@@ -248,8 +257,7 @@ def build_step_plan(
                                        sel_rows, hooks.slot))
             cap_rows[point].append(sel_rows)
             cap_count[point] += len(sel_rows)
-    active = frozenset().union(*site_sets)
-    plan = StepPlan(routes=routes, row_hooks=row_hooks, active_sites=active)
+    plan.routes = routes
     if token_rows:
         plan.token_rows = torch.from_numpy(np.concatenate(token_rows))
         plan.token_owners = token_owners
@@ -258,7 +266,8 @@ def build_step_plan(
                            torch.from_numpy(np.concatenate(steer_ents[key])))
     offset = 0
     for key, parts in cap_rows.items():
-        plan.capture[key] = torch.from_numpy(np.concatenate(parts))
+        if host_steering:  # host mode's op indexes these rows; device mode uses ranks
+            plan.capture[key] = torch.from_numpy(np.concatenate(parts))
         plan.staging_offset[key] = offset
         offset += cap_count[key]
     plan.staging_rows = offset

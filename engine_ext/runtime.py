@@ -78,8 +78,13 @@ class StepPlan:
     staging_offset: dict[tuple[int, int], int] = field(default_factory=dict)
     staging_rows: int = 0
     routes: list[Any] = field(default_factory=list)  # plan.CaptureRoute, per request and point
-    # Every row of a request with hooks: (rows, slot, generated mask), flat over the batch
-    row_hooks: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    # The batch's requests with hooks, per request (not per row): their batch indices,
+    # slots, and the first row of each that is a generated token (a row r of request b
+    # is generated when r >= that row). Device mode expands them to per-row indices on
+    # the device (`_expand_rows`); the host builds nothing per row for steering.
+    batch_hooks: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    query_ends: np.ndarray | None = None  # every batch request's end row (query_start_loc[1:])
+    all_generated: bool = False  # every row of a request with hooks is a generated token
     token_rows: torch.Tensor | None = None  # rows whose input ids the device must gather
     token_owners: list[tuple[str, np.ndarray]] = field(default_factory=list)
     # Sites where some hooked request of this step steers or copies (None: every site).
@@ -154,10 +159,18 @@ class HookRuntime:
         if device_driven:
             long = dict(dtype=torch.int64, device=device)
             # Per token: slot, position class (0 prompt / 1 generated), rank among the
-            # request's captured rows (-1: none); one buffer so one upload sets all three.
-            self.tok_index = torch.zeros(3, max_tokens, **long)
-            self.tok_slot, self.tok_gen, self.tok_rank = self.tok_index.unbind(0)
-            self.tok_rank.fill_(-1)
+            # request's captured rows (-1: none). Slot and class are expanded on the device
+            # from per-request arrays each step (`_expand_rows`); ranks are uploaded only
+            # for steps that copy rows, and are -1 again after them (`reset_dense`).
+            self.tok_slot = torch.zeros(max_tokens, **long)
+            self.tok_gen = torch.zeros(max_tokens, **long)
+            self.tok_rank = torch.full((max_tokens,), -1, **long)
+            self.tok_request = torch.zeros(max_tokens, **long)  # row -> batch index
+            self.row_ids = torch.arange(max_tokens, **long)
+            self.ranks_set = False  # tok_rank holds a copying step's ranks
+            # Per batch index (a batch has at most one request per row): the upload of
+            # `_expand_rows`, [query ends | slots | first generated rows], one copy a step.
+            self.batch_index = torch.zeros(3 * max_tokens + 2, **long)
             # [slot, position class, kind, site] -> steering entry
             self.slot_entry = torch.zeros(max_requests + 1, 2, 2, self.num_sites, **long)
             # Device side of flush_slot_writes: slot ids, then their rows.
@@ -328,22 +341,49 @@ class HookRuntime:
                 self._write_dense(plan, num_tokens_padded)
 
     def _write_dense(self, plan: StepPlan, n: int) -> None:
-        """Upload this step's per-token arrays: O(tokens) bytes, from pinned memory."""
+        """This step's per-row indices: slot and class expanded on the device from the
+        plan's per-request arrays, and the ranks of copied rows, uploaded only when the
+        step copies some."""
         if plan.staging_rows > self.trash_row:
             raise RuntimeError("capsteer: capture staging buffer too small for this step "
                                f"({plan.staging_rows} rows > {self.trash_row}); raise staging_rows")
-        index = np.zeros((3, n), np.int64)
-        slot, gen, rank = index
-        rank.fill(-1)
-        if plan.row_hooks is not None:
-            rows, slots, generated = plan.row_hooks
-            slot[rows] = slots
-            gen[rows] = generated
-        for route in plan.routes:
-            rank[route.rows] = np.arange(len(route.rows))
-        self._upload_into(self.tok_index[:, :n], index)
+        self._expand_rows(plan, n)
+        if plan.routes:
+            rank = np.full(n, -1, np.int64)
+            for route in plan.routes:
+                rank[route.rows] = np.arange(len(route.rows))
+            self._upload_into(self.tok_rank[:n], rank)
+            self.ranks_set = True
+        elif self.ranks_set:  # a copying step that was not reset (its forward failed)
+            self.tok_rank.fill_(-1)
+            self.ranks_set = False
         if plan.routes or len(self.point_base_set):  # steering-only steps skip this table
             self._update_point_base(plan)
+
+    def _expand_rows(self, plan: StepPlan, n: int) -> None:
+        """tok_slot[:n] and tok_gen[:n] from a few numbers per request, on the device: a
+        row's batch index is the number of requests ending at or before it (rows past the
+        batch's tokens, padding, get the index past the last request, whose slot is 0), its
+        slot that request's, and it is generated from the request's first generated row
+        on. One small upload and four kernels a step, whatever the number of rows; the
+        host builds nothing per row (a prefill step has thousands)."""
+        if plan.batch_hooks is None:
+            self.tok_slot[:n].zero_()
+            return
+        idx, slots, first_gen = plan.batch_hooks
+        ends = plan.query_ends
+        m = len(ends)  # requests in the batch; index m is the padding's
+        host = np.zeros(3 * m + 2, np.int64)  # [ends (m) | slots (m + 1) | first gen (m + 1)]
+        host[:m] = ends
+        host[m + idx] = slots
+        host[2 * m + 1 + idx] = first_gen
+        dev = self.batch_index[: len(host)]
+        self._upload_into(dev, host)
+        rows, batch = self.row_ids[:n], self.tok_request[:n]
+        torch.searchsorted(dev[:m], rows, right=True, out=batch)
+        torch.index_select(dev[m: 2 * m + 1], 0, batch, out=self.tok_slot[:n])
+        torch.index_select(dev[2 * m + 1:], 0, batch, out=self.tok_gen[:n])
+        torch.ge(rows, self.tok_gen[:n], out=self.tok_gen[:n])
 
     def _update_point_base(self, plan: StepPlan) -> None:
         """point_base = this step's routes, -1 elsewhere, by scattering only the entries
@@ -371,6 +411,7 @@ class HookRuntime:
         """After a hooked step: rows of later steps map to slot 0 (no hooks) until re-planned."""
         self.tok_slot.zero_()
         self.tok_rank.fill_(-1)
+        self.ranks_set = False
         self.plan = StepPlan(active_sites=frozenset())
 
     def gather_tokens(self, input_ids: torch.Tensor) -> int:

@@ -58,44 +58,64 @@ if triton is not None:
              u_ptr, w_ptr, alpha_ptr, staging_ptr, site, num_sites, hidden, stride_x, stride_r,
              stride_s, HAS_RES: tl.constexpr, KINDS: tl.constexpr, DTYPE: tl.constexpr,
              BLOCK: tl.constexpr):
+        # A decode step's tap covers a few hundred rows: its time is the chain of dependent
+        # loads (row -> slot -> entry -> vector), not bandwidth. So every load a row may need
+        # is issued before the first store, predicated by mask rather than by a branch, and
+        # waits on as few earlier loads as possible: (slot, class, rank), then (entries,
+        # copy bases, x), then (alpha, w), then (u, residual). A store before a load would
+        # hold that load back (the compiler cannot tell they never alias).
         row = tl.program_id(0)
         slot = tl.load(slot_ptr + row)
+        gen = tl.load(gen_ptr + row)
+        rank = tl.load(rank_ptr + row)
         if slot != 0:
-            gen = tl.load(gen_ptr + row)
-            rank = tl.load(rank_ptr + row)
             offs = tl.arange(0, BLOCK)
             mask = offs < hidden
+            entries = slot_entry_ptr + (slot * 2 + gen) * 2 * num_sites + site
+            bases = point_base_ptr + slot * 2 * num_sites + site
             x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-            for kind in tl.static_range(2):
-                if (KINDS >> kind) & 1:  # the kinds this call carries (compile-time)
-                    entry = tl.load(slot_entry_ptr + ((slot * 2 + gen) * 2 + kind) * num_sites
-                                    + site)
-                    # Only what the entry needs is read: an identity entry (0) reads nothing
-                    # and writes nothing back; `add` reads w only; a projection also reads u
-                    # and, on the stream, the residual.
-                    if entry != 0:
-                        alpha = tl.load(alpha_ptr + entry)
-                        w = tl.load(w_ptr + entry * hidden + offs, mask=mask, other=0.0)
-                        if alpha != 0.0:
-                            u = tl.load(u_ptr + entry * hidden + offs, mask=mask, other=0.0)
-                            if kind == 1 and HAS_RES:
-                                r = tl.load(r_ptr + row * stride_r + offs, mask=mask,
-                                            other=0.0).to(tl.float32)
-                                proj = tl.sum((x + r) * u, axis=0)
-                            else:
-                                proj = tl.sum(x * u, axis=0)
-                            x = x + alpha * proj * u
-                        x = (x + w).to(DTYPE).to(tl.float32)
-                        tl.store(x_ptr + row * stride_x + offs, x.to(DTYPE), mask=mask)
-                    base = tl.load(point_base_ptr + (slot * 2 + kind) * num_sites + site)
-                    if (base >= 0) & (rank >= 0):
-                        if kind == 1 and HAS_RES:
-                            r = tl.load(r_ptr + row * stride_r + offs, mask=mask,
-                                        other=0.0).to(tl.float32)
-                            val = (x + r).to(DTYPE)
-                        else:
-                            val = x.to(DTYPE)
-                        tl.store(staging_ptr + (base + rank) * stride_s + offs, val, mask=mask)
+            if KINDS & 1:  # the sublayer output (compile-time: the kinds this call carries)
+                e0 = tl.load(entries)
+                base0 = tl.load(bases)
+                alpha0 = tl.load(alpha_ptr + e0)
+                # Only what the entry needs is read: an identity entry (0) reads nothing
+                # and writes nothing back; `add` reads w only; a projection also reads u.
+                # (A row-uniform predicate is a length: elements below it are read.)
+                n_w0 = hidden * (e0 != 0).to(tl.int32)
+                n_u0 = n_w0 * (alpha0 != 0.0).to(tl.int32)
+                w0 = tl.load(w_ptr + e0 * hidden + offs, mask=offs < n_w0, other=0.0)
+                u0 = tl.load(u_ptr + e0 * hidden + offs, mask=offs < n_u0, other=0.0)
+            if KINDS & 2:  # the stream (x + residual when the call has one)
+                e1 = tl.load(entries + num_sites)
+                base1 = tl.load(bases + num_sites)
+                alpha1 = tl.load(alpha_ptr + e1)
+                n_w1 = hidden * (e1 != 0).to(tl.int32)
+                n_u1 = n_w1 * (alpha1 != 0.0).to(tl.int32)
+                w1 = tl.load(w_ptr + e1 * hidden + offs, mask=offs < n_w1, other=0.0)
+                u1 = tl.load(u_ptr + e1 * hidden + offs, mask=offs < n_u1, other=0.0)
+                if HAS_RES:  # the residual: for a projection of the stream or its copy
+                    n_r = tl.maximum(n_u1, hidden * ((base1 >= 0) & (rank >= 0)).to(tl.int32))
+                    r = tl.load(r_ptr + row * stride_r + offs, mask=offs < n_r,
+                                other=0.0).to(tl.float32)
+            if KINDS & 1:
+                if e0 != 0:
+                    if alpha0 != 0.0:
+                        x = x + alpha0 * tl.sum(x * u0, axis=0) * u0
+                    x = (x + w0).to(DTYPE).to(tl.float32)
+                    tl.store(x_ptr + row * stride_x + offs, x.to(DTYPE), mask=mask)
+                if (base0 >= 0) & (rank >= 0):
+                    tl.store(staging_ptr + (base0 + rank) * stride_s + offs, x.to(DTYPE),
+                             mask=mask)
+            if KINDS & 2:
+                if e1 != 0:
+                    if alpha1 != 0.0:
+                        src = x + r if HAS_RES else x
+                        x = x + alpha1 * tl.sum(src * u1, axis=0) * u1
+                    x = (x + w1).to(DTYPE).to(tl.float32)
+                    tl.store(x_ptr + row * stride_x + offs, x.to(DTYPE), mask=mask)
+                if (base1 >= 0) & (rank >= 0):
+                    val = (x + r).to(DTYPE) if HAS_RES else x.to(DTYPE)
+                    tl.store(staging_ptr + (base1 + rank) * stride_s + offs, val, mask=mask)
 
 
 def tap(runtime, x: torch.Tensor, residual: torch.Tensor | None, site: int,

@@ -275,7 +275,7 @@ class EngineHooks:
         step) and every hooked row already generated (a prompt row's position class can
         change on the next step). With the same requests in the same rows, the next
         step's rows are then in the same class with the same slots and entries."""
-        if plan.routes or plan.row_hooks is None or not bool(plan.row_hooks[2].all()):
+        if plan.routes or plan.batch_hooks is None or not plan.all_generated:
             return None
         if any(self.requests[r].capture is not None for r in layout.req_ids
                if r in self.requests):

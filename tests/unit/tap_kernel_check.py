@@ -9,12 +9,15 @@ import numpy as np
 import torch
 
 from capsteer.engine_ext import tap_kernel
+from capsteer.engine_ext.families import STREAM_BIT, SUB_BIT
 from capsteer.engine_ext.plan import build_step_plan
 from capsteer.engine_ext.runtime import HookRuntime
 from tests.unit.test_plan import HIDDEN, LAYERS, hooks_for
 
 
-def run(dtype: torch.dtype) -> None:
+def run(dtype: torch.dtype, layout: str) -> None:
+    """`deferred`: one call per site carries both kinds (sublayer output + residual, as
+    before vLLM's fused add+norm); `materialized`: one call per kind, no residual."""
     results = []
     for use_kernel in (True, False):
         rt = HookRuntime(LAYERS, HIDDEN, dtype, torch.device("cpu"), max_tokens=64, staging_rows=256,
@@ -29,29 +32,41 @@ def run(dtype: torch.dtype) -> None:
                  "op": "clamp", "value": 4.0}]}),
             "c": hooks_for("c", 4, rt=rt, capture={"hooks": ["resid_pre", "resid_post"],
                                                    "layers": "all"}),
+            # A projection of a sublayer output and an add to the stream at the same site,
+            # with copies of both.
+            "d": hooks_for("d", 2, rt=rt, capture={"hooks": ["mlp_out", "resid_post"],
+                                                   "layers": [0], "positions": "all"},
+                           steering={"vectors": [
+                               {"hook": "mlp_out", "layer": 0, "op": "ablate",
+                                "vector": [0.0, 1.0] + [0.0] * (HIDDEN - 2)},
+                               {"hook": "resid_post", "layer": 0, "vector": [0.5] * HIDDEN}]}),
         }
-        plan = build_step_plan(["a", "plain", "b", "c"], np.array([0, 3, 5, 9, 12]),
-                               np.array([2, 0, 0, 1]), reqs, None, host_steering=False)
-        rt.set_plan(plan, 13)
+        plan = build_step_plan(["a", "plain", "b", "c", "d"], np.array([0, 3, 5, 9, 12, 15]),
+                               np.array([2, 0, 0, 1, 0]), reqs, None, host_steering=False)
+        rt.set_plan(plan, 16)
         gen = torch.Generator().manual_seed(1)
-        x = torch.randn(13, HIDDEN, generator=gen).to(dtype)
-        res = torch.randn(13, HIDDEN, generator=gen).to(dtype)
+        x = torch.randn(16, HIDDEN, generator=gen).to(dtype)
+        res = torch.randn(16, HIDDEN, generator=gen).to(dtype)
+        stream = torch.randn(16, HIDDEN, generator=gen).to(dtype)
+        tap = tap_kernel.tap if use_kernel else rt._tap_dense_torch
         for site in range(2 * LAYERS + 1):
-            r = None if site == 0 else res
-            if use_kernel:
-                tap_kernel.tap(rt, x, r, site)
-            else:
-                rt._tap_dense_torch(x, r, site)
-        results.append((x.clone(), rt.staging[: plan.staging_rows].clone()))
+            if layout == "deferred":
+                tap(rt, x, None if site == 0 else res, site) if use_kernel else tap(
+                    x, None if site == 0 else res, site)
+                continue
+            for t, kinds in ((x, SUB_BIT), (stream, STREAM_BIT)):
+                tap(rt, t, None, site, kinds) if use_kernel else tap(t, None, site, kinds)
+        results.append((x.clone(), stream.clone(), rt.staging[: plan.staging_rows].clone()))
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(results[0][0], results[1][0], **tol)
-    torch.testing.assert_close(results[0][1], results[1][1], **tol)
-    assert results[0][1].abs().sum() > 0
+    for got, want in zip(results[0], results[1], strict=True):
+        torch.testing.assert_close(got, want, **tol)
+    assert results[0][2].abs().sum() > 0
 
 
 if __name__ == "__main__":
     assert tap_kernel.triton is not None
     for dt in (torch.float32, torch.bfloat16):
-        run(dt)
+        for layout in ("deferred", "materialized"):
+            run(dt, layout)
     print("ok")
     sys.exit(0)

@@ -329,6 +329,78 @@ def test_device_mode_clears_copy_routes_after_a_captured_step():
     assert rt.tok_rank[:1].tolist() == [-1] and int((rt.point_base >= 0).sum()) == 0
 
 
+def test_device_rows_are_expanded_from_per_request_arrays():
+    """Device mode finds each row's slot and position class on the device from a few
+    numbers per request: on random batches (requests with and without hooks, prompt
+    chunks, decode rows, a chunk crossing into generation, padding rows) they equal the
+    per-row answer, and a steering-only step uploads one block of 3 x requests + 2."""
+    rng = np.random.default_rng(7)
+    rt = HookRuntime(LAYERS, HIDDEN, torch.float32, torch.device("cpu"), max_tokens=256,
+                     max_requests=64, staging_rows=64, device_driven=True)
+    uploads = []
+    upload = rt._upload_into
+    rt._upload_into = lambda dst, host: uploads.append(len(host)) or upload(dst, host)
+    steer = {"vectors": [{"hook": "resid_post", "layer": 1, "vector": [0.5] * HIDDEN}]}
+    other = {"vectors": [{"hook": "resid_mid", "layer": 0, "vector": [0.2] * HIDDEN}]}
+    for trial in range(30):
+        n_req = int(rng.integers(1, 12))
+        ids, reqs, lens, starts = [], {}, [], []
+        for r in range(n_req):
+            rid = f"t{trial}-{r}"
+            prompt = int(rng.integers(1, 20))
+            fed = int(rng.integers(0, prompt + 5))
+            k = 1 if fed >= prompt else int(rng.integers(1, prompt - fed + 3))  # may cross
+            ids.append(rid)
+            lens.append(k)
+            starts.append(fed)
+            if rng.random() < 0.7:
+                reqs[rid] = hooks_for(rid, prompt, rt=rt,
+                                      steering=steer if rng.random() < 0.5 else other)
+        qsl = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+        n = int(qsl[-1]) + int(rng.integers(0, 9))  # padded rows after the batch's tokens
+        plan = build_step_plan(ids, qsl, np.array(starts, np.int32), reqs, None,
+                               host_steering=False)
+        uploads.clear()
+        rt.set_plan(plan, n)
+        want_slot, want_gen = np.zeros(n, np.int64), np.zeros(n, np.int64)
+        for b, rid in enumerate(ids):
+            if rid in reqs:
+                rows = np.arange(qsl[b], qsl[b + 1])
+                want_slot[rows] = reqs[rid].slot
+                want_gen[rows] = (starts[b] + rows - qsl[b]) >= reqs[rid].prompt_len
+        got_slot = rt.tok_slot[:n].numpy()
+        assert np.array_equal(got_slot, want_slot)
+        hooked = want_slot != 0  # a row without hooks may have either class
+        assert np.array_equal(rt.tok_gen[:n].numpy()[hooked], want_gen[hooked])
+        assert set(rt.tok_gen[:n].tolist()) <= {0, 1}  # always a valid table index
+        assert rt.tok_rank[:n].tolist() == [-1] * n
+        if reqs.keys() & set(ids):
+            assert uploads[-1] == 3 * n_req + 2  # no per-row upload for steering
+            assert plan.all_generated == all(
+                starts[b] >= reqs[rid].prompt_len for b, rid in enumerate(ids) if rid in reqs)
+        for h in reqs.values():
+            h.release(rt)
+
+
+def test_device_ranks_of_a_copying_step_never_outlive_it():
+    """A copying step whose forward failed (no reset after it) leaves no ranks behind:
+    the next steering-only step clears them, so no stale copy could be routed."""
+    rt = HookRuntime(LAYERS, HIDDEN, torch.float32, torch.device("cpu"), max_tokens=16,
+                     max_requests=4, staging_rows=64, device_driven=True)
+    reqs = {"a": hooks_for("a", 3, rt=rt, capture={"hooks": ["resid_pre"], "layers": [1]}),
+            "b": hooks_for("b", 3, rt=rt, steering={"vectors": [
+                {"layer": 0, "vector": [0.3] * HIDDEN}]})}
+    plan = build_step_plan(["a", "b"], np.array([0, 3, 6]), np.array([0, 0]), reqs, None,
+                           host_steering=False)
+    rt.set_plan(plan, 6)
+    assert rt.tok_rank[:6].tolist() == [0, 1, 2, -1, -1, -1]
+    plan = build_step_plan(["b"], np.array([0, 1]), np.array([3]), reqs, None,
+                           host_steering=False)  # no reset_dense in between
+    rt.set_plan(plan, 6)
+    assert rt.tok_rank[:6].tolist() == [-1] * 6
+    assert rt.tok_slot[:6].tolist() == [reqs["b"].slot] + [0] * 5
+
+
 def test_device_mode_copy_table_follows_the_batch_as_it_changes():
     """point_base is updated by the entries that change only: after every step it equals
     the table built from scratch for that step's routes (-1 everywhere else), as
@@ -431,7 +503,7 @@ def test_device_slot_rows_of_a_step_are_written_by_one_upload():
         return {"vectors": [{"hook": "resid_post", "layer": layer, "vector": [0.5] * HIDDEN}]}
     a, b = hooks_for("a", 3, rt=rt, steering=steer(0)), hooks_for("b", 3, rt=rt, steering=steer(1))
     rt.set_plan(StepPlan(), 4)
-    assert len(uploads) == 2  # the slot rows, then the step's per-token index
+    assert len(uploads) == 1  # the slot rows (a plan with no hooked rows uploads no index)
     for h, site in ((a, 2), (b, 4)):
         row = rt.slot_entry[h.slot]
         assert set(row.nonzero()[:, -1].tolist()) == {site}  # only its own site is steered
