@@ -365,8 +365,9 @@ class HookRuntime:
         row's batch index is the number of requests ending at or before it (rows past the
         batch's tokens, padding, get the index past the last request, whose slot is 0), its
         slot that request's, and it is generated from the request's first generated row
-        on. One small upload and four kernels a step, whatever the number of rows; the
-        host builds nothing per row (a prefill step has thousands)."""
+        on. One small upload and one kernel a step (four torch ops without Triton),
+        whatever the number of rows; the host builds nothing per row (a prefill step has
+        thousands)."""
         if plan.batch_hooks is None:
             self.tok_slot[:n].zero_()
             return
@@ -379,10 +380,15 @@ class HookRuntime:
         host[2 * m + 1 + idx] = first_gen
         dev = self.batch_index[: len(host)]
         self._upload_into(dev, host)
+        if self.use_kernel:  # one launch
+            tap_kernel.expand_rows(self.batch_index, m, self.tok_slot[:n], self.tok_gen[:n],
+                                   self.max_tokens)
+            return
+        ends, slots, first_gen = dev[:m], dev[m: 2 * m + 1], dev[2 * m + 1:]
         rows, batch = self.row_ids[:n], self.tok_request[:n]
-        torch.searchsorted(dev[:m], rows, right=True, out=batch)
-        torch.index_select(dev[m: 2 * m + 1], 0, batch, out=self.tok_slot[:n])
-        torch.index_select(dev[2 * m + 1:], 0, batch, out=self.tok_gen[:n])
+        torch.searchsorted(ends, rows, right=True, out=batch)
+        torch.index_select(slots, 0, batch, out=self.tok_slot[:n])
+        torch.index_select(first_gen, 0, batch, out=self.tok_gen[:n])
         torch.ge(rows, self.tok_gen[:n], out=self.tok_gen[:n])
 
     def _update_point_base(self, plan: StepPlan) -> None:

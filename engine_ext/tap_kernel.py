@@ -58,12 +58,13 @@ if triton is not None:
              u_ptr, w_ptr, alpha_ptr, staging_ptr, site, num_sites, hidden, stride_x, stride_r,
              stride_s, HAS_RES: tl.constexpr, KINDS: tl.constexpr, DTYPE: tl.constexpr,
              BLOCK: tl.constexpr):
-        # A decode step's tap covers a few hundred rows: its time is the chain of dependent
-        # loads (row -> slot -> entry -> vector), not bandwidth. So every load a row may need
-        # is issued before the first store, predicated by mask rather than by a branch, and
-        # waits on as few earlier loads as possible: (slot, class, rank), then (entries,
-        # copy bases, x), then (alpha, w), then (u, residual). A store before a load would
-        # hold that load back (the compiler cannot tell they never alias).
+        # A decode step's tap covers a few hundred rows, so its time is the chain of
+        # dependent loads (row -> slot -> entry -> vector). The row's scalars are loaded
+        # together and before the first store (a store would hold back a later load: the
+        # compiler cannot tell they never alias): slot, class and rank; then x with both
+        # kinds' entries and copy bases. Vectors (w, u, residual) are loaded only where
+        # used: a prefill step's tap is bandwidth-bound, and holding them all at once
+        # costs occupancy (measured: 30% slower at 8192 rows, bench/tap_kernel_time.py).
         row = tl.program_id(0)
         slot = tl.load(slot_ptr + row)
         gen = tl.load(gen_ptr + row)
@@ -74,48 +75,80 @@ if triton is not None:
             entries = slot_entry_ptr + (slot * 2 + gen) * 2 * num_sites + site
             bases = point_base_ptr + slot * 2 * num_sites + site
             x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-            if KINDS & 1:  # the sublayer output (compile-time: the kinds this call carries)
-                e0 = tl.load(entries)
-                base0 = tl.load(bases)
-                alpha0 = tl.load(alpha_ptr + e0)
-                # Only what the entry needs is read: an identity entry (0) reads nothing
-                # and writes nothing back; `add` reads w only; a projection also reads u.
-                # (A row-uniform predicate is a length: elements below it are read.)
-                n_w0 = hidden * (e0 != 0).to(tl.int32)
-                n_u0 = n_w0 * (alpha0 != 0.0).to(tl.int32)
-                w0 = tl.load(w_ptr + e0 * hidden + offs, mask=offs < n_w0, other=0.0)
-                u0 = tl.load(u_ptr + e0 * hidden + offs, mask=offs < n_u0, other=0.0)
-            if KINDS & 2:  # the stream (x + residual when the call has one)
-                e1 = tl.load(entries + num_sites)
-                base1 = tl.load(bases + num_sites)
-                alpha1 = tl.load(alpha_ptr + e1)
-                n_w1 = hidden * (e1 != 0).to(tl.int32)
-                n_u1 = n_w1 * (alpha1 != 0.0).to(tl.int32)
-                w1 = tl.load(w_ptr + e1 * hidden + offs, mask=offs < n_w1, other=0.0)
-                u1 = tl.load(u_ptr + e1 * hidden + offs, mask=offs < n_u1, other=0.0)
-                if HAS_RES:  # the residual: for a projection of the stream or its copy
-                    n_r = tl.maximum(n_u1, hidden * ((base1 >= 0) & (rank >= 0)).to(tl.int32))
-                    r = tl.load(r_ptr + row * stride_r + offs, mask=offs < n_r,
-                                other=0.0).to(tl.float32)
-            if KINDS & 1:
-                if e0 != 0:
-                    if alpha0 != 0.0:
-                        x = x + alpha0 * tl.sum(x * u0, axis=0) * u0
-                    x = (x + w0).to(DTYPE).to(tl.float32)
-                    tl.store(x_ptr + row * stride_x + offs, x.to(DTYPE), mask=mask)
-                if (base0 >= 0) & (rank >= 0):
-                    tl.store(staging_ptr + (base0 + rank) * stride_s + offs, x.to(DTYPE),
-                             mask=mask)
-            if KINDS & 2:
-                if e1 != 0:
-                    if alpha1 != 0.0:
-                        src = x + r if HAS_RES else x
-                        x = x + alpha1 * tl.sum(src * u1, axis=0) * u1
-                    x = (x + w1).to(DTYPE).to(tl.float32)
-                    tl.store(x_ptr + row * stride_x + offs, x.to(DTYPE), mask=mask)
-                if (base1 >= 0) & (rank >= 0):
-                    val = (x + r).to(DTYPE) if HAS_RES else x.to(DTYPE)
-                    tl.store(staging_ptr + (base1 + rank) * stride_s + offs, val, mask=mask)
+            e0 = tl.load(entries)  # the sublayer output's entry and copy base
+            base0 = tl.load(bases)
+            e1 = tl.load(entries + num_sites)  # the stream's
+            base1 = tl.load(bases + num_sites)
+            for kind in tl.static_range(2):
+                if (KINDS >> kind) & 1:  # the kinds this call carries (compile-time)
+                    if kind == 0:
+                        entry, base = e0, base0
+                    else:
+                        entry, base = e1, base1
+                    # Only what the entry needs is read: an identity entry (0) reads nothing
+                    # and writes nothing back; `add` reads w only; a projection also reads u
+                    # and, on the stream, the residual.
+                    if entry != 0:
+                        alpha = tl.load(alpha_ptr + entry)
+                        w = tl.load(w_ptr + entry * hidden + offs, mask=mask, other=0.0)
+                        if alpha != 0.0:
+                            u = tl.load(u_ptr + entry * hidden + offs, mask=mask, other=0.0)
+                            if kind == 1 and HAS_RES:
+                                r = tl.load(r_ptr + row * stride_r + offs, mask=mask,
+                                            other=0.0).to(tl.float32)
+                                proj = tl.sum((x + r) * u, axis=0)
+                            else:
+                                proj = tl.sum(x * u, axis=0)
+                            x = x + alpha * proj * u
+                        x = (x + w).to(DTYPE).to(tl.float32)
+                        tl.store(x_ptr + row * stride_x + offs, x.to(DTYPE), mask=mask)
+                    if (base >= 0) & (rank >= 0):
+                        if kind == 1 and HAS_RES:
+                            r = tl.load(r_ptr + row * stride_r + offs, mask=mask,
+                                        other=0.0).to(tl.float32)
+                            val = (x + r).to(DTYPE)
+                        else:
+                            val = x.to(DTYPE)
+                        tl.store(staging_ptr + (base + rank) * stride_s + offs, val, mask=mask)
+
+
+    # One compiled variant for every batch: the sizes are never specialised, and the
+    # pointers are fixed buffers (a compile in the middle of serving would stall a step).
+    @triton.jit(do_not_specialize=["num_reqs", "n_rows"])
+    def _expand(index_ptr, slot_out_ptr, gen_out_ptr, num_reqs, n_rows, BLOCK: tl.constexpr,
+                STEPS: tl.constexpr):
+        """index = [ends (num_reqs) | slots (num_reqs + 1) | first generated rows (same)].
+        Per row: its batch index b (the number of requests ending at or before it, by
+        binary search over the ends), slot = slots[b], class = row >= first_gen[b]."""
+        rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        live = rows < n_rows
+        lo = tl.zeros([BLOCK], dtype=tl.int32)
+        hi = tl.zeros([BLOCK], dtype=tl.int32) + num_reqs
+        for _ in tl.static_range(STEPS):  # 2**STEPS > the most requests a batch can hold
+            open_ = lo < hi
+            mid = (lo + hi) // 2
+            end = tl.load(index_ptr + mid, mask=live & open_, other=0)
+            right = open_ & (end <= rows)
+            lo = tl.where(right, mid + 1, lo)
+            hi = tl.where(open_ & ~right, mid, hi)
+        slot = tl.load(index_ptr + num_reqs + lo, mask=live, other=0)
+        first_gen = tl.load(index_ptr + 2 * num_reqs + 1 + lo, mask=live, other=0)
+        tl.store(slot_out_ptr + rows, slot, mask=live)
+        tl.store(gen_out_ptr + rows, (rows >= first_gen).to(tl.int64), mask=live)
+
+
+def expand_rows(index: torch.Tensor, num_reqs: int, slot_out: torch.Tensor,
+                gen_out: torch.Tensor, max_rows: int) -> None:
+    """slot_out[r] = slots[b], gen_out[r] = r >= first_gen[b] for every row r of the
+    outputs, b = the number of ends <= r, from `index` laid out as `_expand` reads it
+    (one launch; the runtime's torch path does the same in four). `max_rows` bounds the
+    requests of a batch (it fixes the search depth)."""
+    n = slot_out.shape[0]
+    if n == 0:
+        return
+    block = 1024
+    _expand[(triton.cdiv(n, block),)](index, slot_out, gen_out, num_reqs, n, BLOCK=block,
+                                      STEPS=max(1, int(max_rows).bit_length()))
 
 
 def tap(runtime, x: torch.Tensor, residual: torch.Tensor | None, site: int,

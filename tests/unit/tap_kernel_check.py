@@ -63,10 +63,33 @@ def run(dtype: torch.dtype, layout: str) -> None:
     assert results[0][2].abs().sum() > 0
 
 
+def check_expand() -> None:
+    """The one-launch row expansion equals the runtime's torch path on random batches
+    (requests ending on the same row, padding rows, more rows than one block)."""
+    rng = np.random.default_rng(3)
+    for _ in range(20):
+        m = int(rng.integers(1, 40))
+        ends = np.cumsum(rng.integers(0, 80, m)).astype(np.int64)
+        n = int(ends[-1]) + int(rng.integers(0, 50))
+        slots = torch.from_numpy(rng.integers(0, 5, m + 1))
+        slots[m] = 0
+        first_gen = torch.from_numpy(rng.integers(0, n + 1, m + 1))
+        ends_t = torch.from_numpy(ends)
+        batch = torch.searchsorted(ends_t, torch.arange(n), right=True)
+        want_slot = slots[batch]
+        want_gen = (torch.arange(n) >= first_gen[batch]).long()
+        slot_out = torch.full((n,), -7, dtype=torch.int64)
+        gen_out = torch.full((n,), -7, dtype=torch.int64)
+        index = torch.cat([ends_t, slots, first_gen, torch.full((5,), -9)])  # spare room
+        tap_kernel.expand_rows(index, m, slot_out, gen_out, max_rows=4096)
+        assert torch.equal(slot_out, want_slot) and torch.equal(gen_out, want_gen)
+
+
 if __name__ == "__main__":
     assert tap_kernel.triton is not None
     for dt in (torch.float32, torch.bfloat16):
         for layout in ("deferred", "materialized"):
             run(dt, layout)
+    check_expand()
     print("ok")
     sys.exit(0)
