@@ -17,6 +17,9 @@ After the first launch of a specialisation, `tap` calls the compiled kernel's la
 directly with integer addresses (the runtime's buffers never move). Only for the Triton
 release whose launcher it was written against (`DIRECT_TRITON`); other releases, the CPU
 interpreter and CAPSTEER_TAP_LAUNCH=jit take the JIT path.
+
+`_expand` writes the per-row indices the tap reads (slot, position class) from three
+numbers per batch request, once a step before the forward (`HookRuntime._expand_rows`).
 """
 
 from __future__ import annotations
