@@ -20,7 +20,7 @@ from capsteer.capture.sink import CaptureEnd, CaptureRequest, CaptureSink, Memor
 from capsteer.engine_ext import adapter
 from capsteer.engine_ext.canary import CanaryFailed, faulty_site, run_canary
 from capsteer.engine_ext.harvest import Harvester
-from capsteer.engine_ext.plan import RequestHooks, build_step_plan
+from capsteer.engine_ext.plan import RequestHooks, build_step_plan, shared_site_set
 from capsteer.engine_ext.runtime import HookRuntime, StepPlan, hook_point, install_runtime
 
 logger = logging.getLogger("vllm.capsteer")  # under vLLM's configured logger
@@ -379,7 +379,7 @@ class EngineHooks:
                 self.early_closes += 1
             hooks.capture = None
             hooks.points = {}
-            hooks.sites = frozenset(site for _, site, _ in hooks.entries)
+            hooks.sites = shared_site_set(frozenset(site for _, site, _ in hooks.entries))
             if not hooks.entries:  # nothing left to do for it: a plain request from now on
                 del self.requests[hooks.req_id]
                 hooks.release(self.runtime)
