@@ -73,7 +73,10 @@ TARGETS = {"plain": 0.99, "steer": 0.95, "capture": 0.90}
 # Diagnostic configurations (name them in --configs): ratios vs vanilla, no target.
 # steer_one: steering at one layer (the middle one) instead of all; beside `steer` it says
 # how much of steering's cost grows with the number of steered sites.
-DIAGNOSTIC = ("steer_one",)
+# capture_w4: `capture` with 4 capture writer processes instead of the engine's default (2
+# on a 16-CPU host); beside `capture` it says whether publishing's rate bounds P3.
+DIAGNOSTIC = ("steer_one", "capture_w4")
+CAPTURING = ("capture", "capture_w4")
 MIN_PROCESSES = 3  # per configuration, before a ratio's spread counts
 # name: (requests, prompt tokens, generated tokens)
 WORKLOADS = {
@@ -237,8 +240,10 @@ def run_process(a: argparse.Namespace) -> dict[str, Any]:
         llm = LLM(model=a.model, **kw)
     else:
         staging = a.step_tokens * (shape.layers + 1)  # P3-all: a whole step, every layer
-        engine = Engine(a.model, capsteer_config={"capture_dir": str(capture_dir),
-                                                  "staging_rows": staging}, **kw)
+        settings: dict[str, Any] = {"capture_dir": str(capture_dir), "staging_rows": staging}
+        if a.config == "capture_w4":
+            settings["capture_writer_processes"] = 4
+        engine = Engine(a.model, capsteer_config=settings, **kw)
     startup_s = time.perf_counter() - started
     one_layer = shape.layers // 2
     steering = {"vectors": [{"hook": "resid_post", "layers": "all",
@@ -261,12 +266,13 @@ def run_process(a: argparse.Namespace) -> dict[str, Any]:
         results = engine.generate([Request(prompt_token_ids=p, sampling=sampling, steering=steer,
                                            capture=capture, durable=capture is not None)
                                    for p in prompts], timeout=900)
+        tail = engine.last_phases.get("captures", 0.0)
         bad = [r.receipt for r in results if r.receipt is not None and r.receipt.status != "ok"]
         if bad:
             raise RuntimeError(f"{len(bad)} captures failed, e.g. {bad[0]}")
         return {"cached": sum(r.num_cached_tokens for r in results),
                 "bytes": sum(r.receipt.bytes for r in results if r.receipt is not None),
-                "generated": sum(len(r.token_ids) for r in results)}
+                "generated": sum(len(r.token_ids) for r in results), "captures_s": tail}
 
     def clear_captures() -> None:
         shutil.rmtree(capture_dir, ignore_errors=True)
@@ -275,7 +281,7 @@ def run_process(a: argparse.Namespace) -> dict[str, Any]:
     steer = {"steer": steering, "steer_one": {"vectors": [
         {"hook": "resid_post", "layers": [one_layer], "vector": [0.01] * shape.hidden,
          "scale": 1.0}]}}.get(a.config)
-    capture = capture_one if a.config == "capture" else None
+    capture = capture_one if a.config in CAPTURING else None
     per_round = len(a.configs.split(","))
     out: dict[str, Any] = {"config": a.config, "slot": a.slot,
                            "round": (a.slot - 1) // per_round + 1,
@@ -314,8 +320,10 @@ def run_process(a: argparse.Namespace) -> dict[str, Any]:
         clear_captures()
         reps = []
         b = 0
+        hooks_before = _hook_counters(engine)
         for _ in range(a.reps):
             times: list[float] = []
+            tails: list[float] = []
             cached = nbytes = generated = 0
             while sum(times) < a.min_seconds or len(times) < a.min_batches:
                 prompts = _prompts(seed0 + b, n, prompt, vocab)
@@ -325,6 +333,7 @@ def run_process(a: argparse.Namespace) -> dict[str, Any]:
                 got = batch(prompts, gen, capture, steer)
                 times.append(time.perf_counter() - t)
                 turns.give()
+                tails.append(got.get("captures_s", 0.0))
                 cached += got["cached"]
                 nbytes += got["bytes"]
                 generated += got["generated"]
@@ -332,10 +341,15 @@ def run_process(a: argparse.Namespace) -> dict[str, Any]:
             tokens = len(times) * n * prompt + generated
             reps.append({"batches": len(times), "seconds": sum(times), "batch_s": times,
                          "tokens": tokens, "tokens_per_s": tokens / sum(times),
-                         "cached_tokens": cached, "capture_bytes": nbytes})
+                         "cached_tokens": cached, "capture_bytes": nbytes,
+                         # of each batch_s: after the last output, waiting for receipts
+                         "captures_tail_s": tails})
         out["workloads"][name] = {
             "requests": n, "prompt": prompt, "gen": gen, "warmup_s": warm_s, "reps": reps,
-            "median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in reps)}
+            "median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in reps),
+            # the timed batches' hook counters (host seconds by phase, the harvester's
+            # backpressure wait and delivery seconds): where a hooked batch's time went
+            "hook_counters": _counter_delta(hooks_before, _hook_counters(engine))}
     if a.do_p3all and a.config == "capture":
         turns.take(99)  # alone on the GPU, after every other process's timed batches
         out["p3all"] = _p3all(a, batch, clear_captures, capture_all, capture_dir)
@@ -347,6 +361,35 @@ def run_process(a: argparse.Namespace) -> dict[str, Any]:
         engine.close()
     shutil.rmtree(capture_dir, ignore_errors=True)
     return out
+
+
+def _workload_line(p: dict[str, Any]) -> str:
+    """One process's figures for its progress line; a capturing one adds the time its
+    batches spent after their last output, waiting for durable receipts."""
+    parts = []
+    for k, v in p["workloads"].items():
+        r = v["reps"][0]
+        tail = sum(r.get("captures_tail_s") or [0.0])
+        parts.append(f"{k} {v['median_tokens_per_s']:,.0f} tok/s ({r['batches']} batches, "
+                     f"{r['seconds']:.1f} s" + (f", receipt tail {tail:.2f} s" if tail else "")
+                     + ")")
+    return " ".join(parts)
+
+
+def _hook_counters(engine: Any) -> dict[str, float]:
+    """The first worker's cumulative hook counters (none for vanilla)."""
+    if engine is None:
+        return {}
+    stats = engine.stats()[0]
+    flat = {f"host_s_{k}": float(v) for k, v in stats.get("host_s", {}).items()}
+    flat.update({"plan_builds": stats.get("plan_builds", 0),
+                 "plan_reuses": stats.get("plan_reuses", 0)})
+    flat.update({f"harvest_{k}": float(v) for k, v in (stats.get("harvest") or {}).items()})
+    return flat
+
+
+def _counter_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: round(v - before.get(k, 0.0), 6) for k, v in after.items()}
 
 
 def _p3all(a: argparse.Namespace, batch: Callable[..., dict[str, int]],
@@ -715,9 +758,7 @@ def drive_paired(a: argparse.Namespace) -> int:
             p["turns"] = c.turns
             c.result.write_text(json.dumps(p))
             (out / c.result.name).write_text(json.dumps(p))
-            w = " ".join(f"{k} {v['median_tokens_per_s']:,.0f} tok/s ({v['reps'][0]['batches']} "
-                         f"batches, {v['reps'][0]['seconds']:.1f} s)"
-                         for k, v in p["workloads"].items())
+            w = _workload_line(p)
             print(f"slot {c.slot:2} {c.config:8} start-up {p['startup_s']:.0f} s, "
                   f"{c.turns} turns: {w}", flush=True)
             _trim_log(c.log)
@@ -814,9 +855,7 @@ def drive(a: argparse.Namespace) -> int:
             (warm_marks / ("vanilla" if config == "vanilla" else "capsteer")).touch()
             done.append(slot)
             durations.append(took)
-            w = " ".join(f"{k} {v['median_tokens_per_s']:,.0f} tok/s ({v['reps'][0]['batches']} "
-                         f"batches, {v['reps'][0]['seconds']:.1f} s)"
-                         for k, v in p["workloads"].items())
+            w = _workload_line(p)
             print(f"slot {slot:2} {config:8} import {p['import_s']:.0f} s, start-up "
                   f"{p['startup_s']:.0f} s, wall {took:.0f} s: {w}", flush=True)
         _trim_log(log)
