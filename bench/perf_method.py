@@ -75,7 +75,9 @@ TARGETS = {"plain": 0.99, "steer": 0.95, "capture": 0.90}
 # how much of steering's cost grows with the number of steered sites.
 # capture_w4: `capture` with 4 capture writer processes instead of the engine's default (2
 # on a 16-CPU host); beside `capture` it says whether publishing's rate bounds P3.
-DIAGNOSTIC = ("steer_one", "capture_w4")
+# steer_dictwire: `steer` with the steering spec sent as nested dicts in extra_args (the
+# wire form before 2026-11-26) instead of JSON text; beside `steer` it measures that change.
+DIAGNOSTIC = ("steer_one", "capture_w4", "steer_dictwire")
 CAPTURING = ("capture", "capture_w4")
 MIN_PROCESSES = 3  # per configuration, before a ratio's spread counts
 # name: (requests, prompt tokens, generated tokens)
@@ -211,6 +213,8 @@ def run_process(a: argparse.Namespace) -> dict[str, Any]:
 
     if a.config != "vanilla":  # the vanilla process never imports capsteer
         from capsteer.engine import Engine, Request
+    if a.config == "steer_dictwire":
+        _send_steering_as_dicts()
 
     import_s = time.time() - t_start
     if a.imported_file:
@@ -278,7 +282,7 @@ def run_process(a: argparse.Namespace) -> dict[str, Any]:
         shutil.rmtree(capture_dir, ignore_errors=True)
         capture_dir.mkdir(parents=True, exist_ok=True)
 
-    steer = {"steer": steering, "steer_one": {"vectors": [
+    steer = {"steer": steering, "steer_dictwire": steering, "steer_one": {"vectors": [
         {"hook": "resid_post", "layers": [one_layer], "vector": [0.01] * shape.hidden,
          "scale": 1.0}]}}.get(a.config)
     capture = capture_one if a.config in CAPTURING else None
@@ -361,6 +365,25 @@ def run_process(a: argparse.Namespace) -> dict[str, Any]:
         engine.close()
     shutil.rmtree(capture_dir, ignore_errors=True)
     return out
+
+
+def _send_steering_as_dicts() -> None:
+    """The steer_dictwire diagnostic: Engine.generate's payloads carry the steering spec as
+    its mapping (`to_dict()`, one dict per op) without `steering_key`, as before the text
+    form; workers read both."""
+    import capsteer.engine as engine_mod
+
+    text_form = engine_mod.build_payload
+
+    def build_payload(capture, steering, *args, **kwargs):
+        payload = text_form(capture, steering, *args, **kwargs)
+        if payload is not None and steering is not None and not steering.is_noop:
+            fields = payload.extra_args[engine_mod.EXTRA_ARGS_KEY]
+            fields["steering"] = steering.to_dict()
+            fields.pop("steering_key", None)
+        return payload
+
+    engine_mod.build_payload = build_payload
 
 
 def _workload_line(p: dict[str, Any]) -> str:

@@ -83,7 +83,9 @@ def build_payload(
     payload: dict[str, Any] = {}
     salt = None
     if steering is not None and not steering.is_noop:
-        payload["steering"] = steering.to_dict()
+        # JSON text and its key: cheap for vLLM to copy per request (SteeringSpec.wire_text)
+        payload["steering"] = steering.wire_text
+        payload["steering_key"] = steering.sharing_key
         salt = steering.cache_salt()
     if capture is not None:
         capture_id = capture_id or new_capture_id()

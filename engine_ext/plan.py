@@ -93,10 +93,14 @@ class RequestHooks:
             wire = payload.get("steering")
             if wire:
                 # A spec already live in the tables is not decoded again: the front end
-                # sends its content key (hundreds of requests share one spec).
-                key = SteeringSpec.key_of(wire) or SteeringSpec.from_dict(wire).sharing_key
+                # sends its content key (hundreds of requests share one spec), beside the
+                # spec's JSON text or inside its mapping form.
+                key = payload.get("steering_key") if isinstance(wire, str) else \
+                    SteeringSpec.key_of(wire)
+                if not isinstance(key, str):
+                    key = SteeringSpec.from_wire(wire).sharing_key
                 hooks.entries = runtime.acquire_entries(
-                    key, lambda: compose_entries(SteeringSpec.from_dict(wire), runtime.hidden_size))
+                    key, lambda: compose_entries(SteeringSpec.from_wire(wire), runtime.hidden_size))
                 hooks.steering_key = key
             hooks.shared_slot = hooks.capture is None and bool(hooks.entries)
             hooks.slot = runtime.alloc_slot(hooks.entries, hooks.steering_key,

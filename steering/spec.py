@@ -93,6 +93,20 @@ class SteeringSpec:
         digest = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
         return {**body, "key": digest}, digest
 
+    @cached_property
+    def wire_text(self) -> str:
+        """The wire form as JSON text, computed once. This is what travels in `extra_args`:
+        vLLM deep-copies every request's SamplingParams, and a str is copied by reference,
+        where the nested form (one dict per op, 28+ for all layers) cost ~450 us a request
+        on the front end's thread (the request's `steering_key` rides beside it, so
+        workers that know the spec never parse it)."""
+        return json.dumps(self.to_dict(), separators=(",", ":"))
+
+    @classmethod
+    def from_wire(cls, wire: Mapping | str) -> SteeringSpec:
+        """From either wire form: `to_dict()`'s mapping or `wire_text`."""
+        return cls.from_dict(json.loads(wire) if isinstance(wire, str) else wire)
+
     @classmethod
     def from_dict(cls, d: Mapping) -> SteeringSpec:
         table = [_unb64(t) for t in d.get("vectors_b64", ())]

@@ -308,6 +308,39 @@ def test_wire_form_encodes_each_vector_once_and_workers_skip_known_specs():
         RequestHooks.from_extra_args("e", {"capsteer": {"steering": broken}}, 4, rt)
 
 
+def test_steering_travels_as_json_text_with_its_key():
+    """build_payload sends the spec as JSON text with its key beside it (vLLM deep-copies
+    each request's SamplingParams; a str is not copied): it is cheap to copy, decodes to
+    the same entries as the mapping form, and a worker that knows the key never parses it."""
+    import copy
+
+    from capsteer.engine import build_payload
+
+    spec = parse_steering_spec({"vectors": [{"layers": "all", "vector": [0.25] * HIDDEN,
+                                             "scale": 2.0}]},
+                               num_layers=LAYERS, hidden_size=HIDDEN)
+    payload = build_payload(None, spec).extra_args
+    wire = payload["capsteer"]["steering"]
+    assert isinstance(wire, str) and payload["capsteer"]["steering_key"] == spec.sharing_key
+    assert type(spec).from_wire(wire).sharing_key == spec.sharing_key
+    assert copy.deepcopy(payload)["capsteer"]["steering"] is wire  # copied by reference
+    rt = HookRuntime(LAYERS, HIDDEN, torch.float32, torch.device("cpu"), max_tokens=64)
+    text = RequestHooks.from_extra_args("a", payload, 4, rt)
+    mapping_rt = HookRuntime(LAYERS, HIDDEN, torch.float32, torch.device("cpu"), max_tokens=64)
+    mapped = RequestHooks.from_extra_args("b", {"capsteer": {"steering": spec.to_dict()}}, 4,
+                                          mapping_rt)
+    assert text.entries.keys() == mapped.entries.keys() and text.steering_key == spec.sharing_key
+    for k, e in text.entries.items():
+        torch.testing.assert_close(rt.w[e], mapping_rt.w[mapped.entries[k]])
+    # Known key, unreadable text: found by the key, not parsed.
+    again = RequestHooks.from_extra_args(
+        "c", {"capsteer": {"steering": "not json", "steering_key": spec.sharing_key}}, 4, rt)
+    assert again.entries == text.entries
+    # Text without a key (an old front end): parsed, same entries.
+    keyless = RequestHooks.from_extra_args("d", {"capsteer": {"steering": wire}}, 4, rt)
+    assert keyless.entries == text.entries
+
+
 def test_device_mode_clears_copy_routes_after_a_captured_step():
     rt = HookRuntime(LAYERS, HIDDEN, torch.float32, torch.device("cpu"), max_tokens=16,
                      max_requests=4, staging_rows=64, device_driven=True)
