@@ -89,7 +89,7 @@ def build_payload(
         salt = steering.cache_salt()
     if capture is not None:
         capture_id = capture_id or new_capture_id()
-        payload["capture"] = capture.to_dict()
+        payload["capture"] = capture.to_json()  # text, like the steering spec
         payload["capture_id"] = capture_id
         # Every pipeline stage dates its directory alike, and the caller knows where it is.
         payload["dir_time"] = time.time() if dir_time is None else dir_time

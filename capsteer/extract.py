@@ -303,6 +303,7 @@ def _run(engine: Engine, todo: list[Record], spec: CaptureSpec, max_tokens: int,
     limit = window or 4 * int(engine.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs)
     bar = _progress(len(todo), progress)
     pending = iter(_prompts(engine, todo))
+    spec_text = spec.to_json()  # text: vLLM deep-copies each request's params (a str by reference)
     live: set[str] = set()  # capture ids in flight (each is its vLLM request id)
     ends: list[tuple[str, int]] = []
     tokens = finished = 0
@@ -317,7 +318,7 @@ def _run(engine: Engine, todo: list[Record], spec: CaptureSpec, max_tokens: int,
                 exhausted = True
                 break
             capture_id = new_capture_id()
-            payload = {"capture": spec.to_dict(), "capture_id": capture_id, "sink": "sharded",
+            payload = {"capture": spec_text, "capture_id": capture_id, "sink": "sharded",
                        "record_id": rec.id, "await_end": True}
             prompt["cache_salt"] = f"capsteer-capture-{capture_id}"  # every position is fed
             params = SamplingParams(max_tokens=max_tokens, temperature=0.0,

@@ -466,7 +466,7 @@ class Replica:
         live: set[str] = set()  # request ids given to vLLM (capture ids)
         capture_of: dict[str, str] = {}  # capture id -> record id
         unflushed: set[str] = set()  # finished ids not yet seen durable
-        payload_spec = self.spec.to_dict()
+        payload_spec = self.spec.to_json()  # text: vLLM deep-copies each request's params
         stuck_since: float | None = None
         while True:
             idle = not pending and not live

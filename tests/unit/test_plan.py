@@ -600,3 +600,19 @@ def test_device_requests_with_one_steering_spec_share_one_slot_row():
     rt.set_plan(StepPlan(), 0)
     assert int(rt.slot_entry.count_nonzero()) == 0 and rt.key_slots == {}
     assert sorted(rt.free_slots) == [1, 2, 3, 4]
+
+
+def test_capture_spec_travels_as_json_text():
+    """The capture spec rides in extra_args as its canonical JSON text (cheap for vLLM's
+    per-request deep copy); the worker reads it as it reads the mapping form."""
+    from capsteer.engine import build_payload
+
+    spec = parse_capture_spec({"hooks": ["resid_post", "mlp_out"], "layers": [0, 2],
+                               "positions": "prompt"}, num_layers=LAYERS)
+    fields = build_payload(spec, None, durable=True).extra_args["capsteer"]
+    assert isinstance(fields["capture"], str)
+    text = RequestHooks.from_extra_args("a", {"capsteer": fields}, 4, runtime())
+    mapped = RequestHooks.from_extra_args(
+        "b", {"capsteer": {**fields, "capture": spec.to_dict()}}, 4, runtime())
+    assert text.capture == mapped.capture == spec
+    assert text.points == mapped.points and text.sites == mapped.sites and text.points
