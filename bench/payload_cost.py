@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+from pathlib import Path
 
 from vllm import SamplingParams
 
@@ -22,6 +24,9 @@ from capsteer.capture.spec import parse_capture_spec
 from capsteer.engine import build_payload
 from capsteer.engine_ext.plan import EXTRA_ARGS_KEY
 from capsteer.steering.spec import parse_steering_spec
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from perf_method import as_dict_wire
 
 
 def main() -> int:
@@ -39,10 +44,9 @@ def main() -> int:
     sampling = {"max_tokens": 64, "temperature": 0.0, "ignore_eos": True}
 
     def steer_dict() -> dict | None:
-        payload = build_payload(None, steering)
-        fields = dict(payload.extra_args[EXTRA_ARGS_KEY], steering=steering.to_dict())
-        fields.pop("steering_key", None)
-        return {EXTRA_ARGS_KEY: fields}
+        extra = build_payload(None, steering).extra_args
+        as_dict_wire(extra[EXTRA_ARGS_KEY], steering)
+        return extra
 
     kinds = {
         "plain": lambda: None,

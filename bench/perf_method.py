@@ -67,6 +67,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import perf_models
 import storage
+from steer_ab import worker_counters
 
 CONFIGS = ("vanilla", "plain", "steer", "capture")
 TARGETS = {"plain": 0.99, "steer": 0.95, "capture": 0.90}
@@ -378,12 +379,17 @@ def _send_steering_as_dicts() -> None:
     def build_payload(capture, steering, *args, **kwargs):
         payload = text_form(capture, steering, *args, **kwargs)
         if payload is not None and steering is not None and not steering.is_noop:
-            fields = payload.extra_args[engine_mod.EXTRA_ARGS_KEY]
-            fields["steering"] = steering.to_dict()
-            fields.pop("steering_key", None)
+            as_dict_wire(payload.extra_args[engine_mod.EXTRA_ARGS_KEY], steering)
         return payload
 
     engine_mod.build_payload = build_payload
+
+
+def as_dict_wire(fields: dict[str, Any], steering: Any) -> None:
+    """A payload's fields (`extra_args["capsteer"]`) with the steering spec in the nested
+    mapping form sent before 2026-11-26 instead of JSON text and its key."""
+    fields["steering"] = steering.to_dict()
+    fields.pop("steering_key", None)
 
 
 def _workload_line(p: dict[str, Any]) -> str:
@@ -401,14 +407,7 @@ def _workload_line(p: dict[str, Any]) -> str:
 
 def _hook_counters(engine: Any) -> dict[str, float]:
     """The first worker's cumulative hook counters (none for vanilla)."""
-    if engine is None:
-        return {}
-    stats = engine.stats()[0]
-    flat = {f"host_s_{k}": float(v) for k, v in stats.get("host_s", {}).items()}
-    flat.update({"plan_builds": stats.get("plan_builds", 0),
-                 "plan_reuses": stats.get("plan_reuses", 0)})
-    flat.update({f"harvest_{k}": float(v) for k, v in (stats.get("harvest") or {}).items()})
-    return flat
+    return {} if engine is None else worker_counters(engine)
 
 
 def _counter_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:

@@ -49,10 +49,13 @@ def _diagnostic(kind: str) -> tuple[str, str] | None:
     return (base, part) if base and part in DIAGNOSTICS else None
 
 
-def _counters(engine) -> dict[str, float]:
+def worker_counters(engine) -> dict[str, float]:
+    """The first worker's cumulative hook counters: plan builds and reuses, host seconds
+    by phase, and the harvester's ring waits, delivery seconds and copies (captures)."""
     stats = engine.stats()[0]
     return {"plan_builds": stats["plan_builds"], "plan_reuses": stats["plan_reuses"],
-            **{f"host_s_{k}": v for k, v in stats["host_s"].items()}}
+            **{f"host_s_{k}": v for k, v in stats["host_s"].items()},
+            **{f"harvest_{k}": float(v) for k, v in (stats.get("harvest") or {}).items()}}
 
 
 def _worker_diagnostic(worker, part: str) -> str:
@@ -167,17 +170,17 @@ def main() -> int:
                             capture=capture, durable=kind.startswith("capture_durable"))
                     for p in prompts]
             restore = patched(kind)
-            before = _counters(engine)
+            before = worker_counters(engine)
             t0 = time.perf_counter()
             try:
                 results = engine.generate(reqs, timeout=600)
             finally:
                 took = time.perf_counter() - t0
                 restore()
-            after = _counters(engine)
+            after = worker_counters(engine)
             seen = worker_counts.setdefault(f"{wl}/{kind}", {})
             for name, value in after.items():
-                seen[name] = round(seen.get(name, 0) + value - before[name], 6)
+                seen[name] = round(seen.get(name, 0) + value - before.get(name, 0.0), 6)
             bad = [r.receipt for r in results if r.receipt is not None and r.receipt.status != "ok"]
             if bad:
                 raise RuntimeError(f"{len(bad)} captures failed, e.g. {bad[0]}")
