@@ -78,8 +78,13 @@ TARGETS = {"plain": 0.99, "steer": 0.95, "capture": 0.90}
 # on a 16-CPU host); beside `capture` it says whether publishing's rate bounds P3.
 # steer_dictwire: `steer` with the steering spec sent as nested dicts in extra_args (the
 # wire form before 2026-11-26) instead of JSON text; beside `steer` it measures that change.
-DIAGNOSTIC = ("steer_one", "capture_w4", "steer_dictwire")
-CAPTURING = ("capture", "capture_w4")
+# capture_nocopy / capture_switch: `capture` with a part of the worker's capture path
+# switched (steer_ab.DIAGNOSTICS "nocopy": rows not copied into the writer's ring;
+# "switch": a 0.5 ms GIL switch interval in the engine process); beside `capture` they
+# say how much of P3's gap that part makes.
+DIAGNOSTIC = ("steer_one", "capture_w4", "steer_dictwire", "capture_nocopy", "capture_switch")
+CAPTURING = ("capture", "capture_w4", "capture_nocopy", "capture_switch")
+WORKER_PARTS = {"capture_nocopy": "nocopy", "capture_switch": "switch"}
 MIN_PROCESSES = 3  # per configuration, before a ratio's spread counts
 # name: (requests, prompt tokens, generated tokens)
 WORKLOADS = {
@@ -216,6 +221,8 @@ def run_process(a: argparse.Namespace) -> dict[str, Any]:
         from capsteer.engine import Engine, Request
     if a.config == "steer_dictwire":
         _send_steering_as_dicts()
+    if a.config in WORKER_PARTS:  # the worker-side switch travels to the engine by cloudpickle
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
 
     import_s = time.time() - t_start
     if a.imported_file:
@@ -249,6 +256,10 @@ def run_process(a: argparse.Namespace) -> dict[str, Any]:
         if a.config == "capture_w4":
             settings["capture_writer_processes"] = 4
         engine = Engine(a.model, capsteer_config=settings, **kw)
+        if a.config in WORKER_PARTS:
+            from steer_ab import _worker_diagnostic
+
+            engine.llm.collective_rpc(_worker_diagnostic, args=(WORKER_PARTS[a.config],))
     startup_s = time.perf_counter() - started
     one_layer = shape.layers // 2
     steering = {"vectors": [{"hook": "resid_post", "layers": "all",

@@ -40,6 +40,10 @@ DIAGNOSTICS = {
     "noplan": "requests are registered (slots, entries) but no step builds or uploads a plan",
     "noop": "the tap op returns before the runtime (plans are still built and uploaded)",
     "nolaunch": "the tap runs its Python but launches no kernel",
+    "nocopy": "captured rows are not copied into the writer process's ring (its files get "
+              "whatever the ring held): the sink thread's bulk copy off",
+    "switch": "the engine process's GIL switch interval is 0.5 ms instead of 5 ms: a thread "
+              "that wants the GIL waits less for the one holding it",
 }
 
 
@@ -49,24 +53,36 @@ def _diagnostic(kind: str) -> tuple[str, str] | None:
     return (base, part) if base and part in DIAGNOSTICS else None
 
 
+# The durable writer link's cumulative counters (the engine side of the writer processes).
+WRITER_COUNTERS = ("ring_waits", "ring_wait_s", "copy_s", "send_s", "inline_writes")
+
+
 def worker_counters(engine) -> dict[str, float]:
     """The first worker's cumulative hook counters: plan builds and reuses, host seconds
-    by phase, and the harvester's ring waits, delivery seconds and copies (captures)."""
+    by phase, the harvester's ring waits, delivery seconds and copies (captures), and
+    the durable writer link's ring waits, copy and send seconds (captures)."""
     stats = engine.stats()[0]
+    writer = next(iter(engine.llm.collective_rpc("capsteer_writer_stats")), None) or {}
     return {"plan_builds": stats["plan_builds"], "plan_reuses": stats["plan_reuses"],
             **{f"host_s_{k}": v for k, v in stats["host_s"].items()},
-            **{f"harvest_{k}": float(v) for k, v in (stats.get("harvest") or {}).items()}}
+            **{f"harvest_{k}": float(v) for k, v in (stats.get("harvest") or {}).items()},
+            **{f"writer_{k}": float(writer[k]) for k in WRITER_COUNTERS if k in writer}}
 
 
 def _worker_diagnostic(worker, part: str) -> str:
     """Runs in the worker (collective_rpc): switch one part of the hook path off, or every
     part back on ("off")."""
+    from capsteer.capture import writer_process
     from capsteer.engine_ext import adapter, tap_kernel
     from capsteer.engine_ext import runtime as rt
     from capsteer.engine_ext.runtime import StepPlan
 
     hooks = worker.capsteer
-    saved = hooks.__dict__.setdefault("_diagnostic_saved", {"tap": tap_kernel.tap})
+    saved = hooks.__dict__.setdefault("_diagnostic_saved", {
+        "tap": tap_kernel.tap, "copy_rows": writer_process.copy_rows,
+        "switch": sys.getswitchinterval()})
+    writer_process.copy_rows = saved["copy_rows"]
+    sys.setswitchinterval(saved["switch"])
     hooks.__dict__.pop("before_step", None)
     hooks.pinned_plan = False
     rt.install_runtime(hooks.runtime)
@@ -86,6 +102,10 @@ def _worker_diagnostic(worker, part: str) -> str:
         rt.install_runtime(None)
     elif part == "nolaunch":
         tap_kernel.tap = lambda *args, **kwargs: None
+    elif part == "nocopy":
+        writer_process.copy_rows = lambda dst, src: None
+    elif part == "switch":
+        sys.setswitchinterval(0.0005)
     elif part != "off":
         raise ValueError(part)
     return part

@@ -18,6 +18,7 @@ from capsteer.capture.paths import relative_dir
 from capsteer.capture.receipts import Receipt, receipt_at
 from capsteer.capture.sink import CapturedActivations
 from capsteer.capture.spec import CaptureSpec, SpecError, parse_capture_spec
+from capsteer.engine_ext.lifeline import mark_launcher
 from capsteer.engine_ext.plan import EXTRA_ARGS_KEY
 from capsteer.engine_ext.version import hooks_code_hash
 from capsteer.steering.spec import SteeringSpec, VectorLookup, parse_steering_spec
@@ -141,6 +142,7 @@ class Engine:
 
         extra = dict(llm_kwargs.pop("additional_config", None) or {})
         extra["capsteer"] = {"hooks_code": hooks_code_hash(), **dict(capsteer_config or {})}
+        mark_launcher()  # its engine processes exit if this process is killed
         self.llm = LLM(model=model, worker_cls=WORKER_CLS, additional_config=extra, **llm_kwargs)
         hf = self.llm.llm_engine.model_config.hf_config
         self.num_layers = int(hf.num_hidden_layers)

@@ -67,7 +67,7 @@ class _AllReady:
 # Stats fields that add up across children (the rest are per child, under "processes").
 _SUMMED = ("budget_bytes", "inflight_bytes", "open_bytes", "sealed_bytes", "peak_bytes",
            "open_captures", "spilled_bytes", "ring_bytes", "ring_waits", "ring_wait_s",
-           "inline_writes")
+           "inline_writes", "copy_s", "send_s")
 
 
 class ProcessWriterPool:
@@ -147,7 +147,8 @@ class ProcessWriterPool:
         each = [w.stats() for w in self.writers]
         got = [s for s in each if s is not None]
         out: dict[str, Any] = {k: sum(s.get(k) or 0 for s in got) for k in _SUMMED}
-        out["ring_wait_s"] = round(out["ring_wait_s"], 6)
+        for k in ("ring_wait_s", "copy_s", "send_s"):
+            out[k] = round(out[k], 6)
         out.update({"policy": got[0].get("policy") if got else None, "failure": self.failure,
                     "process": None, "processes": each})
         return out

@@ -153,6 +153,8 @@ class ProcessCaptureWriter:
         self.ring_waits = 0  # writes that waited for the child to free ring space
         self.ring_wait_s = 0.0  # and the seconds they waited
         self.inline_writes = 0  # writes too large for the ring, sent on the socket
+        self.copy_s = 0.0  # seconds copying rows into the ring (the sink thread's bulk work)
+        self.send_s = 0.0  # seconds serializing and sending messages to the child
         self._reader = threading.Thread(target=self._read_loop, name="capsteer-writer-link", daemon=True)
         self._reader.start()
 
@@ -199,7 +201,9 @@ class ProcessCaptureWriter:
             if offset < 0:
                 return  # the child died while we waited; the fallback took over
             if nbytes:
+                started = time.perf_counter()
                 copy_rows(self._ring[offset:offset + nbytes].view(dtype).view(shape), rows)
+                self.copy_s += time.perf_counter() - started
             self._pending.append((capture_id, hook, int(layer), pos, dtype, shape, offset, end))
             if len(self._pending) >= _MAX_BATCH:
                 self._send_pending_locked()
@@ -226,7 +230,8 @@ class ProcessCaptureWriter:
         """The child writer's stats (CaptureWriter.stats) plus this link's counters."""
         own = {"process": self.child_pid, "failure": self.failure, "ring_bytes": self.ring_bytes,
                "ring_waits": self.ring_waits, "ring_wait_s": round(self.ring_wait_s, 6),
-               "inline_writes": self.inline_writes}
+               "inline_writes": self.inline_writes, "copy_s": round(self.copy_s, 6),
+               "send_s": round(self.send_s, 6)}
         if self._fallback is not None:
             return {**self._fallback.stats(), **own}
         got = self._control("stats", _CALL_TIMEOUT_S)
@@ -311,12 +316,15 @@ class ProcessCaptureWriter:
     def _send_raw_locked(self, msg: tuple) -> None:
         if self._fallback is not None:
             return  # the failover already gave every capture of this message its outcome
+        started = time.perf_counter()
         try:
             self._conn.send_bytes(_dumps(msg))
         except OSError as exc:
             # Every capture this message concerns was opened before it, so it is in
             # _inflight and the failover gives it its error outcome; nothing to replay.
             self._fail(f"capture writer process unreachable: {exc!r}")
+        finally:
+            self.send_s += time.perf_counter() - started
 
     def _call(self, name: str, *args: Any, timeout: float | None = _CALL_TIMEOUT_S) -> Any:
         fut: Future[Any] = Future()

@@ -20,6 +20,7 @@ from capsteer.capture.sink import CaptureEnd, CaptureRequest, CaptureSink, Memor
 from capsteer.engine_ext import adapter
 from capsteer.engine_ext.canary import CanaryFailed, faulty_site, run_canary
 from capsteer.engine_ext.harvest import Harvester
+from capsteer.engine_ext.lifeline import watch_launcher
 from capsteer.engine_ext.plan import RequestHooks, build_step_plan, shared_site_set
 from capsteer.engine_ext.runtime import HookRuntime, StepPlan, hook_point, install_runtime
 
@@ -547,6 +548,10 @@ class CapsteerWorker(adapter.platform_worker_base()):  # type: ignore[misc]
     """The platform worker plus capsteer hooks (see module docstring)."""
 
     capsteer: EngineHooks
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        watch_launcher()  # an orphaned engine exits instead of holding the GPU for nobody
 
     def load_model(self, *args, **kwargs) -> None:
         super().load_model(*args, **kwargs)

@@ -15,6 +15,7 @@ import os
 
 from capsteer.config.cli import add_server_flags, load_from_args
 from capsteer.config.server import ENV_VAR, ConfigError
+from capsteer.engine_ext.lifeline import mark_launcher
 from capsteer.engine_ext.version import hooks_code_hash
 from capsteer.server.peers import RUNTIME_ENV, make_runtime_dir
 
@@ -100,6 +101,7 @@ def _run(args: argparse.Namespace, passthrough: list[str] | None = None) -> int:
         return 0
     refuse_unsupported_dp(extra)
     os.environ[ENV_VAR] = settings.to_env()
+    mark_launcher()  # the engine processes vLLM starts exit if this process is killed
     if RUNTIME_ENV not in os.environ:  # shared by the API server processes vLLM starts
         os.environ[RUNTIME_ENV] = make_runtime_dir()
     host = extra[extra.index("--host") + 1] if "--host" in extra else "127.0.0.1"
