@@ -8,6 +8,7 @@ ends, because only then is it known which position was the last one fed.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Iterable, Mapping
@@ -226,8 +227,19 @@ class CaptureSpec:
         }
 
     def to_json(self) -> str:
-        """Canonical JSON, stable across processes (usable as a cache key)."""
-        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        """Canonical JSON, stable across processes (usable as a cache key); computed once
+        (every request of a batch sends it, and it is the spec's hash)."""
+        text = self.__dict__.get("_json")
+        if text is None:
+            text = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+            self.__dict__["_json"] = text  # frozen: not a field, so eq and repr ignore it
+        return text
+
+    @classmethod
+    def from_wire(cls, wire: Mapping[str, Any] | str) -> CaptureSpec:
+        """From either wire form: `to_json()`'s text (what requests carry: one parse per
+        distinct text, shared by the requests that send it) or `to_dict()`'s mapping."""
+        return _spec_from_text(wire) if isinstance(wire, str) else cls.from_dict(wire)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> CaptureSpec:
@@ -241,6 +253,11 @@ class CaptureSpec:
             dtype=parse_dtype(d.get("dtype", "auto")),
             tag=None if tag is None else validate_slug(tag, "capture.tag"),
         )
+
+
+@functools.lru_cache(maxsize=256)
+def _spec_from_text(text: str) -> CaptureSpec:
+    return CaptureSpec.from_dict(json.loads(text))
 
 
 def parse_capture_spec(

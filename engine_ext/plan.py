@@ -76,8 +76,8 @@ class RequestHooks:
             return None
         hooks = cls(req_id=req_id, prompt_len=prompt_len)
         if payload.get("capture"):
-            raw = payload["capture"]  # JSON text (cheap for vLLM's per-request copy) or mapping
-            hooks.capture = CaptureSpec.from_dict(json.loads(raw) if isinstance(raw, str) else raw)
+            # JSON text (cheap for vLLM's per-request copy; parsed once per distinct text)
+            hooks.capture = CaptureSpec.from_wire(payload["capture"])
             hooks.capture_id = payload["capture_id"]
             hooks.durable = bool(payload.get("durable", False))
             hooks.await_end = bool(payload.get("await_end", False))

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from capsteer.capture.spec import parse_capture_spec
+from capsteer.capture.spec import CaptureSpec, parse_capture_spec
 from capsteer.engine_ext.plan import (
     GENERATED,
     PROMPT,
@@ -616,3 +616,8 @@ def test_capture_spec_travels_as_json_text():
         "b", {"capsteer": {**fields, "capture": spec.to_dict()}}, 4, runtime())
     assert text.capture == mapped.capture == spec
     assert text.points == mapped.points and text.sites == mapped.sites and text.points
+    again = RequestHooks.from_extra_args("c", {"capsteer": fields}, 4, runtime())
+    assert again.capture is text.capture  # one parse per distinct text, shared (frozen)
+    other = parse_capture_spec({"hooks": ["resid_post"], "layers": [1], "positions": "prompt"},
+                               num_layers=LAYERS)
+    assert CaptureSpec.from_wire(other.to_json()) == other != spec
