@@ -53,6 +53,19 @@ def _alive(proc: psutil.Process) -> bool:
         return False
 
 
+def _engine_core(me: psutil.Process, launcher: psutil.Process) -> psutil.Process | None:
+    """This worker's parent when it is the EngineCore the launcher started (vLLM runs
+    workers as its child processes): a Python process like this one whose parent is the
+    launcher; never the launcher itself, a shell, a raylet or init."""
+    try:
+        parent = me.parent()
+        if parent is None or parent.pid == launcher.pid or parent.ppid() != launcher.pid:
+            return None
+        return parent if parent.exe() == me.exe() else None
+    except psutil.Error:
+        return None
+
+
 def watch_launcher(poll_s: float = POLL_S) -> threading.Thread | None:
     """Start the watch in an engine process (a worker); None where there is no launcher
     to watch: none was named, or it is this process or not one of its ancestors."""
@@ -60,11 +73,7 @@ def watch_launcher(poll_s: float = POLL_S) -> threading.Thread | None:
     me = psutil.Process()
     if launcher is None or launcher.pid not in {p.pid for p in me.parents()}:
         return None  # this process is the launcher, or the name was inherited elsewhere
-    parent = me.parent()
-    # The worker's parent is the EngineCore when vLLM runs workers as processes; kill it
-    # too, but only when the launcher started it (never a shell, a raylet or init).
-    core = parent if parent is not None and parent.pid != launcher.pid \
-        and parent.ppid() == launcher.pid else None
+    core = _engine_core(me, launcher)
 
     def watch() -> None:
         while _alive(launcher):
