@@ -82,9 +82,13 @@ TARGETS = {"plain": 0.99, "steer": 0.95, "capture": 0.90}
 # switched (steer_ab.DIAGNOSTICS "nocopy": rows not copied into the writer's ring;
 # "switch": a 0.5 ms GIL switch interval in the engine process); beside `capture` they
 # say how much of P3's gap that part makes.
-DIAGNOSTIC = ("steer_one", "capture_w4", "steer_dictwire", "capture_nocopy", "capture_switch")
-CAPTURING = ("capture", "capture_w4", "capture_nocopy", "capture_switch")
-WORKER_PARTS = {"capture_nocopy": "nocopy", "capture_switch": "switch"}
+# capture_copyring: `capture` with rows through the harvester's pinned ring and a host
+# copy (the path before 2026-11-26's device ring); beside `capture` it measures that change.
+DIAGNOSTIC = ("steer_one", "capture_w4", "steer_dictwire", "capture_nocopy", "capture_switch",
+              "capture_copyring")
+CAPTURING = ("capture", "capture_w4", "capture_nocopy", "capture_switch", "capture_copyring")
+WORKER_PARTS = {"capture_nocopy": "nocopy", "capture_switch": "switch",
+                "capture_copyring": "copyring"}
 MIN_PROCESSES = 3  # per configuration, before a ratio's spread counts
 # name: (requests, prompt tokens, generated tokens)
 WORKLOADS = {

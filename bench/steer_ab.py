@@ -42,6 +42,8 @@ DIAGNOSTICS = {
     "nolaunch": "the tap runs its Python but launches no kernel",
     "nocopy": "captured rows are not copied into the writer process's ring (its files get "
               "whatever the ring held): the sink thread's bulk copy off",
+    "copyring": "captured rows take the harvester's pinned ring and a host copy into the "
+                "writer's ring instead of the GPU's copy straight into its device ring",
     "switch": "the engine process's GIL switch interval is 0.5 ms instead of 5 ms: a thread "
               "that wants the GIL waits less for the one holding it",
 }
@@ -54,7 +56,8 @@ def _diagnostic(kind: str) -> tuple[str, str] | None:
 
 
 # The durable writer link's cumulative counters (the engine side of the writer processes).
-WRITER_COUNTERS = ("ring_waits", "ring_wait_s", "copy_s", "send_s", "inline_writes")
+WRITER_COUNTERS = ("ring_waits", "ring_wait_s", "copy_s", "send_s", "inline_writes",
+                   "device_writes", "device_full")
 
 
 def worker_counters(engine) -> dict[str, float]:
@@ -80,8 +83,9 @@ def _worker_diagnostic(worker, part: str) -> str:
     hooks = worker.capsteer
     saved = hooks.__dict__.setdefault("_diagnostic_saved", {
         "tap": tap_kernel.tap, "copy_rows": writer_process.copy_rows,
-        "switch": sys.getswitchinterval()})
+        "switch": sys.getswitchinterval(), "device_rows": hooks.device_rows})
     writer_process.copy_rows = saved["copy_rows"]
+    hooks.device_rows = saved["device_rows"]
     sys.setswitchinterval(saved["switch"])
     hooks.__dict__.pop("before_step", None)
     hooks.pinned_plan = False
@@ -106,6 +110,8 @@ def _worker_diagnostic(worker, part: str) -> str:
         writer_process.copy_rows = lambda dst, src: None
     elif part == "switch":
         sys.setswitchinterval(0.0005)
+    elif part == "copyring":
+        hooks.device_rows = False
     elif part != "off":
         raise ValueError(part)
     return part

@@ -32,7 +32,7 @@ import torch
 from capsteer.capture import metrics
 from capsteer.capture.pool import check_processes
 from capsteer.capture.sink import CaptureEnd, CaptureRequest
-from capsteer.capture.writer_process import DEFAULT_RING_BYTES, ProcessCaptureWriter
+from capsteer.capture.writer_process import DEFAULT_RING_BYTES, DeviceRows, ProcessCaptureWriter
 
 # Writer processes the default configuration starts where the host has the cores: two
 # reached the disk's rate on the lent H100 hosts (16 cores); one is the bound below that.
@@ -67,7 +67,7 @@ class _AllReady:
 # Stats fields that add up across children (the rest are per child, under "processes").
 _SUMMED = ("budget_bytes", "inflight_bytes", "open_bytes", "sealed_bytes", "peak_bytes",
            "open_captures", "spilled_bytes", "ring_bytes", "ring_waits", "ring_wait_s",
-           "inline_writes", "copy_s", "send_s")
+           "inline_writes", "copy_s", "send_s", "device_writes", "device_full")
 
 
 class ProcessWriterPool:
@@ -130,6 +130,19 @@ class ProcessWriterPool:
     def end_step(self) -> None:
         for w in self.writers:
             w.end_step()
+
+    def pin_device_ring(self) -> bool:
+        """Every child's device ring page-locked (see ProcessCaptureWriter)."""
+        return all([w.pin_device_ring() for w in self.writers])
+
+    def reserve_rows(self, capture_id: str, shape: tuple[int, ...],
+                     dtype: torch.dtype) -> DeviceRows | None:
+        writer = self._route.get(capture_id)
+        return None if writer is None else writer.reserve_rows(capture_id, shape, dtype)
+
+    def write_reserved(self, reserved: DeviceRows, capture_id: str, hook: str, layer: int,
+                       positions: np.ndarray) -> None:
+        reserved.writer.write_reserved(reserved, capture_id, hook, layer, positions)
 
     def close(self, end: CaptureEnd) -> None:
         writer = self._route.pop(end.capture_id, None)

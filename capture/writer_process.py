@@ -22,9 +22,16 @@ Protocol (pickled tuples on one socket pair, in order):
   child -> parent  ("ready", pid) | ("done", [ids]) | ("reply", n, value, error)
 A second socket pair carries diagnostics out of band: (n, "stats" | "metrics") answered
 by (n, value, error) from a thread of the child, so a scrape never waits behind rows.
-The ring's first 8 bytes hold how far the child has consumed it (a logical offset):
-the child copies a write's rows out (CaptureWriter.write always copies) and only then
+The shared memory holds a header and two rings. The copy ring takes rows `write()`
+copies in (the sink thread's memmove). The device ring, page-locked for CUDA, takes
+rows the engine's GPU copies into it directly (`reserve_rows` on the step thread, then
+`write_reserved` on the sink thread once the copy landed): the engine process then does
+no bulk copy at all. A "writes" entry names its rows by offset from the start of the
+shared memory; its end is the copy ring's logical end, or minus the device ring's. The
+header's first two 8-byte words hold how far the child has consumed each ring: the
+child copies a write's rows out (CaptureWriter.write always copies) and only then
 advances it; the parent reuses ring bytes only below it (x86 store order is enough).
+Each ring has one producer thread, so its entries reach the child in reservation order.
 
 If the child dies, the parent notices (socket EOF), writes an error outcome for every
 capture the child had not reported done, through an in-process `CaptureWriter`, and
@@ -48,6 +55,7 @@ import sys
 import threading
 import time
 from concurrent.futures import Future
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -62,7 +70,8 @@ from capsteer.capture.sink import CaptureEnd, CaptureRequest
 log = logging.getLogger(__name__)
 
 DEFAULT_RING_BYTES = 128 << 20
-_HEADER = 64  # the consumed counter, padded to a cache line
+_HEADER = 4096  # the consumed counters (copy ring at 0, device ring at 8), then the rings
+_PAGE = 4096
 _ALIGN = 64
 _DONE_BATCH_S = 0.02  # the child reports finished captures at most this often
 _CALL_TIMEOUT_S = 30.0
@@ -75,6 +84,17 @@ def _align(n: int) -> int:
 
 def _dumps(msg: tuple) -> bytes:
     return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+@dataclass
+class DeviceRows:
+    """Device-ring space reserved for one write's rows (`ProcessCaptureWriter.reserve_rows`):
+    `rows` is the page-locked host view the engine's GPU copy fills."""
+
+    writer: ProcessCaptureWriter
+    rows: torch.Tensor
+    offset: int  # in the device ring
+    end: int  # logical end, for the child's consumed counter
 
 
 class ProcessCaptureWriter:
@@ -99,15 +119,21 @@ class ProcessCaptureWriter:
         self.root = Path(root).resolve()
         self._writer_kwargs: dict[str, Any] = {"budget_bytes": budget_bytes, "policy": policy,
                                                "workers": workers, "digest": digest}
-        self.ring_bytes = _align(max(ring_bytes, 1 << 20))
+        self.ring_bytes = -(-max(ring_bytes, 1 << 20) // _PAGE) * _PAGE
+        # Two rings after the header: the copy ring (write() copies rows in) and the device
+        # ring (the engine's GPU copies rows straight into it, see reserve_rows).
         self._fd = os.memfd_create("capsteer-capture-ring", os.MFD_CLOEXEC)
-        os.ftruncate(self._fd, _HEADER + self.ring_bytes)
+        os.ftruncate(self._fd, _HEADER + 2 * self.ring_bytes)
         import mmap
 
-        self._mm = mmap.mmap(self._fd, _HEADER + self.ring_bytes)
+        self._mm = mmap.mmap(self._fd, _HEADER + 2 * self.ring_bytes)
         self._ring = torch.frombuffer(self._mm, dtype=torch.uint8, offset=_HEADER,
                                       count=self.ring_bytes)
+        self._dring = torch.frombuffer(self._mm, dtype=torch.uint8,
+                                       offset=_HEADER + self.ring_bytes, count=self.ring_bytes)
         self._head = 0  # logical bytes handed to the child (monotonic)
+        self._dhead = 0  # the device ring's: reserved by the engine's step thread only
+        self._device_rows = False  # the device ring is page-locked for the GPU's copies
         self._pending: list[tuple] = []  # this step's ring writes, not sent yet
         self._opens: collections.deque[tuple] = collections.deque()  # queued without a lock
         ours, theirs = socket.socketpair()
@@ -154,6 +180,8 @@ class ProcessCaptureWriter:
         self.ring_wait_s = 0.0  # and the seconds they waited
         self.inline_writes = 0  # writes too large for the ring, sent on the socket
         self.copy_s = 0.0  # seconds copying rows into the ring (the sink thread's bulk work)
+        self.device_writes = 0  # writes whose rows the GPU copied into the device ring
+        self.device_full = 0  # reservations refused for want of device ring space
         self.send_s = 0.0  # seconds serializing and sending messages to the child
         self._reader = threading.Thread(target=self._read_loop, name="capsteer-writer-link", daemon=True)
         self._reader.start()
@@ -204,7 +232,8 @@ class ProcessCaptureWriter:
                 started = time.perf_counter()
                 copy_rows(self._ring[offset:offset + nbytes].view(dtype).view(shape), rows)
                 self.copy_s += time.perf_counter() - started
-            self._pending.append((capture_id, hook, int(layer), pos, dtype, shape, offset, end))
+            self._pending.append((capture_id, hook, int(layer), pos, dtype, shape,
+                                  _HEADER + offset, end))
             if len(self._pending) >= _MAX_BATCH:
                 self._send_pending_locked()
 
@@ -212,6 +241,70 @@ class ProcessCaptureWriter:
         """The step's rows are all written: send them to the child as one message."""
         with self._send_lock:
             self._send_pending_locked()
+
+    # ------------------------------------------------- rows copied by the GPU
+    def pin_device_ring(self) -> bool:
+        """Page-lock the device ring for CUDA, so the engine's asynchronous device-to-host
+        copies land in it directly (no host copy in the engine process, whose GIL the
+        step thread needs). False (the copy path stays) where that cannot be done."""
+        if self._device_rows:
+            return True
+        try:
+            cudart = torch.cuda.cudart()
+            err = cudart.cudaHostRegister(self._dring.data_ptr(), self.ring_bytes, 0)
+            if int(getattr(err, "value", err)) != 0:
+                log.warning("capsteer: cudaHostRegister of the capture ring failed (%s); "
+                            "captured rows take the host copy", err)
+                return False
+        except Exception as exc:  # no CUDA here: the copy path
+            log.warning("capsteer: capture ring not page-locked (%r); captured rows take the "
+                        "host copy", exc)
+            return False
+        self._device_rows = True
+        return True
+
+    def reserve_rows(self, capture_id: str, shape: tuple[int, ...],
+                     dtype: torch.dtype) -> DeviceRows | None:
+        """Device-ring space for one write's rows, for the engine's step thread to copy
+        the rows into (asynchronously) before `write_reserved` hands them to the child
+        once the copy landed. Never waits: None when the ring is not page-locked, the
+        write is too large, or the ring is full (the caller takes the copy path)."""
+        if not self._device_rows or self._fallback is not None:
+            return None
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        size = _align(nbytes)
+        if 2 * size > self.ring_bytes or not nbytes:
+            return None
+        head = self._dhead
+        phys = head % self.ring_bytes
+        if phys + size > self.ring_bytes:  # no wrap inside one write: skip the tail
+            head += self.ring_bytes - phys
+            phys = 0
+        end = head + size
+        if end - struct.unpack_from("<Q", self._mm, 8)[0] > self.ring_bytes:
+            self.device_full += 1
+            return None
+        self._dhead = end
+        rows = self._dring[phys:phys + nbytes].view(dtype).view(shape)
+        return DeviceRows(self, rows, phys, end)
+
+    def write_reserved(self, reserved: DeviceRows, capture_id: str, hook: str, layer: int,
+                       positions: np.ndarray) -> None:
+        """`write` of reserved rows the GPU copy has filled (the caller waited for it).
+        Every reservation is handed over, in reservation order: the child advances the
+        device ring past it."""
+        pos = np.ascontiguousarray(positions, dtype=np.int64).reshape(-1)
+        rows = reserved.rows
+        with self._send_lock:
+            if self._fallback is not None:
+                self._fallback.write(capture_id, hook, layer, pos, rows)
+                return
+            self.device_writes += 1
+            self._pending.append((capture_id, hook, int(layer), pos, rows.dtype,
+                                  tuple(rows.shape), _HEADER + self.ring_bytes + reserved.offset,
+                                  -reserved.end))
+            if len(self._pending) >= _MAX_BATCH:
+                self._send_pending_locked()
 
     def close(self, end: CaptureEnd) -> None:
         if self._fallback is not None:
@@ -231,7 +324,8 @@ class ProcessCaptureWriter:
         own = {"process": self.child_pid, "failure": self.failure, "ring_bytes": self.ring_bytes,
                "ring_waits": self.ring_waits, "ring_wait_s": round(self.ring_wait_s, 6),
                "inline_writes": self.inline_writes, "copy_s": round(self.copy_s, 6),
-               "send_s": round(self.send_s, 6)}
+               "send_s": round(self.send_s, 6), "device_writes": self.device_writes,
+               "device_full": self.device_full}
         if self._fallback is not None:
             return {**self._fallback.stats(), **own}
         got = self._control("stats", _CALL_TIMEOUT_S)
@@ -273,6 +367,7 @@ class ProcessCaptureWriter:
     # -------------------------------------------------------------- internals
     def _consumed(self) -> int:
         return struct.unpack_from("<Q", self._mm, 0)[0]
+
 
     def _reserve(self, n: int) -> tuple[int, int]:
         """(physical offset, logical end) of n free ring bytes (caller holds the send
@@ -460,8 +555,8 @@ def _serve(sock_fd: int, ctl_fd: int, ring_fd: int, config: dict[str, Any]) -> N
 
     conn = Connection(sock_fd)
     ring_bytes = int(config.pop("ring_bytes"))
-    mm = mmap.mmap(ring_fd, _HEADER + ring_bytes)
-    ring = torch.frombuffer(mm, dtype=torch.uint8, offset=_HEADER, count=ring_bytes)
+    mm = mmap.mmap(ring_fd, _HEADER + 2 * ring_bytes)
+    rings = torch.frombuffer(mm, dtype=torch.uint8)  # both rings, addressed from the header
     writer = CaptureWriter(config.pop("root"), **config)
     send_lock = threading.Lock()
     finished: queue.SimpleQueue[str | None] = queue.SimpleQueue()
@@ -511,7 +606,7 @@ def _serve(sock_fd: int, ctl_fd: int, ring_fd: int, config: dict[str, Any]) -> N
             if kind == "writes":
                 for cid, hook, layer, pos, dtype, shape, offset, end in msg[1]:
                     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-                    rows = ring[offset:offset + nbytes].view(dtype).view(shape)
+                    rows = rings[offset:offset + nbytes].view(dtype).view(shape)
                     if 2 * nbytes >= ring_bytes:  # CaptureWriter.write copies rows of a larger
                         rows = rows.clone()       # storage; the parent keeps writes below half
                     try:
@@ -519,8 +614,8 @@ def _serve(sock_fd: int, ctl_fd: int, ring_fd: int, config: dict[str, Any]) -> N
                     except Exception as exc:  # the capture ends with an error, the step goes on
                         log.exception("capsteer writer process: write for %s failed", cid)
                         writer.abort(cid, f"rows could not be taken: {type(exc).__name__}: {exc}")
-                    finally:
-                        struct.pack_into("<Q", mm, 0, end)
+                    finally:  # a negative end is the device ring's (its counter at 8)
+                        struct.pack_into("<Q", mm, 8 if end < 0 else 0, abs(end))
             elif kind == "write_bytes":
                 _, cid, hook, layer, pos, dtype, shape, data = msg
                 rows = torch.frombuffer(bytearray(data), dtype=dtype).view(shape)

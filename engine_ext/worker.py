@@ -96,6 +96,11 @@ class EngineHooks:
         self.num_tokens_gathered = 0
         self.harvester = Harvester(self.runtime.staging.shape[0], self.sites.hidden_size, dtype) \
             if self.device_driven else None
+        # Durable rows go from the GPU straight into the writer processes' shared memory:
+        # no host copy in this process (whose GIL the step thread needs); else via the
+        # harvester's pinned ring and a copy on its thread.
+        pin = getattr(self.writer, "pin_device_ring", None)
+        self.device_rows = bool(self.device_driven and pin is not None and pin())
         skipped = faulty_site()
         # The mid norm's residual (pair tap at offset 1) crossed the split at attention.
         split_residual = adapter.residual_crosses_split(worker)
@@ -343,6 +348,7 @@ class EngineHooks:
         self.runtime.reset_dense()
         self.dense_live = False
         owners = [(self.requests[rid], pos) for rid, pos in plan.token_owners]
+        direct, staged = self._copy_to_sinks(plan, sinks) if self.device_rows else ([], plan)
 
         def deliver(rows: torch.Tensor, tokens: torch.Tensor) -> None:
             start = 0
@@ -351,13 +357,38 @@ class EngineHooks:
                                 strict=True):
                     hooks.tokens[p] = t
                 start += len(positions)
-            self._deliver(plan, sinks, lambda r: rows[
+            for route, sink, reserved in direct:
+                for hook, layer in route.keys:
+                    sink.write_reserved(reserved, route.capture_id, hook, layer, route.positions)
+            self._deliver(staged, sinks, lambda r: rows[
                 plan.staging_offset[r.point] + r.offset:
                 plan.staging_offset[r.point] + r.offset + len(r.positions)])
 
-        self.harvester.submit_copy(self.runtime.staging, plan.staging_rows,
+        self.harvester.submit_copy(self.runtime.staging,
+                                   plan.staging_rows if staged.routes else 0,
                                    self.runtime.token_stage, self.num_tokens_gathered, deliver)
         self._close_complete_captures()
+
+    def _copy_to_sinks(self, plan: StepPlan, sinks: dict[str, CaptureSink]):
+        """Enqueue each route's rows GPU -> its sink's page-locked shared memory (on the
+        current stream, after the forward; the harvester's event covers them). Returns
+        the routes copied that way and a plan of the rest (no space, other sinks), which
+        go through the harvester's pinned ring."""
+        direct, rest = [], []
+        staging = self.runtime.staging
+        for route in plan.routes:
+            sink = sinks[route.capture_id]
+            reserve = getattr(sink, "reserve_rows", None)
+            start = plan.staging_offset[route.point] + route.offset
+            src = staging[start: start + len(route.positions)]
+            reserved = None if reserve is None else reserve(route.capture_id, tuple(src.shape),
+                                                            src.dtype)
+            if reserved is None:
+                rest.append(route)
+                continue
+            reserved.rows.copy_(src, non_blocking=True)
+            direct.append((route, sink, reserved))
+        return direct, (plan if len(rest) == len(plan.routes) else replace(plan, routes=rest))
 
     def _close_complete_captures(self) -> None:
         """Close, right after the step that fed the prompt's last token, the captures that

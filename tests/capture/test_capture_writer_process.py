@@ -184,3 +184,70 @@ def test_copy_rows_copies_contiguous_rows_by_memmove_and_others_by_torch(dtype):
     copy_rows(wider, src)
     assert torch.equal(wider, src.double())
     copy_rows(dst[:0], src[:0])
+
+
+class _DeviceRowsSink:
+    """Drives a writer the way the engine's step and sink threads do with rows the GPU
+    copies: reserve device-ring space, fill it (here the host stands in for the GPU
+    copy), hand it over; a refused reservation takes the copy path (`write`)."""
+
+    def __init__(self, writer) -> None:
+        self.writer = writer
+        self.reserved = self.refused = 0
+
+    def __getattr__(self, name):
+        return getattr(self.writer, name)
+
+    def write(self, capture_id, hook, layer, positions, rows) -> None:
+        got = self.writer.reserve_rows(capture_id, tuple(rows.shape), rows.dtype)
+        if got is None:
+            self.refused += 1
+            self.writer.write(capture_id, hook, layer, positions, rows)
+            return
+        self.reserved += 1
+        got.rows.copy_(rows)
+        rows.fill_(float("nan"))  # the caller's buffer is reused: the ring holds the rows
+        self.writer.write_reserved(got, capture_id, hook, layer, positions)
+        self.writer.end_step()
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_rows_copied_into_the_device_ring_publish_like_written_ones(root, processes):
+    from capsteer.capture.writer_pool import ProcessWriterPool
+
+    kw = {"budget_bytes": 64 << 20, "workers": 2, "ring_bytes": 1 << 20}
+    writer = ProcessWriterPool(root, processes=processes, **kw) if processes > 1 \
+        else ProcessCaptureWriter(root, **kw)
+    try:
+        assert writer.ready.wait(60)
+        spec = make_spec(layers=[0, 1], positions="all")
+        req = make_request("before-pin", spec, 4, hidden=256)
+        writer.open(req)
+        assert writer.reserve_rows("before-pin", (4, 256), torch.float32) is None  # not pinned
+        writer.abort("before-pin", "test")
+        children = writer.writers if processes > 1 else [writer]
+        for child in children:  # what pin_device_ring sets once CUDA page-locked the ring
+            child._device_rows = True
+        sink = _DeviceRowsSink(writer)
+        refs_by_cid = {}
+        # 48 captures of 2 keys x 40 rows x 1024 floats (160 KiB a write) wrap each 1 MiB
+        # device ring many times; a reservation never waits, so some take the copy path.
+        for i in range(48):
+            cid = f"dev-{i}"
+            end, refs = feed(sink, make_request(cid, spec, 40, hidden=1024), 3,
+                             prefill_chunk=16)
+            writer.close(end)
+            refs_by_cid[cid] = refs
+        assert writer.flush(60)
+        for cid, refs in refs_by_cid.items():
+            receipt = wait_receipt(root, cid)
+            assert receipt.status == "ok", receipt.error
+            cap = read(root / receipt.dir)
+            for key, rows in refs.items():
+                assert torch.equal(cap.tensor(*key), rows), (cid, key)
+        stats = writer.stats()
+        assert sink.reserved > 100 and stats["device_writes"] == sink.reserved
+        assert stats["device_full"] == sink.refused
+        assert stats["open_captures"] == 0
+    finally:
+        writer.shutdown(timeout=30)
