@@ -52,7 +52,9 @@ def main() -> None:
     report["model_write_s"] = round(time.time() - t0, 1)
 
     t0 = time.time()
-    config = {"sync_debug": True, **({"canary": "warn"} if args.canary_warn else {})}
+    capture_root = Path(args.model_dir).parent / "capsteer-validate-captures"
+    config = {"sync_debug": True, "capture_dir": str(capture_root),
+              **({"canary": "warn"} if args.canary_warn else {})}
     engine = Engine(args.model_dir, dtype="bfloat16", gpu_memory_utilization=0.5,
                     max_model_len=2048, seed=0, capsteer_config=config,
                     enforce_eager=args.eager)
@@ -142,6 +144,30 @@ def main() -> None:
                            "agree_prefix_vs_hf_fp32__capsteer_bf16_vs_hf_bf16":
                                [prefix(res.token_ids, truth), prefix(ref_tokens, truth)]})
     report["steering_vs_hf"] = steer_rows
+
+    # 2b. the same batch with durable captures (the writer processes; on the GPU the rows
+    # go from the device into their shared memory): the files equal the in-memory captures
+    from dataclasses import replace
+
+    from capsteer.capture import read
+
+    durable = engine.generate([replace(r, durable=True) for r in requests])
+    dur_rows = []
+    for mem, dur in zip(batched, durable, strict=True):
+        if mem.captures is None:
+            continue
+        rec = dur.receipt
+        row = {"status": None if rec is None else rec.status,
+               "same_tokens": mem.token_ids == dur.token_ids}
+        if rec is not None and rec.status == "ok":
+            cap = read(capture_root / rec.dir)
+            row["positions_equal"] = cap.positions.tolist() == mem.captures.positions.tolist()
+            row["max_rel_err_vs_memory"] = max(rel_err(cap.tensor(*k), v)
+                                               for k, v in mem.captures.tensors.items())
+        dur_rows.append(row)
+    report["durable_vs_memory"] = dur_rows
+    report["writer_stats"] = [{k: v for k, v in (s or {}).items() if k != "processes"}
+                              for s in engine.llm.collective_rpc("capsteer_writer_stats")]
 
     # 3. batch isolation. bf16 kernels are batch-variant, so tokens may diverge at a near
     # tie; captures are compared where both runs fed identical inputs (prompt + agreeing
