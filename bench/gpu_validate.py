@@ -165,6 +165,14 @@ def main() -> None:
             row["max_rel_err_vs_memory"] = max(rel_err(cap.tensor(*k), v)
                                                for k, v in mem.captures.tensors.items())
         dur_rows.append(row)
+    # the batch once more in memory: how far two runs of it differ on their own (a second
+    # run's scheduling can differ, and bf16 kernels are batch-variant)
+    again = engine.generate(requests)
+    for row, mem, mem2 in zip(dur_rows, [r for r in batched if r.captures is not None],
+                              [r for r in again if r.captures is not None], strict=True):
+        row["memory_rerun_same_tokens"] = mem.token_ids == mem2.token_ids
+        row["memory_rerun_max_rel_err"] = max(rel_err(mem2.captures.tensors[k], v)
+                                              for k, v in mem.captures.tensors.items())
     report["durable_vs_memory"] = dur_rows
     report["writer_stats"] = [{k: v for k, v in (s or {}).items() if k != "processes"}
                               for s in engine.llm.collective_rpc("capsteer_writer_stats")]
