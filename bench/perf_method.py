@@ -84,9 +84,12 @@ TARGETS = {"plain": 0.99, "steer": 0.95, "capture": 0.90}
 # say how much of P3's gap that part makes.
 # capture_copyring: `capture` with rows through the harvester's pinned ring and a host
 # copy (the path before 2026-11-26's device ring); beside `capture` it measures that change.
+# capture_first: `capture` of each request's first position only (one row, not 512):
+# beside `capture` it separates the per-request capture machinery from the rows' volume.
 DIAGNOSTIC = ("steer_one", "capture_w4", "steer_dictwire", "capture_nocopy", "capture_switch",
-              "capture_copyring")
-CAPTURING = ("capture", "capture_w4", "capture_nocopy", "capture_switch", "capture_copyring")
+              "capture_copyring", "capture_first")
+CAPTURING = ("capture", "capture_w4", "capture_nocopy", "capture_switch", "capture_copyring",
+             "capture_first")
 WORKER_PARTS = {"capture_nocopy": "nocopy", "capture_switch": "switch",
                 "capture_copyring": "copyring"}
 MIN_PROCESSES = 3  # per configuration, before a ratio's spread counts
@@ -302,6 +305,8 @@ def run_process(a: argparse.Namespace) -> dict[str, Any]:
         {"hook": "resid_post", "layers": [one_layer], "vector": [0.01] * shape.hidden,
          "scale": 1.0}]}}.get(a.config)
     capture = capture_one if a.config in CAPTURING else None
+    if a.config == "capture_first":  # one row a request: the per-request machinery alone
+        capture = {**capture_one, "positions": [0]}
     per_round = len(a.configs.split(","))
     out: dict[str, Any] = {"config": a.config, "slot": a.slot,
                            "round": (a.slot - 1) // per_round + 1,
