@@ -82,6 +82,17 @@ def _align(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
+def _place(head: int, n: int, ring_bytes: int) -> tuple[int, int]:
+    """(physical offset, logical end) of n ring bytes from logical `head`: a write never
+    wraps inside itself, so one that would is placed at the ring's start (the tail is
+    skipped)."""
+    phys = head % ring_bytes
+    if phys + n > ring_bytes:
+        head += ring_bytes - phys
+        phys = 0
+    return phys, head + n
+
+
 def _dumps(msg: tuple) -> bytes:
     return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
 
@@ -275,12 +286,7 @@ class ProcessCaptureWriter:
         size = _align(nbytes)
         if 2 * size > self.ring_bytes or not nbytes:
             return None
-        head = self._dhead
-        phys = head % self.ring_bytes
-        if phys + size > self.ring_bytes:  # no wrap inside one write: skip the tail
-            head += self.ring_bytes - phys
-            phys = 0
-        end = head + size
+        phys, end = _place(self._dhead, size, self.ring_bytes)
         if end - struct.unpack_from("<Q", self._mm, 8)[0] > self.ring_bytes:
             self.device_full += 1
             return None
@@ -368,16 +374,10 @@ class ProcessCaptureWriter:
     def _consumed(self) -> int:
         return struct.unpack_from("<Q", self._mm, 0)[0]
 
-
     def _reserve(self, n: int) -> tuple[int, int]:
         """(physical offset, logical end) of n free ring bytes (caller holds the send
         lock); waits for the child to consume older writes. (-1, -1) if the child died."""
-        head = self._head
-        phys = head % self.ring_bytes
-        if phys + n > self.ring_bytes:  # no wrap inside one write: skip the tail
-            head += self.ring_bytes - phys
-            phys = 0
-        end = head + n
+        phys, end = _place(self._head, n, self.ring_bytes)
         if end - self._consumed() > self.ring_bytes:
             self.ring_waits += 1
             started = time.perf_counter()

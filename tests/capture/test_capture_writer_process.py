@@ -30,6 +30,16 @@ def wait_receipt(root: Path, cid: str, timeout: float = 60.0):
     raise AssertionError(f"no manifest for {cid} after {timeout}s")
 
 
+def assert_published(root: Path, refs_by_cid: dict) -> None:
+    """Every capture published ok, with exactly its reference rows."""
+    for cid, refs in refs_by_cid.items():
+        receipt = wait_receipt(root, cid)
+        assert receipt.status == "ok", receipt.error
+        cap = read(root / receipt.dir)
+        for key, rows in refs.items():
+            assert torch.equal(cap.tensor(*key), rows), (cid, key)
+
+
 @pytest.fixture
 def proc_writer(root: Path):
     w = ProcessCaptureWriter(root, budget_bytes=64 << 20, workers=2, ring_bytes=1 << 20)
@@ -90,12 +100,7 @@ def test_rows_wrap_the_ring_wait_for_it_and_go_inline_when_large(proc_writer, ro
     proc_writer.close(end)
     refs_by_cid["wrap-big"] = big_refs
     assert proc_writer.flush(60)
-    for cid, refs in refs_by_cid.items():
-        receipt = wait_receipt(root, cid)
-        assert receipt.status == "ok", receipt.error
-        cap = read(root / receipt.dir)
-        for key, rows in refs.items():
-            assert torch.equal(cap.tensor(*key), rows), (cid, key)
+    assert_published(root, refs_by_cid)
     stats = proc_writer.stats()
     assert stats is not None and stats["process"] == proc_writer.child_pid
     assert stats["inline_writes"] == 2  # the big request's two keys
@@ -239,12 +244,7 @@ def test_rows_copied_into_the_device_ring_publish_like_written_ones(root, proces
             writer.close(end)
             refs_by_cid[cid] = refs
         assert writer.flush(60)
-        for cid, refs in refs_by_cid.items():
-            receipt = wait_receipt(root, cid)
-            assert receipt.status == "ok", receipt.error
-            cap = read(root / receipt.dir)
-            for key, rows in refs.items():
-                assert torch.equal(cap.tensor(*key), rows), (cid, key)
+        assert_published(root, refs_by_cid)
         stats = writer.stats()
         assert sink.reserved > 100 and stats["device_writes"] == sink.reserved
         assert stats["device_full"] == sink.refused
