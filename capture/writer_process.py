@@ -104,7 +104,7 @@ class DeviceRows:
 
     writer: ProcessCaptureWriter
     rows: torch.Tensor
-    offset: int  # in the device ring
+    offset: int  # from the start of the shared memory (what a "writes" entry names)
     end: int  # logical end, for the child's consumed counter
 
 
@@ -243,10 +243,8 @@ class ProcessCaptureWriter:
                 started = time.perf_counter()
                 copy_rows(self._ring[offset:offset + nbytes].view(dtype).view(shape), rows)
                 self.copy_s += time.perf_counter() - started
-            self._pending.append((capture_id, hook, int(layer), pos, dtype, shape,
-                                  _HEADER + offset, end))
-            if len(self._pending) >= _MAX_BATCH:
-                self._send_pending_locked()
+            self._queue_locked((capture_id, hook, int(layer), pos, dtype, shape,
+                                _HEADER + offset, end))
 
     def end_step(self) -> None:
         """The step's rows are all written: send them to the child as one message."""
@@ -292,7 +290,7 @@ class ProcessCaptureWriter:
             return None
         self._dhead = end
         rows = self._dring[phys:phys + nbytes].view(dtype).view(shape)
-        return DeviceRows(self, rows, phys, end)
+        return DeviceRows(self, rows, _HEADER + self.ring_bytes + phys, end)
 
     def write_reserved(self, reserved: DeviceRows, capture_id: str, hook: str, layer: int,
                        positions: np.ndarray) -> None:
@@ -306,11 +304,8 @@ class ProcessCaptureWriter:
                 self._fallback.write(capture_id, hook, layer, pos, rows)
                 return
             self.device_writes += 1
-            self._pending.append((capture_id, hook, int(layer), pos, rows.dtype,
-                                  tuple(rows.shape), _HEADER + self.ring_bytes + reserved.offset,
-                                  -reserved.end))
-            if len(self._pending) >= _MAX_BATCH:
-                self._send_pending_locked()
+            self._queue_locked((capture_id, hook, int(layer), pos, rows.dtype,
+                                tuple(rows.shape), reserved.offset, -reserved.end))
 
     def close(self, end: CaptureEnd) -> None:
         if self._fallback is not None:
@@ -391,6 +386,12 @@ class ProcessCaptureWriter:
                 self.ring_wait_s += time.perf_counter() - started
         self._head = end
         return phys, end
+
+    def _queue_locked(self, entry: tuple) -> None:
+        """A "writes" entry for this step's message (caller holds the send lock)."""
+        self._pending.append(entry)
+        if len(self._pending) >= _MAX_BATCH:
+            self._send_pending_locked()
 
     def _send(self, msg: tuple) -> None:
         with self._send_lock:

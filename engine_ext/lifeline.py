@@ -59,7 +59,7 @@ def _engine_core(me: psutil.Process, launcher: psutil.Process) -> psutil.Process
     launcher; never the launcher itself, a shell, a raylet or init."""
     try:
         parent = me.parent()
-        if parent is None or parent.pid == launcher.pid or parent.ppid() != launcher.pid:
+        if parent is None or parent.ppid() != launcher.pid:
             return None
         return parent if parent.exe() == me.exe() else None
     except psutil.Error:

@@ -360,9 +360,7 @@ class EngineHooks:
             for route, sink, reserved in direct:
                 for hook, layer in route.keys:
                     sink.write_reserved(reserved, route.capture_id, hook, layer, route.positions)
-            self._deliver(staged, sinks, lambda r: rows[
-                plan.staging_offset[r.point] + r.offset:
-                plan.staging_offset[r.point] + r.offset + len(r.positions)])
+            self._deliver(staged, sinks, lambda r: rows[_staging_span(plan, r)])
 
         self.harvester.submit_copy(self.runtime.staging,
                                    plan.staging_rows if staged.routes else 0,
@@ -379,8 +377,7 @@ class EngineHooks:
         for route in plan.routes:
             sink = sinks[route.capture_id]
             reserve = getattr(sink, "reserve_rows", None)
-            start = plan.staging_offset[route.point] + route.offset
-            src = staging[start: start + len(route.positions)]
+            src = staging[_staging_span(plan, route)]
             reserved = None if reserve is None else reserve(route.capture_id, tuple(src.shape),
                                                             src.dtype)
             if reserved is None:
@@ -573,6 +570,12 @@ def _sharded_sink(config: dict, model: str, hidden: int, model_dtype: torch.dtyp
                            spec=spec, job_id=job.get("job_id"),
                            digest=str(job.get("digest", "sha256")))
     return ShardedSink(writer)
+
+
+def _staging_span(plan: StepPlan, route) -> slice:
+    """A route's rows in the step's staging buffer (and in the harvester's copy of it)."""
+    start = plan.staging_offset[route.point] + route.offset
+    return slice(start, start + len(route.positions))
 
 
 class CapsteerWorker(adapter.platform_worker_base()):  # type: ignore[misc]
