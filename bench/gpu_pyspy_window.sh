@@ -5,7 +5,7 @@
 # is stopped. Compare two kinds' summaries (e.g. plain vs steer_one).
 #
 #   bash bench/gpu_pyspy_window.sh OUT KIND [SECS] [STEP_TOKENS]
-# PYSPY: the py-spy binary (default /tmp/pyspy/bin/py-spy, see bench/pyspy_summary.py).
+# IDLE=1 samples waiting threads too (py-spy --idle). PYSPY: the py-spy binary (default /tmp/pyspy/bin/py-spy, see bench/pyspy_summary.py).
 set -u
 out=$1; kind=$2; secs=${3:-15}; step=${4:-8192}; pyspy=${PYSPY:-/tmp/pyspy/bin/py-spy}
 mkdir -p "$out"
@@ -16,7 +16,7 @@ setsid python bench/steer_ab.py --out "$out" --step-tokens "$step" --rounds 200 
 pid=$!
 for _ in $(seq 900); do grep -q "init engine" "$log" && break; sleep 1; done
 sleep 25  # the warm-up batch and a few timed ones
-"$pyspy" record --pid "$pid" --subprocesses --threads -r 200 -d "$secs" -f raw \
+"$pyspy" record --pid "$pid" --subprocesses --threads ${IDLE:+--idle} -r 200 -d "$secs" -f raw \
     -o "$out/spy-$kind.txt" > "$out/pyspy-$kind.log" 2>&1
 kill -- "-$pid" 2>/dev/null
 wait "$pid" 2>/dev/null

@@ -7,7 +7,9 @@ path alone. If steering all layers costs more than one layer, the per-site work 
 launches, kernel time) matters; if both cost the same, the per-request or per-step work
 does. `capture_memory` (rows returned in-process) against `capture_durable` (the writer
 pool publishing to disk in the engine process) separates the capture path's own cost
-from the writer's. Run once per environment variant (e.g. CAPSTEER_TAP_KERNEL=torch) to compare.
+from the writer's. `capture_durable_first` (one row a request) and `capture_durable_ends` (end reports for
+every capture, the front end's loop before 2026-11-26) are front-end variants (FRONT_END).
+Run once per environment variant (e.g. CAPSTEER_TAP_KERNEL=torch) to compare.
 Diagnostic kinds (`steer_one_noplan`, ..., see DIAGNOSTICS) switch one part of the
 worker's hook path off for their batches; the result records each kind's plan builds
 and hook seconds so the switch is seen to work.
@@ -46,6 +48,16 @@ DIAGNOSTICS = {
                 "writer's ring instead of the GPU's copy straight into its device ring",
     "switch": "the engine process's GIL switch interval is 0.5 ms instead of 5 ms: a thread "
               "that wants the GIL waits less for the one holding it",
+}
+
+
+# Front-end variants of a capture kind, in the driver process (names end with them):
+FRONT_END = {
+    "first": "each request captures its first position only (one row, not the prompt): "
+             "the per-request capture machinery without the rows' volume",
+    "ends": "the front end reports every durable capture's output length to the workers "
+            "(a blocking RPC in each step a request finishes), as before 2026-11-26 "
+            "asked only of captures that keep generated positions",
 }
 
 
@@ -173,6 +185,17 @@ def main() -> int:
         return lambda: engine.llm.collective_rpc(_worker_diagnostic, args=("off",))
     capture_one = {"hooks": ["resid_post"], "layers": [shape.layers // 2], "positions": "prompt",
                    "layout": "packed"}
+    # Front-end variants of a capture kind (`<kind>_first`, `<kind>_ends`, see FRONT_END).
+    capture_first = {**capture_one, "positions": [0]}
+    import capsteer.engine as engine_mod
+
+    reports_end = engine_mod.needs_end_report
+
+    def front_end(kind: str):
+        """Set `kind`'s front-end variant up; returns its undo."""
+        if kind.endswith("_ends"):
+            engine_mod.needs_end_report = lambda capture, prompt_len: True
+        return lambda: setattr(engine_mod, "needs_end_report", reports_end)
     kinds = a.kinds.split(",")
     rng = random.Random(0)
     out: dict = {"tag": a.tag, "step_tokens": a.step_tokens, "env": {k: v for k, v in os.environ.items()
@@ -191,11 +214,14 @@ def main() -> int:
                   sampling: dict = sampling, wl: str = wl) -> float:
             prompts = [[rng.randrange(10, shape.vocab - 10) for _ in range(prompt)]
                        for _ in range(n)]
-            capture = capture_one if kind.startswith("capture") else None
+            capture = None
+            if kind.startswith("capture"):
+                capture = capture_first if "_first" in kind else capture_one
             reqs = [Request(prompt_token_ids=p, sampling=sampling, steering=spec.get(kind),
                             capture=capture, durable=kind.startswith("capture_durable"))
                     for p in prompts]
             restore = patched(kind)
+            undo = front_end(kind)
             before = worker_counters(engine)
             t0 = time.perf_counter()
             try:
@@ -203,6 +229,7 @@ def main() -> int:
             finally:
                 took = time.perf_counter() - t0
                 restore()
+                undo()
             after = worker_counters(engine)
             seen = worker_counts.setdefault(f"{wl}/{kind}", {})
             for name, value in after.items():

@@ -73,12 +73,27 @@ def new_capture_id() -> str:
     return "cap-" + uuid.uuid4().hex
 
 
+def needs_end_report(capture: CaptureSpec, prompt_len: int | None) -> bool:
+    """Whether a durable capture's kept positions depend on the output length, so the
+    caller must report it (`capsteer_end_captures`). Prompt-only captures close in the
+    worker once their prompt is fed; `prompt_len` None (not tokenized here) counts
+    explicit positions as possibly generated."""
+    positions = capture.positions
+    if positions.kind in ("prompt", "last_prompt"):
+        return False
+    if positions.kind == "explicit" and prompt_len is not None:
+        resolved = positions.resolved(prompt_len)
+        return bool(len(resolved)) and int(resolved.max()) >= prompt_len
+    return True
+
+
 def build_payload(
     capture: CaptureSpec | None, steering: SteeringSpec | None, capture_id: str | None = None,
-    durable: bool = False, dir_time: float | None = None,
+    durable: bool = False, dir_time: float | None = None, await_end: bool | None = None,
 ) -> HookPayload | None:
     """extra_args + cache_salt. Captured prompts never reuse cached blocks (unique
-    salt); steered prompts share blocks only with identical steering."""
+    salt); steered prompts share blocks only with identical steering. `await_end`
+    (default: `durable`) promises the worker an end report for a durable capture."""
     if capture is None and (steering is None or steering.is_noop):
         return None
     payload: dict[str, Any] = {}
@@ -95,7 +110,8 @@ def build_payload(
         # Every pipeline stage dates its directory alike, and the caller knows where it is.
         payload["dir_time"] = time.time() if dir_time is None else dir_time
         payload["durable"] = durable
-        payload["await_end"] = durable  # the caller reports the output length (end_captures)
+        # the caller reports the output length (end_captures)
+        payload["await_end"] = durable if await_end is None else await_end
         salt = f"capsteer-capture-{capture_id}"
     return HookPayload({EXTRA_ARGS_KEY: payload}, salt, capture_id)
 
@@ -185,6 +201,7 @@ class Engine:
         prompts, params, capture_ids, durable, specs = [], [], [], [], []
         payload_dir_time: dict[str, float] = {}  # dates each capture's directory
         parsed: dict[tuple[int, int], tuple] = {}  # a batch often shares one spec object
+        awaited: dict[int, str] = {}  # prompt index -> capture id whose end the workers await
         for req in requests:
             memo = (id(req.capture), id(req.steering))
             if memo not in parsed or int(req.sampling.get("n", 1) or 1) > 1:
@@ -193,7 +210,11 @@ class Engine:
             specs.append(capture)
             if req.durable and not self.capture_dir:
                 raise ValueError("durable captures need capsteer_config['capture_dir']")
-            payload = build_payload(capture, steering, durable=req.durable)
+            # A prompt-only capture needs no end report: its batch runs vLLM's own loop.
+            prompt_len = None if req.prompt_token_ids is None else len(req.prompt_token_ids)
+            reports = req.durable and capture is not None and \
+                needs_end_report(capture, prompt_len)
+            payload = build_payload(capture, steering, durable=req.durable, await_end=reports)
             prompt: dict[str, Any] = (
                 {"prompt_token_ids": list(req.prompt_token_ids)}
                 if req.prompt_token_ids is not None else {"prompt": req.prompt})
@@ -209,8 +230,8 @@ class Engine:
                 payload_dir_time[payload.capture_id] = \
                     payload.extra_args[EXTRA_ARGS_KEY]["dir_time"]
             durable.append(req.durable)
-        awaited = {i: cid for i, (cid, d) in enumerate(zip(capture_ids, durable, strict=True))
-                   if cid and d}
+            if reports:
+                awaited[len(prompts) - 1] = payload.capture_id
         started = time.perf_counter()
         if awaited:
             outputs = self._run_reporting_ends(prompts, params, awaited)

@@ -445,13 +445,12 @@ class EngineHooks:
         if sink is None:
             return
         ending = _Ending(hooks, prompt, sink, time.monotonic() + self.end_wait_s)
-        if not hooks.await_end:
-            self._run_on_sink_thread(lambda: ending.close(None))
-        elif hooks.fed_len < hooks.prompt_len:
-            # Every finished request had its whole prompt fed: this one was aborted.
+        if (hooks.await_end or hooks.durable) and hooks.fed_len < hooks.prompt_len:
+            # Every finished request had its whole prompt fed: this one was aborted (a
+            # published capture is whole; an in-memory one is cut by its caller).
             self._run_on_sink_thread(lambda: ending.abort("request ended before its prompt "
                                                           "was processed (aborted)"))
-        elif not hooks.needs_output_length:
+        elif not hooks.await_end or not hooks.needs_output_length:
             self._run_on_sink_thread(lambda: ending.close(None))
         elif hooks.capture_id in self.end_notices:
             self._settle(ending, self.end_notices.pop(hooks.capture_id))

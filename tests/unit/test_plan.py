@@ -621,3 +621,26 @@ def test_capture_spec_travels_as_json_text():
     other = parse_capture_spec({"hooks": ["resid_post"], "layers": [1], "positions": "prompt"},
                                num_layers=LAYERS)
     assert CaptureSpec.from_wire(other.to_json()) == other != spec
+
+
+def test_only_captures_of_generated_positions_wait_for_an_end_report():
+    """`Engine.generate` reports output lengths (a blocking RPC per finishing step) only
+    for durable captures whose kept positions can lie past the prompt; the worker closes
+    the others once their prompt is fed."""
+    from capsteer.engine import build_payload, needs_end_report
+
+    def spec(positions):
+        return parse_capture_spec({"hooks": ["resid_post"], "layers": [0],
+                                   "positions": positions}, num_layers=LAYERS)
+
+    assert not needs_end_report(spec("prompt"), 10)
+    assert not needs_end_report(spec("last_prompt"), None)
+    for kind in ("all", "generated", "last"):
+        assert needs_end_report(spec(kind), 10)
+    assert not needs_end_report(spec([0, 9, -1]), 10)
+    assert needs_end_report(spec([0, 10]), 10)
+    assert needs_end_report(spec([0]), None)  # prompt length unknown: ask for the report
+    fields = build_payload(spec("prompt"), None, durable=True, await_end=False).extra_args
+    hooks = RequestHooks.from_extra_args("a", fields, 10, runtime())
+    assert hooks.durable and not hooks.await_end and not hooks.needs_output_length
+    assert build_payload(spec("all"), None, durable=True).extra_args["capsteer"]["await_end"]
