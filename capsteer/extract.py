@@ -21,7 +21,7 @@ from typing import Any
 from capsteer.capture.publish import DIGESTS, check_digest, entry_digest
 from capsteer.capture.sharded import INDEX_FILE, indexed_ids, read_index
 from capsteer.capture.spec import DTYPES, CaptureSpec, parse_capture_spec
-from capsteer.engine import Engine, new_capture_id
+from capsteer.engine import Engine, needs_end_report, new_capture_id
 from capsteer.engine_ext.plan import EXTRA_ARGS_KEY
 
 logger = logging.getLogger("capsteer.extract")
@@ -305,6 +305,7 @@ def _run(engine: Engine, todo: list[Record], spec: CaptureSpec, max_tokens: int,
     pending = iter(_prompts(engine, todo))
     spec_text = spec.to_json()  # text: vLLM deep-copies each request's params (a str by reference)
     live: set[str] = set()  # capture ids in flight (each is its vLLM request id)
+    awaited: set[str] = set()  # of them, those whose output length the workers wait for
     ends: list[tuple[str, int]] = []
     tokens = finished = 0
     started = time.monotonic()
@@ -318,8 +319,13 @@ def _run(engine: Engine, todo: list[Record], spec: CaptureSpec, max_tokens: int,
                 exhausted = True
                 break
             capture_id = new_capture_id()
+            ids = prompt.get("prompt_token_ids")
+            # a prompt-only capture closes in the worker: no end report to wait for
+            reports = needs_end_report(spec, None if ids is None else len(ids))
             payload = {"capture": spec_text, "capture_id": capture_id, "sink": "sharded",
-                       "record_id": rec.id, "await_end": True}
+                       "record_id": rec.id, "await_end": reports}
+            if reports:
+                awaited.add(capture_id)
             prompt["cache_salt"] = f"capsteer-capture-{capture_id}"  # every position is fed
             params = SamplingParams(max_tokens=max_tokens, temperature=0.0,
                                     extra_args={EXTRA_ARGS_KEY: payload})
@@ -337,7 +343,9 @@ def _run(engine: Engine, todo: list[Record], spec: CaptureSpec, max_tokens: int,
             live.discard(capture_id)
             finished += 1
             tokens += len(output.prompt_token_ids or ())
-            ends.append((capture_id, len(output.outputs[0].token_ids)))
+            if capture_id in awaited:
+                awaited.discard(capture_id)
+                ends.append((capture_id, len(output.outputs[0].token_ids)))
         if ends:
             engine.llm.collective_rpc("capsteer_end_captures", args=(ends,))
             ends = []

@@ -457,7 +457,7 @@ class Replica:
     def _drive(self) -> None:
         from vllm import SamplingParams
 
-        from capsteer.engine import new_capture_id
+        from capsteer.engine import needs_end_report, new_capture_id
         from capsteer.engine_ext.plan import EXTRA_ARGS_KEY
 
         llm = self.engine.llm
@@ -467,6 +467,7 @@ class Replica:
         capture_of: dict[str, str] = {}  # capture id -> record id
         unflushed: set[str] = set()  # finished ids not yet seen durable
         payload_spec = self.spec.to_json()  # text: vLLM deep-copies each request's params
+        awaited: set[str] = set()  # captures whose output length the workers wait for
         stuck_since: float | None = None
         while True:
             idle = not pending and not live
@@ -487,8 +488,12 @@ class Replica:
                 rec = pending.popleft()
                 _, prompt = next(_prompts(self.engine, [rec]))
                 capture_id = new_capture_id()
+                ids = prompt.get("prompt_token_ids")
+                reports = needs_end_report(self.spec, None if ids is None else len(ids))
                 payload = {"capture": payload_spec, "capture_id": capture_id, "sink": "sharded",
-                           "record_id": rec.id, "await_end": True}
+                           "record_id": rec.id, "await_end": reports}
+                if reports:  # a prompt-only capture closes in the worker
+                    awaited.add(capture_id)
                 prompt["cache_salt"] = f"capsteer-capture-{capture_id}"  # every position is fed
                 params = SamplingParams(max_tokens=self.max_tokens, temperature=0.0,
                                         extra_args={EXTRA_ARGS_KEY: payload})
@@ -501,7 +506,9 @@ class Replica:
                     if output.finished and output.request_id in live:
                         live.discard(output.request_id)
                         unflushed.add(capture_of.pop(output.request_id))
-                        ends.append((output.request_id, len(output.outputs[0].token_ids)))
+                        if output.request_id in awaited:
+                            awaited.discard(output.request_id)
+                            ends.append((output.request_id, len(output.outputs[0].token_ids)))
                 if ends:
                     llm.collective_rpc("capsteer_end_captures", args=(ends,))
             elif live:  # never spin on requests the engine no longer has

@@ -445,7 +445,7 @@ class EngineHooks:
         if sink is None:
             return
         ending = _Ending(hooks, prompt, sink, time.monotonic() + self.end_wait_s)
-        if (hooks.await_end or hooks.durable) and hooks.fed_len < hooks.prompt_len:
+        if (hooks.await_end or hooks.sink != "memory") and hooks.fed_len < hooks.prompt_len:
             # Every finished request had its whole prompt fed: this one was aborted (a
             # published capture is whole; an in-memory one is cut by its caller).
             self._run_on_sink_thread(lambda: ending.abort("request ended before its prompt "
