@@ -6,6 +6,7 @@ extraction job turn their inputs into the same `extra_args` payload this builds.
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from collections.abc import Mapping, Sequence
@@ -143,6 +144,55 @@ def merge_stages(parts: list[CapturedActivations]) -> CapturedActivations:
     return CapturedActivations(first.capture_id, first.positions, first.token_ids, tensors)
 
 
+class _ReceiptPoller:
+    """The manifest on disk is the source of truth: a thread polls each durable capture's
+    own directory (the engine dated it) until its manifest is visible, from the batch's
+    start, so captures published mid-batch cost nothing after its last output."""
+
+    def __init__(self, root: str | None, rel_dirs: dict[str, str],
+                 interval_s: float = 0.02) -> None:
+        self.root, self.rel_dirs, self.interval_s = root, rel_dirs, interval_s
+        self.found: dict[str, Receipt] = {}
+        self._finishing = threading.Event()  # the batch is done: poll at the tail's pace
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+        if rel_dirs:
+            self._thread = threading.Thread(target=self._run, name="capsteer-receipts",
+                                            daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        pending = dict(self.rel_dirs)
+        while pending and not self._stopped:
+            for capture_id, rel in list(pending.items()):
+                receipt = receipt_at(self.root, rel)
+                if receipt is not None:
+                    self.found[capture_id] = receipt
+                    del pending[capture_id]
+            if pending:
+                self._finishing.wait(self.interval_s)
+                if self._finishing.is_set():
+                    time.sleep(0.005)
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._finishing.set()
+        if self._thread is not None:
+            self._thread.join(1.0)  # at most one pass over the pending manifests
+
+    def wait(self, timeout: float) -> dict[str, Receipt]:
+        """Every receipt, once its manifest is visible; TimeoutError naming the missing."""
+        if self._thread is None:
+            return {}
+        self._finishing.set()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            self.stop()
+            missing = sorted(set(self.rel_dirs) - set(self.found))
+            raise TimeoutError(f"captures {missing[:4]} not durable after {timeout:g} s")
+        return dict(self.found)
+
+
 class Engine:
     """vLLM's offline engine with capsteer hooks in every worker."""
 
@@ -232,18 +282,28 @@ class Engine:
             durable.append(req.durable)
             if reports:
                 awaited[len(prompts) - 1] = payload.capture_id
+        # Manifests are read while the batch runs: a capture closed mid-batch is found
+        # then, not in a serial pass over every manifest after the last output.
+        poller = _ReceiptPoller(self.capture_dir, {
+            cid: relative_dir(cid, spec.tag, payload_dir_time[cid])
+            for cid, d, spec in zip(capture_ids, durable, specs, strict=True) if cid and d})
         started = time.perf_counter()
-        if awaited:
-            outputs = self._run_reporting_ends(prompts, params, awaited)
-        else:
-            outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        try:
+            if awaited:
+                outputs = self._run_reporting_ends(prompts, params, awaited)
+            else:
+                outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        except BaseException:
+            poller.stop()
+            raise
         outputs_in = time.perf_counter()
-        captures = self._collect(
-            [c for c, d in zip(capture_ids, durable, strict=True) if c and not d], timeout)
-        receipts = self._wait_receipts(
-            {cid: relative_dir(cid, spec.tag, payload_dir_time[cid])
-             for cid, d, spec in zip(capture_ids, durable, specs, strict=True) if cid and d},
-            timeout)
+        try:
+            captures = self._collect(
+                [c for c, d in zip(capture_ids, durable, strict=True) if c and not d], timeout)
+        except BaseException:
+            poller.stop()
+            raise
+        receipts = poller.wait(timeout)
         self.last_phases = {"outputs": outputs_in - started,
                             "captures": time.perf_counter() - outputs_in}
         results = []
@@ -302,24 +362,6 @@ class Engine:
         if left:
             raise RuntimeError(f"capsteer: {left} requests ended without an output")
         return outputs
-
-    def _wait_receipts(self, rel_dirs: dict[str, str], timeout: float) -> dict[str, Receipt]:
-        """The manifest on disk is the source of truth: poll each capture's own directory
-        (the engine dated it) until its manifest is visible."""
-        deadline = time.monotonic() + timeout
-        found: dict[str, Receipt] = {}
-        while True:
-            for capture_id, rel in rel_dirs.items():
-                if capture_id not in found:
-                    receipt = receipt_at(self.capture_dir, rel)
-                    if receipt is not None:
-                        found[capture_id] = receipt
-            if len(found) == len(rel_dirs):
-                return found
-            if time.monotonic() > deadline:
-                missing = sorted(set(rel_dirs) - set(found))
-                raise TimeoutError(f"captures {missing[:4]} not durable after {timeout:g} s")
-            time.sleep(0.01)
 
     def _collect(self, capture_ids: list[str], timeout: float) -> dict[str, CapturedActivations]:
         """Captures close one engine step after their request finishes: poll until all are in.
