@@ -78,14 +78,8 @@ def needs_end_report(capture: CaptureSpec, prompt_len: int | None) -> bool:
     """Whether a durable capture's kept positions depend on the output length, so the
     caller must report it (`capsteer_end_captures`). Prompt-only captures close in the
     worker once their prompt is fed; `prompt_len` None (not tokenized here) counts
-    explicit positions as possibly generated."""
-    positions = capture.positions
-    if positions.kind in ("prompt", "last_prompt"):
-        return False
-    if positions.kind == "explicit" and prompt_len is not None:
-        resolved = positions.resolved(prompt_len)
-        return bool(len(resolved)) and int(resolved.max()) >= prompt_len
-    return True
+    explicit positions as possibly generated (the worker's rule, `needs_output_length`)."""
+    return capture.positions.reaches_past_prompt(prompt_len)
 
 
 def build_payload(
@@ -293,11 +287,7 @@ class Engine:
                 outputs = self._run_reporting_ends(prompts, params, awaited)
             else:
                 outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        except BaseException:
-            poller.stop()
-            raise
-        outputs_in = time.perf_counter()
-        try:
+            outputs_in = time.perf_counter()
             captures = self._collect(
                 [c for c, d in zip(capture_ids, durable, strict=True) if c and not d], timeout)
         except BaseException:

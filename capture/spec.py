@@ -81,6 +81,17 @@ class PositionSpec:
         arr = np.where(arr < 0, arr + prompt_len, arr)
         return np.unique(arr[arr >= 0])
 
+    def reaches_past_prompt(self, prompt_len: int | None) -> bool:
+        """Whether kept positions can lie past the prompt, so they depend on the output
+        length; with the prompt length unknown, explicit positions count as possibly
+        generated."""
+        if self.kind != "explicit":
+            return self.kind in ("all", "generated", "last")
+        if prompt_len is None:
+            return True
+        resolved = self.resolved(prompt_len)
+        return bool(len(resolved)) and int(resolved.max()) >= prompt_len
+
     def candidate(self, positions: np.ndarray, prompt_len: int) -> np.ndarray:
         """Bool mask over `positions`: rows the engine should copy when they are fed."""
         p = np.asarray(positions, dtype=np.int64)

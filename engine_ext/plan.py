@@ -121,13 +121,8 @@ class RequestHooks:
     @property
     def needs_output_length(self) -> bool:
         """Whether the kept positions depend on the output length (generated tokens)."""
-        if self.capture is None:
-            return False
-        positions = self.capture.positions
-        if positions.kind == "explicit":
-            resolved = positions.resolved(self.prompt_len)
-            return bool(len(resolved)) and int(resolved.max()) >= self.prompt_len
-        return positions.kind in ("all", "generated", "last")
+        return self.capture is not None and \
+            self.capture.positions.reaches_past_prompt(self.prompt_len)
 
     def release(self, runtime: HookRuntime) -> None:
         runtime.free_slot(self.slot, self.steering_key if self.shared_slot else None)
