@@ -65,6 +65,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import host_counters
 import perf_models
 import storage
 from steer_ab import worker_counters
@@ -220,6 +221,10 @@ class Turns:
 def run_process(a: argparse.Namespace) -> dict[str, Any]:
     """One configuration, both workloads (+ identity, + P3-all); returns its figures."""
     t_start = time.time()
+    pinned = None
+    if a.pin == "cores":  # before any thread starts: every thread and child inherits it
+        pinned = host_counters.one_cpu_per_core()
+        os.sched_setaffinity(0, pinned)
     turns = Turns(a.ctl_fd)
     import vllm  # noqa: F401  (the import is what the overlap hides)
     from vllm import SamplingParams
@@ -314,7 +319,8 @@ def run_process(a: argparse.Namespace) -> dict[str, Any]:
                            "import_s": import_s, "waited_go_s": waited_go,
                            "waited_gpu_memory_s": waited_mem, "startup_s": startup_s,
                            "engine_kwargs": kw, "min_seconds": a.min_seconds, "reps": a.reps,
-                           "paired": a.ctl_fd is not None, "workloads": {}}
+                           "paired": a.ctl_fd is not None, "pinned_cpus": pinned,
+                           "workloads": {}}
     if a.config in ("vanilla", "plain") and a.identity:
         n, _, gen = IDENTITY[a.device]
         prompts = _identity_prompts(a.device, shape.vocab)
@@ -349,14 +355,17 @@ def run_process(a: argparse.Namespace) -> dict[str, Any]:
         for _ in range(a.reps):
             times: list[float] = []
             tails: list[float] = []
+            host: list[dict[str, Any]] = []
             cached = nbytes = generated = 0
             while sum(times) < a.min_seconds or len(times) < a.min_batches:
                 prompts = _prompts(seed0 + b, n, prompt, vocab)
                 b += 1
                 turns.take(2 + 2 * w_index, sum(times) + 1e3 * len(reps))
+                counters = host_counters.snapshot()
                 t = time.perf_counter()
                 got = batch(prompts, gen, capture, steer)
                 times.append(time.perf_counter() - t)
+                host.append(host_counters.delta(counters, host_counters.snapshot()))
                 turns.give()
                 tails.append(got.get("captures_s", 0.0))
                 cached += got["cached"]
@@ -368,7 +377,9 @@ def run_process(a: argparse.Namespace) -> dict[str, Any]:
                          "tokens": tokens, "tokens_per_s": tokens / sum(times),
                          "cached_tokens": cached, "capture_bytes": nbytes,
                          # of each batch_s: after the last output, waiting for receipts
-                         "captures_tail_s": tails})
+                         "captures_tail_s": tails,
+                         # per batch: CPU steal, CPU pressure, the process tree's threads
+                         "host": host})
         out["workloads"][name] = {
             "requests": n, "prompt": prompt, "gen": gen, "warmup_s": warm_s, "reps": reps,
             "median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in reps),
@@ -672,6 +683,8 @@ def _spawn(a: argparse.Namespace, slot: int, config: str, model: str, logs: Path
         cmd.append("--do-p3all")
     if a.no_identity:
         cmd.append("--no-identity")
+    if a.pin != "none":
+        cmd += ["--pin", a.pin]
     log = logs / f"slot-{slot:02d}-{config}.log"
     if ctl_fd is None:
         proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
@@ -923,7 +936,7 @@ def _meta(a: argparse.Namespace) -> dict[str, Any]:
             "command": "python bench/perf_method.py " + " ".join(sys.argv[1:]),
             "shape": perf_models.describe(a.shape), "workloads": WORKLOADS[a.device],
             "min_seconds": a.min_seconds, "reps": a.reps, "step_tokens": a.step_tokens,
-            "targets": TARGETS}
+            "targets": TARGETS, "host_cpus": host_counters.topology(), "pin": a.pin}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -943,6 +956,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workloads", default="prefill,decode")
     ap.add_argument("--no-p3all", dest="p3all", action="store_false")
     ap.add_argument("--no-identity", action="store_true")
+    ap.add_argument("--pin", choices=("none", "cores"), default="none",
+                    help="cores: bind every process to one logical CPU per physical core "
+                         "(no two engine threads on one SMT pair); the same for every config")
     ap.add_argument("--paired", action="store_true",
                     help="a round's processes alive together, taking turns batch by batch")
     ap.add_argument("--no-overlap", dest="overlap", action="store_false",

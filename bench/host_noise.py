@@ -1,0 +1,106 @@
+"""Which host counter tracks the batch-to-batch spread of perf_method.py's timed batches.
+
+Reads perf-proc-*.json files (perf_method.py records bench/host_counters.py's figures per
+timed batch) and prints, per process and workload, each batch's wall time beside the
+step thread's (the busiest thread's) run and run-queue wait, the host's CPU steal and CPU
+pressure; then, over all batches of a workload, the correlation of each counter with the
+batch time. A counter that explains the spread correlates and moves by as many seconds
+as the batch time does.
+
+    python bench/host_noise.py DIR [DIR ...] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+COUNTERS = ("top_run_s", "top_wait_s", "steal_s", "pressure_s", "tree_wait_s")
+
+
+def rows(procs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    for p in procs:
+        for wl, w in p["workloads"].items():
+            for rep in w["reps"]:
+                for i, (t, h) in enumerate(zip(rep["batch_s"], rep.get("host") or [], strict=False)):
+                    top = h.get("top_thread", {})
+                    out.append({"slot": p["slot"], "config": p["config"], "workload": wl,
+                                "batch": i, "batch_s": t, "top_name": top.get("name"),
+                                "top_run_s": top.get("run_s"), "top_wait_s": top.get("wait_s"),
+                                "steal_s": h.get("steal_s"), "pressure_s": h.get("pressure_s"),
+                                "tree_wait_s": h.get("tree_wait_s"),
+                                "pinned": p.get("pinned_cpus") is not None})
+    return out
+
+
+def _corr(xs: list[float], ys: list[float]) -> float | None:
+    if len(xs) < 3 or statistics.pstdev(xs) == 0 or statistics.pstdev(ys) == 0:
+        return None
+    return statistics.correlation(xs, ys)
+
+
+def _slope(xs: list[float], ys: list[float]) -> float | None:
+    """Seconds of counter per second of batch time (least squares)."""
+    if len(xs) < 3 or statistics.pstdev(xs) == 0:
+        return None
+    return statistics.linear_regression(xs, ys).slope
+
+
+def analyse(table: list[dict[str, Any]]) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for wl in sorted({r["workload"] for r in table}):
+        for pinned in sorted({r["pinned"] for r in table}):
+            sel = [r for r in table if r["workload"] == wl and r["pinned"] == pinned]
+            t = [r["batch_s"] for r in sel]
+            entry: dict[str, Any] = {"batches": len(sel), "batch_s_median": statistics.median(t),
+                                     "batch_s_min": min(t), "batch_s_max": max(t)}
+            for c in COUNTERS:
+                pairs = [(r["batch_s"], r[c]) for r in sel if r[c] is not None]
+                if pairs:
+                    xs, ys = zip(*pairs, strict=True)
+                    entry[c] = {"median": statistics.median(ys), "corr": _corr(list(xs), list(ys)),
+                                "slope": _slope(list(xs), list(ys))}
+            result[f"{wl}{' pinned' if pinned else ''}"] = entry
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("dirs", nargs="+", type=Path)
+    ap.add_argument("--json", type=Path, default=None)
+    a = ap.parse_args(argv)
+    procs = [json.loads(f.read_text()) for d in a.dirs for f in sorted(d.glob("perf-proc-*.json"))]
+    table = rows(procs)
+    if not table:
+        print("no batches with host counters found", file=sys.stderr)
+        return 1
+    print(f"{'slot':>4} {'config':9}{'workload':9}{'b':>3}{'batch_s':>9}{'top run':>9}"
+          f"{'top wait':>9}{'steal':>8}{'pressure':>9}  top thread")
+    fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else "-"  # noqa: E731
+    for r in table:
+        print(f"{r['slot']:>4} {r['config']:9}{r['workload']:9}{r['batch']:>3}{r['batch_s']:>9.3f}"
+              f"{fmt(r['top_run_s']):>9}{fmt(r['top_wait_s']):>9}{fmt(r['steal_s']):>8}"
+              f"{fmt(r['pressure_s']):>9}  {r['top_name']}")
+    result = analyse(table)
+    for key, e in result.items():
+        print(f"\n{key}: {e['batches']} batches, {e['batch_s_min']:.3f}-{e['batch_s_max']:.3f} s "
+              f"(median {e['batch_s_median']:.3f})")
+        for c in COUNTERS:
+            if c in e:
+                corr, slope = e[c]["corr"], e[c]["slope"]
+                print(f"  {c:12} median {e[c]['median']:.3f} s, corr with batch_s "
+                      f"{'-' if corr is None else f'{corr:+.2f}'}, slope "
+                      f"{'-' if slope is None else f'{slope:+.2f}'} s/s")
+    if a.json:
+        a.json.write_text(json.dumps({"batches": table, "analysis": result}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
