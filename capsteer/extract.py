@@ -295,10 +295,29 @@ def _prompts(engine: Engine, records: list[Record]) -> Iterator[tuple[Record, di
             yield rec, {"prompt": rec.prompt}
 
 
-def _run(engine: Engine, todo: list[Record], spec: CaptureSpec, max_tokens: int,
-         progress: bool, window: int | None, out: Path) -> int:
+def submit_capture(llm_engine: Any, rec: Record, prompt: dict[str, Any], spec: CaptureSpec,
+                   spec_text: str, max_tokens: int) -> tuple[str, bool]:
+    """Hand one record to vLLM as a sharded capture request (the in-process and the Ray
+    driver loops both submit this way). Returns its capture id, which is also the request
+    id its outputs carry, and whether the workers wait for its end report: a prompt-only
+    capture closes in the worker, so it gets none."""
     from vllm import SamplingParams
 
+    capture_id = new_capture_id()
+    ids = prompt.get("prompt_token_ids")
+    reports = needs_end_report(spec, None if ids is None else len(ids))
+    payload = {"capture": spec_text, "capture_id": capture_id, "sink": "sharded",
+               "record_id": rec.id, "await_end": reports}
+    prompt["cache_salt"] = f"capsteer-capture-{capture_id}"  # every position is fed
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                            extra_args={EXTRA_ARGS_KEY: payload})
+    # outputs carry the id given here; add_request returns vLLM's internal one
+    llm_engine.add_request(capture_id, prompt, params)
+    return capture_id, reports
+
+
+def _run(engine: Engine, todo: list[Record], spec: CaptureSpec, max_tokens: int,
+         progress: bool, window: int | None, out: Path) -> int:
     llm_engine = engine.llm.llm_engine
     limit = window or 4 * int(engine.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs)
     bar = _progress(len(todo), progress)
@@ -318,19 +337,10 @@ def _run(engine: Engine, todo: list[Record], spec: CaptureSpec, max_tokens: int,
             except StopIteration:
                 exhausted = True
                 break
-            capture_id = new_capture_id()
-            ids = prompt.get("prompt_token_ids")
-            # a prompt-only capture closes in the worker: no end report to wait for
-            reports = needs_end_report(spec, None if ids is None else len(ids))
-            payload = {"capture": spec_text, "capture_id": capture_id, "sink": "sharded",
-                       "record_id": rec.id, "await_end": reports}
+            capture_id, reports = submit_capture(llm_engine, rec, prompt, spec, spec_text,
+                                                 max_tokens)
             if reports:
                 awaited.add(capture_id)
-            prompt["cache_salt"] = f"capsteer-capture-{capture_id}"  # every position is fed
-            params = SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                                    extra_args={EXTRA_ARGS_KEY: payload})
-            # outputs carry the id given here; add_request returns vLLM's internal one
-            llm_engine.add_request(capture_id, prompt, params)
             live.add(capture_id)
         if not llm_engine.has_unfinished_requests():
             break

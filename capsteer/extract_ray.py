@@ -62,6 +62,7 @@ from capsteer.extract import (
     iter_records,
     job_config,
     read_records,
+    submit_capture,
 )
 
 logger = logging.getLogger("capsteer.extract")
@@ -455,11 +456,6 @@ class Replica:
                     item[1].done.set()
 
     def _drive(self) -> None:
-        from vllm import SamplingParams
-
-        from capsteer.engine import needs_end_report, new_capture_id
-        from capsteer.engine_ext.plan import EXTRA_ARGS_KEY
-
         llm = self.engine.llm
         llm_engine = llm.llm_engine
         pending: deque[Any] = deque()
@@ -487,17 +483,10 @@ class Replica:
             while pending and len(live) < self.limit:
                 rec = pending.popleft()
                 _, prompt = next(_prompts(self.engine, [rec]))
-                capture_id = new_capture_id()
-                ids = prompt.get("prompt_token_ids")
-                reports = needs_end_report(self.spec, None if ids is None else len(ids))
-                payload = {"capture": payload_spec, "capture_id": capture_id, "sink": "sharded",
-                           "record_id": rec.id, "await_end": reports}
-                if reports:  # a prompt-only capture closes in the worker
+                capture_id, reports = submit_capture(llm_engine, rec, prompt, self.spec,
+                                                     payload_spec, self.max_tokens)
+                if reports:
                     awaited.add(capture_id)
-                prompt["cache_salt"] = f"capsteer-capture-{capture_id}"  # every position is fed
-                params = SamplingParams(max_tokens=self.max_tokens, temperature=0.0,
-                                        extra_args={EXTRA_ARGS_KEY: payload})
-                llm_engine.add_request(capture_id, prompt, params)  # outputs carry this id
                 live.add(capture_id)
                 capture_of[capture_id] = rec.id
             if llm_engine.has_unfinished_requests():
