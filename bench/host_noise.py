@@ -19,7 +19,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-COUNTERS = ("top_run_s", "top_wait_s", "steal_s", "pressure_s", "tree_wait_s")
+COUNTERS = ("top_run_s", "top_wait_s", "steal_s", "pressure_s", "tree_wait_s",
+            "probe_loop_ms", "probe_copy_ms")
 
 
 def rows(procs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -34,6 +35,8 @@ def rows(procs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                                 "top_run_s": top.get("run_s"), "top_wait_s": top.get("wait_s"),
                                 "steal_s": h.get("steal_s"), "pressure_s": h.get("pressure_s"),
                                 "tree_wait_s": h.get("tree_wait_s"),
+                                "probe_loop_ms": h.get("probe_loop_ms"),
+                                "probe_copy_ms": h.get("probe_copy_ms"),
                                 "pinned": p.get("pinned_cpus") is not None})
     return out
 
@@ -81,12 +84,13 @@ def main(argv: list[str] | None = None) -> int:
         print("no batches with host counters found", file=sys.stderr)
         return 1
     print(f"{'slot':>4} {'config':9}{'workload':9}{'b':>3}{'batch_s':>9}{'top run':>9}"
-          f"{'top wait':>9}{'steal':>8}{'pressure':>9}  top thread")
+          f"{'top wait':>9}{'steal':>8}{'pressure':>9}{'loop ms':>8}{'copy ms':>8}  top thread")
     fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else "-"  # noqa: E731
     for r in table:
         print(f"{r['slot']:>4} {r['config']:9}{r['workload']:9}{r['batch']:>3}{r['batch_s']:>9.3f}"
               f"{fmt(r['top_run_s']):>9}{fmt(r['top_wait_s']):>9}{fmt(r['steal_s']):>8}"
-              f"{fmt(r['pressure_s']):>9}  {r['top_name']}")
+              f"{fmt(r['pressure_s']):>9}{fmt(r['probe_loop_ms']):>8}{fmt(r['probe_copy_ms']):>8}"
+              f"  {r['top_name']}")
     result = analyse(table)
     for key, e in result.items():
         print(f"\n{key}: {e['batches']} batches, {e['batch_s_min']:.3f}-{e['batch_s_max']:.3f} s "
@@ -94,9 +98,10 @@ def main(argv: list[str] | None = None) -> int:
         for c in COUNTERS:
             if c in e:
                 corr, slope = e[c]["corr"], e[c]["slope"]
-                print(f"  {c:12} median {e[c]['median']:.3f} s, corr with batch_s "
+                unit = "ms" if c.endswith("_ms") else "s"
+                print(f"  {c:13} median {e[c]['median']:.3f} {unit}, corr with batch_s "
                       f"{'-' if corr is None else f'{corr:+.2f}'}, slope "
-                      f"{'-' if slope is None else f'{slope:+.2f}'} s/s")
+                      f"{'-' if slope is None else f'{slope:+.2f}'} {unit}/s")
     if a.json:
         a.json.write_text(json.dumps({"batches": table, "analysis": result}, indent=1))
     return 0

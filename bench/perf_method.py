@@ -226,6 +226,7 @@ def run_process(a: argparse.Namespace) -> dict[str, Any]:
         pinned = host_counters.one_cpu_per_core()
         os.sched_setaffinity(0, pinned)
     turns = Turns(a.ctl_fd)
+    probe = host_counters.SpeedProbe() if a.speed_probe else None
     import vllm  # noqa: F401  (the import is what the overlap hides)
     from vllm import SamplingParams
 
@@ -362,10 +363,12 @@ def run_process(a: argparse.Namespace) -> dict[str, Any]:
                 b += 1
                 turns.take(2 + 2 * w_index, sum(times) + 1e3 * len(reps))
                 counters = host_counters.snapshot()
+                speed = probe.read() if probe else None
                 t = time.perf_counter()
                 got = batch(prompts, gen, capture, steer)
                 times.append(time.perf_counter() - t)
-                host.append(host_counters.delta(counters, host_counters.snapshot()))
+                host.append(host_counters.delta(counters, host_counters.snapshot())
+                            | (probe.delta(speed, probe.read()) if probe and speed else {}))
                 turns.give()
                 tails.append(got.get("captures_s", 0.0))
                 cached += got["cached"]
@@ -390,6 +393,8 @@ def run_process(a: argparse.Namespace) -> dict[str, Any]:
         turns.take(99)  # alone on the GPU, after every other process's timed batches
         out["p3all"] = _p3all(a, batch, clear_captures, capture_all, capture_dir)
         turns.give()
+    if probe is not None:
+        probe.close()
     out["process_s"] = time.time() - t_start
     if llm is not None:
         llm.llm_engine.engine_core.shutdown()
@@ -685,6 +690,8 @@ def _spawn(a: argparse.Namespace, slot: int, config: str, model: str, logs: Path
         cmd.append("--no-identity")
     if a.pin != "none":
         cmd += ["--pin", a.pin]
+    if a.speed_probe:
+        cmd.append("--speed-probe")
     log = logs / f"slot-{slot:02d}-{config}.log"
     if ctl_fd is None:
         proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
@@ -959,6 +966,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pin", choices=("none", "cores"), default="none",
                     help="cores: bind every process to one logical CPU per physical core "
                          "(no two engine threads on one SMT pair); the same for every config")
+    ap.add_argument("--speed-probe", action="store_true",
+                    help="time fixed CPU work items in a side process during every batch "
+                         "(bench/host_counters.py SpeedProbe): is the host slower then?")
     ap.add_argument("--paired", action="store_true",
                     help="a round's processes alive together, taking turns batch by batch")
     ap.add_argument("--no-overlap", dest="overlap", action="store_false",
