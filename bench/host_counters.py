@@ -17,12 +17,19 @@ A host whose threads neither wait nor lose time to steal can still run the same 
 slower (a shared cache or memory bus, the host's clock): `SpeedProbe` times fixed work
 items in a process of its own (a Python loop, a 16 MiB memory copy; one item each 10 ms)
 so each batch gets the mean item time of its own seconds beside its counters.
+
+`GpuMonitor` asks whether the GPU's own time moved instead: it streams nvidia-smi's
+utilization, SM clock and power every 100 ms, and gives each batch the mean of its
+samples. If a slow batch had the same GPU work spread over more time, its utilization
+falls; if the GPU itself took longer (a lower clock, say), utilization holds.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
+import shutil
+import statistics
 import struct
 import subprocess
 import sys
@@ -64,6 +71,59 @@ class SpeedProbe:
         self.proc.wait()
         self._mm.close()
         os.unlink(self.path)
+
+
+class GpuMonitor:
+    """nvidia-smi's samples of GPU 0 every 100 ms, written to a file and read afterwards
+    (no CUDA context or NVML binding in this process). Disabled without nvidia-smi."""
+
+    FIELDS = ("utilization.gpu", "clocks.sm", "power.draw")
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.proc: subprocess.Popen | None = None
+        exe = shutil.which("nvidia-smi")
+        if exe is None:
+            return
+        self._out = self.path.open("w")
+        self.proc = subprocess.Popen(
+            [exe, "-i", "0", f"--query-gpu=timestamp,{','.join(self.FIELDS)}",
+             "--format=csv,noheader,nounits", "-lms", "100"],
+            stdout=self._out, stderr=subprocess.DEVNULL)
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait()
+            self._out.close()
+
+    def samples(self) -> list[tuple[float, float, float, float]]:
+        """(epoch seconds, utilization %, SM MHz, watts) per line nvidia-smi printed."""
+        out = []
+        if not self.path.exists():
+            return out
+        for line in self.path.read_text(errors="replace").splitlines():
+            parts = [x.strip() for x in line.split(",")]
+            if len(parts) != 4:
+                continue
+            try:
+                stamp, frac = parts[0].rsplit(".", 1)
+                t = time.mktime(time.strptime(stamp, "%Y/%m/%d %H:%M:%S")) + float(f"0.{frac}")
+                out.append((t, float(parts[1]), float(parts[2]), float(parts[3])))
+            except ValueError:
+                continue
+        return out
+
+    @staticmethod
+    def window(samples: list[tuple[float, float, float, float]], t0: float,
+               t1: float) -> dict[str, float]:
+        """Mean utilization, SM clock and power over the samples taken in [t0, t1]."""
+        inside = [s for s in samples if t0 <= s[0] <= t1]
+        if not inside:
+            return {}
+        return {"gpu_util_pct": statistics.mean(s[1] for s in inside),
+                "sm_clock_mhz": statistics.mean(s[2] for s in inside),
+                "power_w": statistics.mean(s[3] for s in inside), "gpu_samples": len(inside)}
 
 
 def _probe_main(path: str) -> None:

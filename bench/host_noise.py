@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 COUNTERS = ("top_run_s", "top_wait_s", "steal_s", "pressure_s", "tree_wait_s",
-            "probe_loop_ms", "probe_copy_ms")
+            "probe_loop_ms", "probe_copy_ms", "gpu_util_pct", "sm_clock_mhz", "power_w")
 
 
 def rows(procs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -37,6 +37,9 @@ def rows(procs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                                 "tree_wait_s": h.get("tree_wait_s"),
                                 "probe_loop_ms": h.get("probe_loop_ms"),
                                 "probe_copy_ms": h.get("probe_copy_ms"),
+                                "gpu_util_pct": h.get("gpu_util_pct"),
+                                "sm_clock_mhz": h.get("sm_clock_mhz"),
+                                "power_w": h.get("power_w"),
                                 "pinned": p.get("pinned_cpus") is not None})
     return out
 
@@ -84,13 +87,15 @@ def main(argv: list[str] | None = None) -> int:
         print("no batches with host counters found", file=sys.stderr)
         return 1
     print(f"{'slot':>4} {'config':9}{'workload':9}{'b':>3}{'batch_s':>9}{'top run':>9}"
-          f"{'top wait':>9}{'steal':>8}{'pressure':>9}{'loop ms':>8}{'copy ms':>8}  top thread")
+          f"{'top wait':>9}{'steal':>8}{'pressure':>9}{'loop ms':>8}{'copy ms':>8}{'gpu %':>7}"
+          f"{'sm MHz':>8}  top thread")
     fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else "-"  # noqa: E731
+    fmt1 = lambda v: f"{v:.1f}" if isinstance(v, float) else "-"  # noqa: E731
     for r in table:
         print(f"{r['slot']:>4} {r['config']:9}{r['workload']:9}{r['batch']:>3}{r['batch_s']:>9.3f}"
               f"{fmt(r['top_run_s']):>9}{fmt(r['top_wait_s']):>9}{fmt(r['steal_s']):>8}"
               f"{fmt(r['pressure_s']):>9}{fmt(r['probe_loop_ms']):>8}{fmt(r['probe_copy_ms']):>8}"
-              f"  {r['top_name']}")
+              f"{fmt1(r['gpu_util_pct']):>7}{fmt1(r['sm_clock_mhz']):>8}  {r['top_name']}")
     result = analyse(table)
     for key, e in result.items():
         print(f"\n{key}: {e['batches']} batches, {e['batch_s_min']:.3f}-{e['batch_s_max']:.3f} s "
@@ -98,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         for c in COUNTERS:
             if c in e:
                 corr, slope = e[c]["corr"], e[c]["slope"]
-                unit = "ms" if c.endswith("_ms") else "s"
+                unit = {"_ms": "ms", "pct": "%", "mhz": "MHz", "_w": "W"}.get(
+                    next((u for u in ("_ms", "pct", "mhz", "_w") if c.endswith(u)), ""), "s")
                 print(f"  {c:13} median {e[c]['median']:.3f} {unit}, corr with batch_s "
                       f"{'-' if corr is None else f'{corr:+.2f}'}, slope "
                       f"{'-' if slope is None else f'{slope:+.2f}'} {unit}/s")

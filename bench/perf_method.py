@@ -227,6 +227,9 @@ def run_process(a: argparse.Namespace) -> dict[str, Any]:
         os.sched_setaffinity(0, pinned)
     turns = Turns(a.ctl_fd)
     probe = host_counters.SpeedProbe() if a.speed_probe else None
+    monitor = (host_counters.GpuMonitor(Path(a.work) / f"gpu-samples-{a.slot:02d}.csv")
+               if a.gpu_monitor else None)
+    spans: list[tuple[dict[str, Any], float, float]] = []  # (batch's host dict, start, end)
     import vllm  # noqa: F401  (the import is what the overlap hides)
     from vllm import SamplingParams
 
@@ -364,11 +367,13 @@ def run_process(a: argparse.Namespace) -> dict[str, Any]:
                 turns.take(2 + 2 * w_index, sum(times) + 1e3 * len(reps))
                 counters = host_counters.snapshot()
                 speed = probe.read() if probe else None
+                wall = time.time()
                 t = time.perf_counter()
                 got = batch(prompts, gen, capture, steer)
                 times.append(time.perf_counter() - t)
                 host.append(host_counters.delta(counters, host_counters.snapshot())
                             | (probe.delta(speed, probe.read()) if probe and speed else {}))
+                spans.append((host[-1], wall, wall + times[-1]))
                 turns.give()
                 tails.append(got.get("captures_s", 0.0))
                 cached += got["cached"]
@@ -395,6 +400,11 @@ def run_process(a: argparse.Namespace) -> dict[str, Any]:
         turns.give()
     if probe is not None:
         probe.close()
+    if monitor is not None:  # each batch's GPU samples (nvidia-smi's own clock, this host's)
+        monitor.close()
+        samples = monitor.samples()
+        for entry, t0, t1 in spans:
+            entry.update(monitor.window(samples, t0, t1))
     out["process_s"] = time.time() - t_start
     if llm is not None:
         llm.llm_engine.engine_core.shutdown()
@@ -692,6 +702,8 @@ def _spawn(a: argparse.Namespace, slot: int, config: str, model: str, logs: Path
         cmd += ["--pin", a.pin]
     if a.speed_probe:
         cmd.append("--speed-probe")
+    if a.gpu_monitor:
+        cmd.append("--gpu-monitor")
     log = logs / f"slot-{slot:02d}-{config}.log"
     if ctl_fd is None:
         proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
@@ -969,6 +981,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--speed-probe", action="store_true",
                     help="time fixed CPU work items in a side process during every batch "
                          "(bench/host_counters.py SpeedProbe): is the host slower then?")
+    ap.add_argument("--gpu-monitor", action="store_true",
+                    help="nvidia-smi's GPU utilization, SM clock and power every 100 ms, "
+                         "averaged per batch (GpuMonitor): did the GPU's own time move?")
     ap.add_argument("--paired", action="store_true",
                     help="a round's processes alive together, taking turns batch by batch")
     ap.add_argument("--no-overlap", dest="overlap", action="store_false",
