@@ -26,6 +26,7 @@ falls; if the GPU itself took longer (a lower clock, say), utilization holds.
 
 from __future__ import annotations
 
+import atexit
 import mmap
 import os
 import shutil
@@ -54,7 +55,8 @@ class SpeedProbe:
         os.write(fd, bytes(_PROBE.size))
         self._mm = mmap.mmap(fd, _PROBE.size)
         os.close(fd)
-        self.proc = subprocess.Popen([sys.executable, __file__, self.path])
+        self.proc = subprocess.Popen([sys.executable, __file__, self.path, str(os.getpid())])
+        atexit.register(self.close)  # a run that fails leaves no probe behind
 
     def read(self) -> tuple[int, ...]:
         return _PROBE.unpack_from(self._mm)
@@ -67,10 +69,12 @@ class SpeedProbe:
                 "probe_copy_ms": d[3] / d[2] / 1e6 if d[2] else None}
 
     def close(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
-        self._mm.close()
-        os.unlink(self.path)
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        if not self._mm.closed:
+            self._mm.close()
+            os.unlink(self.path)
 
 
 class GpuMonitor:
@@ -90,9 +94,10 @@ class GpuMonitor:
             [exe, "-i", "0", f"--query-gpu=timestamp,{','.join(self.FIELDS)}",
              "--format=csv,noheader,nounits", "-lms", "100"],
             stdout=self._out, stderr=subprocess.DEVNULL)
+        atexit.register(self.close)
 
     def close(self) -> None:
-        if self.proc is not None:
+        if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             self.proc.wait()
             self._out.close()
@@ -126,7 +131,8 @@ class GpuMonitor:
                 "power_w": statistics.mean(s[3] for s in inside), "gpu_samples": len(inside)}
 
 
-def _probe_main(path: str) -> None:
+def _probe_main(path: str, parent: int) -> None:
+    """The probe's loop; it ends when its parent does (even one killed without cleanup)."""
     import numpy as np
 
     src = np.ones(16 << 20, np.uint8)
@@ -134,7 +140,7 @@ def _probe_main(path: str) -> None:
     fd = os.open(path, os.O_RDWR)
     mm = mmap.mmap(fd, _PROBE.size)
     counts = [0, 0, 0, 0]
-    while True:
+    while os.getppid() == parent:
         t0 = time.perf_counter_ns()
         total = 0
         for i in range(20_000):
@@ -247,4 +253,4 @@ def topology() -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    _probe_main(sys.argv[1])
+    _probe_main(sys.argv[1], int(sys.argv[2]))
