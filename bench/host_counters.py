@@ -15,7 +15,7 @@ host CPU. These counters separate its candidate causes, per batch:
 
 A host whose threads neither wait nor lose time to steal can still run the same work
 slower (a shared cache or memory bus, the host's clock): `SpeedProbe` times fixed work
-items in a process of its own (a Python loop, a 16 MiB memory copy; one item each 10 ms)
+items in a process of its own (a Python loop, then a 16 MiB memory copy, each 10 ms)
 so each batch gets the mean item time of its own seconds beside its counters.
 
 `GpuMonitor` asks whether the GPU's own time moved instead: it streams nvidia-smi's
@@ -44,11 +44,11 @@ import psutil
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
-_PROBE = struct.Struct("<4q")  # loop items, loop ns, copy items, copy ns
+_PROBE = struct.Struct("<3q")  # items (each one loop, then one copy), loop ns, copy ns
 
 
 class SpeedProbe:
-    """Fixed work items timed in a child process, read through a shared 32-byte file."""
+    """Fixed work items timed in a child process, read through a small shared file."""
 
     def __init__(self) -> None:
         fd, self.path = tempfile.mkstemp(prefix="speed-probe-")
@@ -66,7 +66,7 @@ class SpeedProbe:
         """Mean item time (ms) between two reads; None where no item finished."""
         d = [b - a for a, b in zip(before, after, strict=True)]
         return {"probe_loop_ms": d[1] / d[0] / 1e6 if d[0] else None,
-                "probe_copy_ms": d[3] / d[2] / 1e6 if d[2] else None}
+                "probe_copy_ms": d[2] / d[0] / 1e6 if d[0] else None}
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -139,7 +139,7 @@ def _probe_main(path: str, parent: int) -> None:
     dst = np.empty_like(src)
     fd = os.open(path, os.O_RDWR)
     mm = mmap.mmap(fd, _PROBE.size)
-    counts = [0, 0, 0, 0]
+    counts = [0, 0, 0]
     while os.getppid() == parent:
         t0 = time.perf_counter_ns()
         total = 0
@@ -150,8 +150,7 @@ def _probe_main(path: str, parent: int) -> None:
         t2 = time.perf_counter_ns()
         counts[0] += 1
         counts[1] += t1 - t0
-        counts[2] += 1
-        counts[3] += t2 - t1
+        counts[2] += t2 - t1
         _PROBE.pack_into(mm, 0, *counts)
         time.sleep(max(0.0, 0.01 - (t2 - t0) / 1e9))
 

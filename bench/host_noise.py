@@ -19,8 +19,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-COUNTERS = ("top_run_s", "top_wait_s", "steal_s", "pressure_s", "tree_wait_s",
-            "probe_loop_ms", "probe_copy_ms", "gpu_util_pct", "sm_clock_mhz", "power_w")
+# counter -> its unit
+COUNTERS = {"top_run_s": "s", "top_wait_s": "s", "steal_s": "s", "pressure_s": "s",
+            "tree_wait_s": "s", "probe_loop_ms": "ms", "probe_copy_ms": "ms",
+            "gpu_util_pct": "%", "sm_clock_mhz": "MHz", "power_w": "W"}
 
 
 def rows(procs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -103,8 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         for c in COUNTERS:
             if c in e:
                 corr, slope = e[c]["corr"], e[c]["slope"]
-                unit = {"_ms": "ms", "pct": "%", "mhz": "MHz", "_w": "W"}.get(
-                    next((u for u in ("_ms", "pct", "mhz", "_w") if c.endswith(u)), ""), "s")
+                unit = COUNTERS[c]
                 print(f"  {c:13} median {e[c]['median']:.3f} {unit}, corr with batch_s "
                       f"{'-' if corr is None else f'{corr:+.2f}'}, slope "
                       f"{'-' if slope is None else f'{slope:+.2f}'} {unit}/s")
