@@ -27,6 +27,8 @@ falls; if the GPU itself took longer (a lower clock, say), utilization holds.
 from __future__ import annotations
 
 import atexit
+import functools
+import importlib.util
 import mmap
 import os
 import shutil
@@ -192,8 +194,69 @@ def _threads() -> dict[tuple[int, int], tuple[str, int, int]]:
     return out
 
 
-def snapshot() -> dict[str, Any]:
-    return {"stat": _proc_stat(), "pressure": _pressure_us(), "threads": _threads()}
+ENGINE_PROBE = Path(__file__).parent / "engine_probe"  # its sitecustomize.py's directory
+
+
+def engine_probe_env(directory: str | Path) -> dict[str, str]:
+    """The environment that turns the engine probe on in this process's Python children
+    (and in this process's own later imports of vLLM: set it before importing vllm)."""
+    path = os.environ.get("PYTHONPATH", "")
+    return {"CAPSTEER_ENGINE_PROBE_DIR": str(directory),
+            "PYTHONPATH": f"{ENGINE_PROBE}{os.pathsep}{path}" if path else str(ENGINE_PROBE)}
+
+
+@functools.cache
+def _engine_probe_fields() -> tuple[str, ...]:
+    """The probe's field list, from its file (loaded under its own name: this process may
+    have imported another sitecustomize)."""
+    spec = importlib.util.spec_from_file_location("capsteer_engine_probe",
+                                                  ENGINE_PROBE / "sitecustomize.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return tuple(module.FIELDS)
+
+
+def engine_probe_read(directory: str | Path | None) -> dict[int, tuple[int, ...]]:
+    """pid -> the engine probe's counters, for this process tree's processes that have any."""
+    if directory is None:
+        return {}
+    fields = _engine_probe_fields()
+    me = psutil.Process()
+    out = {}
+    for pid in [me.pid] + [c.pid for c in me.children(recursive=True)]:
+        try:
+            raw = Path(directory, f"probe-{pid}.bin").read_bytes()
+        except OSError:
+            continue
+        if len(raw) == 8 * len(fields):
+            out[pid] = struct.unpack(f"<{len(fields)}q", raw)
+    return out
+
+
+def _engine_probe_delta(before: dict[int, tuple[int, ...]],
+                        after: dict[int, tuple[int, ...]]) -> dict[str, float]:
+    """The batch's probe counters: `front_*` for this process (the LLM front end), `engine_*`
+    summed over its children (the EngineCore, writers); seconds where the field is in ns."""
+    fields = _engine_probe_fields()
+    out: dict[str, float] = {}
+    for prefix, mine in (("front", True), ("engine", False)):
+        pids = [pid for pid in after if (pid == os.getpid()) == mine]
+        if not pids:
+            continue
+        total = [0] * len(fields)
+        for pid in pids:
+            base = before.get(pid, (0,) * len(fields))
+            total = [t + b - a for t, a, b in zip(total, base, after[pid], strict=True)]
+        for name, v in zip(fields, total, strict=True):
+            key = f"{prefix}_{name[:-3]}_s" if name.endswith("_ns") else f"{prefix}_{name}"
+            out[key] = v / 1e9 if name.endswith("_ns") else v
+    return out
+
+
+def snapshot(probe_dir: str | Path | None = None) -> dict[str, Any]:
+    return {"stat": _proc_stat(), "pressure": _pressure_us(), "threads": _threads(),
+            "engine": engine_probe_read(probe_dir)}
 
 
 def delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
@@ -211,6 +274,7 @@ def delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     if runs:
         run, wait, name, key = max(runs)
         out["top_thread"] = {"name": name, "pid": key[0], "run_s": run / 1e9, "wait_s": wait / 1e9}
+    out.update(_engine_probe_delta(before.get("engine", {}), after.get("engine", {})))
     return out
 
 

@@ -22,7 +22,12 @@ from typing import Any
 # counter -> its unit
 COUNTERS = {"top_run_s": "s", "top_wait_s": "s", "steal_s": "s", "pressure_s": "s",
             "tree_wait_s": "s", "probe_loop_ms": "ms", "probe_copy_ms": "ms",
-            "gpu_util_pct": "%", "sm_clock_mhz": "MHz", "power_w": "W"}
+            "gpu_util_pct": "%", "sm_clock_mhz": "MHz", "power_w": "W",
+            # bench/engine_probe (--engine-probe): the EngineCore's steps and where they went
+            "engine_steps": "steps", "engine_tokens": "tokens", "engine_step_s": "s",
+            "engine_schedule_s": "s", "engine_update_s": "s", "engine_gc0_s": "s",
+            "engine_gc1_s": "s", "engine_gc2_s": "s", "front_gc0_s": "s", "front_gc1_s": "s",
+            "front_gc2_s": "s"}
 
 
 def rows(procs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -42,8 +47,15 @@ def rows(procs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                                 "gpu_util_pct": h.get("gpu_util_pct"),
                                 "sm_clock_mhz": h.get("sm_clock_mhz"),
                                 "power_w": h.get("power_w"),
+                                **{c: h.get(c) for c in COUNTERS if c.startswith(("engine_", "front_"))},
                                 "pinned": p.get("pinned_cpus") is not None})
     return out
+
+
+def _gc_s(r: dict[str, Any]) -> float | None:
+    """Garbage-collection seconds of the engine processes, all generations."""
+    parts = [r.get(f"engine_gc{g}_s") for g in range(3)]
+    return sum(parts) if all(isinstance(x, float) for x in parts) else None
 
 
 def _corr(xs: list[float], ys: list[float]) -> float | None:
@@ -90,14 +102,16 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(f"{'slot':>4} {'config':9}{'workload':9}{'b':>3}{'batch_s':>9}{'top run':>9}"
           f"{'top wait':>9}{'steal':>8}{'pressure':>9}{'loop ms':>8}{'copy ms':>8}{'gpu %':>7}"
-          f"{'sm MHz':>8}  top thread")
+          f"{'sm MHz':>8}{'steps':>6}{'step s':>8}{'gc s':>7}  top thread")
     fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else "-"  # noqa: E731
     fmt1 = lambda v: f"{v:.1f}" if isinstance(v, float) else "-"  # noqa: E731
     for r in table:
         print(f"{r['slot']:>4} {r['config']:9}{r['workload']:9}{r['batch']:>3}{r['batch_s']:>9.3f}"
               f"{fmt(r['top_run_s']):>9}{fmt(r['top_wait_s']):>9}{fmt(r['steal_s']):>8}"
               f"{fmt(r['pressure_s']):>9}{fmt(r['probe_loop_ms']):>8}{fmt(r['probe_copy_ms']):>8}"
-              f"{fmt1(r['gpu_util_pct']):>7}{fmt1(r['sm_clock_mhz']):>8}  {r['top_name']}")
+              f"{fmt1(r['gpu_util_pct']):>7}{fmt1(r['sm_clock_mhz']):>8}"
+              f"{r['engine_steps'] if r['engine_steps'] is not None else '-':>6}"
+              f"{fmt(r['engine_step_s']):>8}{fmt(_gc_s(r)):>7}  {r['top_name']}")
     result = analyse(table)
     for key, e in result.items():
         print(f"\n{key}: {e['batches']} batches, {e['batch_s_min']:.3f}-{e['batch_s_max']:.3f} s "

@@ -230,6 +230,7 @@ def run_process(a: argparse.Namespace) -> dict[str, Any]:
     monitor = (host_counters.GpuMonitor(Path(a.work) / f"gpu-samples-{a.slot:02d}.csv")
                if a.gpu_monitor else None)
     spans: list[tuple[dict[str, Any], float, float]] = []  # (batch's host dict, start, end)
+    probe_dir = os.environ.get("CAPSTEER_ENGINE_PROBE_DIR")  # set by the driver: --engine-probe
     import vllm  # noqa: F401  (the import is what the overlap hides)
     from vllm import SamplingParams
 
@@ -365,13 +366,13 @@ def run_process(a: argparse.Namespace) -> dict[str, Any]:
                 prompts = _prompts(seed0 + b, n, prompt, vocab)
                 b += 1
                 turns.take(2 + 2 * w_index, sum(times) + 1e3 * len(reps))
-                counters = host_counters.snapshot()
+                counters = host_counters.snapshot(probe_dir)
                 speed = probe.read() if probe else None
                 wall = time.time()
                 t = time.perf_counter()
                 got = batch(prompts, gen, capture, steer)
                 times.append(time.perf_counter() - t)
-                host.append(host_counters.delta(counters, host_counters.snapshot())
+                host.append(host_counters.delta(counters, host_counters.snapshot(probe_dir))
                             | (probe.delta(speed, probe.read()) if probe and speed else {}))
                 spans.append((host[-1], wall, wall + times[-1]))
                 turns.give()
@@ -705,10 +706,15 @@ def _spawn(a: argparse.Namespace, slot: int, config: str, model: str, logs: Path
     if a.gpu_monitor:
         cmd.append("--gpu-monitor")
     log = logs / f"slot-{slot:02d}-{config}.log"
+    env = None
+    if a.engine_probe:  # the same probe in every config's processes (front end, EngineCore)
+        probe_dir = Path(a.work) / "engine-probe"
+        probe_dir.mkdir(parents=True, exist_ok=True)
+        env = os.environ | host_counters.engine_probe_env(probe_dir)
     if ctl_fd is None:
-        proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
     else:
-        proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env,
                                 stdin=subprocess.PIPE, text=True, pass_fds=(ctl_fd,))
     return proc, result, log
 
@@ -984,6 +990,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpu-monitor", action="store_true",
                     help="nvidia-smi's GPU utilization, SM clock and power every 100 ms, "
                          "averaged per batch (GpuMonitor): did the GPU's own time move?")
+    ap.add_argument("--engine-probe", action="store_true",
+                    help="per batch, every process's engine steps, scheduled tokens, step, "
+                         "schedule and update seconds and garbage-collection seconds "
+                         "(bench/engine_probe): did a slow batch do more steps, or collect?")
     ap.add_argument("--paired", action="store_true",
                     help="a round's processes alive together, taking turns batch by batch")
     ap.add_argument("--no-overlap", dest="overlap", action="store_false",

@@ -1,0 +1,134 @@
+"""Engine-side counters for perf_method.py's `--engine-probe` (a benchmark diagnostic only).
+
+The lent hosts run the same batch in 0.85-1.5 s with no autocorrelation between batches,
+and the EngineCore's step thread is running for nearly all of it (CUDA's spin-waits count
+as running). Host counters cannot say whether a slow batch did more engine steps, spent
+its time in Python's garbage collector, or waited longer on the GPU. These counters can,
+and they are the same for vanilla and capsteer processes: this file is imported by every
+Python process started with `bench/engine_probe` on PYTHONPATH, and does nothing unless
+CAPSTEER_ENGINE_PROBE_DIR is set.
+
+Per process it keeps int64 counters in a small shared file `<dir>/probe-<pid>.bin`, which
+`host_counters.engine_probe_read` reads around each batch:
+- garbage collections and their nanoseconds, per generation (gc.callbacks);
+- engine steps (vLLM's Scheduler.schedule calls that scheduled tokens), their scheduled
+  tokens, and nanoseconds in schedule(), update_from_output() and the whole engine step
+  (EngineCoreProc._process_engine_step: schedule, forward, sampling, output processing).
+vLLM's modules are wrapped after their import (a meta-path hook), never imported here.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.abc
+import importlib.util
+import mmap
+import os
+import sys
+import time
+from typing import Any
+
+FIELDS = ("gc0_n", "gc0_ns", "gc1_n", "gc1_ns", "gc2_n", "gc2_ns", "steps", "tokens",
+          "schedule_ns", "update_ns", "step_ns", "idle_steps")
+_DIR = os.environ.get("CAPSTEER_ENGINE_PROBE_DIR")
+
+
+class _Counters:
+    """This process's counters in a shared file (re-created after a fork)."""
+
+    def __init__(self) -> None:
+        self.pid = -1
+        self.view: Any = None
+
+    def get(self) -> Any:
+        if self.pid != os.getpid():
+            self.pid = os.getpid()
+            path = os.path.join(_DIR or ".", f"probe-{self.pid}.bin")
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.ftruncate(fd, 8 * len(FIELDS))
+            self.view = memoryview(mmap.mmap(fd, 8 * len(FIELDS))).cast("q")
+            os.close(fd)
+        return self.view
+
+
+_COUNTERS = _Counters()
+_gc_start = [0]
+
+
+def _on_gc(phase: str, info: dict[str, int]) -> None:
+    if phase == "start":
+        _gc_start[0] = time.perf_counter_ns()
+        return
+    v = _COUNTERS.get()
+    g = min(int(info.get("generation", 2)), 2)
+    v[2 * g] += 1
+    v[2 * g + 1] += time.perf_counter_ns() - _gc_start[0]
+
+
+def _timed(fn: Any, field: str, after: Any = None) -> Any:
+    index = FIELDS.index(field)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter_ns()
+        result = fn(*args, **kwargs)
+        v = _COUNTERS.get()
+        v[index] += time.perf_counter_ns() - t0
+        if after is not None:
+            after(v, result)
+        return result
+
+    wrapper.__wrapped__ = fn  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _count_schedule(v: Any, output: Any) -> None:
+    tokens = int(getattr(output, "total_num_scheduled_tokens", 0) or 0)
+    if tokens:
+        v[FIELDS.index("steps")] += 1
+        v[FIELDS.index("tokens")] += tokens
+    else:
+        v[FIELDS.index("idle_steps")] += 1
+
+
+def _patch_scheduler(module: Any) -> None:
+    cls = module.Scheduler
+    cls.schedule = _timed(cls.schedule, "schedule_ns", _count_schedule)
+    cls.update_from_output = _timed(cls.update_from_output, "update_ns")
+
+
+def _patch_core(module: Any) -> None:
+    cls = module.EngineCoreProc  # the engine process's busy loop calls this once a step
+    cls._process_engine_step = _timed(cls._process_engine_step, "step_ns")
+
+
+_PATCHES = {"vllm.v1.core.sched.scheduler": _patch_scheduler,
+            "vllm.v1.engine.core": _patch_core}
+
+
+class _PatchAfterImport(importlib.abc.MetaPathFinder):
+    """Finds the named vLLM modules through the other finders and patches them once run."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name not in _PATCHES:
+            return None
+        sys.meta_path.remove(self)
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            sys.meta_path.insert(0, self)
+        if spec is None or spec.loader is None:
+            return spec
+        loader = spec.loader
+        run = loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            run(module)
+            _PATCHES[name](module)
+
+        loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+if _DIR and __name__ == "sitecustomize":  # not when loaded by name for FIELDS
+    gc.callbacks.append(_on_gc)
+    sys.meta_path.insert(0, _PatchAfterImport())
