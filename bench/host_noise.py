@@ -25,7 +25,8 @@ COUNTERS = {"top_run_s": "s", "top_wait_s": "s", "steal_s": "s", "pressure_s": "
             "gpu_util_pct": "%", "sm_clock_mhz": "MHz", "power_w": "W",
             # bench/engine_probe (--engine-probe): the EngineCore's steps and where they went
             "engine_steps": "steps", "engine_tokens": "tokens", "engine_step_s": "s",
-            "engine_schedule_s": "s", "engine_update_s": "s", "engine_gc0_s": "s",
+            "engine_schedule_s": "s", "engine_update_s": "s", "engine_forward_s": "s",
+            "engine_sample_s": "s", "engine_gc0_s": "s",
             "engine_gc1_s": "s", "engine_gc2_s": "s", "front_gc0_s": "s", "front_gc1_s": "s",
             "front_gc2_s": "s"}
 

@@ -13,7 +13,10 @@ Per process it keeps int64 counters in a small shared file `<dir>/probe-<pid>.bi
 - garbage collections and their nanoseconds, per generation (gc.callbacks);
 - engine steps (vLLM's Scheduler.schedule calls that scheduled tokens), their scheduled
   tokens, and nanoseconds in schedule(), update_from_output() and the whole engine step
-  (EngineCoreProc._process_engine_step: schedule, forward, sampling, output processing).
+  (EngineCoreProc._process_engine_step: schedule, forward, sampling, output processing);
+- nanoseconds in the model runner's execute_model() (input preparation and the forward's
+  launch; with synchronous scheduling the wait for the GPU lands in sample_tokens()) and
+  sample_tokens().
 vLLM's modules are wrapped after their import (a meta-path hook), never imported here.
 """
 
@@ -29,7 +32,7 @@ import time
 from typing import Any
 
 FIELDS = ("gc0_n", "gc0_ns", "gc1_n", "gc1_ns", "gc2_n", "gc2_ns", "steps", "tokens",
-          "schedule_ns", "update_ns", "step_ns", "idle_steps")
+          "schedule_ns", "update_ns", "step_ns", "idle_steps", "forward_ns", "sample_ns")
 _DIR = os.environ.get("CAPSTEER_ENGINE_PROBE_DIR")
 
 
@@ -101,8 +104,15 @@ def _patch_core(module: Any) -> None:
     cls._process_engine_step = _timed(cls._process_engine_step, "step_ns")
 
 
+def _patch_runner(module: Any) -> None:
+    cls = module.GPUModelRunner  # vLLM's CPU runner inherits both
+    cls.execute_model = _timed(cls.execute_model, "forward_ns")
+    cls.sample_tokens = _timed(cls.sample_tokens, "sample_ns")
+
+
 _PATCHES = {"vllm.v1.core.sched.scheduler": _patch_scheduler,
-            "vllm.v1.engine.core": _patch_core}
+            "vllm.v1.engine.core": _patch_core,
+            "vllm.v1.worker.gpu_model_runner": _patch_runner}
 
 
 class _PatchAfterImport(importlib.abc.MetaPathFinder):
