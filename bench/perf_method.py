@@ -395,6 +395,16 @@ def run_process(a: argparse.Namespace) -> dict[str, Any]:
             # the timed batches' hook counters (host seconds by phase, the harvester's
             # backpressure wait and delivery seconds): where a hooked batch's time went
             "hook_counters": _counter_delta(hooks_before, _hook_counters(engine))}
+        if a.profile_batch and engine is not None:  # untimed, after the timed batches
+            turns.take(2 + 2 * w_index, 1e9)
+            engine.llm.collective_rpc("capsteer_profile", args=(True, 40))
+            batch(_prompts(seed0 + 10_000, n, prompt, vocab), gen, capture, steer)
+            text = engine.llm.collective_rpc("capsteer_profile", args=(False, 40))[0]
+            turns.give()
+            clear_captures()
+            prof = Path(a.work) / f"profile-{a.slot:02d}-{a.config}-{name}.txt"
+            prof.write_text(text)
+            out["workloads"][name]["profile_file"] = str(prof)
     if a.do_p3all and a.config == "capture":
         turns.take(99)  # alone on the GPU, after every other process's timed batches
         out["p3all"] = _p3all(a, batch, clear_captures, capture_all, capture_dir)
@@ -705,6 +715,8 @@ def _spawn(a: argparse.Namespace, slot: int, config: str, model: str, logs: Path
         cmd.append("--speed-probe")
     if a.gpu_monitor:
         cmd.append("--gpu-monitor")
+    if a.profile_batch:
+        cmd.append("--profile-batch")
     log = logs / f"slot-{slot:02d}-{config}.log"
     env = None
     if a.engine_probe:  # the same probe in every config's processes (front end, EngineCore)
@@ -994,6 +1006,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="per batch, every process's engine steps, scheduled tokens, step, "
                          "schedule and update seconds and garbage-collection seconds "
                          "(bench/engine_probe): did a slow batch do more steps, or collect?")
+    ap.add_argument("--profile-batch", action="store_true",
+                    help="after the timed batches, one more batch per workload with the "
+                         "worker's step loop under cProfile and the torch profiler (capsteer "
+                         "configs); its table goes to WORK/profile-SLOT-CONFIG-WORKLOAD.txt")
     ap.add_argument("--paired", action="store_true",
                     help="a round's processes alive together, taking turns batch by batch")
     ap.add_argument("--no-overlap", dest="overlap", action="store_false",

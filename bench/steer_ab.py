@@ -68,7 +68,7 @@ def _diagnostic(kind: str) -> tuple[str, str] | None:
 
 
 # The durable writer link's cumulative counters (the engine side of the writer processes).
-WRITER_COUNTERS = ("ring_waits", "ring_wait_s", "copy_s", "send_s", "inline_writes",
+WRITER_COUNTERS = ("ring_waits", "ring_wait_s", "copy_s", "send_s", "sends", "inline_writes",
                    "device_writes", "device_full")
 
 

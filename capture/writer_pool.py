@@ -67,7 +67,8 @@ class _AllReady:
 # Stats fields that add up across children (the rest are per child, under "processes").
 _SUMMED = ("budget_bytes", "inflight_bytes", "open_bytes", "sealed_bytes", "peak_bytes",
            "open_captures", "spilled_bytes", "ring_bytes", "ring_waits", "ring_wait_s",
-           "inline_writes", "copy_s", "send_s", "device_writes", "device_full")
+           "inline_writes", "copy_s", "send_s", "sends", "device_writes",
+           "device_full")
 
 
 class ProcessWriterPool:
@@ -130,6 +131,15 @@ class ProcessWriterPool:
     def end_step(self) -> None:
         for w in self.writers:
             w.end_step()
+
+    def defer_sends(self, on: bool = True) -> None:
+        """Every child's link defers its sends (ProcessCaptureWriter.defer_sends)."""
+        for w in self.writers:
+            w.defer_sends(on)
+
+    def flush_sends(self) -> None:
+        for w in self.writers:
+            w.flush_sends()
 
     def pin_device_ring(self) -> bool:
         """Every child's device ring page-locked (see ProcessCaptureWriter)."""

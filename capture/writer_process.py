@@ -18,7 +18,8 @@ Protocol (pickled tuples on one socket pair, in order):
   parent -> child  ("open", CaptureRequest) | ("writes", [(id, hook, layer, positions,
                    dtype, shape, offset, end), ...]) | ("write_bytes", id, hook, layer,
                    positions, dtype, shape, bytes) | ("close", CaptureEnd) |
-                   ("abort", id, reason) | ("flush", n, timeout) | ("shutdown", timeout)
+                   ("abort", id, reason) | ("many", [open, writes, close or abort
+                   messages, in order]) | ("flush", n, timeout) | ("shutdown", timeout)
   child -> parent  ("ready", pid) | ("done", [ids]) | ("reply", n, value, error)
 A second socket pair carries diagnostics out of band: (n, "stats" | "metrics") answered
 by (n, value, error) from a thread of the child, so a scrape never waits behind rows.
@@ -146,6 +147,10 @@ class ProcessCaptureWriter:
         self._dhead = 0  # the device ring's: reserved by the engine's step thread only
         self._device_rows = False  # the device ring is page-locked for the GPU's copies
         self._pending: list[tuple] = []  # this step's ring writes, not sent yet
+        # Deferred sends (defer_sends): closes, aborts and whole steps' writes wait here,
+        # in order, for flush_sends, which sends them with the queued opens as one message.
+        self._deferred = False
+        self._outbox: list[tuple] = []
         self._opens: collections.deque[tuple] = collections.deque()  # queued without a lock
         ours, theirs = socket.socketpair()
         self._conn = Connection(ours.detach())
@@ -194,6 +199,7 @@ class ProcessCaptureWriter:
         self.device_writes = 0  # writes whose rows the GPU copied into the device ring
         self.device_full = 0  # reservations refused for want of device ring space
         self.send_s = 0.0  # seconds serializing and sending messages to the child
+        self.sends = 0  # messages sent to the child
         self._reader = threading.Thread(target=self._read_loop, name="capsteer-writer-link", daemon=True)
         self._reader.start()
 
@@ -247,7 +253,26 @@ class ProcessCaptureWriter:
                                 _HEADER + offset, end))
 
     def end_step(self) -> None:
-        """The step's rows are all written: send them to the child as one message."""
+        """The step's rows are all written: send them to the child as one message (with
+        deferred sends, at the next flush_sends)."""
+        if self._deferred:
+            return
+        with self._send_lock:
+            self._send_pending_locked()
+
+    def defer_sends(self, on: bool = True) -> None:
+        """Hold closes, aborts and step ends until `flush_sends`, which sends everything
+        queued as one message. For a caller that runs many of them back to back on one
+        thread (the engine's harvester: a prefill step's writes and its 16 closes) and
+        flushes when it runs out of work: one pickle and one send instead of one each, on
+        a thread that holds the GIL the engine's step thread needs. Anything that must
+        reach the child now (flush, shutdown, a full ring) still sends what is queued."""
+        self._deferred = on
+        if not on:
+            self.flush_sends()
+
+    def flush_sends(self) -> None:
+        """Send every queued open, write, close and abort now (one message)."""
         with self._send_lock:
             self._send_pending_locked()
 
@@ -311,13 +336,13 @@ class ProcessCaptureWriter:
         if self._fallback is not None:
             self._fallback.close(end)
             return
-        self._send(("close", end))
+        self._send_or_defer(("close", end))
 
     def abort(self, capture_id: str, reason: str) -> None:
         if self._fallback is not None:
             self._fallback.abort(capture_id, reason)
             return
-        self._send(("abort", capture_id, reason))
+        self._send_or_defer(("abort", capture_id, reason))
 
     # ------------------------------------------------------------ diagnostics
     def stats(self) -> dict[str, Any] | None:
@@ -325,7 +350,8 @@ class ProcessCaptureWriter:
         own = {"process": self.child_pid, "failure": self.failure, "ring_bytes": self.ring_bytes,
                "ring_waits": self.ring_waits, "ring_wait_s": round(self.ring_wait_s, 6),
                "inline_writes": self.inline_writes, "copy_s": round(self.copy_s, 6),
-               "send_s": round(self.send_s, 6), "device_writes": self.device_writes,
+               "send_s": round(self.send_s, 6), "sends": self.sends,
+               "device_writes": self.device_writes,
                "device_full": self.device_full}
         if self._fallback is not None:
             return {**self._fallback.stats(), **own}
@@ -397,12 +423,32 @@ class ProcessCaptureWriter:
         with self._send_lock:
             self._send_locked(msg)
 
+    def _send_or_defer(self, msg: tuple) -> None:
+        with self._send_lock:
+            if not self._deferred:
+                self._send_locked(msg)
+                return
+            if self._pending:  # the rows written before it go first
+                self._outbox.append(("writes", self._pending))
+                self._pending = []
+            self._outbox.append(msg)
+
     def _send_pending_locked(self) -> None:
+        """Send the queued opens (first: every later message concerns an opened capture),
+        then the deferred messages and this step's writes, in order: as one message when
+        there are several."""
+        msgs = []
         while self._opens:
-            self._send_raw_locked(self._opens.popleft())
+            msgs.append(self._opens.popleft())
+        msgs += self._outbox
+        self._outbox = []
         if self._pending:
-            batch, self._pending = self._pending, []
-            self._send_raw_locked(("writes", batch))
+            msgs.append(("writes", self._pending))
+            self._pending = []
+        if len(msgs) == 1:
+            self._send_raw_locked(msgs[0])
+        elif msgs:
+            self._send_raw_locked(("many", msgs))
 
     def _send_locked(self, msg: tuple) -> None:
         """Send `msg` after this step's pending writes (a close follows its rows)."""
@@ -413,6 +459,7 @@ class ProcessCaptureWriter:
         if self._fallback is not None:
             return  # the failover already gave every capture of this message its outcome
         started = time.perf_counter()
+        self.sends += 1
         try:
             self._conn.send_bytes(_dumps(msg))
         except OSError as exc:
@@ -596,52 +643,61 @@ def _serve(sock_fd: int, ctl_fd: int, ring_fd: int, config: dict[str, Any]) -> N
                      name="capsteer-writer-control", daemon=True).start()
     send(("ready", os.getpid()))
 
+    def handle(msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "writes":
+            for cid, hook, layer, pos, dtype, shape, offset, end in msg[1]:
+                nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+                rows = rings[offset:offset + nbytes].view(dtype).view(shape)
+                if 2 * nbytes >= ring_bytes:  # CaptureWriter.write copies rows of a larger
+                    rows = rows.clone()       # storage; the parent keeps writes below half
+                try:
+                    writer.write(cid, hook, layer, pos, rows)  # copies the rows out
+                except Exception as exc:  # the capture ends with an error, the step goes on
+                    log.exception("capsteer writer process: write for %s failed", cid)
+                    writer.abort(cid, f"rows could not be taken: {type(exc).__name__}: {exc}")
+                finally:  # a negative end is the device ring's (its counter at 8)
+                    struct.pack_into("<Q", mm, 8 if end < 0 else 0, abs(end))
+        elif kind == "many":  # deferred sends: each in order, one failing alone
+            for one in msg[1]:
+                try:
+                    handle(one)
+                except Exception:
+                    log.exception("capsteer writer process: handling %s failed", one[0])
+        elif kind == "write_bytes":
+            _, cid, hook, layer, pos, dtype, shape, data = msg
+            rows = torch.frombuffer(bytearray(data), dtype=dtype).view(shape)
+            writer.write(cid, hook, layer, pos, rows)
+        elif kind == "open":
+            request = msg[1]
+            writer.open(request)
+            writer.add_done_callback(request.capture_id, lambda r: finished.put(r.capture_id))
+        elif kind == "close":
+            writer.close(msg[1])
+        elif kind == "abort":
+            writer.abort(msg[1], msg[2])
+        elif kind == "flush":  # in order: after every row and close sent before it
+            _, n, timeout = msg
+            try:
+                send(("reply", n, writer.flush(timeout), None))
+            except Exception as exc:
+                send(("reply", n, None, f"{type(exc).__name__}: {exc}"))
+
     shutdown_timeout: float | None = None
     while True:
         try:
             msg = pickle.loads(conn.recv_bytes())
         except (EOFError, OSError):
             break  # the engine process is gone: publish what was closed, abort the rest
-        kind = msg[0]
+        if msg[0] == "shutdown":
+            shutdown_timeout = msg[1]
+            break
         try:
-            if kind == "writes":
-                for cid, hook, layer, pos, dtype, shape, offset, end in msg[1]:
-                    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-                    rows = rings[offset:offset + nbytes].view(dtype).view(shape)
-                    if 2 * nbytes >= ring_bytes:  # CaptureWriter.write copies rows of a larger
-                        rows = rows.clone()       # storage; the parent keeps writes below half
-                    try:
-                        writer.write(cid, hook, layer, pos, rows)  # copies the rows out
-                    except Exception as exc:  # the capture ends with an error, the step goes on
-                        log.exception("capsteer writer process: write for %s failed", cid)
-                        writer.abort(cid, f"rows could not be taken: {type(exc).__name__}: {exc}")
-                    finally:  # a negative end is the device ring's (its counter at 8)
-                        struct.pack_into("<Q", mm, 8 if end < 0 else 0, abs(end))
-            elif kind == "write_bytes":
-                _, cid, hook, layer, pos, dtype, shape, data = msg
-                rows = torch.frombuffer(bytearray(data), dtype=dtype).view(shape)
-                writer.write(cid, hook, layer, pos, rows)
-            elif kind == "open":
-                request = msg[1]
-                writer.open(request)
-                writer.add_done_callback(request.capture_id, lambda r: finished.put(r.capture_id))
-            elif kind == "close":
-                writer.close(msg[1])
-            elif kind == "abort":
-                writer.abort(msg[1], msg[2])
-            elif kind == "flush":  # in order: after every row and close sent before it
-                _, n, timeout = msg
-                try:
-                    send(("reply", n, writer.flush(timeout), None))
-                except Exception as exc:
-                    send(("reply", n, None, f"{type(exc).__name__}: {exc}"))
-            elif kind == "shutdown":
-                shutdown_timeout = msg[1]
-                break
+            handle(msg)
         except OSError:
             raise
         except Exception:  # one bad message must not take every other capture down
-            log.exception("capsteer writer process: handling %s failed", kind)
+            log.exception("capsteer writer process: handling %s failed", msg[0])
     writer.shutdown(shutdown_timeout)
     finished.put(None)
     reporter.join(5.0)

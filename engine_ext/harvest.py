@@ -57,6 +57,9 @@ class Harvester:
         self.copies = 0
         self.queue: queue.Queue = queue.Queue()
         self.errors: list[BaseException] = []
+        # Called on this thread whenever it runs out of work (before it blocks): a sink
+        # that defers its sends flushes them here, once per burst instead of once per call.
+        self.on_idle: Callable[[], None] | None = None
         self.thread = threading.Thread(target=self._run, name="capsteer-harvest", daemon=True)
         self.thread.start()
 
@@ -93,6 +96,12 @@ class Harvester:
 
     def _run(self) -> None:
         while True:
+            if self.on_idle is not None and self.queue.empty():
+                try:
+                    self.on_idle()
+                except BaseException as exc:  # keep harvesting; surface it to the worker
+                    log.exception("capsteer: the sink's idle flush failed")
+                    self.errors.append(exc)
             event, slot, (rows, num_tokens), fn = self.queue.get()
             try:
                 if event is None:

@@ -101,6 +101,13 @@ class EngineHooks:
         # harvester's pinned ring and a copy on its thread.
         pin = getattr(self.writer, "pin_device_ring", None)
         self.device_rows = bool(self.device_driven and pin is not None and pin())
+        # Every call into the writer processes' link then runs on the harvester thread,
+        # which sends what a burst queued (a step's writes, its closes) as one message
+        # when it runs out of work.
+        defer = getattr(self.writer, "defer_sends", None)
+        if self.harvester is not None and defer is not None:
+            defer(True)
+            self.harvester.on_idle = self.writer.flush_sends
         skipped = faulty_site()
         # The mid norm's residual (pair tap at offset 1) crossed the split at attention.
         split_residual = adapter.residual_crosses_split(worker)
@@ -204,7 +211,8 @@ class EngineHooks:
                 if hooks.capture is not None and self.capture_rank:
                     sink = self._sink_for(hooks)
                     sink.open(self._capture_request(req_id, prompt, hooks))
-                    sink.abort(hooks.capture_id, refusal)
+                    self._run_on_sink_thread(
+                        lambda s=sink, c=hooks.capture_id, r=refusal: s.abort(c, r))
                 continue
             self.requests[req_id] = hooks
             if hooks.capture is not None and not self.capture_rank:
@@ -395,6 +403,7 @@ class EngineHooks:
         if not self.closable:
             return
         done = [h for h in self.closable.values() if h.fed_len >= h.prompt_len]
+        endings = []
         for hooks in done:
             del self.closable[hooks.req_id]
             if hooks.capture is None:  # shed (staging overflow): its sink already aborted it
@@ -403,8 +412,7 @@ class EngineHooks:
             prompt = self.prompts.pop(hooks.req_id, ())
             if sink is not None:
                 # A copy: the close runs on the sink thread after this step's rows.
-                ending = _Ending(replace(hooks), prompt, sink, 0.0)
-                self._run_on_sink_thread(lambda e=ending: e.close(None))
+                endings.append(_Ending(replace(hooks), prompt, sink, 0.0))
                 self.early_closes += 1
             hooks.capture = None
             hooks.points = {}
@@ -413,6 +421,8 @@ class EngineHooks:
                 del self.requests[hooks.req_id]
                 hooks.release(self.runtime)
                 self.detached.add(hooks.req_id)
+        if endings:  # one call for the step's closes (each guarded on its own)
+            self._run_on_sink_thread(lambda es=endings: [e.close(None) for e in es])
 
     @staticmethod
     def _deliver(plan: StepPlan, sinks: dict[str, CaptureSink], rows_for) -> None:
@@ -673,6 +683,9 @@ class CapsteerWorker(adapter.platform_worker_base()):  # type: ignore[misc]
         device.__exit__(None, None, None)
         out = io.StringIO()
         pstats.Stats(host, stream=out).sort_stats("cumulative").print_stats(rows)
+        out.write("\ncapsteer's own functions, by cumulative time:\n")
+        pstats.Stats(host, stream=out).sort_stats("cumulative").print_stats(
+            r"capsteer|engine_ext|capture/|steering/", rows)
         sort = "self_cuda_time_total" if self.capsteer.device_driven else "self_cpu_time_total"
         return out.getvalue() + "\n" + device.key_averages().table(sort_by=sort, row_limit=rows)
 

@@ -251,3 +251,51 @@ def test_rows_copied_into_the_device_ring_publish_like_written_ones(root, proces
         assert stats["open_captures"] == 0
     finally:
         writer.shutdown(timeout=30)
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_deferred_sends_wait_for_the_flush_and_go_as_one_message(root, processes):
+    """With defer_sends (the engine's harvester thread), opens, rows, closes and aborts
+    stay queued, in order, until flush_sends sends them as one message per child; the
+    captures then publish exactly as sent one by one."""
+    from capsteer.capture.writer_pool import ProcessWriterPool
+
+    kw = {"budget_bytes": 64 << 20, "workers": 2, "ring_bytes": 1 << 20}
+    writer = ProcessWriterPool(root, processes=processes, **kw) if processes > 1 \
+        else ProcessCaptureWriter(root, **kw)
+    children = writer.writers if processes > 1 else [writer]
+    try:
+        assert writer.ready.wait(60)
+        writer.defer_sends(True)
+        spec = make_spec(layers=[0, 1], positions="all")
+        sends_before = sum(c.sends for c in children)
+        refs_by_cid = {}
+        for i in range(6):
+            cid = f"defer-{i}"
+            end, refs = feed(writer, make_request(cid, spec, 6), 3, prefill_chunk=4)
+            writer.end_step()  # deferred too
+            writer.close(end)
+            refs_by_cid[cid] = refs
+        feed(writer, make_request("defer-aborted", spec, 4), 1)
+        writer.abort("defer-aborted", "client went away")
+        time.sleep(0.3)
+        assert sum(c.sends for c in children) == sends_before  # nothing left the parent
+        assert all(find_receipt(root, cid) is None for cid in [*refs_by_cid, "defer-aborted"])
+        writer.flush_sends()
+        assert sum(c.sends for c in children) == sends_before + processes
+        assert writer.flush(60)
+        assert_published(root, refs_by_cid)
+        assert wait_receipt(root, "defer-aborted").status == "error"
+        assert writer.stats()["open_captures"] == 0
+    finally:
+        writer.shutdown(timeout=30)
+
+
+def test_a_deferred_close_still_reaches_the_child_before_a_flush_call(proc_writer, root):
+    """flush() (and shutdown) send whatever deferral queued first: nothing is stranded."""
+    proc_writer.defer_sends(True)
+    spec = make_spec(layers=[0])
+    end, refs = feed(proc_writer, make_request("defer-flush", spec, 5), 2)
+    proc_writer.close(end)
+    assert proc_writer.flush(60)  # no flush_sends: the call itself sends the queue first
+    assert_published(root, {"defer-flush": refs})
