@@ -112,7 +112,8 @@ def _patch_runner(module: Any) -> None:
 
 _PATCHES = {"vllm.v1.core.sched.scheduler": _patch_scheduler,
             "vllm.v1.engine.core": _patch_core,
-            "vllm.v1.worker.gpu_model_runner": _patch_runner}
+            "vllm.v1.worker.gpu_model_runner": _patch_runner,  # V1 runner (and CPU's)
+            "vllm.v1.worker.gpu.model_runner": _patch_runner}  # V2 runner (GPU 0.26 default)
 
 
 class _PatchAfterImport(importlib.abc.MetaPathFinder):
