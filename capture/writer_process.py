@@ -432,6 +432,8 @@ class ProcessCaptureWriter:
                 self._outbox.append(("writes", self._pending))
                 self._pending = []
             self._outbox.append(msg)
+            if len(self._outbox) >= _MAX_BATCH:  # a caller that never runs out of work
+                self._send_pending_locked()
 
     def _send_pending_locked(self) -> None:
         """Send the queued opens (first: every later message concerns an opened capture),
