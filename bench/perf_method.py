@@ -30,7 +30,9 @@ hands the next batch to the process with the least timed seconds in the earliest
 configurations' repetitions are spread over the same minutes. A host whose speed drifts
 by tens of percent from minute to minute (seen on the lent H200s: one vanilla process's
 batches took 1.5-2.2 s) then slows every configuration of a round alike. Each process
-still runs its own >= --min-seconds repetition. The verdict then uses the rounds' paired
+still runs its own >= --min-seconds repetition (20 s by default on cuda: batch times vary
+by up to 40% from one batch to the next, nearly independently (session 36), so a mean over
+15-20 batches is what makes a few-percent difference resolvable). The verdict then uses the rounds' paired
 ratios (config / vanilla of the same round): ratio = their median, spread = their min and
 max, >= 3 rounds; the unpaired spread is reported beside it.
 
@@ -984,7 +986,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--slots", help="which slots of the interleave to run, e.g. 1-6")
     ap.add_argument("--min-seconds", type=float, default=None,
-                    help="wall time of one timed repetition (default: 10 on cuda, 1 on cpu)")
+                    help="wall time of one timed repetition (default: 20 on cuda, 1 on cpu)")
     ap.add_argument("--min-batches", type=int, default=1)
     ap.add_argument("--step-tokens", type=int, default=None,
                     help="max_num_batched_tokens, the same for every config (default 2048 on "
@@ -1029,8 +1031,8 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     a.shape = a.shape or SHAPE[a.device]
     a.work = a.work or "/tmp/capsteer-perf"
-    if a.min_seconds is None:
-        a.min_seconds = 10.0 if a.device == "cuda" else 1.0
+    if a.min_seconds is None:  # cuda: 20 s resolved P1 and P3 prefill where 10 s did not
+        a.min_seconds = 20.0 if a.device == "cuda" else 1.0
     a.step_tokens = a.step_tokens or STEP_TOKENS[a.device]
     if a.summarize:
         procs = load_procs(a.summarize)
