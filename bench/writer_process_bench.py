@@ -69,6 +69,10 @@ def parse_args() -> argparse.Namespace:
                          "for this many ms, then sleeps as long (the engine's step thread)")
     ap.add_argument("--hold-gil-copy", action="store_true",
                     help="experiment: the producer's ring copy keeps the GIL (PyDLL memmove)")
+    ap.add_argument("--defer", action="store_true",
+                    help="defer the link's sends (defer_sends) and flush them once a step, as "
+                         "the engine's harvester does: one message a step instead of one per "
+                         "open, write batch and close")
     ap.add_argument("--dir", default=None, help="parent directory of the capture root")
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--start-at", type=float, default=None,
@@ -106,6 +110,9 @@ def run_once(args: argparse.Namespace, writer: Any, run: int, root: Path) -> dic
     # The writer's processes (a pool's children); [None]: the writer runs in this process.
     children = list(getattr(writer, "child_pids", None) or [getattr(writer, "child_pid", None)])
     child = children[0]
+    links = list(getattr(writer, "writers", None) or [writer])
+    sends0 = sum(getattr(w, "sends", 0) for w in links)
+    send_s0 = sum(getattr(w, "send_s", 0.0) for w in links)
     waits0 = getattr(writer, "ring_waits", 0)
     wait_s0 = getattr(writer, "ring_wait_s", 0.0)
     cpu0 = {k: v for pid in children for k, v in thread_cpu(pid).items()}
@@ -137,6 +144,8 @@ def run_once(args: argparse.Namespace, writer: Any, run: int, root: Path) -> dic
         for i in finished:
             pending.remove(i)
             writer.close(CaptureEnd(ids[i], prompt, "length"))
+        if args.defer:
+            writer.flush_sends()
     t_fed = time.perf_counter()
     ok = writer.flush(600)
     t_end = time.perf_counter()
@@ -157,6 +166,9 @@ def run_once(args: argparse.Namespace, writer: Any, run: int, root: Path) -> dic
         "epoch": [epoch0, epoch1],
         "producer_write_s": write_s,
         "ring_waits": getattr(writer, "ring_waits", 0) - waits0,
+        # messages to the writer processes, and the producer's seconds pickling and sending
+        "sends": sum(getattr(w, "sends", 0) for w in links) - sends0,
+        "send_s": round(sum(getattr(w, "send_s", 0.0) for w in links) - send_s0, 4),
         "ring_wait_s": round(getattr(writer, "ring_wait_s", 0.0) - wait_s0, 3),
         "writer_timings": manifest_timings(root),
         "child_cpu_s": {k: round(v, 3) for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])},
@@ -196,6 +208,8 @@ def main() -> None:
             writer = ProcessCaptureWriter(tmp / "root", workers=args.workers, **kw)
         if not writer.ready.wait(60):
             raise SystemExit("the writer process did not start")
+        if args.defer:
+            writer.defer_sends(True)
     stop = threading.Event()
     if args.busy_step > 0:
         def step_thread() -> None:
@@ -227,7 +241,8 @@ def main() -> None:
             runs.append(got)
             print(f"run {r}: {got['mb_s']:.0f} MB/s ({got['bytes'] / 1e9:.2f} GB in {got['seconds']:.2f} s; "
                   f"fed in {got['fed_s']:.2f} s, producer in write {got['producer_write_s']:.2f} s, "
-                  f"ring waits {got['ring_waits']}, {got['ring_wait_s']:.2f} s); writer CPU s {got['child_cpu_s']}; "
+                  f"ring waits {got['ring_waits']}, {got['ring_wait_s']:.2f} s; "
+                  f"{got['sends']} sends, {got['send_s']:.3f} s); writer CPU s {got['child_cpu_s']}; "
                   f"manifest timings {got['writer_timings']}", flush=True)
             shutil.rmtree(tmp / "root", ignore_errors=True)
             (tmp / "root").mkdir()
