@@ -140,6 +140,23 @@ class _PatchAfterImport(importlib.abc.MetaPathFinder):
         return spec
 
 
-if _DIR and __name__ == "sitecustomize":  # not when loaded by name for FIELDS
-    gc.callbacks.append(_on_gc)
-    sys.meta_path.insert(0, _PatchAfterImport())
+def _run_next_sitecustomize() -> None:
+    """This file shadows any other sitecustomize on the path (an environment's own): run
+    the next one, so the probe adds to the interpreter's start-up and removes nothing."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    for entry in sys.path:
+        if not entry or os.path.abspath(entry) == here:
+            continue
+        path = os.path.join(entry, "sitecustomize.py")
+        if os.path.isfile(path):
+            spec = importlib.util.spec_from_file_location("_next_sitecustomize", path)
+            if spec is not None and spec.loader is not None:
+                spec.loader.exec_module(importlib.util.module_from_spec(spec))
+            return
+
+
+if __name__ == "sitecustomize":  # not when loaded by name for FIELDS
+    if _DIR:
+        gc.callbacks.append(_on_gc)
+        sys.meta_path.insert(0, _PatchAfterImport())
+    _run_next_sitecustomize()
