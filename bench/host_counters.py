@@ -22,6 +22,13 @@ so each batch gets the mean item time of its own seconds beside its counters.
 utilization, SM clock and power every 100 ms, and gives each batch the mean of its
 samples. If a slow batch had the same GPU work spread over more time, its utilization
 falls; if the GPU itself took longer (a lower clock, say), utilization holds.
+
+The engine probe (`engine_probe/sitecustomize.py`, perf_method.py `--engine-probe`) adds
+what the engine did in the batch, from inside every process: steps, scheduled tokens,
+seconds in the step, the scheduler, the model runner and each GC generation
+(`engine_probe_read` around the batch; `front_*` for this process, `engine_*` for its
+children). On the lent H100s it showed the same steps, tokens and GC in slow batches as
+in fast ones, with the GPU idle for longer: the host's step thread ran slower.
 """
 
 from __future__ import annotations
@@ -198,8 +205,8 @@ ENGINE_PROBE = Path(__file__).parent / "engine_probe"  # its sitecustomize.py's 
 
 
 def engine_probe_env(directory: str | Path) -> dict[str, str]:
-    """The environment that turns the engine probe on in this process's Python children
-    (and in this process's own later imports of vLLM: set it before importing vllm)."""
+    """The environment that turns the engine probe on in Python processes started with it
+    (a sitecustomize runs at interpreter start-up, so not in the process that sets it)."""
     path = os.environ.get("PYTHONPATH", "")
     return {"CAPSTEER_ENGINE_PROBE_DIR": str(directory),
             "PYTHONPATH": f"{ENGINE_PROBE}{os.pathsep}{path}" if path else str(ENGINE_PROBE)}

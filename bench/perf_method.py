@@ -32,9 +32,9 @@ by tens of percent from minute to minute (seen on the lent H200s: one vanilla pr
 batches took 1.5-2.2 s) then slows every configuration of a round alike. Each process
 still runs its own >= --min-seconds repetition (20 s by default on cuda: batch times vary
 by up to 40% from one batch to the next, nearly independently (session 36), so a mean over
-15-20 batches is what makes a few-percent difference resolvable). The verdict then uses the rounds' paired
-ratios (config / vanilla of the same round): ratio = their median, spread = their min and
-max, >= 3 rounds; the unpaired spread is reported beside it.
+15-20 batches is what makes a few-percent difference resolvable). The verdict then uses
+the rounds' paired ratios (config / vanilla of the same round): ratio = their median,
+spread = their min and max, >= 3 rounds; the unpaired spread is reported beside it.
 
     python bench/perf_method.py --device cpu --min-seconds 1           # smoke
     python bench/perf_method.py --device cuda --out $OUT               # all 12 slots
