@@ -40,15 +40,8 @@ def rows(procs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     top = h.get("top_thread", {})
                     out.append({"slot": p["slot"], "config": p["config"], "workload": wl,
                                 "batch": i, "batch_s": t, "top_name": top.get("name"),
+                                **{c: h.get(c) for c in COUNTERS},  # the batch's own counters
                                 "top_run_s": top.get("run_s"), "top_wait_s": top.get("wait_s"),
-                                "steal_s": h.get("steal_s"), "pressure_s": h.get("pressure_s"),
-                                "tree_wait_s": h.get("tree_wait_s"),
-                                "probe_loop_ms": h.get("probe_loop_ms"),
-                                "probe_copy_ms": h.get("probe_copy_ms"),
-                                "gpu_util_pct": h.get("gpu_util_pct"),
-                                "sm_clock_mhz": h.get("sm_clock_mhz"),
-                                "power_w": h.get("power_w"),
-                                **{c: h.get(c) for c in COUNTERS if c.startswith(("engine_", "front_"))},
                                 "pinned": p.get("pinned_cpus") is not None})
     return out
 

@@ -209,7 +209,7 @@ def main() -> None:
         if not writer.ready.wait(60):
             raise SystemExit("the writer process did not start")
         if args.defer:
-            writer.defer_sends(True)
+            writer.defer_sends()
     stop = threading.Event()
     if args.busy_step > 0:
         def step_thread() -> None:

@@ -132,10 +132,10 @@ class ProcessWriterPool:
         for w in self.writers:
             w.end_step()
 
-    def defer_sends(self, on: bool = True) -> None:
+    def defer_sends(self) -> None:
         """Every child's link defers its sends (ProcessCaptureWriter.defer_sends)."""
         for w in self.writers:
-            w.defer_sends(on)
+            w.defer_sends()
 
     def flush_sends(self) -> None:
         for w in self.writers:

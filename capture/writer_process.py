@@ -260,16 +260,14 @@ class ProcessCaptureWriter:
         with self._send_lock:
             self._send_pending_locked()
 
-    def defer_sends(self, on: bool = True) -> None:
+    def defer_sends(self) -> None:
         """Hold closes, aborts and step ends until `flush_sends`, which sends everything
         queued as one message. For a caller that runs many of them back to back on one
         thread (the engine's harvester: a prefill step's writes and its 16 closes) and
         flushes when it runs out of work: one pickle and one send instead of one each, on
         a thread that holds the GIL the engine's step thread needs. Anything that must
         reach the child now (flush, shutdown, a full ring) still sends what is queued."""
-        self._deferred = on
-        if not on:
-            self.flush_sends()
+        self._deferred = True
 
     def flush_sends(self) -> None:
         """Send every queued open, write, close and abort now (one message)."""

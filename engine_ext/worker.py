@@ -106,7 +106,7 @@ class EngineHooks:
         # when it runs out of work.
         defer = getattr(self.writer, "defer_sends", None)
         if self.harvester is not None and defer is not None:
-            defer(True)
+            defer()
             self.harvester.on_idle = self.writer.flush_sends
         skipped = faulty_site()
         # The mid norm's residual (pair tap at offset 1) crossed the split at attention.
@@ -422,7 +422,7 @@ class EngineHooks:
                 hooks.release(self.runtime)
                 self.detached.add(hooks.req_id)
         if endings:  # one call for the step's closes (each guarded on its own)
-            self._run_on_sink_thread(lambda es=endings: [e.close(None) for e in es])
+            self._run_on_sink_thread(lambda es=endings: _close_all(es))
 
     @staticmethod
     def _deliver(plan: StepPlan, sinks: dict[str, CaptureSink], rows_for) -> None:
@@ -534,6 +534,12 @@ class _Ending:
 
     def abort(self, reason: str) -> None:
         self.sink.abort(self.hooks.capture_id, reason)
+
+
+def _close_all(endings: list[_Ending]) -> None:
+    """Close prompt-only captures whose prompt was fed (each guards its own failure)."""
+    for ending in endings:
+        ending.close(None)
 
 
 def _durable_writer(config: dict) -> CaptureSink | None:

@@ -84,13 +84,16 @@ def _timed(fn: Any, field: str, after: Any = None) -> Any:
     return wrapper
 
 
+_STEPS, _TOKENS, _IDLE_STEPS = (FIELDS.index(f) for f in ("steps", "tokens", "idle_steps"))
+
+
 def _count_schedule(v: Any, output: Any) -> None:
     tokens = int(getattr(output, "total_num_scheduled_tokens", 0) or 0)
     if tokens:
-        v[FIELDS.index("steps")] += 1
-        v[FIELDS.index("tokens")] += tokens
+        v[_STEPS] += 1
+        v[_TOKENS] += tokens
     else:
-        v[FIELDS.index("idle_steps")] += 1
+        v[_IDLE_STEPS] += 1
 
 
 def _patch_scheduler(module: Any) -> None:

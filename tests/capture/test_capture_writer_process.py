@@ -266,7 +266,7 @@ def test_deferred_sends_wait_for_the_flush_and_go_as_one_message(root, processes
     children = writer.writers if processes > 1 else [writer]
     try:
         assert writer.ready.wait(60)
-        writer.defer_sends(True)
+        writer.defer_sends()
         spec = make_spec(layers=[0, 1], positions="all")
         sends_before = sum(c.sends for c in children)
         refs_by_cid = {}
@@ -293,7 +293,7 @@ def test_deferred_sends_wait_for_the_flush_and_go_as_one_message(root, processes
 
 def test_a_deferred_close_still_reaches_the_child_before_a_flush_call(proc_writer, root):
     """flush() (and shutdown) send whatever deferral queued first: nothing is stranded."""
-    proc_writer.defer_sends(True)
+    proc_writer.defer_sends()
     spec = make_spec(layers=[0])
     end, refs = feed(proc_writer, make_request("defer-flush", spec, 5), 2)
     proc_writer.close(end)
