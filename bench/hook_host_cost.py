@@ -117,7 +117,8 @@ def main() -> int:
                     f"r{r}", payloads[r], a.prompt, runtime)
             took["arrive"] += time.perf_counter() - t
             t = time.perf_counter()
-            plan = build_step_plan(req_ids, qsl, starts, live, None, host_steering=False)
+            plan = build_step_plan(req_ids, qsl, starts, live, None, host_steering=False,
+                                   uniform_slots=runtime.uniform_slots)
             t1 = time.perf_counter()
             runtime.set_plan(plan, int(qsl[-1]))  # slot rows and the per-token index
             took["plan"] += t1 - t

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -181,6 +181,7 @@ def build_step_plan(
     requests: Mapping[str, RequestHooks],
     input_ids: torch.Tensor | None,
     host_steering: bool = True,
+    uniform_slots: Container[int] = (),
 ) -> StepPlan:
     """Map this step's rows to steering entries and capture copies.
 
@@ -188,7 +189,10 @@ def build_step_plan(
     without it the plan lists `token_rows` for a device-side gather. Device mode
     (`host_steering=False`) finds each row's request, slot and position class on the
     device from per-request arrays (`StepPlan.batch_hooks`): it skips the per-row lists
-    only host mode needs, so a step whose requests only steer builds nothing per row."""
+    only host mode needs, so a step whose requests only steer builds nothing per row. When
+    every request of the batch steers through one of `uniform_slots` (a shared row, the
+    same at prompt and generated positions: a server steering all its traffic alike), the
+    plan is that slot alone, with no per-request arrays either."""
     steer_rows: dict[tuple[int, int], list[np.ndarray]] = defaultdict(list)
     steer_ents: dict[tuple[int, int], list[np.ndarray]] = defaultdict(list)
     cap_rows: dict[tuple[int, int], list[np.ndarray]] = defaultdict(list)
@@ -201,6 +205,11 @@ def build_step_plan(
     # indices, prompt lengths and slots for the whole-batch array ops below, the sites
     # they use, and the few that need a loop of their own (captures, host-mode steering).
     found = [(i, h) for i, h in enumerate(map(requests.get, batch_req_ids)) if h is not None]
+    if uniform_slots and found and len(found) == len(batch_req_ids):
+        slot = found[0][1].slot
+        if slot in uniform_slots and all(h.slot == slot for _, h in found):
+            # A shared row is only ever a steering-only request's: nothing is copied.
+            return StepPlan(active_sites=found[0][1].sites, uniform_slot=slot)
     looped = [(i, h) for i, h in found
               if h.capture is not None or (host_steering and h.entries)]
     plan = StepPlan(active_sites=frozenset().union(*{h.sites for _, h in found}))

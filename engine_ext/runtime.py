@@ -85,6 +85,9 @@ class StepPlan:
     batch_hooks: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
     query_ends: np.ndarray | None = None  # every batch request's end row (query_start_loc[1:])
     all_generated: bool = False  # every row of a request with hooks is a generated token
+    # Device mode: every request of the batch steers through this one shared row, the same
+    # at prompt and generated positions (HookRuntime.uniform_slots); 0: per-row index.
+    uniform_slot: int = 0
     token_rows: torch.Tensor | None = None  # rows whose input ids the device must gather
     token_owners: list[tuple[str, np.ndarray]] = field(default_factory=list)
     # Sites where some hooked request of this step steers or copies (None: every site).
@@ -156,6 +159,10 @@ class HookRuntime:
         self.slot_writes: dict[int, np.ndarray | None] = {}
         # steering key -> (row shared by its steering-only requests, requests holding it)
         self.key_slots: dict[str, tuple[int, int]] = {}
+        # Shared rows whose entries are the same for prompt and generated positions: a
+        # step whose every row belongs to one of them needs no per-row index (`uniform_slot`)
+        self.uniform_slots: set[int] = set()
+        self.filled_slot = 0  # device mode: nonzero when every row of tok_slot holds it
         if device_driven:
             long = dict(dtype=torch.int64, device=device)
             # Per token: slot, position class (0 prompt / 1 generated), rank among the
@@ -229,11 +236,19 @@ class HookRuntime:
         entries = self.idle.pop(key, None)
         if entries is None:
             entries = {}
+            # (kind, site) -> its maps so far: a point steered alike at prompt and generated
+            # positions (the usual `positions: all`) holds one entry for both classes, so
+            # its slot row does not depend on the class (`uniform_slots`) and the table
+            # holds twice as many specs.
+            made: dict[tuple[int, int], list[tuple[torch.Tensor, float, torch.Tensor, int]]] = {}
             try:
                 for k, (u, alpha, w) in build().items():
-                    entries[k] = self.alloc_entry(u, alpha, w)
+                    same = [i for u2, a2, w2, i in made.get(k[:2], ())
+                            if a2 == alpha and torch.equal(u2, u) and torch.equal(w2, w)]
+                    entries[k] = same[0] if same else self.alloc_entry(u, alpha, w)
+                    made.setdefault(k[:2], []).append((u, alpha, w, entries[k]))
             except Exception:
-                for idx in entries.values():
+                for idx in set(entries.values()):
                     self.free_entry(idx)
                 raise
         self.shared[key] = (entries, 1)
@@ -249,11 +264,11 @@ class HookRuntime:
 
     def live_entries(self) -> int:
         """Entries held by specs some live request uses."""
-        return sum(len(entries) for entries, _ in self.shared.values())
+        return sum(len(set(entries.values())) for entries, _ in self.shared.values())
 
     def _free_spec(self, key: str, entries: dict) -> None:
         self.slot_tables.pop(key, None)
-        for idx in entries.values():
+        for idx in set(entries.values()):  # classes may share an entry
             self.free_entry(idx)
 
     def free_entry(self, idx: int) -> None:
@@ -293,6 +308,8 @@ class HookRuntime:
         self.steered_slots.add(slot)
         if shared:
             self.key_slots[key] = (slot, 1)
+            if np.array_equal(table[0], table[1]):
+                self.uniform_slots.add(slot)
         return slot
 
     def free_slot(self, slot: int, shared_key: str | None = None) -> None:
@@ -306,6 +323,7 @@ class HookRuntime:
                 self.key_slots[shared_key] = (held_slot, count - 1)
                 return
             del self.key_slots[shared_key]
+            self.uniform_slots.discard(slot)
         if slot in self.steered_slots:
             self.slot_writes[slot] = None  # cleared before the next forward
             self.steered_slots.discard(slot)
@@ -347,7 +365,15 @@ class HookRuntime:
         if plan.staging_rows > self.trash_row:
             raise RuntimeError("capsteer: capture staging buffer too small for this step "
                                f"({plan.staging_rows} rows > {self.trash_row}); raise staging_rows")
-        self._expand_rows(plan, n)
+        if plan.uniform_slot:
+            # Every row of the step is steered by one shared, class-free row: the whole
+            # index is that slot (padding rows too: their outputs are dropped), written
+            # once while such steps follow each other (no upload, no expansion).
+            if self.filled_slot != plan.uniform_slot:
+                self.tok_slot.fill_(plan.uniform_slot)
+                self.filled_slot = plan.uniform_slot
+        else:
+            self._expand_rows(plan, n)
         if plan.routes:
             rank = np.full(n, -1, np.int64)
             for route in plan.routes:
@@ -368,6 +394,7 @@ class HookRuntime:
         on. One small upload and one kernel a step (four torch ops without Triton),
         whatever the number of rows; the host builds nothing per row (a prefill step has
         thousands)."""
+        self.filled_slot = 0
         if plan.batch_hooks is None:
             self.tok_slot[:n].zero_()
             return
@@ -416,6 +443,7 @@ class HookRuntime:
     def reset_dense(self) -> None:
         """After a hooked step: rows of later steps map to slot 0 (no hooks) until re-planned."""
         self.tok_slot.zero_()
+        self.filled_slot = 0
         self.tok_rank.fill_(-1)
         self.ranks_set = False
         self.plan = StepPlan(active_sites=frozenset())

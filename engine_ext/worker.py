@@ -89,6 +89,7 @@ class EngineHooks:
         self.runtime_plan_kept = StepPlan()
         self.plan_builds = 0
         self.plan_reuses = 0
+        self.plan_uniform = 0  # builds that were one shared steering row (no per-row index)
         # Host seconds the step thread spent in the hooks' own per-step work (diagnostics:
         # what capture and steering add to a step beyond the forward itself).
         self.host_s = {"before_step": 0.0, "before_forward": 0.0, "after_step": 0.0}
@@ -269,11 +270,13 @@ class EngineHooks:
             return
         plan = build_step_plan(layout.req_ids, layout.query_start_loc, layout.start_positions,
                                self.requests, layout.input_ids_host,
-                               host_steering=not self.device_driven)
+                               host_steering=not self.device_driven,
+                               uniform_slots=self.runtime.uniform_slots)
         if self.device_driven and plan.staging_rows > self.runtime.trash_row:
             plan = self._shed_captures(plan, layout)
         self.runtime.set_plan(plan, layout.num_tokens_padded)
         self.plan_builds += 1
+        self.plan_uniform += bool(plan.uniform_slot)
         self.dense_live = self.device_driven
         self.num_tokens_gathered = 0
         if plan.token_rows is not None and layout.input_ids is not None:
@@ -702,6 +705,7 @@ class CapsteerWorker(adapter.platform_worker_base()):  # type: ignore[misc]
                 "harvest_errors": [repr(e) for e in (hooks.harvester.errors if hooks.harvester else [])],
                 "live_requests": len(hooks.requests), "mode": "device" if hooks.device_driven else "host",
                 "plan_builds": hooks.plan_builds, "plan_reuses": hooks.plan_reuses,
+                "plan_uniform": hooks.plan_uniform,
                 "early_closes": hooks.early_closes, "stop_at_layer": hooks.stop_at_layer,
                 "forward_layers": adapter.forward_layers(adapter.model_of(self)),
                 "host_s": {k: round(v, 6) for k, v in hooks.host_s.items()},

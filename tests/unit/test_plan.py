@@ -88,7 +88,10 @@ def test_identical_steering_shares_entries():
         {"hook": "resid_post", "layers": "all", "vector": [0.25] * HIDDEN}]})
     assert a.entries == b.entries and set(a.entries.values()).isdisjoint(c.entries.values())
     used = rt.live_entries()
-    assert used == 2 * 2 * LAYERS == 1023 - len(rt.free_entries)  # two specs x two classes x layers
+    # two specs x layers: a point steered alike at prompt and generated positions holds one
+    # entry for both classes
+    assert used == 2 * LAYERS == 1023 - len(rt.free_entries)
+    assert all(a.entries[(k, s, PROMPT)] == a.entries[(k, s, GENERATED)] for k, s, _ in a.entries)
     a.release(rt)
     assert rt.live_entries() == used  # b still holds them
     b.release(rt)
@@ -100,7 +103,7 @@ def test_a_released_spec_keeps_its_entries_until_the_table_needs_room():
     """A spec whose last request left is not uploaded again when it comes back (batches
     of one spec); when the table is full, the longest-idle spec's entries are freed."""
     rt = HookRuntime(LAYERS, HIDDEN, torch.float32, torch.device("cpu"), max_tokens=16,
-                     max_entries=1 + 2 * 2, device_driven=True)  # room for two specs
+                     max_entries=1 + 2, device_driven=True)  # room for two specs (one entry each)
 
     def steer(value):
         return {"vectors": [{"hook": "resid_post", "layer": 0, "vector": [value] * HIDDEN}]}
@@ -114,14 +117,14 @@ def test_a_released_spec_keeps_its_entries_until_the_table_needs_room():
     assert again.entries == kept and uploads == [] and torch.equal(rt.w, w_before)
     again.release(rt)
     b = hooks_for("b", 3, rt=rt, steering=steer(0.25))  # fits beside the idle spec
-    assert set(b.entries.values()).isdisjoint(kept.values()) and len(uploads) == 2
+    assert set(b.entries.values()).isdisjoint(kept.values()) and len(uploads) == 1
     b_key = b.steering_key
     b.release(rt)
     c = hooks_for("c", 3, rt=rt, steering=steer(0.75))  # the table is full: `a` goes first
     assert set(c.entries.values()) == set(kept.values())
     assert list(rt.idle) == [b_key]
     d = hooks_for("d", 3, rt=rt, steering=steer(0.5))  # `a` again: rebuilt in b's entries
-    assert rt.live_entries() == 4 and not rt.idle
+    assert rt.live_entries() == 2 and not rt.idle
     assert torch.allclose(rt.w[d.entries[(STREAM, 2, 0)]], torch.full((HIDDEN,), 0.5))
     with pytest.raises(RuntimeError, match="steering table full"):
         hooks_for("e", 3, rt=rt, steering=steer(0.125))
@@ -289,7 +292,7 @@ def test_wire_form_encodes_each_vector_once_and_workers_skip_known_specs():
     assert again.sharing_key == spec.sharing_key == wire["key"]
     entries = 2 * (LAYERS + 1)
     rt = HookRuntime(LAYERS, HIDDEN, torch.float32, torch.device("cpu"), max_tokens=64,
-                     max_entries=1 + entries)  # room for this spec alone
+                     max_entries=1 + entries // 2)  # room for this spec alone (classes share)
     first = RequestHooks.from_extra_args("a", {"capsteer": {"steering": wire}}, 4, rt)
     # Same key, unreadable table: a live spec is found by its key, never decoded again.
     broken = {**wire, "vectors_b64": ["!"]}
@@ -644,3 +647,62 @@ def test_only_captures_of_generated_positions_wait_for_an_end_report():
     hooks = RequestHooks.from_extra_args("a", fields, 10, runtime())
     assert hooks.durable and not hooks.await_end and not hooks.needs_output_length
     assert build_payload(spec("all"), None, durable=True).extra_args["capsteer"]["await_end"]
+
+
+def test_device_batch_steered_by_one_shared_row_needs_no_per_row_index():
+    """When every request of a step steers through one shared row that is the same at
+    prompt and generated positions, the plan is that slot alone: the index is filled once
+    (no upload, no expansion while such steps follow), and x is steered exactly as host
+    mode steers it. A request without hooks, or a spec limited to prompt positions, brings
+    the per-row index back, and rows without hooks stay untouched."""
+    torch.manual_seed(0)
+    everywhere = {"vectors": [{"hook": "resid_post", "layers": "all", "vector": [0.5] * HIDDEN},
+                              {"hook": "attn_out", "layer": 1, "vector": [0.1] * HIDDEN,
+                               "op": "ablate"}]}
+    prompt_only = {"vectors": [{"hook": "resid_post", "layer": 0, "positions": "prompt",
+                                "vector": [0.5] * HIDDEN}]}
+    batch = (["a", "b", "c"], np.array([0, 4, 5, 7]), np.array([0, 6, 3]))  # b decodes
+    modes = {}
+    for dense in (False, True):
+        rt = HookRuntime(LAYERS, HIDDEN, torch.float32, torch.device("cpu"), max_tokens=16,
+                         max_requests=4, staging_rows=64, device_driven=dense)
+        reqs = {r: hooks_for(r, 5, rt=rt, steering=everywhere) for r in "abc"}
+        uploads = []
+        upload = rt._upload_into
+        rt._upload_into = (lambda dst, host, up=upload, log=uploads:
+                           log.append(len(host)) or up(dst, host))
+        outs = []
+        steps = [batch, batch, (["a", "plain", "c"], *batch[1:]), batch]
+        for step, (ids, qsl, starts) in enumerate(steps):
+            plan = build_step_plan(ids, qsl, starts, reqs, None, host_steering=not dense,
+                                   uniform_slots=rt.uniform_slots if dense else ())
+            uploads.clear()
+            rt.set_plan(plan, 9)  # two padding rows
+            if dense:
+                assert bool(plan.uniform_slot) == ("plain" not in ids)
+                assert (plan.batch_hooks is None) == ("plain" not in ids)
+                if step == 1:
+                    assert uploads == []  # the index of step 0 still holds
+                if plan.uniform_slot:
+                    assert rt.tok_slot.tolist() == [reqs["a"].slot] * 16
+                else:
+                    assert rt.tok_slot[4:5].tolist() == [0]  # the plain request's row
+            gen = torch.Generator().manual_seed(step)
+            x = torch.randn(9, HIDDEN, generator=gen)
+            res = torch.randn(9, HIDDEN, generator=gen)
+            for site in range(2 * LAYERS + 1):
+                rt.tap(x, res, site)
+            outs.append(x[:7].clone())  # padding rows are dropped by the engine
+        modes[dense] = outs
+        if dense:
+            limited = hooks_for("d", 5, rt=rt, steering=prompt_only)
+            assert limited.shared_slot and limited.slot not in rt.uniform_slots
+            plan = build_step_plan(["d"], np.array([0, 3]), np.array([0]), {"d": limited},
+                                   None, host_steering=False, uniform_slots=rt.uniform_slots)
+            assert not plan.uniform_slot and plan.batch_hooks is not None
+            slot = reqs["a"].slot
+            for h in reqs.values():
+                h.release(rt)
+            assert slot not in rt.uniform_slots
+    for got, want in zip(modes[True], modes[False], strict=True):
+        torch.testing.assert_close(got, want)
