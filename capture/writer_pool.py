@@ -122,6 +122,13 @@ class ProcessWriterPool:
             self._route[request.capture_id] = writer
         writer.open(request)
 
+    def group_of(self, capture_id: str) -> int:
+        """The index of the child holding an open capture (0 when none does): the engine
+        lays a step's captured rows out child by child, so each child's rows of a step
+        reach its ring in one GPU copy (`merge_row_copies`)."""
+        writer = self._route.get(capture_id)
+        return 0 if writer is None else self.writers.index(writer)
+
     def write(self, capture_id: str, hook: str, layer: int, positions: np.ndarray,
               rows: torch.Tensor) -> None:
         writer = self._route.get(capture_id)

@@ -64,6 +64,7 @@ class RequestHooks:
     shared_slot: bool = False  # the row is its steering key's, shared (steering only)
     steering_key: str | None = None  # requests with the same steering share table entries
     sites: frozenset[int] = frozenset()  # sites this request steers or copies at
+    group: int = 0  # the writer process its capture goes to: a step's rows are laid out by it
 
     @classmethod
     def from_extra_args(
@@ -212,6 +213,10 @@ def build_step_plan(
             return StepPlan(active_sites=found[0][1].sites, uniform_slot=slot)
     looped = [(i, h) for i, h in found
               if h.capture is not None or (host_steering and h.entries)]
+    if any(h.group for _, h in looped):
+        # Each writer's rows of a point next to each other in the staging buffer: one GPU
+        # copy into that writer's ring instead of one per request (stable: batch order within).
+        looped.sort(key=lambda item: item[1].group)
     plan = StepPlan(active_sites=frozenset().union(*{h.sites for _, h in found}))
     if found:
         m = len(found)

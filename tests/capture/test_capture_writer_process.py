@@ -10,13 +10,15 @@ import socket
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
-from capture_helpers import feed, make_request, make_spec, temp_files
+from capture_helpers import feed, make_request, make_spec, reference_rows, temp_files
 
 from capsteer.capture import CaptureWriter, find_receipt, read
 from capsteer.capture.layouts import copy_rows
 from capsteer.capture.metrics import sample_value
+from capsteer.capture.sink import CaptureEnd
 from capsteer.capture.writer_process import ProcessCaptureWriter
 
 
@@ -299,3 +301,86 @@ def test_a_deferred_close_still_reaches_the_child_before_a_flush_call(proc_write
     proc_writer.close(end)
     assert proc_writer.flush(60)  # no flush_sends: the call itself sends the queue first
     assert_published(root, {"defer-flush": refs})
+
+
+def test_a_steps_rows_reach_each_writer_ring_in_one_copy(root):
+    """The engine's step copies its captured rows into the writer processes' device rings:
+    laid out writer by writer (the plan's groups, `group_of`), the reservations of one
+    writer follow each other in its ring and `merge_row_copies` turns a step's 12 copies
+    into one per writer (more only where a ring wraps). What each child publishes is the
+    rows it was given."""
+    from capsteer.capture.writer_pool import ProcessWriterPool
+    from capsteer.engine_ext.worker import merge_row_copies
+
+    pool = ProcessWriterPool(root, processes=2, budget_bytes=64 << 20, workers=2,
+                             ring_bytes=1 << 20)
+    try:
+        assert pool.ready.wait(60)
+        for child in pool.writers:
+            child._device_rows = True  # what pin_device_ring sets once CUDA pinned the ring
+        spec = make_spec(layers=[1], positions="all")
+        hidden, chunk, prompt = 256, 8, 40
+        cids = [f"grp-{i}" for i in range(12)]
+        for cid in cids:
+            pool.open(make_request(cid, spec, prompt, hidden=hidden))
+        groups = {cid: pool.group_of(cid) for cid in cids}
+        assert sorted(set(groups.values())) == [0, 1]
+        refs = {cid: reference_rows(cid, ("resid_post", 1), prompt, hidden, torch.float32)
+                for cid in cids}
+        ordered = sorted(cids, key=groups.get)  # the plan's layout: by group, stable
+        merged_counts = []
+        for lo in range(0, prompt, chunk):
+            staging = torch.cat([refs[cid][lo: lo + chunk] for cid in ordered])
+            copies, handed = [], []
+            for i, cid in enumerate(ordered):
+                got = pool.reserve_rows(cid, (chunk, hidden), torch.float32)
+                assert got is not None
+                copies.append((got.writer, got.rows, staging[i * chunk: (i + 1) * chunk]))
+                handed.append((cid, got))
+            merged = merge_row_copies(copies)
+            merged_counts.append(len(merged))
+            for dst, src in merged:
+                dst.copy_(src)
+            staging.fill_(float("nan"))  # the step's buffer is reused: the rings hold the rows
+            for cid, got in handed:
+                pool.write_reserved(got, cid, "resid_post", 1, np.arange(lo, lo + chunk))
+            pool.end_step()
+        for cid in cids:
+            pool.close(CaptureEnd(cid, tuple(range(1000, 1000 + prompt)), finish_reason="length"))
+        assert pool.flush(60)
+        assert_published(root, {cid: {("resid_post", 1): refs[cid]} for cid in cids})
+        # 12 x 8 KiB a step into two 1 MiB rings: no wrap within these five steps
+        assert merged_counts == [2] * 5
+    finally:
+        pool.shutdown(timeout=30)
+
+
+def test_merge_row_copies_joins_only_copies_that_continue_each_other():
+    from capsteer.engine_ext.worker import merge_row_copies
+
+    staging = torch.arange(80.0).view(20, 4)
+    a, b = object(), object()
+    # (owner, ring, its rows, staging rows)
+    plan = [(a, "a", (0, 3), (0, 3)), (a, "a", (3, 5), (3, 5)),  # joined
+            (b, "b", (0, 2), (5, 7)),  # another owner
+            (a, "a", (5, 6), (10, 11)),  # the source does not continue
+            (a, "a", (8, 9), (11, 12)),  # the destination does not continue
+            (b, "a", (9, 10), (12, 13))]  # continues both, but another owner
+
+    def copies_into(rings):
+        return [(owner, rings[name][d0:d1], staging[s0:s1])
+                for owner, name, (d0, d1), (s0, s1) in plan]
+
+    merged_rings = {"a": torch.zeros(20, 4), "b": torch.zeros(20, 4)}
+    merged = merge_row_copies(copies_into(merged_rings))
+    ring_a = merged_rings["a"]
+    assert [(d.shape[0], d.data_ptr()) for d, _ in merged] == [
+        (5, ring_a.data_ptr()), (2, merged_rings["b"].data_ptr()), (1, ring_a[5].data_ptr()),
+        (1, ring_a[8].data_ptr()), (1, ring_a[9].data_ptr())]
+    for dst, src in merged:
+        dst.copy_(src)
+    one_by_one = {"a": torch.zeros(20, 4), "b": torch.zeros(20, 4)}
+    for _, dst, src in copies_into(one_by_one):
+        dst.copy_(src)
+    for name in "ab":
+        assert torch.equal(merged_rings[name], one_by_one[name])

@@ -706,3 +706,41 @@ def test_device_batch_steered_by_one_shared_row_needs_no_per_row_index():
             assert slot not in rt.uniform_slots
     for got, want in zip(modes[True], modes[False], strict=True):
         torch.testing.assert_close(got, want)
+
+
+def test_captured_rows_are_laid_out_writer_by_writer():
+    """Captures going to different writer processes (`RequestHooks.group`) get their rows
+    of a step laid out group by group, batch order within a group, so each writer's rows
+    are one span of the staging buffer; every route still holds its own request's rows
+    (device mode equals host mode)."""
+    modes = {}
+    ids = ["c0", "c1", "plain", "c2", "c3"]
+    qsl, starts = np.array([0, 4, 8, 9, 13, 17]), np.array([0, 0, 0, 2, 0])
+    for dense in (False, True):
+        rt = HookRuntime(LAYERS, HIDDEN, torch.float32, torch.device("cpu"), max_tokens=32,
+                         max_requests=8, staging_rows=64, device_driven=dense)
+        reqs = {r: hooks_for(r, 5, rt=rt, capture={"hooks": ["resid_post", "attn_out"],
+                                                  "layers": [1]}) for r in ids if r != "plain"}
+        for i, h in enumerate(reqs.values()):
+            h.group = i % 2
+        plan = build_step_plan(ids, qsl, starts, reqs, None, host_steering=not dense)
+        for point in {r.point for r in plan.routes}:
+            routes = [r for r in plan.routes if r.point == point]
+            assert [r.capture_id for r in routes] == ["cap-c0", "cap-c2", "cap-c1", "cap-c3"]
+            assert [r.offset for r in routes] == [0, 4, 8, 12]
+        rt.set_plan(plan, 17)
+        gen = torch.Generator().manual_seed(3)
+        x, res = torch.randn(17, HIDDEN, generator=gen), torch.randn(17, HIDDEN, generator=gen)
+        for site in range(2 * LAYERS + 1):
+            rt.tap(x, res, site)
+        if dense:
+            modes[dense] = {(*r.point, r.capture_id): rt.staging[
+                plan.staging_offset[r.point] + r.offset:][: len(r.positions)].clone()
+                for r in plan.routes}
+        else:
+            got = rt.take_captured()
+            modes[dense] = {(*r.point, r.capture_id): got[r.point][r.offset:][: len(r.positions)]
+                            for r in plan.routes}
+    assert sorted(modes[True]) == sorted(modes[False]) and len(modes[True]) == 8
+    for key, value in modes[False].items():
+        torch.testing.assert_close(modes[True][key], value)
