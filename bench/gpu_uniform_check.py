@@ -11,7 +11,7 @@ Prompt log-probs (prefill rows), generated tokens and their log-probs must be id
 steering must change the prompt log-probs against plain requests, and the worker's counters must
 show uniform plans in the first run only. Writes a JSON report and exits 1 on a mismatch.
 
-    python bench/gpu_uniform_check.py [--requests 48] [--out DIR]
+    python bench/gpu_uniform_check.py [--requests 48] [--out DIR] [--device cpu]
 """
 
 from __future__ import annotations
@@ -36,14 +36,18 @@ def main() -> int:
     ap.add_argument("--scale", type=float, default=32.0, help="a power of two")
     ap.add_argument("--model-dir", default="/tmp/capsteer-uniform-model")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                    help="cpu: a dry run of the script (host mode has no uniform plan)")
     args = ap.parse_args()
+    # Nothing here touches CUDA before the engine starts; spawned workers in any case.
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     shape = DemoShape(hidden_size=1024, num_layers=args.layers, num_heads=16, num_kv_heads=8,
                       head_dim=64, intermediate_size=3072, vocab_size=1024,
                       max_position_embeddings=4096)
     write_demo_model(args.model_dir, "qwen3", seed=5, shape=shape, dtype="bfloat16")
     # Small steps: prompts are chunked and share steps with decoding requests.
     engine = Engine(args.model_dir, dtype="bfloat16",
-                    gpu_memory_utilization=0.5 if torch.cuda.is_available() else 0.3,
+                    gpu_memory_utilization=0.5 if args.device == "cuda" else 0.3,
                     max_model_len=2048, seed=0, max_num_batched_tokens=1024,
                     capsteer_config={"sync_debug": True})
     gen = torch.Generator().manual_seed(0)
@@ -91,7 +95,7 @@ def main() -> int:
     vs_plain = max(max(abs(x - y) for x, y in zip(own(a, p), own(b, p), strict=True))
                    for a, b, p in zip(uniform, plain, prompts, strict=True))
     report = {
-        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+        "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
         "requests": len(prompts),
         "seconds": round(time.time() - t0, 1),
         "uniform_run": uniform_counts, "split_run": split_counts,
