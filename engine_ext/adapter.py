@@ -323,13 +323,17 @@ def runner_kind(runner: object) -> str:
     return "v2" if type(runner).__module__.startswith("vllm.v1.worker.gpu.") else "v1"
 
 
-def install_pre_forward(runner: object, before: Callable[[BatchLayout], None]) -> None:
+def install_pre_forward(runner: object, before: Callable[[BatchLayout], None],
+                        wanted: Callable[[], bool] = lambda: True) -> None:
     """Call `before(layout)` once per real step, after the batch is laid out and
-    before the model (or its CUDA graph) runs."""
+    before the model (or its CUDA graph) runs; skipped (the layout not even built) in
+    steps where `wanted()` is false: no request with hooks and nothing left to clear."""
     if runner_kind(runner) == "v1":
         original = runner._model_forward
 
         def _model_forward(*args, **kwargs):
+            if not wanted():
+                return original(*args, **kwargs)
             batch = runner.input_batch
             n = batch.num_reqs
             ids = kwargs.get("input_ids")
@@ -352,6 +356,8 @@ def install_pre_forward(runner: object, before: Callable[[BatchLayout], None]) -
 
     def prepare_inputs(scheduler_output, batch_desc, *args, **kwargs):
         ib = original_prepare(scheduler_output, batch_desc, *args, **kwargs)
+        if not wanted():
+            return ib
         n = ib.num_reqs
         before(BatchLayout(
             req_ids=list(ib.req_ids[:n]),

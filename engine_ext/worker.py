@@ -124,7 +124,7 @@ class EngineHooks:
         self.sync_checked_steps = 0
         before = self._no_sync(self._before_forward) if self.sync_debug else self._before_forward
         before = self._timed("before_forward", before)
-        adapter.install_pre_forward(worker.model_runner, before)
+        adapter.install_pre_forward(worker.model_runner, before, self._wants_layout)
         if self.sync_debug:
             adapter.wrap_forward_calls(worker.model_runner, self._no_sync)
         logger.info("capsteer: %s family (%s layout): hooked %d of %d sites (pipeline stage "
@@ -251,6 +251,14 @@ class EngineHooks:
         if hooks.sink in ("durable", "sharded") and self.writer is not None:
             return self.writer
         return self.memory
+
+    def _wants_layout(self) -> bool:
+        """Whether this step calls `_before_forward`: a request with hooks is live, or an
+        earlier hooked step left device index rows, a reuse key or a plan to clear. Steps
+        of plain traffic skip it, the batch layout's copies included (every decode step of
+        a server without fields)."""
+        return bool(self.requests) or self.dense_live or self.reuse is not None \
+            or self.planned
 
     def _before_forward(self, layout: adapter.BatchLayout) -> None:
         if self.pinned_plan:
