@@ -302,7 +302,12 @@ class EngineHooks:
         Reusable: no capture anywhere in the batch (captured rows and tokens change every
         step) and every hooked row already generated (a prompt row's position class can
         change on the next step). With the same requests in the same rows, the next
-        step's rows are then in the same class with the same slots and entries."""
+        step's rows are then in the same class with the same slots and entries. A uniform
+        plan (every request steered through one shared row, whatever the class) holds for
+        the same requests in the same rows: steady decode of a uniformly steered batch
+        checks the batch instead of rebuilding (~25 us a step alone, more in the engine)."""
+        if plan.uniform_slot:
+            return (list(layout.req_ids), layout.query_start_loc.copy(), layout.num_tokens_padded)
         if plan.routes or plan.batch_hooks is None or not plan.all_generated:
             return None
         if any(self.requests[r].capture is not None for r in layout.req_ids

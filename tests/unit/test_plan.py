@@ -744,3 +744,31 @@ def test_captured_rows_are_laid_out_writer_by_writer():
     assert sorted(modes[True]) == sorted(modes[False]) and len(modes[True]) == 8
     for key, value in modes[False].items():
         torch.testing.assert_close(modes[True][key], value)
+
+
+def test_a_uniform_plan_is_reused_while_the_batch_stays_the_same():
+    """Steady decode of a uniformly steered batch reuses its plan (the filled index holds):
+    the reuse key is the batch's requests and rows; a plan that copies rows never is."""
+    from types import SimpleNamespace
+
+    from capsteer.engine_ext.adapter import BatchLayout
+    from capsteer.engine_ext.worker import EngineHooks
+
+    rt = HookRuntime(LAYERS, HIDDEN, torch.float32, torch.device("cpu"), max_tokens=16,
+                     max_requests=4, staging_rows=64, device_driven=True)
+    spec = {"vectors": [{"hook": "resid_post", "layers": "all", "vector": [0.5] * HIDDEN}]}
+    reqs = {r: hooks_for(r, 3, rt=rt, steering=spec) for r in "ab"}
+    layout = BatchLayout(["a", "b"], np.array([0, 1, 2]), np.array([5, 7]), 2, None)
+    plan = build_step_plan(layout.req_ids, layout.query_start_loc, layout.start_positions,
+                           reqs, None, host_steering=False, uniform_slots=rt.uniform_slots)
+    assert plan.uniform_slot
+    hooks = SimpleNamespace(requests=reqs, reuse=None)
+    hooks.reuse = EngineHooks._reuse_key(hooks, plan, layout)
+    assert EngineHooks._same_steady_batch(hooks, layout)
+    moved = BatchLayout(["a", "b"], np.array([0, 2, 3]), np.array([5, 7]), 3, None)
+    assert not EngineHooks._same_steady_batch(hooks, moved)
+    reqs["c"] = hooks_for("c", 3, rt=rt, capture={"hooks": ["resid_post"], "layers": [0]})
+    copying = build_step_plan(["a", "c"], np.array([0, 1, 4]), np.array([5, 0]), reqs, None,
+                              host_steering=False, uniform_slots=rt.uniform_slots)
+    assert not copying.uniform_slot and copying.routes
+    assert EngineHooks._reuse_key(hooks, copying, layout) is None
