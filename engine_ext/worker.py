@@ -401,7 +401,11 @@ class EngineHooks:
         go through the harvester's pinned ring."""
         direct, rest, copies = [], [], []
         staging = self.runtime.staging
-        for route in plan.routes:
+        # Point by point (stable: writer groups, then batch order, within a point): a
+        # writer's rows of one point are one span of staging, and reserving them one
+        # after another makes them one span of its ring too. Routes come request by
+        # request (a request's points together), which would interleave the points.
+        for route in sorted(plan.routes, key=lambda r: r.point):
             sink = sinks[route.capture_id]
             reserve = getattr(sink, "reserve_rows", None)
             src = staging[_staging_span(plan, route)]

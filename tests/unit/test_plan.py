@@ -772,3 +772,46 @@ def test_a_uniform_plan_is_reused_while_the_batch_stays_the_same():
                               host_steering=False, uniform_slots=rt.uniform_slots)
     assert not copying.uniform_slot and copying.routes
     assert EngineHooks._reuse_key(hooks, copying, layout) is None
+
+
+def test_a_steps_copies_into_writer_rings_are_one_per_writer_and_point(monkeypatch):
+    """`_copy_to_sinks` with captures at two points each, spread over two writers: it
+    reserves point by point, so each writer's rows of a point are one span of staging
+    and of its ring (four copies, not one per request and point), and every reservation
+    holds its own route's rows."""
+    from types import SimpleNamespace
+
+    from capsteer.engine_ext import worker
+
+    class Ring:
+        def __init__(self) -> None:
+            self.rows, self.head = torch.zeros(64, HIDDEN), 0
+
+        def reserve_rows(self, capture_id, shape, dtype):
+            got = SimpleNamespace(writer=self, rows=self.rows[self.head: self.head + shape[0]])
+            self.head += shape[0]
+            return got
+
+    rt = HookRuntime(LAYERS, HIDDEN, torch.float32, torch.device("cpu"), max_tokens=32,
+                     max_requests=8, staging_rows=64, device_driven=True)
+    ids = [f"c{i}" for i in range(4)]
+    reqs = {r: hooks_for(r, 4, rt=rt, capture={"hooks": ["resid_post", "attn_out"],
+                                               "layers": [1]}) for r in ids}
+    rings = [Ring(), Ring()]
+    for i, h in enumerate(reqs.values()):
+        h.group = i % 2
+    plan = build_step_plan(ids, np.array([0, 4, 8, 12, 16]), np.zeros(4, np.int64), reqs, None,
+                           host_steering=False)
+    assert len(plan.routes) == 8
+    rt.staging[: plan.staging_rows] = torch.arange(plan.staging_rows * HIDDEN,
+                                                   dtype=torch.float32).view(-1, HIDDEN)
+    sinks = {f"cap-{r}": rings[reqs[r].group] for r in ids}
+    merged = []
+    real = worker.merge_row_copies
+    monkeypatch.setattr(worker, "merge_row_copies",
+                        lambda copies: merged.append(real(copies)) or merged[-1])
+    direct, rest = worker.EngineHooks._copy_to_sinks(SimpleNamespace(runtime=rt), plan, sinks)
+    assert rest.routes == [] and len(direct) == 8 and len(merged[0]) == 4
+    for route, sink, reserved in direct:
+        assert reserved.writer is sink
+        torch.testing.assert_close(reserved.rows, rt.staging[worker._staging_span(plan, route)])
