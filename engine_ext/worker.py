@@ -227,13 +227,13 @@ class EngineHooks:
                 self.prompts[req_id] = prompt = tuple(prompt)
                 sink = self._sink_for(hooks)
                 self.sinks[hooks.capture_id] = sink
-                group_of = getattr(sink, "group_of", None)
                 if not hooks.needs_output_length:
                     self.closable[req_id] = hooks
                 self.opened[hooks.capture_id] = None
                 if len(self.opened) > _OPENED_KEPT:
                     del self.opened[next(iter(self.opened))]
                 sink.open(self._capture_request(req_id, prompt, hooks))
+                group_of = getattr(sink, "group_of", None)  # the writer pool's child
                 if group_of is not None:
                     hooks.group = group_of(hooks.capture_id)
 
@@ -306,13 +306,12 @@ class EngineHooks:
         plan (every request steered through one shared row, whatever the class) holds for
         the same requests in the same rows: steady decode of a uniformly steered batch
         checks the batch instead of rebuilding (~25 us a step alone, more in the engine)."""
-        if plan.uniform_slot:
-            return (list(layout.req_ids), layout.query_start_loc.copy(), layout.num_tokens_padded)
-        if plan.routes or plan.batch_hooks is None or not plan.all_generated:
-            return None
-        if any(self.requests[r].capture is not None for r in layout.req_ids
-               if r in self.requests):
-            return None
+        if not plan.uniform_slot:
+            if plan.routes or plan.batch_hooks is None or not plan.all_generated:
+                return None
+            if any(self.requests[r].capture is not None for r in layout.req_ids
+                   if r in self.requests):
+                return None
         return (list(layout.req_ids), layout.query_start_loc.copy(), layout.num_tokens_padded)
 
     def _same_steady_batch(self, layout: adapter.BatchLayout) -> bool:
