@@ -178,11 +178,12 @@ def _pressure_us() -> int | None:
     return int(text.split("total=")[1].split()[0])
 
 
-def _threads() -> dict[tuple[int, int], tuple[str, int, int]]:
-    """(pid, tid) -> (thread name, run ns, run-queue wait ns) for this process tree."""
+def _threads() -> dict[tuple[int, int], tuple[str, int, int, int, int]]:
+    """(pid, tid) -> (thread name, run ns, run-queue wait ns, last CPU, migrations) for this
+    process tree (migrations -1 where the kernel does not expose them)."""
     me = psutil.Process()
     pids = [me.pid] + [c.pid for c in me.children(recursive=True)]
-    out: dict[tuple[int, int], tuple[str, int, int]] = {}
+    out: dict[tuple[int, int], tuple[str, int, int, int, int]] = {}
     for pid in pids:
         try:
             tids = os.listdir(f"/proc/{pid}/task")
@@ -195,10 +196,43 @@ def _threads() -> dict[tuple[int, int], tuple[str, int, int]]:
                     run, wait = (int(x) for x in fh.read().split()[:2])
                 with open(f"{base}/comm") as fh:
                     name = fh.read().strip()
-            except (OSError, ValueError):
+                with open(f"{base}/stat") as fh:  # field 39, counted after the ")" of comm
+                    cpu = int(fh.read().rsplit(")", 1)[1].split()[36])
+            except (OSError, ValueError, IndexError):
                 continue
-            out[(pid, int(tid))] = (name, run, wait)
+            out[(pid, int(tid))] = (name, run, wait, cpu, _migrations(base))
     return out
+
+
+def _migrations(base: str) -> int:
+    try:
+        with open(f"{base}/sched") as fh:
+            for line in fh:
+                if line.startswith("se.nr_migrations"):
+                    return int(line.split(":")[1])
+    except (OSError, ValueError):
+        pass
+    return -1
+
+
+def pin_step_thread(cpu: int) -> list[int]:
+    """Bind the busiest EngineCore thread's process (its main thread, the step loop) to
+    `cpu` and every other thread of this process tree to the other allowed CPUs; returns
+    [cpu]. Same-CPU runs make a paired round's configs meet the same core (session 38)."""
+    allowed = sorted(os.sched_getaffinity(0))
+    if cpu not in allowed or len(allowed) < 2:
+        raise SystemExit(f"--pin step:{cpu}: CPU {cpu} not among the allowed {allowed}")
+    rest = [c for c in allowed if c != cpu]
+    step = [key for key, v in _threads().items()
+            if v[0].startswith("VLLM::EngineCor") and key[0] == key[1]]
+    if len(step) != 1:
+        raise SystemExit(f"--pin step:{cpu}: expected one EngineCore process, found {step}")
+    for pid, tid in _threads():
+        try:
+            os.sched_setaffinity(tid, [cpu] if (pid, tid) in step else rest)
+        except OSError:  # a thread that ended meanwhile
+            continue
+    return [cpu]
 
 
 ENGINE_PROBE = Path(__file__).parent / "engine_probe"  # its sitecustomize.py's directory
@@ -273,14 +307,16 @@ def delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     if before["pressure"] is not None and after["pressure"] is not None:
         out["pressure_s"] = (after["pressure"] - before["pressure"]) / 1e6
     runs = []
-    for key, (name, run, wait) in after["threads"].items():
-        _, run0, wait0 = before["threads"].get(key, (name, 0, 0))
-        runs.append((run - run0, wait - wait0, name, key))
+    for key, (name, run, wait, cpu, moves) in after["threads"].items():
+        _, run0, wait0, _, moves0 = before["threads"].get(key, (name, 0, 0, cpu, moves))
+        runs.append((run - run0, wait - wait0, name, key, cpu,
+                     moves - moves0 if moves >= 0 and moves0 >= 0 else None))
     out["tree_run_s"] = sum(r for r, *_ in runs) / 1e9
     out["tree_wait_s"] = sum(w for _, w, *_ in runs) / 1e9
     if runs:
-        run, wait, name, key = max(runs)
-        out["top_thread"] = {"name": name, "pid": key[0], "run_s": run / 1e9, "wait_s": wait / 1e9}
+        run, wait, name, key, cpu, moves = max(runs)
+        out["top_thread"] = {"name": name, "pid": key[0], "run_s": run / 1e9, "wait_s": wait / 1e9,
+                             "last_cpu": cpu, "migrations": moves}
     out.update(_engine_probe_delta(before.get("engine", {}), after.get("engine", {})))
     return out
 

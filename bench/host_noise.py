@@ -28,7 +28,7 @@ COUNTERS = {"top_run_s": "s", "top_wait_s": "s", "steal_s": "s", "pressure_s": "
             "engine_schedule_s": "s", "engine_update_s": "s", "engine_forward_s": "s",
             "engine_sample_s": "s", "engine_gc0_s": "s",
             "engine_gc1_s": "s", "engine_gc2_s": "s", "front_gc0_s": "s", "front_gc1_s": "s",
-            "front_gc2_s": "s"}
+            "front_gc2_s": "s", "top_migrations": "moves"}
 
 
 def rows(procs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -42,7 +42,18 @@ def rows(procs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                                 "batch": i, "batch_s": t, "top_name": top.get("name"),
                                 **{c: h.get(c) for c in COUNTERS},  # the batch's own counters
                                 "top_run_s": top.get("run_s"), "top_wait_s": top.get("wait_s"),
-                                "pinned": p.get("pinned_cpus") is not None})
+                                "top_cpu": top.get("last_cpu"),
+                                "top_migrations": (float(top["migrations"])
+                                                   if top.get("migrations") is not None else None),
+                                "pinned": p.get("pinned_cpus") is not None,
+                                "process_cv": None})
+    for p in procs:  # each process's own batch-to-batch spread (stdev / mean, per workload)
+        for wl in p["workloads"]:
+            mine = [r for r in out if r["slot"] == p["slot"] and r["workload"] == wl]
+            ts = [r["batch_s"] for r in mine]
+            cv = statistics.pstdev(ts) / statistics.mean(ts) if len(ts) > 1 else None
+            for r in mine:
+                r["process_cv"] = cv
     return out
 
 
@@ -71,8 +82,17 @@ def analyse(table: list[dict[str, Any]]) -> dict[str, Any]:
         for pinned in sorted({r["pinned"] for r in table}):
             sel = [r for r in table if r["workload"] == wl and r["pinned"] == pinned]
             t = [r["batch_s"] for r in sel]
+            cvs = sorted({r["process_cv"] for r in sel if r["process_cv"] is not None})
+            by_cpu: dict[int, list[float]] = {}
+            for r in sel:
+                if r["top_cpu"] is not None:
+                    by_cpu.setdefault(r["top_cpu"], []).append(r["batch_s"])
             entry: dict[str, Any] = {"batches": len(sel), "batch_s_median": statistics.median(t),
-                                     "batch_s_min": min(t), "batch_s_max": max(t)}
+                                     "batch_s_min": min(t), "batch_s_max": max(t),
+                                     "process_cv_median": statistics.median(cvs) if cvs else None,
+                                     "by_last_cpu": {c: {"batches": len(v),
+                                                         "median_s": statistics.median(v)}
+                                                     for c, v in sorted(by_cpu.items())}}
             for c in COUNTERS:
                 pairs = [(r["batch_s"], r[c]) for r in sel if r[c] is not None]
                 if pairs:
@@ -96,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(f"{'slot':>4} {'config':9}{'workload':9}{'b':>3}{'batch_s':>9}{'top run':>9}"
           f"{'top wait':>9}{'steal':>8}{'pressure':>9}{'loop ms':>8}{'copy ms':>8}{'gpu %':>7}"
-          f"{'sm MHz':>8}{'steps':>6}{'step s':>8}{'gc s':>7}  top thread")
+          f"{'sm MHz':>8}{'steps':>6}{'step s':>8}{'gc s':>7}{'cpu':>4}{'moves':>6}  top thread")
     fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else "-"  # noqa: E731
     fmt1 = lambda v: f"{v:.1f}" if isinstance(v, float) else "-"  # noqa: E731
     for r in table:
@@ -105,11 +125,19 @@ def main(argv: list[str] | None = None) -> int:
               f"{fmt(r['pressure_s']):>9}{fmt(r['probe_loop_ms']):>8}{fmt(r['probe_copy_ms']):>8}"
               f"{fmt1(r['gpu_util_pct']):>7}{fmt1(r['sm_clock_mhz']):>8}"
               f"{r['engine_steps'] if r['engine_steps'] is not None else '-':>6}"
-              f"{fmt(r['engine_step_s']):>8}{fmt(_gc_s(r)):>7}  {r['top_name']}")
+              f"{fmt(r['engine_step_s']):>8}{fmt(_gc_s(r)):>7}"
+              f"{r['top_cpu'] if r['top_cpu'] is not None else '-':>4}"
+              f"{int(r['top_migrations']) if r['top_migrations'] is not None else '-':>6}"
+              f"  {r['top_name']}")
     result = analyse(table)
     for key, e in result.items():
         print(f"\n{key}: {e['batches']} batches, {e['batch_s_min']:.3f}-{e['batch_s_max']:.3f} s "
-              f"(median {e['batch_s_median']:.3f})")
+              f"(median {e['batch_s_median']:.3f}); a process's stdev/mean, median over "
+              f"processes: {fmt(e['process_cv_median'])}")
+        if e["by_last_cpu"]:
+            print("  by the step thread's last CPU: " + ", ".join(
+                f"cpu {c}: {v['batches']} x {v['median_s']:.3f} s"
+                for c, v in e["by_last_cpu"].items()))
         for c in COUNTERS:
             if c in e:
                 corr, slope = e[c]["corr"], e[c]["slope"]

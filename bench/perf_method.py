@@ -56,6 +56,7 @@ import json
 import os
 import platform
 import queue
+import re
 import shutil
 import statistics
 import subprocess
@@ -280,6 +281,8 @@ def run_process(a: argparse.Namespace) -> dict[str, Any]:
 
             engine.llm.collective_rpc(_worker_diagnostic, args=(WORKER_PARTS[a.config],))
     startup_s = time.perf_counter() - started
+    if a.pin.startswith("step:"):
+        pinned = host_counters.pin_step_thread(int(a.pin.split(":", 1)[1]))
     one_layer = shape.layers // 2
     steering = {"vectors": [{"hook": "resid_post", "layers": "all",
                              "vector": [0.01] * shape.hidden, "scale": 1.0}]}
@@ -995,9 +998,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workloads", default="prefill,decode")
     ap.add_argument("--no-p3all", dest="p3all", action="store_false")
     ap.add_argument("--no-identity", action="store_true")
-    ap.add_argument("--pin", choices=("none", "cores"), default="none",
-                    help="cores: bind every process to one logical CPU per physical core "
-                         "(no two engine threads on one SMT pair); the same for every config")
+    ap.add_argument("--pin", default="none",
+                    help="none; cores: bind every process to one logical CPU per physical core "
+                         "(no two engine threads on one SMT pair); step:N: after start-up, bind "
+                         "the EngineCore's step thread to CPU N and every other thread of the "
+                         "process tree to the other CPUs (the same N for every config, so "
+                         "paired processes run their step loop on the same CPU)")
     ap.add_argument("--speed-probe", action="store_true",
                     help="time fixed CPU work items in a side process during every batch "
                          "(bench/host_counters.py SpeedProbe): is the host slower then?")
@@ -1052,6 +1058,8 @@ def main(argv: list[str] | None = None) -> int:
         Path(a.result_file).parent.mkdir(parents=True, exist_ok=True)
         Path(a.result_file).write_text(json.dumps(result))
         return 0
+    if a.pin not in ("none", "cores") and not re.fullmatch(r"step:\d+", a.pin):
+        ap.error(f"--pin: none, cores or step:N, not {a.pin!r}")
     return drive_paired(a) if a.paired else drive(a)
 
 
