@@ -14,8 +14,15 @@ one thread publishing files through AtomicFile with no digest, sha256 and blake3
 each hashed inline and on the digest thread (what a durable write spends hashing),
 then the packed writer with each digest.
 
+`--paired-rounds N` (P5's method since session 38): N rounds, each measuring the disk (dd
+conv=fsync, the Python loop, the loop with writeback as written) and the packed writer
+back to back, the order alternating round by round; a round's ratio is the writer's rate
+over the highest of that round's three disk figures, so a disk that drifts between rounds
+moves both sides of a ratio alike. Ratio = the rounds' median, spread = their min and max;
+met where every round reaches 0.8, missed where none does, else unresolved.
+
     python bench/storage.py [--total-mib 2048] [--dir DIR] [--workers N] [--repeat 2] [--diagnose-hash]
-        [--digest sha256|blake3] [--digest-compare]
+        [--digest sha256|blake3] [--digest-compare] [--processes N] [--paired-rounds N]
 """
 
 from __future__ import annotations
@@ -252,6 +259,51 @@ def _without_sha256(fn: Callable[[], dict[str, float]]) -> dict[str, float]:
         publish.new_hasher = saved
 
 
+def paired_rounds(work: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """P5 by rounds: each round's writer rate over the best disk figure of the same round."""
+    rounds: list[dict[str, Any]] = []
+    print(f"directory: {work.parent}; {args.total_mib} MiB per measurement; packed writer, "
+          f"{args.workers} threads, digest {args.digest}, "
+          + (f"{args.processes} writer process(es)" if args.processes else "in-process writer"))
+    print(f"{'round':>5} {'order':<13}{'dd':>7}{'loop':>7}{'wb loop':>8}{'writer':>8}{'ratio':>7}"
+          f"{'vs dd':>7}")
+    for r in range(args.paired_rounds):
+        disk_first = r % 2 == 0
+        entry: dict[str, Any] = {"round": r + 1, "order": "disk, writer" if disk_first
+                                 else "writer, disk"}
+
+        def disk(e: dict[str, Any] = entry) -> None:
+            e["dd_mb_s"] = dd_rate(work, args.total_mib)
+            e["loop_mb_s"] = loop_rate(work, args.total_mib)
+            e["writeback_mb_s"] = loop_rate(work, args.total_mib, writeback=True)
+
+        def writer(e: dict[str, Any] = entry) -> None:
+            os.sync()
+            e["writer"] = writer_rate(work, "packed", args.total_mib, args.layers, args.hidden,
+                                      args.prompt, args.workers, args.digest, args.processes)
+
+        for step in ((disk, writer) if disk_first else (writer, disk)):
+            step()
+        best = max(x for x in (entry["dd_mb_s"], entry["loop_mb_s"], entry["writeback_mb_s"])
+                   if x is not None)
+        entry["disk_mb_s"] = best
+        entry["ratio"] = entry["writer"]["mb_s"] / best
+        entry["ratio_vs_dd"] = (entry["writer"]["mb_s"] / entry["dd_mb_s"]
+                                if entry["dd_mb_s"] else None)
+        rounds.append(entry)
+        dd = entry["dd_mb_s"]
+        print(f"{r + 1:>5} {entry['order']:<13}{dd or 0:>7.0f}{entry['loop_mb_s']:>7.0f}"
+              f"{entry['writeback_mb_s']:>8.0f}{entry['writer']['mb_s']:>8.0f}{entry['ratio']:>7.3f}"
+              f"{entry['ratio_vs_dd'] or 0:>7.3f}", flush=True)
+    ratios = [e["ratio"] for e in rounds]
+    lo, hi, med = min(ratios), max(ratios), statistics.median(ratios)
+    verdict = "met" if lo >= 0.8 else "missed" if hi < 0.8 else "unresolved"
+    print(f"packed / disk, {len(ratios)} paired rounds: median {med:.3f} ({lo:.3f}-{hi:.3f}), "
+          f"target 0.8: {verdict}")
+    return {"method": "paired", "rounds": rounds, "ratio": med, "lo": lo, "hi": hi,
+            "verdict": verdict}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dir", type=Path, default=None, help="directory on the disk to measure")
@@ -275,6 +327,9 @@ def main(argv: list[str] | None = None) -> int:
                          "2 the default pool on 8+ CPUs); 0 (default) in this process")
     ap.add_argument("--digest-compare", action="store_true",
                     help="also time each digest: one thread's durable writes, then the packed writer")
+    ap.add_argument("--paired-rounds", type=int, default=0,
+                    help="P5 paired: N rounds of disk then writer (order alternating), ratio per "
+                         "round; replaces the best-of --repeat table")
     args = ap.parse_args(argv)
     if args.workers is None:
         args.workers = default_workers()
@@ -285,6 +340,11 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     try:
         result: dict[str, object] = {"digest": args.digest, "processes": args.processes}
+        if args.paired_rounds:
+            result.update(paired_rounds(work, args))
+            if args.json:
+                print(json.dumps(result))
+            return 0
         if args.digest_compare:
             result["publish_breakdown"] = digest_compare(work, max(3, args.repeat))
         disk_dd: list[float] = []
