@@ -80,6 +80,7 @@ def worker_counters(engine) -> dict[str, float]:
     writer = next(iter(engine.llm.collective_rpc("capsteer_writer_stats")), None) or {}
     return {"plan_builds": stats["plan_builds"], "plan_reuses": stats["plan_reuses"],
             "plan_uniform": stats.get("plan_uniform", 0),
+            "ring_copies": stats.get("ring_copies", 0),
             **{f"host_s_{k}": v for k, v in stats["host_s"].items()},
             **{f"harvest_{k}": float(v) for k, v in (stats.get("harvest") or {}).items()},
             **{f"writer_{k}": float(writer[k]) for k in WRITER_COUNTERS if k in writer}}

@@ -90,6 +90,7 @@ class EngineHooks:
         self.plan_builds = 0
         self.plan_reuses = 0
         self.plan_uniform = 0  # builds that were one shared steering row (no per-row index)
+        self.ring_copies = 0  # GPU copies into writer processes' device rings, after merging
         # Host seconds the step thread spent in the hooks' own per-step work (diagnostics:
         # what capture and steering add to a step beyond the forward itself).
         self.host_s = {"before_step": 0.0, "before_forward": 0.0, "after_step": 0.0}
@@ -415,8 +416,10 @@ class EngineHooks:
                 continue
             copies.append((reserved.writer, reserved.rows, src))
             direct.append((route, sink, reserved))
-        for dst, src in merge_row_copies(copies):
+        merged = merge_row_copies(copies)
+        for dst, src in merged:
             dst.copy_(src, non_blocking=True)
+        self.ring_copies += len(merged)
         return direct, (plan if len(rest) == len(plan.routes) else replace(plan, routes=rest))
 
     def _close_complete_captures(self) -> None:
@@ -754,7 +757,7 @@ class CapsteerWorker(adapter.platform_worker_base()):  # type: ignore[misc]
                 "harvest_errors": [repr(e) for e in (hooks.harvester.errors if hooks.harvester else [])],
                 "live_requests": len(hooks.requests), "mode": "device" if hooks.device_driven else "host",
                 "plan_builds": hooks.plan_builds, "plan_reuses": hooks.plan_reuses,
-                "plan_uniform": hooks.plan_uniform,
+                "plan_uniform": hooks.plan_uniform, "ring_copies": hooks.ring_copies,
                 "early_closes": hooks.early_closes, "stop_at_layer": hooks.stop_at_layer,
                 "forward_layers": adapter.forward_layers(adapter.model_of(self)),
                 "host_s": {k: round(v, 6) for k, v in hooks.host_s.items()},

@@ -810,8 +810,10 @@ def test_a_steps_copies_into_writer_rings_are_one_per_writer_and_point(monkeypat
     real = worker.merge_row_copies
     monkeypatch.setattr(worker, "merge_row_copies",
                         lambda copies: merged.append(real(copies)) or merged[-1])
-    direct, rest = worker.EngineHooks._copy_to_sinks(SimpleNamespace(runtime=rt), plan, sinks)
+    hooks = SimpleNamespace(runtime=rt, ring_copies=0)
+    direct, rest = worker.EngineHooks._copy_to_sinks(hooks, plan, sinks)
     assert rest.routes == [] and len(direct) == 8 and len(merged[0]) == 4
+    assert hooks.ring_copies == 4  # the counter capsteer_stats reports
     for route, sink, reserved in direct:
         assert reserved.writer is sink
         torch.testing.assert_close(reserved.rows, rt.staging[worker._staging_span(plan, route)])
