@@ -82,6 +82,7 @@ def worker_counters(engine) -> dict[str, float]:
             "plan_uniform": stats.get("plan_uniform", 0),
             "ring_copies": stats.get("ring_copies", 0),
             **{f"host_s_{k}": v for k, v in stats["host_s"].items()},
+            **{f"host_cpu_s_{k}": v for k, v in stats.get("host_cpu_s", {}).items()},
             **{f"harvest_{k}": float(v) for k, v in (stats.get("harvest") or {}).items()},
             **{f"writer_{k}": float(writer[k]) for k in WRITER_COUNTERS if k in writer}}
 

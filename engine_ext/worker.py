@@ -94,6 +94,9 @@ class EngineHooks:
         # Host seconds the step thread spent in the hooks' own per-step work (diagnostics:
         # what capture and steering add to a step beyond the forward itself).
         self.host_s = {"before_step": 0.0, "before_forward": 0.0, "after_step": 0.0}
+        # The same phases' CPU time of the step thread: host_s - host_cpu_s is time it
+        # spent off its CPU in them (waiting for the GIL, blocked in a call).
+        self.host_cpu_s = dict.fromkeys(self.host_s, 0.0)
         self.pinned_plan = False  # the canary sets its own plan; real steps must not replace it
         self.num_tokens_gathered = 0
         self.harvester = Harvester(self.runtime.staging.shape[0], self.sites.hidden_size, dtype) \
@@ -168,14 +171,16 @@ class EngineHooks:
                 f"set for an extraction job); {', '.join(beyond[:4])} lie beyond it")
 
     def _timed(self, phase: str, fn):
-        host_s, clock = self.host_s, time.perf_counter
+        host_s, host_cpu_s = self.host_s, self.host_cpu_s
+        clock, cpu_clock = time.perf_counter, time.thread_time
 
         def timed(*args, **kwargs):
-            start = clock()
+            start, cpu_start = clock(), cpu_clock()
             try:
                 return fn(*args, **kwargs)
             finally:
                 host_s[phase] += clock() - start
+                host_cpu_s[phase] += cpu_clock() - cpu_start
         return timed
 
     def _no_sync(self, fn):
@@ -677,14 +682,16 @@ class CapsteerWorker(adapter.platform_worker_base()):  # type: ignore[misc]
         return out
 
     def execute_model(self, scheduler_output, *args, **kwargs):
-        hooks, clock = self.capsteer, time.perf_counter
-        start = clock()
+        hooks, clock, cpu_clock = self.capsteer, time.perf_counter, time.thread_time
+        start, cpu_start = clock(), cpu_clock()
         hooks.before_step(scheduler_output)
         hooks.host_s["before_step"] += clock() - start
+        hooks.host_cpu_s["before_step"] += cpu_clock() - cpu_start
         out = super().execute_model(scheduler_output, *args, **kwargs)
-        start = clock()
+        start, cpu_start = clock(), cpu_clock()
         hooks.after_step()
         hooks.host_s["after_step"] += clock() - start
+        hooks.host_cpu_s["after_step"] += cpu_clock() - cpu_start
         return out
 
     # ---- collective_rpc surface ----
@@ -761,5 +768,6 @@ class CapsteerWorker(adapter.platform_worker_base()):  # type: ignore[misc]
                 "early_closes": hooks.early_closes, "stop_at_layer": hooks.stop_at_layer,
                 "forward_layers": adapter.forward_layers(adapter.model_of(self)),
                 "host_s": {k: round(v, 6) for k, v in hooks.host_s.items()},
+                "host_cpu_s": {k: round(v, 6) for k, v in hooks.host_cpu_s.items()},
                 "harvest": hooks.harvester.stats() if hooks.harvester else None}
 

@@ -82,6 +82,12 @@ def test_prompt_capture_closes_once_the_prompt_is_fed(engine_pool, model_dirs, h
     # The hooks' own per-step host time is accounted for, phase by phase.
     assert all(after["host_s"][k] > before["host_s"][k]
                for k in ("before_step", "before_forward", "after_step")), (before, after)
+    # ... with the step thread's CPU time beside it: never more than the wall time (up to
+    # the clocks' granularity), and spent in every phase too.
+    for k in ("before_step", "before_forward", "after_step"):
+        wall = after["host_s"][k] - before["host_s"][k]
+        cpu = after["host_cpu_s"][k] - before["host_cpu_s"][k]
+        assert 0 < cpu <= wall + 1e-3, (k, wall, cpu)
     assert memory.captures.positions.tolist() == list(range(24))
     assert_matches_hf(hf_models["qwen3"], memory)
     for result, n in ((durable, 24), (steered, 17)):
