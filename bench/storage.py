@@ -267,7 +267,13 @@ def paired_rounds(work: Path, args: argparse.Namespace) -> dict[str, Any]:
           + (f"{args.processes} writer process(es)" if args.processes else "in-process writer"))
     print(f"{'round':>5} {'order':<13}{'dd':>7}{'loop':>7}{'wb loop':>8}{'writer':>8}{'ratio':>7}"
           f"{'vs dd':>7}")
+    started = time.perf_counter()
     for r in range(args.paired_rounds):
+        elapsed = time.perf_counter() - started
+        if args.max_seconds and r and elapsed + elapsed / r > args.max_seconds:
+            print(f"--max-seconds {args.max_seconds:.0f}: round {r + 1} would not finish; "
+                  f"stopping after {r} rounds")
+            break
         disk_first = r % 2 == 0
         entry: dict[str, Any] = {"round": r + 1, "order": "disk, writer" if disk_first
                                  else "writer, disk"}
@@ -330,6 +336,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--paired-rounds", type=int, default=0,
                     help="P5 paired: N rounds of disk then writer (order alternating), ratio per "
                          "round; replaces the best-of --repeat table")
+    ap.add_argument("--max-seconds", type=float, default=0.0,
+                    help="with --paired-rounds: start no round that would end past this many "
+                         "seconds (judged by the rounds so far), so a time-limited run still "
+                         "prints its verdict")
     args = ap.parse_args(argv)
     if args.workers is None:
         args.workers = default_workers()
