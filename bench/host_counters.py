@@ -216,20 +216,21 @@ def _migrations(base: str) -> int:
 
 
 def pin_step_thread(cpu: int) -> list[int]:
-    """Bind the busiest EngineCore thread's process (its main thread, the step loop) to
-    `cpu` and every other thread of this process tree to the other allowed CPUs; returns
-    [cpu]. Same-CPU runs make a paired round's configs meet the same core (session 38)."""
+    """Bind the EngineCore process's main thread (its step loop) to `cpu` and every other
+    thread of this process tree to the other allowed CPUs; returns [cpu]. Same-CPU runs make
+    a paired round's configs meet the same core (session 38)."""
     allowed = sorted(os.sched_getaffinity(0))
     if cpu not in allowed or len(allowed) < 2:
         raise SystemExit(f"--pin step:{cpu}: CPU {cpu} not among the allowed {allowed}")
     rest = [c for c in allowed if c != cpu]
-    step = [key for key, v in _threads().items()
+    threads = _threads()
+    step = [key for key, v in threads.items()
             if v[0].startswith("VLLM::EngineCor") and key[0] == key[1]]
     if len(step) != 1:
         raise SystemExit(f"--pin step:{cpu}: expected one EngineCore process, found {step}")
-    for pid, tid in _threads():
+    for key in threads:
         try:
-            os.sched_setaffinity(tid, [cpu] if (pid, tid) in step else rest)
+            os.sched_setaffinity(key[1], [cpu] if key in step else rest)
         except OSError:  # a thread that ended meanwhile
             continue
     return [cpu]

@@ -981,6 +981,12 @@ def _meta(a: argparse.Namespace) -> dict[str, Any]:
             "targets": TARGETS, "host_cpus": host_counters.topology(), "pin": a.pin}
 
 
+def _pin_choice(text: str) -> str:
+    if text in ("none", "cores") or re.fullmatch(r"step:\d+", text):
+        return text
+    raise argparse.ArgumentTypeError(f"none, cores or step:N, not {text!r}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -998,7 +1004,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workloads", default="prefill,decode")
     ap.add_argument("--no-p3all", dest="p3all", action="store_false")
     ap.add_argument("--no-identity", action="store_true")
-    ap.add_argument("--pin", default="none",
+    ap.add_argument("--pin", default="none", type=_pin_choice,
                     help="none; cores: bind every process to one logical CPU per physical core "
                          "(no two engine threads on one SMT pair); step:N: after start-up, bind "
                          "the EngineCore's step thread to CPU N and every other thread of the "
@@ -1058,8 +1064,6 @@ def main(argv: list[str] | None = None) -> int:
         Path(a.result_file).parent.mkdir(parents=True, exist_ok=True)
         Path(a.result_file).write_text(json.dumps(result))
         return 0
-    if a.pin not in ("none", "cores") and not re.fullmatch(r"step:\d+", a.pin):
-        ap.error(f"--pin: none, cores or step:N, not {a.pin!r}")
     return drive_paired(a) if a.paired else drive(a)
 
 

@@ -9,6 +9,7 @@ requests, builds the plan, and after the forward hands copied rows to the sink.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass, replace
@@ -127,7 +128,7 @@ class EngineHooks:
         self.sync_debug = bool(self.config.get("sync_debug", False)) and self.device_driven
         self.sync_checked_steps = 0
         before = self._no_sync(self._before_forward) if self.sync_debug else self._before_forward
-        before = self._timed("before_forward", before)
+        before = functools.partial(self.timed, "before_forward", before)
         adapter.install_pre_forward(worker.model_runner, before, self._wants_layout)
         if self.sync_debug:
             adapter.wrap_forward_calls(worker.model_runner, self._no_sync)
@@ -170,18 +171,14 @@ class EngineHooks:
         return (f"this engine's forward stops at layer {self.stop_at_layer} (stop_at_layer, "
                 f"set for an extraction job); {', '.join(beyond[:4])} lie beyond it")
 
-    def _timed(self, phase: str, fn):
-        host_s, host_cpu_s = self.host_s, self.host_cpu_s
-        clock, cpu_clock = time.perf_counter, time.thread_time
-
-        def timed(*args, **kwargs):
-            start, cpu_start = clock(), cpu_clock()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                host_s[phase] += clock() - start
-                host_cpu_s[phase] += cpu_clock() - cpu_start
-        return timed
+    def timed(self, phase: str, fn, *args, **kwargs):
+        """fn(*args, **kwargs), its wall and the step thread's CPU time added to `phase`."""
+        start, cpu_start = time.perf_counter(), time.thread_time()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.host_s[phase] += time.perf_counter() - start
+            self.host_cpu_s[phase] += time.thread_time() - cpu_start
 
     def _no_sync(self, fn):
         def wrapped(*args, **kwargs):
@@ -682,16 +679,10 @@ class CapsteerWorker(adapter.platform_worker_base()):  # type: ignore[misc]
         return out
 
     def execute_model(self, scheduler_output, *args, **kwargs):
-        hooks, clock, cpu_clock = self.capsteer, time.perf_counter, time.thread_time
-        start, cpu_start = clock(), cpu_clock()
-        hooks.before_step(scheduler_output)
-        hooks.host_s["before_step"] += clock() - start
-        hooks.host_cpu_s["before_step"] += cpu_clock() - cpu_start
+        hooks = self.capsteer
+        hooks.timed("before_step", hooks.before_step, scheduler_output)
         out = super().execute_model(scheduler_output, *args, **kwargs)
-        start, cpu_start = clock(), cpu_clock()
-        hooks.after_step()
-        hooks.host_s["after_step"] += clock() - start
-        hooks.host_cpu_s["after_step"] += cpu_clock() - cpu_start
+        hooks.timed("after_step", hooks.after_step)
         return out
 
     # ---- collective_rpc surface ----
