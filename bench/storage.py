@@ -14,15 +14,19 @@ one thread publishing files through AtomicFile with no digest, sha256 and blake3
 each hashed inline and on the digest thread (what a durable write spends hashing),
 then the packed writer with each digest.
 
-`--paired-rounds N` (P5's method since session 38): N rounds, each measuring the disk (dd
-conv=fsync, the Python loop, the loop with writeback as written) and the packed writer
-back to back, the order alternating round by round; a round's ratio is the writer's rate
-over the highest of that round's three disk figures, so a disk that drifts between rounds
-moves both sides of a ratio alike. Ratio = the rounds' median, spread = their min and max;
-met where every round reaches 0.8, missed where none does, else unresolved.
+`--paired-rounds N` (P5's method since session 38): N rounds, each measuring the disk and
+the packed writer back to back, the order alternating round by round. The disk's figures:
+dd conv=fsync, the Python loop, the loop with writeback as written, and since session 39
+that loop cut into request-sized files (each fsync'd and renamed, its directory fsync'd,
+on as many threads as writer processes) and O_DIRECT writes (what `--direct-io`
+publishes through). A round's ratio is the writer's rate over the highest of that
+round's disk figures, so a disk that drifts between rounds moves both sides of a ratio
+alike. Ratio = the rounds' median, spread = their min and max; met where every round
+reaches 0.8, missed where none does, else unresolved.
 
     python bench/storage.py [--total-mib 2048] [--dir DIR] [--workers N] [--repeat 2] [--diagnose-hash]
         [--digest sha256|blake3] [--digest-compare] [--processes N] [--paired-rounds N]
+        [--direct-io]
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ from capsteer.capture.publish import DIGESTS, AtomicFile, FileSystem, fsync_dir,
 from capsteer.capture.writer import default_workers
 
 MIB = 1 << 20
+_DIRECT_BLOCK = 8 * MIB
 
 
 def dd_rate(directory: Path, mib: int) -> float | None:
@@ -98,6 +103,77 @@ def loop_rate(directory: Path, mib: int, writeback: bool = False) -> float:
     dt = time.perf_counter() - t0
     target.unlink()
     return mib * MIB / dt / 1e6
+
+
+def direct_rate(directory: Path, mib: int) -> float | None:
+    """MB/s of O_DIRECT writes of 8 MiB from an aligned block, one file, then one fsync:
+    the disk without the page cache (what `--direct-io` writes through); None where the
+    filesystem refuses O_DIRECT."""
+    import mmap
+
+    block = mmap.mmap(-1, _DIRECT_BLOCK)
+    block.write(os.urandom(_DIRECT_BLOCK))
+    view = memoryview(block)
+    target = directory / "direct.bin"
+    t0 = time.perf_counter()
+    try:
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+    except OSError:
+        return None
+    try:
+        for _ in range(max(1, mib * MIB // _DIRECT_BLOCK)):
+            os.write(fd, view)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+        view.release()
+        block.close()
+    dt = time.perf_counter() - t0
+    written = max(1, mib * MIB // _DIRECT_BLOCK) * _DIRECT_BLOCK
+    target.unlink()
+    return written / dt / 1e6
+
+
+def files_rate(directory: Path, mib: int, file_mib: int, streams: int = 1) -> float:
+    """MB/s of the loop with writeback as written, cut into files of `file_mib` (the
+    writer's request size) on `streams` threads, each file fsync'd, renamed to its final
+    name and its directory fsync'd, as the writer publishes: the disk's own price of
+    durability per file, beside the one-file loop's single fsync."""
+    block = os.urandom(MIB)
+    target = directory / "files"
+    target.mkdir(exist_ok=True)
+    fs = FileSystem()
+    n_files = max(1, mib // file_mib)
+    claimed = iter(range(n_files))
+    lock = threading.Lock()
+
+    def stream() -> None:
+        while True:
+            with lock:
+                i = next(claimed, None)
+            if i is None:
+                return
+            tmp, final = target / f".{i}.tmp", target / f"{i}.bin"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                for j in range(file_mib):
+                    os.write(fd, block)
+                    fs.start_writeback(fd, j * MIB, MIB)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, final)
+            fsync_dir(target, fs)
+
+    pool = [threading.Thread(target=stream) for _ in range(max(1, streams))]
+    t0 = time.perf_counter()
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    dt = time.perf_counter() - t0
+    shutil.rmtree(target)
+    return n_files * file_mib * MIB / dt / 1e6
 
 
 def sha256_rate(threads: int, mib: int = 512, digest: str = "sha256") -> float:
@@ -185,7 +261,7 @@ def digest_compare(directory: Path, repeat: int, files: int = 6, file_mib: int =
 
 def writer_rate(
     directory: Path, layout: str, total_mib: int, layers: int, hidden: int, prompt: int, workers: int,
-    digest: str = "sha256", processes: int = 0,
+    digest: str = "sha256", processes: int = 0, direct_io: bool = False,
 ) -> dict[str, float]:
     """The writer's publish rate; `processes` >= 1 publishes through that many writer
     processes (the engine's path: rows cross a ring into each child), 0 in this process."""
@@ -206,13 +282,15 @@ def writer_rate(
         from capsteer.capture.writer_pool import ProcessWriterPool
         from capsteer.capture.writer_process import ProcessCaptureWriter
 
-        kw = {"budget_bytes": budget * processes, "workers": workers, "digest": digest}
+        kw = {"budget_bytes": budget * processes, "workers": workers, "digest": digest,
+              "direct_io": direct_io}
         w = (ProcessWriterPool(root, processes=processes, **kw) if processes > 1
              else ProcessCaptureWriter(root, **kw))
         if not w.ready.wait(60):
             raise SystemExit("the writer processes did not start")
     else:
-        w = CaptureWriter(root, budget_bytes=budget, workers=workers, digest=digest)
+        w = CaptureWriter(root, budget_bytes=budget, workers=workers, digest=digest,
+                          direct_io=direct_io)
     def publish(cid: str) -> None:
         w.open(CaptureRequest(cid, cid, "bench", spec, token_ids, torch.bfloat16, hidden, layers))
         for layer in range(layers):
@@ -223,11 +301,12 @@ def writer_rate(
         for i in range(processes):
             publish(f"warm-{layout}-{i}")
         w.flush()
-    t0, c0 = time.perf_counter(), time.process_time()
+    t0, c0, k0 = time.perf_counter(), time.process_time(), _children_cpu_s()
     for i in range(n_requests):
         publish(f"bench-{layout}-{i}")
     w.flush()
     dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+    child_cpu = _children_cpu_s() - k0
     receipts = [find_receipt(root, f"bench-{layout}-{i}") for i in range(n_requests)]
     w.shutdown()
     bad = [r for r in receipts if r is None or r.status != "ok"]
@@ -238,7 +317,21 @@ def writer_rate(
     publish = statistics.median(r.timings["publish_s"] for r in receipts if r is not None)
     shutil.rmtree(root)
     return {"mb_s": data / dt / 1e6, "bytes": data, "files": files, "seconds": dt, "median_publish_s": publish,
-            "cpu_s_per_gb": cpu / (data / 1e9)}
+            "cpu_s_per_gb": cpu / (data / 1e9), "child_cpu_s_per_gb": child_cpu / (data / 1e9)}
+
+
+def _children_cpu_s() -> float:
+    """User + system CPU seconds of this process's live descendants (the writer
+    processes): `cpu_s_per_gb` counts only this process, where rows are copied into the
+    rings; the children hash and write."""
+    import psutil
+
+    total = 0.0
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            t = child.cpu_times()
+            total += t.user + t.system
+    return total
 
 
 def _without_sha256(fn: Callable[[], dict[str, float]]) -> dict[str, float]:
@@ -262,11 +355,16 @@ def _without_sha256(fn: Callable[[], dict[str, float]]) -> dict[str, float]:
 def paired_rounds(work: Path, args: argparse.Namespace) -> dict[str, Any]:
     """P5 by rounds: each round's writer rate over the best disk figure of the same round."""
     rounds: list[dict[str, Any]] = []
-    print(f"directory: {work.parent}; {args.total_mib} MiB per measurement; packed writer, "
+    print(f"directory: {work.parent}; {args.total_mib} MiB per measurement; packed writer"
+          f"{' (direct I/O)' if args.direct_io else ''}, "
           f"{args.workers} threads, digest {args.digest}, "
           + (f"{args.processes} writer process(es)" if args.processes else "in-process writer"))
-    print(f"{'round':>5} {'order':<13}{'dd':>7}{'loop':>7}{'wb loop':>8}{'writer':>8}{'ratio':>7}"
-          f"{'vs dd':>7}")
+    file_mib = max(1, args.layers * args.prompt * args.hidden * 2 // MIB)  # one request's file
+    streams = max(1, args.processes)
+    print(f"{'round':>5} {'order':<13}{'dd':>7}{'loop':>7}{'wb loop':>8}{'files':>7}{'direct':>7}"
+          f"{'writer':>8}"
+          f"{'ratio':>7}{'vs dd':>7}{'cpu s/GB':>12}   (files: the wb loop as {file_mib} MiB files, each fsync'd "
+          f"and renamed, {streams} stream(s); cpu: this process + the writer processes)")
     started = time.perf_counter()
     for r in range(args.paired_rounds):
         elapsed = time.perf_counter() - started
@@ -282,16 +380,19 @@ def paired_rounds(work: Path, args: argparse.Namespace) -> dict[str, Any]:
             e["dd_mb_s"] = dd_rate(work, args.total_mib)
             e["loop_mb_s"] = loop_rate(work, args.total_mib)
             e["writeback_mb_s"] = loop_rate(work, args.total_mib, writeback=True)
+            e["files_mb_s"] = files_rate(work, args.total_mib, file_mib, streams)
+            e["direct_mb_s"] = direct_rate(work, args.total_mib)
 
         def writer(e: dict[str, Any] = entry) -> None:
             os.sync()
             e["writer"] = writer_rate(work, "packed", args.total_mib, args.layers, args.hidden,
-                                      args.prompt, args.workers, args.digest, args.processes)
+                                      args.prompt, args.workers, args.digest, args.processes,
+                                      direct_io=args.direct_io)
 
         for step in ((disk, writer) if disk_first else (writer, disk)):
             step()
-        best = max(x for x in (entry["dd_mb_s"], entry["loop_mb_s"], entry["writeback_mb_s"])
-                   if x is not None)
+        best = max(x for x in (entry["dd_mb_s"], entry["loop_mb_s"], entry["writeback_mb_s"],
+                               entry["files_mb_s"], entry["direct_mb_s"]) if x is not None)
         entry["disk_mb_s"] = best
         entry["ratio"] = entry["writer"]["mb_s"] / best
         entry["ratio_vs_dd"] = (entry["writer"]["mb_s"] / entry["dd_mb_s"]
@@ -299,8 +400,12 @@ def paired_rounds(work: Path, args: argparse.Namespace) -> dict[str, Any]:
         rounds.append(entry)
         dd = entry["dd_mb_s"]
         print(f"{r + 1:>5} {entry['order']:<13}{dd or 0:>7.0f}{entry['loop_mb_s']:>7.0f}"
-              f"{entry['writeback_mb_s']:>8.0f}{entry['writer']['mb_s']:>8.0f}{entry['ratio']:>7.3f}"
-              f"{entry['ratio_vs_dd'] or 0:>7.3f}", flush=True)
+              f"{entry['writeback_mb_s']:>8.0f}{entry['files_mb_s']:>7.0f}"
+              f"{entry['direct_mb_s'] or 0:>7.0f}"
+              f"{entry['writer']['mb_s']:>8.0f}{entry['ratio']:>7.3f}"
+              f"{entry['ratio_vs_dd'] or 0:>7.3f}"
+              f"{entry['writer']['cpu_s_per_gb']:>6.2f}+{entry['writer']['child_cpu_s_per_gb']:<5.2f}",
+              flush=True)
     ratios = [e["ratio"] for e in rounds]
     lo, hi, med = min(ratios), max(ratios), statistics.median(ratios)
     verdict = "met" if lo >= 0.8 else "missed" if hi < 0.8 else "unresolved"
@@ -331,6 +436,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--processes", type=int, default=0,
                     help="publish through N writer processes (the engine's path: 1 one child, "
                          "2 the default pool on 8+ CPUs); 0 (default) in this process")
+    ap.add_argument("--direct-io", action="store_true",
+                    help="the writer's data files through O_DIRECT (capture_io: direct)")
     ap.add_argument("--digest-compare", action="store_true",
                     help="also time each digest: one thread's durable writes, then the packed writer")
     ap.add_argument("--paired-rounds", type=int, default=0,
@@ -370,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
             for layout in runs:
                 runs[layout].append(
                     writer_rate(work, layout, args.total_mib, args.layers, args.hidden, args.prompt, args.workers,
-                                args.digest, args.processes)
+                                args.digest, args.processes, direct_io=args.direct_io)
                 )
         disk = max(disk_dd + disk_loop + disk_writeback)
         print(f"directory: {work.parent} ({args.total_mib} MiB per measurement, best of {args.repeat})")
@@ -390,7 +497,8 @@ def main(argv: list[str] | None = None) -> int:
             best = max(rs, key=lambda r: r["mb_s"])
             label = f"writer: {layout} ({best['files']:.0f} files)"
             print(f"{label:<34}{best['mb_s']:>9.0f}{best['mb_s'] / disk:>8.2f}"
-                  f"   median publish {best['median_publish_s']:.2f}s, {best['cpu_s_per_gb']:.2f} cpu s/GB")
+                  f"   median publish {best['median_publish_s']:.2f}s, {best['cpu_s_per_gb']:.2f} cpu s/GB here + "
+                  f"{best['child_cpu_s_per_gb']:.2f} in writer processes")
             result[layout] = {**best, "ratio": best["mb_s"] / disk, "all_mb_s": [r["mb_s"] for r in rs]}
         for name in DIGESTS:
             rates = {n: sha256_rate(n, digest=name) for n in (1, args.workers)}

@@ -236,11 +236,13 @@ class CaptureWriter:
         keep_receipts: int = 10_000,
         clock: Callable[[], float] = time.time,
         digest: str = DEFAULT_DIGEST,
+        direct_io: bool = False,
     ) -> None:
         check_budget(budget_bytes, policy)
         self.root = Path(root).resolve()
         self.fs = fs
         self.digest = check_digest(digest)
+        self.direct_io = direct_io  # data files through O_DIRECT where the filesystem allows
         new_hasher(digest)  # a missing library fails here, not in every publish
         self.clock = clock
         ensure_dir(self.root, fs)
@@ -690,7 +692,7 @@ class CaptureWriter:
                         )
                     )
                     tensors[name] = {"file": fname, "shape": [n, hidden], "dtype": DTYPE_NAME[out]}
-                f = AtomicFile(cap.path, fname, self.fs, self.digest)
+                f = AtomicFile(cap.path, fname, self.fs, self.digest, direct=self.direct_io)
                 files.append(f)
                 meta = {"format": "pt", "capsteer_capture_id": req.capture_id}
                 f.write_pieces(stream_safetensors(plans, meta))

@@ -81,7 +81,7 @@ class ProcessWriterPool:
 
     def __init__(self, root: str | Path, *, processes: int, budget_bytes: int = 1 << 30,
                  policy: str = "block", workers: int | None = None, digest: str = "sha256",
-                 ring_bytes: int = DEFAULT_RING_BYTES) -> None:
+                 ring_bytes: int = DEFAULT_RING_BYTES, direct_io: bool = False) -> None:
         check_processes(processes, policy)
         share = max(1, budget_bytes // processes)
         self.writers: list[ProcessCaptureWriter] = []
@@ -89,7 +89,7 @@ class ProcessWriterPool:
             for _ in range(processes):
                 self.writers.append(ProcessCaptureWriter(
                     root, budget_bytes=share, policy=policy, workers=workers, digest=digest,
-                    ring_bytes=ring_bytes))
+                    ring_bytes=ring_bytes, direct_io=direct_io))
         except BaseException:
             for w in self.writers:
                 w.shutdown(10.0)

@@ -122,7 +122,7 @@ class ProcessCaptureWriter:
 
     def __init__(self, root: str | Path, *, budget_bytes: int = 1 << 30, policy: str = "block",
                  workers: int | None = None, digest: str = "sha256",
-                 ring_bytes: int = DEFAULT_RING_BYTES) -> None:
+                 ring_bytes: int = DEFAULT_RING_BYTES, direct_io: bool = False) -> None:
         from capsteer.capture.pool import check_budget
         from capsteer.capture.publish import check_digest
 
@@ -130,7 +130,8 @@ class ProcessCaptureWriter:
         check_digest(digest)
         self.root = Path(root).resolve()
         self._writer_kwargs: dict[str, Any] = {"budget_bytes": budget_bytes, "policy": policy,
-                                               "workers": workers, "digest": digest}
+                                               "workers": workers, "digest": digest,
+                                               "direct_io": direct_io}
         self.ring_bytes = -(-max(ring_bytes, 1 << 20) // _PAGE) * _PAGE
         # Two rings after the header: the copy ring (write() copies rows in) and the device
         # ring (the engine's GPU copies rows straight into it, see reserve_rows).

@@ -42,6 +42,7 @@ CONFIG_ENV_VAR = "CAPSTEER_CONFIG"  # names the YAML file when no --config is gi
 FILE_SECTION = "server"  # a YAML file may hold the keys under `server:`
 OVERLOAD_POLICIES = ("block", "drop", "reject")
 CAPTURE_WRITERS = ("process", "threads")
+CAPTURE_IO = ("buffered", "direct")  # capture_io: how durable capture files reach the disk
 
 Source = Literal["default", "file", "env", "flag"]
 
@@ -117,6 +118,10 @@ class ServerSettings(BaseSettings):
                                 "process (a writer process beside each engine worker, so "
                                 "publishing never holds the engine's GIL) or threads (in the "
                                 "worker process)")
+    capture_io: str = Field("buffered", description="how durable capture files reach the "
+                            "disk: buffered (the page cache, writeback started as written) "
+                            "or direct (O_DIRECT from an aligned staging block: no page-cache "
+                            "copy; buffered where the filesystem refuses it)")
     capture_writer_processes: int | None = Field(
         None, description="writer processes per engine worker (capture_writer process); "
         "the budget is split among them, so more than one needs the block policy; none: "
@@ -134,11 +139,13 @@ class ServerSettings(BaseSettings):
     global_capture: str | None = Field(None, description="capture shorthand applied to every "
                                        "request without a `capture` field")
 
-    @field_validator("capture_layout", "capture_overload", "capture_digest", "capture_writer")
+    @field_validator("capture_layout", "capture_overload", "capture_digest", "capture_writer",
+                     "capture_io")
     @classmethod
     def _check_choice(cls, value: str, info: ValidationInfo) -> str:
         choices = {"capture_layout": LAYOUTS, "capture_overload": OVERLOAD_POLICIES,
-                   "capture_digest": DIGESTS, "capture_writer": CAPTURE_WRITERS}[info.field_name]
+                   "capture_digest": DIGESTS, "capture_writer": CAPTURE_WRITERS,
+                   "capture_io": CAPTURE_IO}[info.field_name]
         if value not in choices:
             raise ValueError(f"must be one of {', '.join(choices)}; got {value!r}")
         return value
@@ -228,6 +235,8 @@ class ServerSettings(BaseSettings):
             config["capture_writer"] = self.capture_writer
         if self.capture_writer_processes is not None:
             config["capture_writer_processes"] = self.capture_writer_processes
+        if self.capture_io != "buffered":
+            config["capture_io"] = self.capture_io
         return config
 
 

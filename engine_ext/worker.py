@@ -579,7 +579,8 @@ def _durable_writer(config: dict) -> CaptureSink | None:
     kwargs = {"budget_bytes": int(config.get("capture_budget", 1 << 30)),
               "policy": str(config.get("capture_overload", "block")),
               "workers": int(config["capture_workers"]) if "capture_workers" in config else None,
-              "digest": str(config.get("capture_digest", "sha256"))}
+              "digest": str(config.get("capture_digest", "sha256")),
+              "direct_io": config.get("capture_io", "buffered") == "direct"}
     mode = str(config.get("capture_writer", "process"))
     if mode == "process":  # publishing must not hold this process's GIL (writer_process.py)
         from capsteer.capture.pool import check_processes

@@ -111,7 +111,7 @@ def test_precedence_flag_env_file_default(tmp_path: Path,
     assert r.sources == {"capture_dir": "flag", "capture_layout": "file",
                          "capture_overload": "env", "capture_digest": "default",
                          "capture_writer": "default", "capture_writer_processes": "default",
-                         "capture_budget": "default",
+                         "capture_io": "default", "capture_budget": "default",
                          "capture_wait_timeout": "file", "steering_dir": "file",
                          "admin_key": "env", "capture_default": "default",
                          "global_capture": "default"}
@@ -302,6 +302,10 @@ def test_worker_config() -> None:
                   "capture_overload": "drop"}
     blake = ServerSettings(capture_digest="blake3").worker_config()
     assert blake["capture_digest"] == "blake3"  # the workers' writer records it
+    assert "capture_io" not in wc  # buffered: the workers' default
+    assert load_settings({"capture_io": "direct"}).worker_config()["capture_io"] == "direct"
+    with pytest.raises(ConfigError, match="capture_io"):
+        load_settings({"capture_io": "odirect"})
     threads = ServerSettings(capture_writer="threads").worker_config()
     assert threads["capture_writer"] == "threads"  # the workers publish in-process
     with pytest.raises(ConfigError, match="capture_writer"):
@@ -327,6 +331,7 @@ def test_server_flags_shared_definition() -> None:
     flags = {f.flag: f for f in cli.SERVER_FLAGS}
     assert list(flags) == ["--config", "--capture-dir", "--capture-layout", "--capture-overload",
                            "--capture-digest", "--capture-writer", "--capture-writer-processes",
+                           "--capture-io",
                            "--capture-budget", "--capture-wait-timeout", "--steering-dir",
                            "--admin-key", "--global-capture"]
     assert flags["--capture-layout"].choices == ("packed", "per_file")

@@ -1,0 +1,161 @@
+"""Direct I/O (`capture_io: direct`, AtomicFile(direct=True)): data files reach the disk
+through O_DIRECT from an aligned staging block, the tail padded and the file cut back to
+its size. The bytes, sizes and digests must be exactly the buffered path's; a filesystem
+that refuses O_DIRECT gets the buffered path; a failed write publishes nothing."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from capture_helpers import feed, make_request, make_spec, temp_files
+
+from capsteer.capture import CaptureWriter, read
+from capsteer.capture import publish as publish_mod
+from capsteer.capture.cli import main as cli_main
+from capsteer.capture.publish import AtomicFile, FileSystem
+from capsteer.capture.writer_process import ProcessCaptureWriter
+
+STAGE = publish_mod._DIRECT_STAGE
+ALIGN = publish_mod._DIRECT_ALIGN
+
+
+def _direct_ok(directory: Path) -> bool:
+    probe = directory / ".probe"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
+    except (OSError, AttributeError):
+        return False
+    os.close(fd)
+    probe.unlink()
+    return True
+
+
+@pytest.fixture
+def direct_dir(tmp_path: Path) -> Path:
+    if not _direct_ok(tmp_path):
+        pytest.skip("this filesystem refuses O_DIRECT")
+    return tmp_path
+
+
+class Recording(FileSystem):
+    def __init__(self, fail_on: int | None = None) -> None:
+        self.writes: list[int] = []
+        self.fail_on = fail_on
+
+    def write(self, fd: int, data: memoryview) -> int:
+        if self.fail_on is not None and len(self.writes) == self.fail_on:
+            raise OSError(errno.EIO, "injected")
+        n = super().write(fd, data)
+        self.writes.append(n)
+        return n
+
+
+@pytest.mark.parametrize("size", [0, 1, ALIGN - 1, ALIGN, ALIGN + 1, STAGE - 1, STAGE,
+                                  STAGE + 5, 2 * STAGE + 3 * ALIGN + 77])
+def test_bytes_size_and_digest_are_the_buffered_paths(direct_dir, size):
+    data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
+    a, b = min(100, size), max(min(100, size), size // 2)
+    fs = Recording()
+    f = AtomicFile(direct_dir, "d.bin", fs, digest="sha256", direct=True)
+    assert f.direct
+    f.write(data[:a])  # small: through the write buffer
+    f.write_pieces([memoryview(data)[a:b], memoryview(data)[b:]])  # large: batched
+    f.commit()
+    assert (direct_dir / "d.bin").read_bytes() == data
+    assert f.size == os.path.getsize(direct_dir / "d.bin") == size
+    assert f.hexdigest == hashlib.sha256(data).hexdigest()
+    assert all(n % ALIGN == 0 for n in fs.writes)  # every write aligned, the tail padded
+    assert sum(fs.writes) == -(-size // ALIGN) * ALIGN
+    assert temp_files(direct_dir) == []
+
+
+def test_a_filesystem_refusing_o_direct_gets_the_buffered_path(tmp_path, monkeypatch):
+    """Such filesystems answer open(O_DIRECT) with EINVAL (tmpfs before Linux 6.6);
+    os.open is made to answer so, as this host's filesystems accept O_DIRECT."""
+    real_open = os.open
+
+    def refusing(path, flags, *args):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(publish_mod.os, "open", refusing)
+    f = AtomicFile(tmp_path, "x.bin", digest="sha256", direct=True)
+    assert not f.direct
+    f.write_pieces([b"abc" * 1000, os.urandom(3 << 20)])
+    f.commit()
+    data = (tmp_path / "x.bin").read_bytes()
+    assert data[:3000] == b"abc" * 1000 and len(data) == 3000 + (3 << 20)
+    assert f.hexdigest == hashlib.sha256(data).hexdigest()
+
+
+def test_a_failed_direct_write_publishes_nothing(direct_dir):
+    f = AtomicFile(direct_dir, "x.bin", Recording(fail_on=1), direct=True)
+    with pytest.raises(OSError, match="injected"):
+        f.write_pieces([os.urandom(STAGE), os.urandom(STAGE)])  # the second block fails
+        f.commit()
+    f.discard()
+    assert not (direct_dir / "x.bin").exists()
+    assert list(direct_dir.iterdir()) == []
+
+
+@pytest.mark.parametrize("layout", ["packed", "per_file"])
+def test_a_direct_capture_is_the_buffered_capture_byte_for_byte(direct_dir, layout, capsys):
+    """The same rows through CaptureWriter(direct_io=True) and the buffered writer: the
+    data files are identical, the capture reads back (digest verified) and `capsteer
+    verify` passes; and likewise through a writer process (the engine's path)."""
+    spec = make_spec(hooks={"resid_post": "all", "resid_mid": [0, -1]}, layout=layout)
+    cid = f"direct-{layout}"
+    req = make_request(cid, spec, 40, hidden=96, dtype=torch.bfloat16)
+    roots = {name: direct_dir / name for name in ("buffered", "direct", "process")}
+    refs = None
+    for name in ("buffered", "direct"):
+        with CaptureWriter(roots[name], workers=2, direct_io=name == "direct") as w:
+            end, refs = feed(w, req, 5, prefill_chunk=16)
+            w.close(end)
+            receipt = w.future(cid).result(30)
+            assert receipt.status == "ok", receipt.error
+    pw = ProcessCaptureWriter(roots["process"], budget_bytes=64 << 20, workers=2,
+                              ring_bytes=1 << 20, direct_io=True)
+    try:
+        assert pw.ready.wait(60), "the writer process never said it was ready"
+        end, _ = feed(pw, req, 5, prefill_chunk=16)
+        pw.close(end)
+        assert pw.flush(60)
+    finally:
+        pw.shutdown(timeout=30)
+    caps = {name: read(next(root.rglob("manifest.json")).parent) for name, root in roots.items()}
+    files = {name: sorted(p.relative_to(root) for p in root.rglob("*.safetensors"))
+             for name, root in roots.items()}
+    assert files["buffered"] == files["direct"] == files["process"] != []
+    for rel in files["buffered"]:
+        base = (roots["buffered"] / rel).read_bytes()
+        assert (roots["direct"] / rel).read_bytes() == base
+        assert (roots["process"] / rel).read_bytes() == base
+    for cap in caps.values():
+        for key in spec.keys():
+            assert refs is not None and torch.equal(cap.tensor(*key), refs[key][:44])
+    for root in roots.values():
+        assert cli_main(["verify", str(root)]) == 0
+        assert temp_files(root) == []
+
+
+def test_the_server_setting_reaches_the_engine_workers_writer(tmp_path):
+    """`--capture-io direct` travels in the workers' config (capture_io) to their writer."""
+    from capsteer.config.server import load_settings
+    from capsteer.engine_ext.worker import _durable_writer
+
+    for io, direct in (("buffered", False), ("direct", True)):
+        config = load_settings({"capture_dir": str(tmp_path / io), "capture_io": io,
+                                "capture_writer": "threads"}).worker_config()
+        writer = _durable_writer(config)
+        try:
+            assert isinstance(writer, CaptureWriter) and writer.direct_io is direct
+        finally:
+            writer.shutdown()
