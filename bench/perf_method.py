@@ -90,10 +90,12 @@ TARGETS = {"plain": 0.99, "steer": 0.95, "capture": 0.90}
 # copy (the path before 2026-11-26's device ring); beside `capture` it measures that change.
 # capture_first: `capture` of each request's first position only (one row, not 512):
 # beside `capture` it separates the per-request capture machinery from the rows' volume.
+# capture_direct: `capture` with the writer's data files through O_DIRECT (capture_io:
+# direct); beside `capture`, and in P3-all, it measures direct I/O against the page cache.
 DIAGNOSTIC = ("steer_one", "capture_w4", "steer_dictwire", "capture_nocopy", "capture_switch",
-              "capture_copyring", "capture_first")
+              "capture_copyring", "capture_first", "capture_direct")
 CAPTURING = ("capture", "capture_w4", "capture_nocopy", "capture_switch", "capture_copyring",
-             "capture_first")
+             "capture_first", "capture_direct")
 WORKER_PARTS = {"capture_nocopy": "nocopy", "capture_switch": "switch",
                 "capture_copyring": "copyring"}
 MIN_PROCESSES = 3  # per configuration, before a ratio's spread counts
@@ -275,6 +277,8 @@ def run_process(a: argparse.Namespace) -> dict[str, Any]:
         settings: dict[str, Any] = {"capture_dir": str(capture_dir), "staging_rows": staging}
         if a.config == "capture_w4":
             settings["capture_writer_processes"] = 4
+        if a.config == "capture_direct":
+            settings["capture_io"] = "direct"
         engine = Engine(a.model, capsteer_config=settings, **kw)
         if a.config in WORKER_PARTS:
             from steer_ab import _worker_diagnostic

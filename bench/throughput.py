@@ -95,7 +95,8 @@ def write_model(path: Path, device: str, p6: bool, shape: str | None = None) -> 
 
 
 def run_one(config: str, model: str, device: str, p6: bool, capture_dir: str,
-            shape: str | None = None, writer_processes: int | None = None) -> dict:
+            shape: str | None = None, writer_processes: int | None = None,
+            capture_io: str = "buffered") -> dict:
     """One configuration in this process; returns timings."""
     from vllm import SamplingParams
 
@@ -134,6 +135,8 @@ def run_one(config: str, model: str, device: str, p6: bool, capture_dir: str,
         settings: dict = {"capture_dir": capture_dir, "staging_rows": staging_rows}
         if writer_processes is not None:
             settings["capture_writer_processes"] = writer_processes
+        if capture_io != "buffered":
+            settings["capture_io"] = capture_io
         engine = Engine(model, capsteer_config=settings, **kw)
         startup = time.perf_counter() - started
         hidden, layers = engine.hidden_size, engine.num_layers
@@ -187,12 +190,15 @@ def main() -> None:
     ap.add_argument("--capture-dir", help=argparse.SUPPRESS)
     ap.add_argument("--writer-processes", type=int, default=None,
                     help="capture writer processes (default: the engine's, 2 on 8+ CPUs)")
+    ap.add_argument("--capture-io", choices=("buffered", "direct"), default="buffered",
+                    help="how the capture writer's data files reach the disk (capture_io)")
     ap.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "results"))
     args = ap.parse_args()
     if args.one:
         print("RESULT " + json.dumps(run_one(args.one, args.model, args.device, args.p6,
                                              args.capture_dir, args.shape,
-                                             args.writer_processes)), flush=True)
+                                             args.writer_processes, args.capture_io)),
+              flush=True)
         return
     work = Path(tempfile.mkdtemp(prefix="capsteer-tp-"))
     configs = args.configs.split(",") if args.configs else (
@@ -215,7 +221,8 @@ def main() -> None:
                        ["--p6"] if args.p6 else []) + (
                        ["--shape", args.shape] if args.shape else []) + (
                        ["--writer-processes", str(args.writer_processes)]
-                       if args.writer_processes is not None else [])
+                       if args.writer_processes is not None else []) + [
+                       "--capture-io", args.capture_io]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
             if proc.returncode != 0 or not line:
