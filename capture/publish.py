@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
+import fcntl
 import hashlib
 import json
 import mmap
@@ -216,6 +217,21 @@ def ensure_dir(path: Path, fs: FileSystem = DEFAULT_FS) -> float:
     return spent
 
 
+def _set_direct(fd: int) -> bool:
+    """Switch an open file to O_DIRECT; False where the filesystem or OS refuses it.
+    After the open, not in it: open(O_CREAT | O_DIRECT) on a filesystem without direct
+    I/O creates the file before refusing, and the O_EXCL retry would then fail."""
+    if not hasattr(os, "O_DIRECT"):
+        return False
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
+    except OSError as exc:
+        if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
+            return False
+        raise
+    return True
+
+
 class AtomicFile:
     """A file written under a temp name and renamed into place only when complete.
 
@@ -248,20 +264,14 @@ class AtomicFile:
         self._hasher: Hasher | None = None if digest is None else new_hasher(digest)
         self._hashing: Future[object] | None = None  # the piece being hashed, at most one
         self._buf = bytearray()
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
         self.direct = False
         self._stage: mmap.mmap | None = None  # direct: the aligned block being filled
         self._staged = 0  # bytes in it
-        self._fd: int | None = None
-        if direct and hasattr(os, "O_DIRECT"):
-            try:
-                self._fd = os.open(self.tmp_path, flags | os.O_DIRECT, 0o644)
-                self.direct = True
-            except OSError as exc:  # e.g. tmpfs: EINVAL; the file is not created then
-                if exc.errno != errno.EINVAL:
-                    raise
-        if self._fd is None:
-            self._fd = os.open(self.tmp_path, flags, 0o644)
+        self._fd: int | None = os.open(
+            self.tmp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644
+        )
+        if direct:
+            self.direct = _set_direct(self._fd)
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         """Append `data`; the caller may reuse its buffer once this returns."""

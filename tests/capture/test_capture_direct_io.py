@@ -76,16 +76,16 @@ def test_bytes_size_and_digest_are_the_buffered_paths(direct_dir, size):
 
 
 def test_a_filesystem_refusing_o_direct_gets_the_buffered_path(tmp_path, monkeypatch):
-    """Such filesystems answer open(O_DIRECT) with EINVAL (tmpfs before Linux 6.6);
-    os.open is made to answer so, as this host's filesystems accept O_DIRECT."""
-    real_open = os.open
+    """Such filesystems answer F_SETFL with O_DIRECT by EINVAL (tmpfs before Linux 6.6);
+    fcntl is made to answer so, as this host's filesystems accept O_DIRECT."""
+    real_fcntl = publish_mod.fcntl.fcntl
 
-    def refusing(path, flags, *args):
-        if flags & os.O_DIRECT:
+    def refusing(fd, cmd, arg=0):
+        if cmd == publish_mod.fcntl.F_SETFL and arg & os.O_DIRECT:
             raise OSError(errno.EINVAL, "Invalid argument")
-        return real_open(path, flags, *args)
+        return real_fcntl(fd, cmd, arg)
 
-    monkeypatch.setattr(publish_mod.os, "open", refusing)
+    monkeypatch.setattr(publish_mod.fcntl, "fcntl", refusing)
     f = AtomicFile(tmp_path, "x.bin", digest="sha256", direct=True)
     assert not f.direct
     f.write_pieces([b"abc" * 1000, os.urandom(3 << 20)])
@@ -93,6 +93,22 @@ def test_a_filesystem_refusing_o_direct_gets_the_buffered_path(tmp_path, monkeyp
     data = (tmp_path / "x.bin").read_bytes()
     assert data[:3000] == b"abc" * 1000 and len(data) == 3000 + (3 << 20)
     assert f.hexdigest == hashlib.sha256(data).hexdigest()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.bin"]
+
+
+def test_direct_is_really_on_the_descriptor(direct_dir):
+    f = AtomicFile(direct_dir, "y.bin", direct=True)
+    try:
+        assert f._fd is not None and f.direct
+        assert publish_mod.fcntl.fcntl(f._fd, publish_mod.fcntl.F_GETFL) & os.O_DIRECT
+    finally:
+        f.discard()
+    plain = AtomicFile(direct_dir, "z.bin")
+    try:
+        assert not plain.direct and plain._fd is not None
+        assert not publish_mod.fcntl.fcntl(plain._fd, publish_mod.fcntl.F_GETFL) & os.O_DIRECT
+    finally:
+        plain.discard()
 
 
 def test_a_failed_direct_write_publishes_nothing(direct_dir):
