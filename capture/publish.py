@@ -24,6 +24,7 @@ import errno
 import fcntl
 import hashlib
 import json
+import logging
 import mmap
 import os
 import re
@@ -36,6 +37,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from capsteer.capture import metrics
+
+log = logging.getLogger(__name__)
 
 TMP_SUFFIX = ".capsteer-tmp"
 _TMP_RE = re.compile(r"^\..*\.(\d+)\.[0-9a-f]{8}" + re.escape(TMP_SUFFIX) + "$")
@@ -54,6 +57,7 @@ _SYNC_FILE_RANGE_WRITE = 2  # linux/fs.h: start writeback of dirty pages, do not
 # block in writes of this size; offsets and lengths are multiples of _DIRECT_ALIGN.
 _DIRECT_STAGE = 8 << 20
 _DIRECT_ALIGN = 4096
+_DIRECT_REFUSED_LOGGED = False
 
 
 def _load_sync_file_range() -> Any:
@@ -226,9 +230,14 @@ def _set_direct(fd: int) -> bool:
     try:
         fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
     except OSError as exc:
-        if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
-            return False
-        raise
+        if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
+            raise
+        global _DIRECT_REFUSED_LOGGED
+        if not _DIRECT_REFUSED_LOGGED:  # once a process: the setting has no effect here
+            _DIRECT_REFUSED_LOGGED = True
+            log.warning("capsteer: capture_io direct: this filesystem refuses O_DIRECT (%s); "
+                        "capture files are written buffered", exc.strerror)
+        return False
     return True
 
 
@@ -394,8 +403,9 @@ class AtomicFile:
         try:
             while len(view):
                 n = self.fs.write(self._fd, view)
-                if n <= 0 or n % _DIRECT_ALIGN:
-                    raise OSError(errno.EIO, f"short direct write to {self.tmp_path}")
+                if n <= 0 or n % _DIRECT_ALIGN:  # the next write could not be aligned
+                    raise OSError(errno.EIO, f"short direct write to {self.tmp_path}: {n} of "
+                                  f"{len(view)} bytes (is the disk full?)")
                 view = view[n:]
         finally:
             view.release()

@@ -576,11 +576,14 @@ def _durable_writer(config: dict) -> CaptureSink | None:
     root = config.get("capture_dir")
     if not root:
         return None
+    io = str(config.get("capture_io", "buffered"))
+    if io not in ("buffered", "direct"):
+        raise ValueError(f"capture_io must be buffered or direct; got {io!r}")
     kwargs = {"budget_bytes": int(config.get("capture_budget", 1 << 30)),
               "policy": str(config.get("capture_overload", "block")),
               "workers": int(config["capture_workers"]) if "capture_workers" in config else None,
               "digest": str(config.get("capture_digest", "sha256")),
-              "direct_io": config.get("capture_io", "buffered") == "direct"}
+              "direct_io": io == "direct"}
     mode = str(config.get("capture_writer", "process"))
     if mode == "process":  # publishing must not hold this process's GIL (writer_process.py)
         from capsteer.capture.pool import check_processes

@@ -75,7 +75,7 @@ def test_bytes_size_and_digest_are_the_buffered_paths(direct_dir, size):
     assert temp_files(direct_dir) == []
 
 
-def test_a_filesystem_refusing_o_direct_gets_the_buffered_path(tmp_path, monkeypatch):
+def test_a_filesystem_refusing_o_direct_gets_the_buffered_path(tmp_path, monkeypatch, caplog):
     """Such filesystems answer F_SETFL with O_DIRECT by EINVAL (tmpfs before Linux 6.6);
     fcntl is made to answer so, as this host's filesystems accept O_DIRECT."""
     real_fcntl = publish_mod.fcntl.fcntl
@@ -86,8 +86,13 @@ def test_a_filesystem_refusing_o_direct_gets_the_buffered_path(tmp_path, monkeyp
         return real_fcntl(fd, cmd, arg)
 
     monkeypatch.setattr(publish_mod.fcntl, "fcntl", refusing)
-    f = AtomicFile(tmp_path, "x.bin", digest="sha256", direct=True)
+    monkeypatch.setattr(publish_mod, "_DIRECT_REFUSED_LOGGED", False)
+    with caplog.at_level("WARNING", logger="capsteer.capture.publish"):
+        f = AtomicFile(tmp_path, "x.bin", digest="sha256", direct=True)
+        AtomicFile(tmp_path, "w.bin", digest="sha256", direct=True).discard()
     assert not f.direct
+    warned = [r for r in caplog.records if "refuses O_DIRECT" in r.getMessage()]
+    assert len(warned) == 1  # once a process, not once a file
     f.write_pieces([b"abc" * 1000, os.urandom(3 << 20)])
     f.commit()
     data = (tmp_path / "x.bin").read_bytes()
@@ -175,3 +180,12 @@ def test_the_server_setting_reaches_the_engine_workers_writer(tmp_path):
             assert isinstance(writer, CaptureWriter) and writer.direct_io is direct
         finally:
             writer.shutdown()
+
+
+def test_an_unknown_capture_io_in_the_workers_config_is_refused(tmp_path):
+    """A hand-written additional_config (plain `vllm serve`) must not silently fall back."""
+    from capsteer.engine_ext.worker import _durable_writer
+
+    with pytest.raises(ValueError, match="capture_io"):
+        _durable_writer({"capture_dir": str(tmp_path), "capture_io": "odirect",
+                         "capture_writer": "threads"})
