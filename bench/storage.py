@@ -89,20 +89,25 @@ def loop_rate(directory: Path, mib: int, writeback: bool = False) -> float:
     only by overlapping what dd leaves to the final fsync."""
     block = os.urandom(MIB)
     target = directory / "loop.bin"
-    fs = FileSystem()
     t0 = time.perf_counter()
-    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        for i in range(mib):
-            os.write(fd, block)
-            if writeback:
-                fs.start_writeback(fd, i * MIB, MIB)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    _write_fsynced(target, block, mib, FileSystem() if writeback else None)
     dt = time.perf_counter() - t0
     target.unlink()
     return mib * MIB / dt / 1e6
+
+
+def _write_fsynced(path: Path, block: bytes, count: int, writeback: FileSystem | None) -> None:
+    """`count` 1 MiB writes of `block` to a new `path`, then its fsync; with `writeback`,
+    each block's writeback started as it is written (as the writer does)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for i in range(count):
+            os.write(fd, block)
+            if writeback is not None:
+                writeback.start_writeback(fd, i * MIB, MIB)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def direct_rate(directory: Path, mib: int) -> float | None:
@@ -114,14 +119,19 @@ def direct_rate(directory: Path, mib: int) -> float | None:
     block = mmap.mmap(-1, _DIRECT_BLOCK)
     block.write(os.urandom(_DIRECT_BLOCK))
     view = memoryview(block)
+    count = max(1, mib * MIB // _DIRECT_BLOCK)
     target = directory / "direct.bin"
     t0 = time.perf_counter()
     try:
         fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
     except OSError:
+        view.release()
+        block.close()
+        with contextlib.suppress(OSError):
+            target.unlink()  # a filesystem refusing O_DIRECT may have created it
         return None
     try:
-        for _ in range(max(1, mib * MIB // _DIRECT_BLOCK)):
+        for _ in range(count):
             os.write(fd, view)
         os.fsync(fd)
     finally:
@@ -129,9 +139,8 @@ def direct_rate(directory: Path, mib: int) -> float | None:
         view.release()
         block.close()
     dt = time.perf_counter() - t0
-    written = max(1, mib * MIB // _DIRECT_BLOCK) * _DIRECT_BLOCK
     target.unlink()
-    return written / dt / 1e6
+    return count * _DIRECT_BLOCK / dt / 1e6
 
 
 def files_rate(directory: Path, mib: int, file_mib: int, streams: int = 1) -> float:
@@ -154,14 +163,7 @@ def files_rate(directory: Path, mib: int, file_mib: int, streams: int = 1) -> fl
             if i is None:
                 return
             tmp, final = target / f".{i}.tmp", target / f"{i}.bin"
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            try:
-                for j in range(file_mib):
-                    os.write(fd, block)
-                    fs.start_writeback(fd, j * MIB, MIB)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            _write_fsynced(tmp, block, file_mib, fs)
             os.replace(tmp, final)
             fsync_dir(target, fs)
 

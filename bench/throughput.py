@@ -190,7 +190,9 @@ def main() -> None:
     ap.add_argument("--capture-dir", help=argparse.SUPPRESS)
     ap.add_argument("--writer-processes", type=int, default=None,
                     help="capture writer processes (default: the engine's, 2 on 8+ CPUs)")
-    ap.add_argument("--capture-io", choices=("buffered", "direct"), default="buffered",
+    from capsteer.capture.publish import IO_MODES
+
+    ap.add_argument("--capture-io", choices=IO_MODES, default="buffered",
                     help="how the capture writer's data files reach the disk (capture_io)")
     ap.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "results"))
     args = ap.parse_args()

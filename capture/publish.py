@@ -49,6 +49,7 @@ _BATCH_BYTES = 16 << 20
 _IOV_MAX = 1024  # Linux's limit on buffers per writev
 
 DIGESTS = ("sha256", "blake3")  # names as recorded in manifests
+IO_MODES = ("buffered", "direct")  # capture_io: how durable capture files reach the disk
 DEFAULT_DIGEST = "sha256"  # api.md §5 names sha256; blake3 is opt-in (docs/capture-format.md)
 # Pieces smaller than this are hashed inline: a thread hand-off costs more than it saves.
 _OVERLAP_MIN = 256 << 10

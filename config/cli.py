@@ -13,10 +13,9 @@ from typing import Any
 
 import yaml
 
-from capsteer.capture.publish import DIGESTS
+from capsteer.capture.publish import DIGESTS, IO_MODES
 from capsteer.capture.spec import LAYOUTS
 from capsteer.config.server import (
-    CAPTURE_IO,
     CAPTURE_WRITERS,
     CONFIG_ENV_VAR,
     ENV_PREFIX,
@@ -66,7 +65,7 @@ SERVER_FLAGS: list[ServerFlag] = [
     _field_flag("capture_digest", choices=DIGESTS),
     _field_flag("capture_writer", choices=CAPTURE_WRITERS),
     _field_flag("capture_writer_processes", type=int, metavar="N"),
-    _field_flag("capture_io", choices=CAPTURE_IO),
+    _field_flag("capture_io", choices=IO_MODES),
     _field_flag("capture_budget", metavar="SIZE"),
     _field_flag("capture_wait_timeout", type=float, metavar="SECONDS"),
     _field_flag("steering_dir", metavar="DIR"),

@@ -33,7 +33,7 @@ from pydantic_settings import (
 from pydantic_settings.exceptions import SettingsError
 
 from capsteer.capture.pool import check_processes
-from capsteer.capture.publish import DEFAULT_DIGEST, DIGESTS
+from capsteer.capture.publish import DEFAULT_DIGEST, DIGESTS, IO_MODES
 from capsteer.capture.spec import DEFAULT_SPEC, LAYOUTS
 
 ENV_VAR = "CAPSTEER_SERVER_SETTINGS"  # the resolved settings, JSON, launcher -> API process
@@ -42,7 +42,6 @@ CONFIG_ENV_VAR = "CAPSTEER_CONFIG"  # names the YAML file when no --config is gi
 FILE_SECTION = "server"  # a YAML file may hold the keys under `server:`
 OVERLOAD_POLICIES = ("block", "drop", "reject")
 CAPTURE_WRITERS = ("process", "threads")
-CAPTURE_IO = ("buffered", "direct")  # capture_io: how durable capture files reach the disk
 
 Source = Literal["default", "file", "env", "flag"]
 
@@ -145,7 +144,7 @@ class ServerSettings(BaseSettings):
     def _check_choice(cls, value: str, info: ValidationInfo) -> str:
         choices = {"capture_layout": LAYOUTS, "capture_overload": OVERLOAD_POLICIES,
                    "capture_digest": DIGESTS, "capture_writer": CAPTURE_WRITERS,
-                   "capture_io": CAPTURE_IO}[info.field_name]
+                   "capture_io": IO_MODES}[info.field_name]
         if value not in choices:
             raise ValueError(f"must be one of {', '.join(choices)}; got {value!r}")
         return value

@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from capsteer.capture.publish import IO_MODES
 from capsteer.capture.sink import CaptureEnd, CaptureRequest, CaptureSink, MemorySink
 from capsteer.engine_ext import adapter
 from capsteer.engine_ext.canary import CanaryFailed, faulty_site, run_canary
@@ -577,8 +578,8 @@ def _durable_writer(config: dict) -> CaptureSink | None:
     if not root:
         return None
     io = str(config.get("capture_io", "buffered"))
-    if io not in ("buffered", "direct"):
-        raise ValueError(f"capture_io must be buffered or direct; got {io!r}")
+    if io not in IO_MODES:
+        raise ValueError(f"capture_io must be one of {', '.join(IO_MODES)}; got {io!r}")
     kwargs = {"budget_bytes": int(config.get("capture_budget", 1 << 30)),
               "policy": str(config.get("capture_overload", "block")),
               "workers": int(config["capture_workers"]) if "capture_workers" in config else None,
