@@ -111,6 +111,21 @@ def test_rows_wrap_the_ring_wait_for_it_and_go_inline_when_large(proc_writer, ro
     assert stats["open_captures"] == 0
 
 
+def test_the_child_freezes_its_imports_out_of_the_collectors_walks(proc_writer, root):
+    """torch and numpy's objects (~170k) live as long as the child: frozen, a full
+    collection does not walk them while every writer thread waits on the GIL."""
+    spec = make_spec(layers=[0, 1])
+    req = make_request("gc-0", spec, 8, hidden=64)
+    end, refs = feed(proc_writer, req, 2)
+    proc_writer.close(end)
+    assert proc_writer.flush(30)
+    assert_published(root, {"gc-0": refs})
+    stats = proc_writer.stats()
+    assert stats is not None
+    assert stats["gc_frozen_objects"] > 50_000  # torch was imported before the freeze
+    assert stats["gc_full_collections"] >= 0
+
+
 def test_metrics_come_from_the_child(proc_writer, root):
     spec = make_spec(layers=[0])
     for i in range(3):
