@@ -19,14 +19,15 @@ the packed writer back to back, the order alternating round by round. The disk's
 dd conv=fsync, the Python loop, the loop with writeback as written, and since session 39
 that loop cut into request-sized files (each fsync'd and renamed, its directory fsync'd,
 on as many threads as writer processes) and O_DIRECT writes (what `--direct-io`
-publishes through). A round's ratio is the writer's rate over the highest of that
-round's disk figures, so a disk that drifts between rounds moves both sides of a ratio
+publishes through). `--writer-variants` times more writer configurations in every round
+(their order rotating), each against the same disk figures. A round's ratio is the
+writer's rate over the highest of that round's disk figures, so a disk that drifts between rounds moves both sides of a ratio
 alike. Ratio = the rounds' median, spread = their min and max; met where every round
 reaches 0.8, missed where none does, else unresolved.
 
     python bench/storage.py [--total-mib 2048] [--dir DIR] [--workers N] [--repeat 2] [--diagnose-hash]
         [--digest sha256|blake3] [--digest-compare] [--processes N] [--paired-rounds N]
-        [--direct-io]
+        [--direct-io] [--writer-variants 2x8,4x4,2x8:blake3,2x8:direct]
 """
 
 from __future__ import annotations
@@ -354,9 +355,34 @@ def _without_sha256(fn: Callable[[], dict[str, float]]) -> dict[str, float]:
         publish.new_hasher = saved
 
 
+def parse_variants(text: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """`--writer-variants 2x8,4x4:blake3,2x8:direct`: writer configurations timed in every
+    paired round beside the main one (PROCESSESxTHREADS, then optional `:blake3`/`:sha256`
+    and `:direct`), so each meets the same round's disk figures."""
+    variants = []
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        shape, *opts = item.split(":")
+        try:
+            processes, workers = (int(x) for x in shape.split("x"))
+        except ValueError:
+            raise SystemExit(f"--writer-variants: {item!r} is not PROCESSESxTHREADS[:digest][:direct]") from None
+        digest, direct_io = args.digest, False
+        for opt in opts:
+            if opt == "direct":
+                direct_io = True
+            elif opt in DIGESTS:
+                digest = opt
+            else:
+                raise SystemExit(f"--writer-variants: unknown option {opt!r} in {item!r}")
+        variants.append({"label": item, "processes": processes, "workers": workers,
+                         "digest": digest, "direct_io": direct_io})
+    return variants
+
+
 def paired_rounds(work: Path, args: argparse.Namespace) -> dict[str, Any]:
     """P5 by rounds: each round's writer rate over the best disk figure of the same round."""
     rounds: list[dict[str, Any]] = []
+    variants = parse_variants(args.writer_variants, args)
     print(f"directory: {work.parent}; {args.total_mib} MiB per measurement; packed writer"
           f"{' (direct I/O)' if args.direct_io else ''}, "
           f"{args.workers} threads, digest {args.digest}, "
@@ -365,8 +391,11 @@ def paired_rounds(work: Path, args: argparse.Namespace) -> dict[str, Any]:
     streams = max(1, args.processes)
     print(f"{'round':>5} {'order':<13}{'dd':>7}{'loop':>7}{'wb loop':>8}{'files':>7}{'direct':>7}"
           f"{'writer':>8}"
-          f"{'ratio':>7}{'vs dd':>7}{'cpu s/GB':>12}   (files: the wb loop as {file_mib} MiB files, each fsync'd "
-          f"and renamed, {streams} stream(s); cpu: this process + the writer processes)")
+          f"{'ratio':>7}{'vs dd':>7}{'cpu s/GB':>12}"
+          + "".join(f"{v['label']:>16}" for v in variants)
+          + f"   (files: the wb loop as {file_mib} MiB files, each fsync'd "
+          f"and renamed, {streams} stream(s); cpu: this process + the writer processes"
+          + ("; variants: MB/s ratio" if variants else "") + ")")
     started = time.perf_counter()
     for r in range(args.paired_rounds):
         elapsed = time.perf_counter() - started
@@ -385,11 +414,20 @@ def paired_rounds(work: Path, args: argparse.Namespace) -> dict[str, Any]:
             e["files_mb_s"] = files_rate(work, args.total_mib, file_mib, streams)
             e["direct_mb_s"] = direct_rate(work, args.total_mib)
 
-        def writer(e: dict[str, Any] = entry) -> None:
-            os.sync()
-            e["writer"] = writer_rate(work, "packed", args.total_mib, args.layers, args.hidden,
-                                      args.prompt, args.workers, args.digest, args.processes,
-                                      direct_io=args.direct_io)
+        def writer(e: dict[str, Any] = entry, r: int = r) -> None:
+            main = {"label": None, "processes": args.processes, "workers": args.workers,
+                    "digest": args.digest, "direct_io": args.direct_io}
+            order = [main, *variants]
+            shift = r % len(order)  # each configuration takes its turn first: no order bias
+            for v in order[shift:] + order[:shift]:
+                os.sync()
+                got = writer_rate(work, "packed", args.total_mib, args.layers, args.hidden,
+                                  args.prompt, v["workers"], v["digest"], v["processes"],
+                                  direct_io=v["direct_io"])
+                if v["label"] is None:
+                    e["writer"] = got
+                else:
+                    e.setdefault("variants", {})[v["label"]] = got
 
         for step in ((disk, writer) if disk_first else (writer, disk)):
             step()
@@ -399,6 +437,8 @@ def paired_rounds(work: Path, args: argparse.Namespace) -> dict[str, Any]:
         entry["ratio"] = entry["writer"]["mb_s"] / best
         entry["ratio_vs_dd"] = (entry["writer"]["mb_s"] / entry["dd_mb_s"]
                                 if entry["dd_mb_s"] else None)
+        for got in entry.get("variants", {}).values():
+            got["ratio"] = got["mb_s"] / best
         rounds.append(entry)
         dd = entry["dd_mb_s"]
         print(f"{r + 1:>5} {entry['order']:<13}{dd or 0:>7.0f}{entry['loop_mb_s']:>7.0f}"
@@ -406,15 +446,24 @@ def paired_rounds(work: Path, args: argparse.Namespace) -> dict[str, Any]:
               f"{entry['direct_mb_s'] or 0:>7.0f}"
               f"{entry['writer']['mb_s']:>8.0f}{entry['ratio']:>7.3f}"
               f"{entry['ratio_vs_dd'] or 0:>7.3f}"
-              f"{entry['writer']['cpu_s_per_gb']:>6.2f}+{entry['writer']['child_cpu_s_per_gb']:<5.2f}",
+              f"{entry['writer']['cpu_s_per_gb']:>6.2f}+{entry['writer']['child_cpu_s_per_gb']:<5.2f}"
+              + "".join(f"{entry['variants'][v['label']]['mb_s']:>10.0f} {entry['variants'][v['label']]['ratio']:.3f}"
+                        for v in variants),
               flush=True)
     ratios = [e["ratio"] for e in rounds]
     lo, hi, med = min(ratios), max(ratios), statistics.median(ratios)
     verdict = "met" if lo >= 0.8 else "missed" if hi < 0.8 else "unresolved"
     print(f"packed / disk, {len(ratios)} paired rounds: median {med:.3f} ({lo:.3f}-{hi:.3f}), "
           f"target 0.8: {verdict}")
+    summaries = {}
+    for v in variants:
+        vr = [e["variants"][v["label"]]["ratio"] for e in rounds]
+        summaries[v["label"]] = {**v, "ratio": statistics.median(vr), "lo": min(vr), "hi": max(vr)}
+        print(f"  variant {v['label']:<14} ({v['processes']} process(es) x {v['workers']} threads, "
+              f"{v['digest']}{', direct I/O' if v['direct_io'] else ''}): median "
+              f"{statistics.median(vr):.3f} ({min(vr):.3f}-{max(vr):.3f})")
     return {"method": "paired", "rounds": rounds, "ratio": med, "lo": lo, "hi": hi,
-            "verdict": verdict}
+            "verdict": verdict, "variants": summaries}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -445,6 +494,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--paired-rounds", type=int, default=0,
                     help="P5 paired: N rounds of disk then writer (order alternating), ratio per "
                          "round; replaces the best-of --repeat table")
+    ap.add_argument("--writer-variants", default="",
+                    help="with --paired-rounds: more writer configurations timed in every round "
+                         "against the same disk figures, e.g. 2x8,4x4,2x8:blake3,2x8:direct "
+                         "(PROCESSESxTHREADS[:digest][:direct]); the ratio and verdict stay the "
+                         "main writer's")
     ap.add_argument("--max-seconds", type=float, default=0.0,
                     help="with --paired-rounds: start no round that would end past this many "
                          "seconds (judged by the rounds so far), so a time-limited run still "
