@@ -374,15 +374,27 @@ def parse_variants(text: str, args: argparse.Namespace) -> list[dict[str, Any]]:
                 digest = opt
             else:
                 raise SystemExit(f"--writer-variants: unknown option {opt!r} in {item!r}")
+        if processes < 0 or workers < 1:
+            raise SystemExit(f"--writer-variants: {item!r} needs processes >= 0 and threads >= 1")
+        if any(v["label"] == item for v in variants):
+            raise SystemExit(f"--writer-variants: {item!r} is listed twice")
         variants.append({"label": item, "processes": processes, "workers": workers,
                          "digest": digest, "direct_io": direct_io})
     return variants
+
+
+def _variant_cell(got: dict[str, Any], width: int) -> str:
+    """A variant's MB/s and ratio in the round's row, or that it failed."""
+    if "mb_s" not in got:
+        return f"{'failed':>{width}}"
+    return f"{got['mb_s']:>{width - 6}.0f} {got['ratio']:.3f}"
 
 
 def paired_rounds(work: Path, args: argparse.Namespace) -> dict[str, Any]:
     """P5 by rounds: each round's writer rate over the best disk figure of the same round."""
     rounds: list[dict[str, Any]] = []
     variants = parse_variants(args.writer_variants, args)
+    widths = {v["label"]: max(16, len(v["label"]) + 1) for v in variants}
     print(f"directory: {work.parent}; {args.total_mib} MiB per measurement; packed writer"
           f"{' (direct I/O)' if args.direct_io else ''}, "
           f"{args.workers} threads, digest {args.digest}, "
@@ -392,7 +404,7 @@ def paired_rounds(work: Path, args: argparse.Namespace) -> dict[str, Any]:
     print(f"{'round':>5} {'order':<13}{'dd':>7}{'loop':>7}{'wb loop':>8}{'files':>7}{'direct':>7}"
           f"{'writer':>8}"
           f"{'ratio':>7}{'vs dd':>7}{'cpu s/GB':>12}"
-          + "".join(f"{v['label']:>16}" for v in variants)
+          + "".join(f"{v['label']:>{widths[v['label']]}}" for v in variants)
           + f"   (files: the wb loop as {file_mib} MiB files, each fsync'd "
           f"and renamed, {streams} stream(s); cpu: this process + the writer processes"
           + ("; variants: MB/s ratio" if variants else "") + ")")
@@ -415,19 +427,26 @@ def paired_rounds(work: Path, args: argparse.Namespace) -> dict[str, Any]:
             e["direct_mb_s"] = direct_rate(work, args.total_mib)
 
         def writer(e: dict[str, Any] = entry, r: int = r) -> None:
-            main = {"label": None, "processes": args.processes, "workers": args.workers,
-                    "digest": args.digest, "direct_io": args.direct_io}
-            order = [main, *variants]
-            shift = r % len(order)  # each configuration takes its turn first: no order bias
+            headline = {"label": None, "processes": args.processes, "workers": args.workers,
+                        "digest": args.digest, "direct_io": args.direct_io}
+            order = [headline, *variants]
+            # The configurations' order turns every two rounds (the disk's side alternates
+            # every round), so each one in turn runs next to the disk's measurements.
+            shift = (r // 2) % len(order)
             for v in order[shift:] + order[:shift]:
                 os.sync()
-                got = writer_rate(work, "packed", args.total_mib, args.layers, args.hidden,
-                                  args.prompt, v["workers"], v["digest"], v["processes"],
-                                  direct_io=v["direct_io"])
                 if v["label"] is None:
-                    e["writer"] = got
-                else:
-                    e.setdefault("variants", {})[v["label"]] = got
+                    e["writer"] = writer_rate(work, "packed", args.total_mib, args.layers,
+                                              args.hidden, args.prompt, v["workers"], v["digest"],
+                                              v["processes"], direct_io=v["direct_io"])
+                    continue
+                try:  # a failing variant is recorded, the rounds go on
+                    got = writer_rate(work, "packed", args.total_mib, args.layers, args.hidden,
+                                      args.prompt, v["workers"], v["digest"], v["processes"],
+                                      direct_io=v["direct_io"])
+                except (Exception, SystemExit) as exc:
+                    got = {"error": f"{type(exc).__name__}: {exc}"}
+                e.setdefault("variants", {})[v["label"]] = got
 
         for step in ((disk, writer) if disk_first else (writer, disk)):
             step()
@@ -438,7 +457,8 @@ def paired_rounds(work: Path, args: argparse.Namespace) -> dict[str, Any]:
         entry["ratio_vs_dd"] = (entry["writer"]["mb_s"] / entry["dd_mb_s"]
                                 if entry["dd_mb_s"] else None)
         for got in entry.get("variants", {}).values():
-            got["ratio"] = got["mb_s"] / best
+            if "mb_s" in got:
+                got["ratio"] = got["mb_s"] / best
         rounds.append(entry)
         dd = entry["dd_mb_s"]
         print(f"{r + 1:>5} {entry['order']:<13}{dd or 0:>7.0f}{entry['loop_mb_s']:>7.0f}"
@@ -447,7 +467,7 @@ def paired_rounds(work: Path, args: argparse.Namespace) -> dict[str, Any]:
               f"{entry['writer']['mb_s']:>8.0f}{entry['ratio']:>7.3f}"
               f"{entry['ratio_vs_dd'] or 0:>7.3f}"
               f"{entry['writer']['cpu_s_per_gb']:>6.2f}+{entry['writer']['child_cpu_s_per_gb']:<5.2f}"
-              + "".join(f"{entry['variants'][v['label']]['mb_s']:>10.0f} {entry['variants'][v['label']]['ratio']:.3f}"
+              + "".join(_variant_cell(entry["variants"][v["label"]], widths[v["label"]])
                         for v in variants),
               flush=True)
     ratios = [e["ratio"] for e in rounds]
@@ -457,11 +477,18 @@ def paired_rounds(work: Path, args: argparse.Namespace) -> dict[str, Any]:
           f"target 0.8: {verdict}")
     summaries = {}
     for v in variants:
-        vr = [e["variants"][v["label"]]["ratio"] for e in rounds]
-        summaries[v["label"]] = {**v, "ratio": statistics.median(vr), "lo": min(vr), "hi": max(vr)}
-        print(f"  variant {v['label']:<14} ({v['processes']} process(es) x {v['workers']} threads, "
-              f"{v['digest']}{', direct I/O' if v['direct_io'] else ''}): median "
-              f"{statistics.median(vr):.3f} ({min(vr):.3f}-{max(vr):.3f})")
+        vr = [e["variants"][v["label"]]["ratio"] for e in rounds if "ratio" in e["variants"][v["label"]]]
+        failed = len(rounds) - len(vr)
+        about = (f"  variant {v['label']:<14} ({v['processes']} process(es) x {v['workers']} threads, "
+                 f"{v['digest']}{', direct I/O' if v['direct_io'] else ''}): ")
+        if not vr:
+            summaries[v["label"]] = {**v, "ratio": None, "failed_rounds": failed}
+            print(about + f"failed in every round ({rounds[0]['variants'][v['label']]['error']})")
+            continue
+        summaries[v["label"]] = {**v, "ratio": statistics.median(vr), "lo": min(vr), "hi": max(vr),
+                                 "failed_rounds": failed}
+        print(about + f"median {statistics.median(vr):.3f} ({min(vr):.3f}-{max(vr):.3f})"
+              + (f", failed in {failed} round(s)" if failed else ""))
     return {"method": "paired", "rounds": rounds, "ratio": med, "lo": lo, "hi": hi,
             "verdict": verdict, "variants": summaries}
 
@@ -504,6 +531,8 @@ def main(argv: list[str] | None = None) -> int:
                          "seconds (judged by the rounds so far), so a time-limited run still "
                          "prints its verdict")
     args = ap.parse_args(argv)
+    if args.writer_variants and not args.paired_rounds:
+        ap.error("--writer-variants needs --paired-rounds")
     if args.workers is None:
         args.workers = default_workers()
 

@@ -571,11 +571,23 @@ class ProcessCaptureWriter:
 
 
 # ---------------------------------------------------------------------- child
+_FULL_COLLECTIONS_AT_FREEZE = [0]  # full collections before the freeze (imports) are not the writer's
+
+
+def _freeze_imports() -> None:
+    """Collect once, then freeze what survives (torch, numpy: ~170k objects that live as long
+    as the process) out of the collector's walks: a full collection then walks only what
+    the writer allocates, instead of stalling all its threads on the GIL for tens of ms."""
+    gc.collect()
+    gc.freeze()
+    _FULL_COLLECTIONS_AT_FREEZE[0] = gc.get_stats()[2]["collections"]
+
+
 def _gc_stats() -> dict[str, int]:
     """The child's collector: what it froze at start and how often it walked the rest in
-    full (each a pause of every writer thread on the GIL)."""
+    full since (each a pause of every writer thread on the GIL)."""
     return {"gc_frozen_objects": gc.get_freeze_count(),
-            "gc_full_collections": gc.get_stats()[2]["collections"]}
+            "gc_full_collections": gc.get_stats()[2]["collections"] - _FULL_COLLECTIONS_AT_FREEZE[0]}
 
 
 def _answer_control(ctl: Connection, writer: Any) -> None:
@@ -650,10 +662,7 @@ def _serve(sock_fd: int, ctl_fd: int, ring_fd: int, config: dict[str, Any]) -> N
     reporter.start()
     threading.Thread(target=_answer_control, args=(Connection(ctl_fd), writer),
                      name="capsteer-writer-control", daemon=True).start()
-    # Everything imported so far (torch, numpy: ~170k objects) lives as long as the
-    # process: out of the collector's sight, a full collection walks only what the
-    # writer allocates, instead of stalling all its threads on the GIL for tens of ms.
-    gc.freeze()
+    _freeze_imports()
     send(("ready", os.getpid()))
 
     def handle(msg: tuple) -> None:

@@ -123,7 +123,7 @@ def test_the_child_freezes_its_imports_out_of_the_collectors_walks(proc_writer, 
     stats = proc_writer.stats()
     assert stats is not None
     assert stats["gc_frozen_objects"] > 50_000  # torch was imported before the freeze
-    assert stats["gc_full_collections"] >= 0
+    assert "gc_full_collections" in stats
 
 
 def test_metrics_come_from_the_child(proc_writer, root):
