@@ -304,6 +304,7 @@ def writer_rate(
         for i in range(processes):
             publish(f"warm-{layout}-{i}")
         w.flush()
+    before = w.stats() or {}  # the timed publishes' waits, not the warm-up's
     t0, c0, k0 = time.perf_counter(), time.process_time(), _children_cpu_s()
     for i in range(n_requests):
         publish(f"bench-{layout}-{i}")
@@ -311,6 +312,13 @@ def writer_rate(
     dt, cpu = time.perf_counter() - t0, time.process_time() - c0
     child_cpu = _children_cpu_s() - k0
     receipts = [find_receipt(root, f"bench-{layout}-{i}") for i in range(n_requests)]
+    # Where the writer waited: the engine side for ring space (the children's main threads
+    # taking rows out), the children for budget (publishing to disk freeing room).
+    stats = w.stats() or {}
+    waits: dict[str, Any] = {k: (stats[k] - (before.get(k) or 0)) if stats.get(k) is not None else None
+                             for k in ("ring_waits", "ring_wait_s", "budget_waits", "budget_wait_s",
+                                       "spilled_bytes")}
+    waits["peak_bytes"] = stats.get("peak_bytes")
     w.shutdown()
     bad = [r for r in receipts if r is None or r.status != "ok"]
     if bad:
@@ -320,7 +328,8 @@ def writer_rate(
     publish = statistics.median(r.timings["publish_s"] for r in receipts if r is not None)
     shutil.rmtree(root)
     return {"mb_s": data / dt / 1e6, "bytes": data, "files": files, "seconds": dt, "median_publish_s": publish,
-            "cpu_s_per_gb": cpu / (data / 1e9), "child_cpu_s_per_gb": child_cpu / (data / 1e9)}
+            "cpu_s_per_gb": cpu / (data / 1e9), "child_cpu_s_per_gb": child_cpu / (data / 1e9),
+            "waits": waits}
 
 
 def _children_cpu_s() -> float:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import enum
 import queue
 import threading
+import time
 from collections.abc import Callable
 
 from capsteer.capture import metrics
@@ -67,6 +68,10 @@ class Budget:
         self.open_bytes = 0
         self.sealed_bytes = 0
         self.peak = 0
+        # Rows that waited for publishing to free room (block): the disk, not the engine,
+        # was the writer's limit while they did.
+        self.waits = 0
+        self.wait_s = 0.0
 
     @property
     def inflight(self) -> int:
@@ -106,18 +111,26 @@ class Budget:
                 return Grant.REFUSED
             if n > self.limit:
                 return Grant.DIRECT
-        while True:
-            with self._cond:
-                if self.inflight + n <= self.limit:
-                    self._take(n)
-                    return Grant.TAKEN
-                must_spill = self.open_bytes + n - self.limit
-                if must_spill <= 0:
-                    # Publishing (sealed bytes) will free enough: wait for it.
-                    self._cond.wait(timeout=1.0)
-                    continue
-            if spill(must_spill) <= 0:
-                return Grant.DIRECT
+        started, waited = time.perf_counter(), False
+        try:
+            while True:
+                with self._cond:
+                    if self.inflight + n <= self.limit:
+                        self._take(n)
+                        return Grant.TAKEN
+                    must_spill = self.open_bytes + n - self.limit
+                    if must_spill <= 0:
+                        # Publishing (sealed bytes) will free enough: wait for it.
+                        waited = True
+                        self._cond.wait(timeout=1.0)
+                        continue
+                if spill(must_spill) <= 0:
+                    return Grant.DIRECT
+        finally:
+            if waited:
+                with self._cond:
+                    self.waits += 1
+                    self.wait_s += time.perf_counter() - started
 
     def release_open(self, n: int) -> None:
         """Open bytes left memory (spilled, dropped, aborted)."""

@@ -444,6 +444,8 @@ class CaptureWriter:
             "peak_bytes": b.peak,
             "open_captures": n_open,
             "spilled_bytes": self.spilled_bytes,
+            "budget_waits": b.waits,
+            "budget_wait_s": round(b.wait_s, 6),
         }
 
     # ------------------------------------------------------------ overload paths

@@ -75,6 +75,27 @@ def test_block_waits_for_publishing_instead_of_failing(root):
     w.shutdown()
 
 
+def test_block_counts_the_rows_that_waited_for_publishing():
+    """stats' budget_waits / budget_wait_s: how long rows stood at a full budget (the
+    disk, not the engine, was the limit); rows that fit count nothing."""
+    from capsteer.capture.pool import Budget, Grant
+
+    budget = Budget(100, policy="block")
+    assert budget.acquire(80, lambda k: 0) is Grant.TAKEN
+    assert (budget.waits, budget.wait_s) == (0, 0.0)
+    budget.seal(80)  # finished, waiting for publishing: a new chunk must wait, not spill
+    got: list[Grant] = []
+    waiter = threading.Thread(target=lambda: got.append(budget.acquire(50, lambda k: 0)))
+    waiter.start()
+    time.sleep(0.3)
+    assert waiter.is_alive() and budget.waits == 0  # counted once it got its room
+    budget.release_sealed(80)
+    waiter.join(5)
+    assert got == [Grant.TAKEN]
+    assert budget.waits == 1
+    assert 0.25 <= budget.wait_s < 5
+
+
 def test_drop_counts_exactly(root):
     dropped0 = _metric("capsteer_capture_dropped_total", reason="budget")
     status0 = _metric("capsteer_capture_requests_total", status="dropped")
