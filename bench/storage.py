@@ -317,7 +317,7 @@ def writer_rate(
     stats = w.stats() or {}
     waits: dict[str, Any] = {k: (stats[k] - (before.get(k) or 0)) if stats.get(k) is not None else None
                              for k in ("ring_waits", "ring_wait_s", "budget_waits", "budget_wait_s",
-                                       "spilled_bytes")}
+                                       "spilled_bytes", "intake_messages", "intake_s", "intake_cpu_s")}
     waits["peak_bytes"] = stats.get("peak_bytes")
     w.shutdown()
     bad = [r for r in receipts if r is None or r.status != "ok"]

@@ -68,7 +68,8 @@ class _AllReady:
 _SUMMED = ("budget_bytes", "inflight_bytes", "open_bytes", "sealed_bytes", "peak_bytes",
            "open_captures", "spilled_bytes", "ring_bytes", "ring_waits", "ring_wait_s",
            "inline_writes", "copy_s", "send_s", "sends", "device_writes",
-           "device_full", "budget_waits", "budget_wait_s")
+           "device_full", "budget_waits", "budget_wait_s", "intake_messages", "intake_s",
+           "intake_cpu_s")
 
 
 class ProcessWriterPool:
@@ -177,7 +178,7 @@ class ProcessWriterPool:
         each = [w.stats() for w in self.writers]
         got = [s for s in each if s is not None]
         out: dict[str, Any] = {k: sum(s.get(k) or 0 for s in got) for k in _SUMMED}
-        for k in ("ring_wait_s", "copy_s", "send_s", "budget_wait_s"):
+        for k in ("ring_wait_s", "copy_s", "send_s", "budget_wait_s", "intake_s", "intake_cpu_s"):
             out[k] = round(out[k], 6)
         out.update({"policy": got[0].get("policy") if got else None, "failure": self.failure,
                     "process": None, "processes": each})

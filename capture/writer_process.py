@@ -583,11 +583,21 @@ def _freeze_imports() -> None:
     _FULL_COLLECTIONS_AT_FREEZE[0] = gc.get_stats()[2]["collections"]
 
 
-def _gc_stats() -> dict[str, int]:
-    """The child's collector: what it froze at start and how often it walked the rest in
-    full since (each a pause of every writer thread on the GIL)."""
+# The main thread's handling of the engine's messages (taking rows out of the ring among
+# them): wall and thread CPU seconds. Wall well above CPU is time it waited for the GIL
+# or a capture's lock while the engine side may be waiting for ring space.
+_INTAKE = {"intake_messages": 0, "intake_s": 0.0, "intake_cpu_s": 0.0}
+
+
+def _child_stats() -> dict[str, float]:
+    """What only the child knows: its collector (what it froze at start, how often it
+    walked the rest in full since: each a pause of every writer thread on the GIL) and
+    its main thread's intake."""
     return {"gc_frozen_objects": gc.get_freeze_count(),
-            "gc_full_collections": gc.get_stats()[2]["collections"] - _FULL_COLLECTIONS_AT_FREEZE[0]}
+            "gc_full_collections": gc.get_stats()[2]["collections"] - _FULL_COLLECTIONS_AT_FREEZE[0],
+            "intake_messages": _INTAKE["intake_messages"],
+            "intake_s": round(_INTAKE["intake_s"], 6),
+            "intake_cpu_s": round(_INTAKE["intake_cpu_s"], 6)}
 
 
 def _answer_control(ctl: Connection, writer: Any) -> None:
@@ -599,7 +609,7 @@ def _answer_control(ctl: Connection, writer: Any) -> None:
             return
         try:
             if name == "stats":
-                value, error = {**writer.stats(), **_gc_stats()}, None
+                value, error = {**writer.stats(), **_child_stats()}, None
             elif name == "metrics":
                 value, error = metrics.snapshot(), None
             else:
@@ -714,12 +724,18 @@ def _serve(sock_fd: int, ctl_fd: int, ring_fd: int, config: dict[str, Any]) -> N
         if msg[0] == "shutdown":
             shutdown_timeout = msg[1]
             break
+        started, started_cpu = time.perf_counter(), time.thread_time()
         try:
             handle(msg)
         except OSError:
             raise
         except Exception:  # one bad message must not take every other capture down
             log.exception("capsteer writer process: handling %s failed", msg[0])
+        finally:
+            if msg[0] != "flush":  # a flush waits for publishing by design
+                _INTAKE["intake_messages"] += 1
+                _INTAKE["intake_s"] += time.perf_counter() - started
+                _INTAKE["intake_cpu_s"] += time.thread_time() - started_cpu
     writer.shutdown(shutdown_timeout)
     finished.put(None)
     reporter.join(5.0)

@@ -124,6 +124,9 @@ def test_the_child_freezes_its_imports_out_of_the_collectors_walks(proc_writer, 
     assert stats is not None
     assert stats["gc_frozen_objects"] > 50_000  # torch was imported before the freeze
     assert "gc_full_collections" in stats
+    # the open, the rows and the close crossed in messages the main thread handled
+    assert stats["intake_messages"] >= 1
+    assert 0 < stats["intake_cpu_s"] and 0 < stats["intake_s"]
 
 
 def test_metrics_come_from_the_child(proc_writer, root):
