@@ -444,18 +444,18 @@ def paired_rounds(work: Path, args: argparse.Namespace) -> dict[str, Any]:
             shift = (r // 2) % len(order)
             for v in order[shift:] + order[:shift]:
                 os.sync()
-                if v["label"] is None:
-                    e["writer"] = writer_rate(work, "packed", args.total_mib, args.layers,
-                                              args.hidden, args.prompt, v["workers"], v["digest"],
-                                              v["processes"], direct_io=v["direct_io"])
-                    continue
-                try:  # a failing variant is recorded, the rounds go on
+                try:
                     got = writer_rate(work, "packed", args.total_mib, args.layers, args.hidden,
                                       args.prompt, v["workers"], v["digest"], v["processes"],
                                       direct_io=v["direct_io"])
                 except (Exception, SystemExit) as exc:
-                    got = {"error": f"{type(exc).__name__}: {exc}"}
-                e.setdefault("variants", {})[v["label"]] = got
+                    if v["label"] is None:
+                        raise  # the headline writer failing ends the run
+                    got = {"error": f"{type(exc).__name__}: {exc}"}  # a variant's is recorded
+                if v["label"] is None:
+                    e["writer"] = got
+                else:
+                    e.setdefault("variants", {})[v["label"]] = got
 
         for step in ((disk, writer) if disk_first else (writer, disk)):
             step()

@@ -111,7 +111,7 @@ class Budget:
                 return Grant.REFUSED
             if n > self.limit:
                 return Grant.DIRECT
-        started, waited = time.perf_counter(), False
+        started: float | None = None  # when it first waited for publishing
         try:
             while True:
                 with self._cond:
@@ -121,13 +121,14 @@ class Budget:
                     must_spill = self.open_bytes + n - self.limit
                     if must_spill <= 0:
                         # Publishing (sealed bytes) will free enough: wait for it.
-                        waited = True
+                        if started is None:
+                            started = time.perf_counter()
                         self._cond.wait(timeout=1.0)
                         continue
                 if spill(must_spill) <= 0:
                     return Grant.DIRECT
         finally:
-            if waited:
+            if started is not None:
                 with self._cond:
                     self.waits += 1
                     self.wait_s += time.perf_counter() - started

@@ -178,8 +178,9 @@ class ProcessWriterPool:
         each = [w.stats() for w in self.writers]
         got = [s for s in each if s is not None]
         out: dict[str, Any] = {k: sum(s.get(k) or 0 for s in got) for k in _SUMMED}
-        for k in ("ring_wait_s", "copy_s", "send_s", "budget_wait_s", "intake_s", "intake_cpu_s"):
-            out[k] = round(out[k], 6)
+        for k in _SUMMED:
+            if k.endswith("_s"):  # seconds
+                out[k] = round(out[k], 6)
         out.update({"policy": got[0].get("policy") if got else None, "failure": self.failure,
                     "process": None, "processes": each})
         return out
