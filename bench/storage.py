@@ -23,7 +23,9 @@ publishes through). `--writer-variants` times more writer configurations in ever
 (their order rotating), each against the same disk figures. A round's ratio is the
 writer's rate over the highest of that round's disk figures, so a disk that drifts between rounds moves both sides of a ratio
 alike. Ratio = the rounds' median, spread = their min and max; met where every round
-reaches 0.8, missed where none does, else unresolved.
+reaches 0.8, missed where none does, else unresolved. Beside it (session 41), the writer
+over the wb loop alone and over the files loop (its own file pattern without packing or a
+digest): the first single stream, the second what per-request durable files cost.
 
     python bench/storage.py [--total-mib 2048] [--dir DIR] [--workers N] [--repeat 2] [--diagnose-hash]
         [--digest sha256|blake3] [--digest-compare] [--processes N] [--paired-rounds N]
@@ -465,6 +467,11 @@ def paired_rounds(work: Path, args: argparse.Namespace) -> dict[str, Any]:
         entry["ratio"] = entry["writer"]["mb_s"] / best
         entry["ratio_vs_dd"] = (entry["writer"]["mb_s"] / entry["dd_mb_s"]
                                 if entry["dd_mb_s"] else None)
+        # Beside the verdict's best-of-five: the one fsync'd stream alone, and the writer's
+        # own file pattern (no packing, no digest), which say how much of the gap is the
+        # per-file durability and how much the writer.
+        entry["ratio_vs_writeback"] = entry["writer"]["mb_s"] / entry["writeback_mb_s"]
+        entry["ratio_vs_files"] = entry["writer"]["mb_s"] / entry["files_mb_s"]
         for got in entry.get("variants", {}).values():
             if "mb_s" in got:
                 got["ratio"] = got["mb_s"] / best
@@ -484,6 +491,13 @@ def paired_rounds(work: Path, args: argparse.Namespace) -> dict[str, Any]:
     verdict = "met" if lo >= 0.8 else "missed" if hi < 0.8 else "unresolved"
     print(f"packed / disk, {len(ratios)} paired rounds: median {med:.3f} ({lo:.3f}-{hi:.3f}), "
           f"target 0.8: {verdict}")
+    beside = {}
+    for key, what in (("ratio_vs_writeback", "the wb loop alone"),
+                      ("ratio_vs_files", "its own file pattern (files)")):
+        got = [e[key] for e in rounds]
+        beside[key] = {"median": statistics.median(got), "lo": min(got), "hi": max(got)}
+        print(f"  packed / {what}: median {statistics.median(got):.3f} "
+              f"({min(got):.3f}-{max(got):.3f})")
     summaries = {}
     for v in variants:
         vr = [e["variants"][v["label"]]["ratio"] for e in rounds if "ratio" in e["variants"][v["label"]]]
@@ -499,7 +513,7 @@ def paired_rounds(work: Path, args: argparse.Namespace) -> dict[str, Any]:
         print(about + f"median {statistics.median(vr):.3f} ({min(vr):.3f}-{max(vr):.3f})"
               + (f", failed in {failed} round(s)" if failed else ""))
     return {"method": "paired", "rounds": rounds, "ratio": med, "lo": lo, "hi": hi,
-            "verdict": verdict, "variants": summaries}
+            "verdict": verdict, "variants": summaries, **beside}
 
 
 def main(argv: list[str] | None = None) -> int:
