@@ -96,7 +96,7 @@ def write_model(path: Path, device: str, p6: bool, shape: str | None = None) -> 
 
 def run_one(config: str, model: str, device: str, p6: bool, capture_dir: str,
             shape: str | None = None, writer_processes: int | None = None,
-            capture_io: str = "buffered") -> dict:
+            capture_io: str = "buffered", capture_budget: str | None = None) -> dict:
     """One configuration in this process; returns timings."""
     from vllm import SamplingParams
 
@@ -137,6 +137,10 @@ def run_one(config: str, model: str, device: str, p6: bool, capture_dir: str,
             settings["capture_writer_processes"] = writer_processes
         if capture_io != "buffered":
             settings["capture_io"] = capture_io
+        if capture_budget is not None:
+            from capsteer.config.server import parse_size
+
+            settings["capture_budget"] = parse_size(capture_budget)
         engine = Engine(model, capsteer_config=settings, **kw)
         startup = time.perf_counter() - started
         hidden, layers = engine.hidden_size, engine.num_layers
@@ -156,12 +160,18 @@ def run_one(config: str, model: str, device: str, p6: bool, capture_dir: str,
                     raise RuntimeError(f"capture failed: {r.receipt}")
         del layers
     batch(fresh(0)[: max(4, len(prompts) // 16)])  # warm-up
-    times = []
+    times, waits = [], []
     for rep in range(int(os.environ.get("CAPSTEER_BENCH_REPS") or cfg["reps"])):
         prompts = fresh(1 + rep)
+        before = _writer_counters(engine) if config == "capture" else None
         t = time.perf_counter()
         batch(prompts)
         times.append(time.perf_counter() - t)
+        if before is not None:  # where a capture batch's time went past the GPU
+            after = _writer_counters(engine)
+            waits.append({k: round(after[k] - before.get(k, 0), 6) if k in WRITER_COUNTERS
+                          else after[k] for k in after}
+                         | {"phases": dict(engine.last_phases)})
         if config == "capture":
             shutil.rmtree(capture_dir, ignore_errors=True)  # every rep writes afresh
             os.makedirs(capture_dir, exist_ok=True)
@@ -174,8 +184,27 @@ def run_one(config: str, model: str, device: str, p6: bool, capture_dir: str,
         batch(prompts)
         profile = engine.llm.collective_rpc("capsteer_profile", args=(False,))[0]
         (Path(os.environ["CAPSTEER_BENCH_PROFILE"]) / f"profile-{config}.txt").write_text(profile)
-    return {"config": config, "startup_s": startup, "times_s": times, "wall_s": wall,
-            "tokens_per_s": tokens / wall}
+    out = {"config": config, "startup_s": startup, "times_s": times, "wall_s": wall,
+           "tokens_per_s": tokens / wall}
+    if waits:
+        out["writer_waits"] = waits
+    return out
+
+
+# Writer counters a timed batch is charged with (differences), and levels (as they end).
+WRITER_COUNTERS = ("budget_waits", "budget_wait_s", "ring_waits", "ring_wait_s",
+                   "spilled_bytes", "intake_s", "intake_cpu_s")
+WRITER_LEVELS = ("peak_bytes", "budget_bytes")
+
+
+def _writer_counters(engine) -> dict:
+    """The durable writers' counters, summed over the engine's workers."""
+    out: dict = {}
+    for worker in engine.stats():
+        for k, v in (worker.get("writer") or {}).items():
+            if k in WRITER_COUNTERS + WRITER_LEVELS and isinstance(v, (int, float)):
+                out[k] = out.get(k, 0) + v
+    return out
 
 
 def main() -> None:
@@ -194,12 +223,16 @@ def main() -> None:
 
     ap.add_argument("--capture-io", choices=IO_MODES, default="buffered",
                     help="how the capture writer's data files reach the disk (capture_io)")
+    ap.add_argument("--capture-budget", default=None, metavar="SIZE",
+                    help="the capture writer's budget (capture_budget, e.g. 4GiB; default the "
+                         "engine's 1 GiB)")
     ap.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "results"))
     args = ap.parse_args()
     if args.one:
         print("RESULT " + json.dumps(run_one(args.one, args.model, args.device, args.p6,
                                              args.capture_dir, args.shape,
-                                             args.writer_processes, args.capture_io)),
+                                             args.writer_processes, args.capture_io,
+                                             args.capture_budget)),
               flush=True)
         return
     work = Path(tempfile.mkdtemp(prefix="capsteer-tp-"))
@@ -224,7 +257,9 @@ def main() -> None:
                        ["--shape", args.shape] if args.shape else []) + (
                        ["--writer-processes", str(args.writer_processes)]
                        if args.writer_processes is not None else []) + [
-                       "--capture-io", args.capture_io]
+                       "--capture-io", args.capture_io] + (
+                       ["--capture-budget", args.capture_budget]
+                       if args.capture_budget is not None else [])
             proc = subprocess.run(cmd, capture_output=True, text=True)
             line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
             if proc.returncode != 0 or not line:
@@ -236,6 +271,14 @@ def main() -> None:
             partial.write_text(json.dumps(rows, indent=2))  # survives a timeout
             print(f"{config}: {rows[-1]['wall_s']:.3f} s, {rows[-1]['tokens_per_s']:,.0f} tok/s "
                   f"(start-up {rows[-1]['startup_s']:.0f} s)", flush=True)
+            for rep, w in enumerate(rows[-1].get("writer_waits") or []):
+                ph = w.get("phases") or {}
+                print(f"  rep {rep + 1}: outputs {ph.get('outputs', 0):.2f} s, captures "
+                      f"{ph.get('captures', 0):.2f} s more; writer waited {w.get('budget_wait_s', 0):.2f} s "
+                      f"for budget ({w.get('budget_waits', 0)} waits), the engine "
+                      f"{w.get('ring_wait_s', 0):.2f} s for ring space; peak "
+                      f"{w.get('peak_bytes', 0) / 2**20:.0f} of {w.get('budget_bytes', 0) / 2**20:.0f} MiB",
+                      flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
         if args.shape:
