@@ -200,8 +200,8 @@ WRITER_LEVELS = ("peak_bytes", "budget_bytes")
 def _writer_counters(engine) -> dict:
     """The durable writers' counters, summed over the engine's workers."""
     out: dict = {}
-    for worker in engine.stats():
-        for k, v in (worker.get("writer") or {}).items():
+    for writer in engine.writer_stats():
+        for k, v in (writer or {}).items():
             if k in WRITER_COUNTERS + WRITER_LEVELS and isinstance(v, (int, float)):
                 out[k] = out.get(k, 0) + v
     return out

@@ -222,6 +222,11 @@ class Engine:
         """Each worker's diagnostics (mode, plan builds and reuses, sync-checked steps)."""
         return list(self.llm.collective_rpc("capsteer_stats"))
 
+    def writer_stats(self) -> list[dict | None]:
+        """Each worker's durable-writer stats (budget and ring waits, bytes in flight; None
+        where it has no capture_dir): where a capture-heavy batch's time went past the GPU."""
+        return list(self.llm.collective_rpc("capsteer_writer_stats"))
+
     def close(self) -> None:
         """Stop the engine-core process now rather than at interpreter exit."""
         core = getattr(self.llm.llm_engine, "engine_core", None)

@@ -13,7 +13,6 @@ import functools
 import logging
 import time
 from dataclasses import dataclass, replace
-from typing import Any
 
 import numpy as np
 import torch
@@ -573,13 +572,6 @@ def _close_all(endings: list[_Ending]) -> None:
         ending.close(None)
 
 
-def _writer_stats(writer: CaptureSink | None) -> dict[str, Any] | None:
-    """The durable writer's stats without its per-process breakdown; None without one."""
-    stats = getattr(writer, "stats", None)
-    got = stats() if stats is not None else None
-    return None if got is None else {k: v for k, v in got.items() if k != "processes"}
-
-
 def _durable_writer(config: dict) -> CaptureSink | None:
     """The durable writer pool when a capture root is configured."""
     root = config.get("capture_dir")
@@ -773,8 +765,5 @@ class CapsteerWorker(adapter.platform_worker_base()):  # type: ignore[misc]
                 "forward_layers": adapter.forward_layers(adapter.model_of(self)),
                 "host_s": {k: round(v, 6) for k, v in hooks.host_s.items()},
                 "host_cpu_s": {k: round(v, 6) for k, v in hooks.host_cpu_s.items()},
-                "harvest": hooks.harvester.stats() if hooks.harvester else None,
-                # The durable writer's counters (budget and ring waits, bytes in flight): where
-                # a capture-heavy batch's time went past the GPU.
-                "writer": _writer_stats(hooks.writer)}
+                "harvest": hooks.harvester.stats() if hooks.harvester else None}
 
