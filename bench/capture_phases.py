@@ -151,7 +151,7 @@ def one(config: str, model: str, out: Path, batches: int, shape: str,
     clear()
     writer_pids: list[int] = []  # the writer processes (a pool's children)
     if engine is not None:
-        first = next(iter(engine.llm.collective_rpc("capsteer_writer_stats")), None) or {}
+        first = next(iter(engine.writer_stats()), None) or {}
         writer_pids = [s.get("process") for s in first.get("processes") or [first]
                        if s and s.get("process")]
 
@@ -179,7 +179,7 @@ def one(config: str, model: str, out: Path, batches: int, shape: str,
         clear()
     result = {"config": config, "shape": shape, "workload": workload, "batches": rows}
     if engine is not None:  # which writer published (a failed writer process says why)
-        result["writer"] = list(engine.llm.collective_rpc("capsteer_writer_stats"))
+        result["writer"] = list(engine.writer_stats())
         print("WRITER", json.dumps(result["writer"]), flush=True)
     (out / f"phases-{config}.json").write_text(json.dumps(result, indent=1))
     return result

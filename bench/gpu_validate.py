@@ -175,7 +175,7 @@ def main() -> None:
                                               for k, v in mem.captures.tensors.items())
     report["durable_vs_memory"] = dur_rows
     report["writer_stats"] = [{k: v for k, v in (s or {}).items() if k != "processes"}
-                              for s in engine.llm.collective_rpc("capsteer_writer_stats")]
+                              for s in engine.writer_stats()]
 
     # 3. batch isolation. bf16 kernels are batch-variant, so tokens may diverge at a near
     # tie; captures are compared where both runs fed identical inputs (prompt + agreeing

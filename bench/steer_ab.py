@@ -77,7 +77,7 @@ def worker_counters(engine) -> dict[str, float]:
     by phase, the harvester's ring waits, delivery seconds and copies (captures), and
     the durable writer link's ring waits, copy and send seconds (captures)."""
     stats = engine.stats()[0]
-    writer = next(iter(engine.llm.collective_rpc("capsteer_writer_stats")), None) or {}
+    writer = next(iter(engine.writer_stats()), None) or {}
     return {"plan_builds": stats["plan_builds"], "plan_reuses": stats["plan_reuses"],
             "plan_uniform": stats.get("plan_uniform", 0),
             "ring_copies": stats.get("ring_copies", 0),

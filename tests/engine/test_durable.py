@@ -41,7 +41,7 @@ def test_durable_capture_equals_memory_and_hf(engine_pool, model_dirs, hf_models
     assert manifest["capture_id"] == durable.capture_id
     on_disk = read(directory)  # verifies sha256 of every file
     # Published by the worker's writer process (the default), not by a fallback.
-    (writer,) = engine.llm.collective_rpc("capsteer_writer_stats")
+    (writer,) = engine.writer_stats()
     assert writer["failure"] is None and writer["process"] == manifest["writer"]["pid"]
     np.testing.assert_array_equal(on_disk.positions, memory.captures.positions)
     np.testing.assert_array_equal(on_disk.token_ids, memory.captures.token_ids)
