@@ -66,6 +66,21 @@ from capsteer.capture.writer import default_workers
 
 MIB = 1 << 20
 _DIRECT_BLOCK = 8 * MIB
+# Where a writer waited over a timed stretch (differences of its stats): the engine side
+# for ring space (the children's main threads taking rows out), the children for budget
+# (publishing to disk freeing room); and the levels it ended at. throughput.py charges
+# each P6 repetition with the same.
+WRITER_WAITS = ("ring_waits", "ring_wait_s", "budget_waits", "budget_wait_s", "spilled_bytes",
+                "intake_messages", "intake_s", "intake_cpu_s")
+WRITER_LEVELS = ("peak_bytes", "budget_bytes")
+
+
+def waits_between(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """`after`'s WRITER_WAITS less `before`'s (None where the writer has no such counter),
+    and its WRITER_LEVELS."""
+    out = {k: (after[k] - (before.get(k) or 0)) if after.get(k) is not None else None
+           for k in WRITER_WAITS}
+    return out | {k: after.get(k) for k in WRITER_LEVELS}
 
 
 def dd_rate(directory: Path, mib: int) -> float | None:
@@ -314,13 +329,7 @@ def writer_rate(
     dt, cpu = time.perf_counter() - t0, time.process_time() - c0
     child_cpu = _children_cpu_s() - k0
     receipts = [find_receipt(root, f"bench-{layout}-{i}") for i in range(n_requests)]
-    # Where the writer waited: the engine side for ring space (the children's main threads
-    # taking rows out), the children for budget (publishing to disk freeing room).
-    stats = w.stats() or {}
-    waits: dict[str, Any] = {k: (stats[k] - (before.get(k) or 0)) if stats.get(k) is not None else None
-                             for k in ("ring_waits", "ring_wait_s", "budget_waits", "budget_wait_s",
-                                       "spilled_bytes", "intake_messages", "intake_s", "intake_cpu_s")}
-    waits["peak_bytes"] = stats.get("peak_bytes")
+    waits = waits_between(before, w.stats() or {})
     w.shutdown()
     bad = [r for r in receipts if r is None or r.status != "ok"]
     if bad:

@@ -168,9 +168,9 @@ def run_one(config: str, model: str, device: str, p6: bool, capture_dir: str,
         batch(prompts)
         times.append(time.perf_counter() - t)
         if before is not None:  # where a capture batch's time went past the GPU
-            after = _writer_counters(engine)
-            waits.append({k: round(after[k] - before.get(k, 0), 6) if k in WRITER_COUNTERS
-                          else after[k] for k in after}
+            from storage import waits_between
+
+            waits.append(waits_between(before, _writer_counters(engine))
                          | {"phases": dict(engine.last_phases)})
         if config == "capture":
             shutil.rmtree(capture_dir, ignore_errors=True)  # every rep writes afresh
@@ -191,18 +191,14 @@ def run_one(config: str, model: str, device: str, p6: bool, capture_dir: str,
     return out
 
 
-# Writer counters a timed batch is charged with (differences), and levels (as they end).
-WRITER_COUNTERS = ("budget_waits", "budget_wait_s", "ring_waits", "ring_wait_s",
-                   "spilled_bytes", "intake_s", "intake_cpu_s")
-WRITER_LEVELS = ("peak_bytes", "budget_bytes")
-
-
 def _writer_counters(engine) -> dict:
-    """The durable writers' counters, summed over the engine's workers."""
+    """The durable writers' wait counters and levels, summed over the engine's workers."""
+    from storage import WRITER_LEVELS, WRITER_WAITS
+
     out: dict = {}
     for writer in engine.writer_stats():
         for k, v in (writer or {}).items():
-            if k in WRITER_COUNTERS + WRITER_LEVELS and isinstance(v, (int, float)):
+            if k in WRITER_WAITS + WRITER_LEVELS and isinstance(v, (int, float)):
                 out[k] = out.get(k, 0) + v
     return out
 
@@ -274,11 +270,12 @@ def main() -> None:
             for rep, w in enumerate(rows[-1].get("writer_waits") or []):
                 ph = w.get("phases") or {}
                 print(f"  rep {rep + 1}: outputs {ph.get('outputs', 0):.2f} s, captures "
-                      f"{ph.get('captures', 0):.2f} s more; writer waited {w.get('budget_wait_s', 0):.2f} s "
-                      f"for budget ({w.get('budget_waits', 0)} waits), the engine "
-                      f"{w.get('ring_wait_s', 0):.2f} s for ring space; peak "
-                      f"{w.get('peak_bytes', 0) / 2**20:.0f} of {w.get('budget_bytes', 0) / 2**20:.0f} MiB",
-                      flush=True)
+                      f"{ph.get('captures', 0):.2f} s more; writer waited "
+                      f"{w.get('budget_wait_s') or 0:.2f} s for budget "
+                      f"({w.get('budget_waits') or 0} waits), the engine "
+                      f"{w.get('ring_wait_s') or 0:.2f} s for ring space; peak "
+                      f"{(w.get('peak_bytes') or 0) / 2**20:.0f} of "
+                      f"{(w.get('budget_bytes') or 0) / 2**20:.0f} MiB", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
         if args.shape:
