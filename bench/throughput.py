@@ -138,7 +138,7 @@ def run_one(config: str, model: str, device: str, p6: bool, capture_dir: str,
         if capture_io != "buffered":
             settings["capture_io"] = capture_io
         if capture_budget is not None:
-            from capsteer.config.server import parse_size
+            from capsteer.config.sizes import parse_size
 
             settings["capture_budget"] = parse_size(capture_budget)
         engine = Engine(model, capsteer_config=settings, **kw)

@@ -460,7 +460,7 @@ def _split(text: str) -> object:
 
 def main(argv: list[str]) -> int:
     """`capsteer extract ARGV`."""
-    from capsteer.config.server import parse_size
+    from capsteer.config.sizes import parse_size
     from capsteer.extract_ray import RayMissing
 
     parser = build_parser()

@@ -35,6 +35,7 @@ from pydantic_settings.exceptions import SettingsError
 from capsteer.capture.pool import check_processes
 from capsteer.capture.publish import DEFAULT_DIGEST, DIGESTS, IO_MODES
 from capsteer.capture.spec import DEFAULT_SPEC, LAYOUTS
+from capsteer.config.sizes import parse_size
 
 ENV_VAR = "CAPSTEER_SERVER_SETTINGS"  # the resolved settings, JSON, launcher -> API process
 ENV_PREFIX = "CAPSTEER_"
@@ -45,28 +46,8 @@ CAPTURE_WRITERS = ("process", "threads")
 
 Source = Literal["default", "file", "env", "flag"]
 
-_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*", re.IGNORECASE)
-_UNITS = {"": 1, "B": 1, "K": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4,
-          "KI": 1 << 10, "MI": 1 << 20, "GI": 1 << 30, "TI": 1 << 40}
-
-
 class ConfigError(ValueError):
     """A setting that cannot be used, named with the source it came from."""
-
-
-def parse_size(text: str | int | float) -> int:
-    """Bytes from '512MiB', '2GB', '1048576' or an int (binary units with an i)."""
-    if isinstance(text, bool):  # bool is an int; `capture_budget: yes` is a mistake
-        raise ValueError(f"not a size: {text!r} (examples: 512MiB, 2GiB, 1000000)")
-    if isinstance(text, int):
-        return text
-    if isinstance(text, float) and text.is_integer():
-        return int(text)
-    m = _SIZE_RE.fullmatch(str(text))
-    if not m:
-        raise ValueError(f"not a size: {text!r} (examples: 512MiB, 2GiB, 1000000)")
-    unit = (m.group(2) or "").upper().removesuffix("B")
-    return int(float(m.group(1)) * _UNITS[unit])
 
 
 @dataclass(frozen=True)

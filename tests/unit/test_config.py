@@ -7,6 +7,8 @@ import argparse
 import json
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,9 +22,9 @@ from capsteer.config.server import (
     ConfigError,
     ServerSettings,
     load_settings,
-    parse_size,
     resolve_settings,
 )
+from capsteer.config.sizes import parse_size
 
 
 @pytest.fixture(autouse=True)
@@ -408,3 +410,13 @@ def test_config_show_reports_errors(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert show("--config", str(path)) == 2
     err = capsys.readouterr().err
     assert f"invalid capture_overload (from file {path})" in err
+
+
+def test_sizes_parse_without_pydantic_settings() -> None:
+    """`capsteer extract` and bench/throughput.py parse sizes on GPU hosts that carry only
+    vLLM's dependencies (no pydantic-settings): the parser must not need it."""
+    code = ("import sys; sys.modules['pydantic_settings'] = None; "
+            "from capsteer.config.sizes import parse_size; print(parse_size('4GiB'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str(4 << 30)
