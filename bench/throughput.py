@@ -96,7 +96,8 @@ def write_model(path: Path, device: str, p6: bool, shape: str | None = None) -> 
 
 def run_one(config: str, model: str, device: str, p6: bool, capture_dir: str,
             shape: str | None = None, writer_processes: int | None = None,
-            capture_io: str = "buffered", capture_budget: str | None = None) -> dict:
+            capture_io: str = "buffered", capture_budget: str | None = None,
+            capture_ring: str | None = None) -> dict:
     """One configuration in this process; returns timings."""
     from vllm import SamplingParams
 
@@ -141,6 +142,10 @@ def run_one(config: str, model: str, device: str, p6: bool, capture_dir: str,
             from capsteer.config.sizes import parse_size
 
             settings["capture_budget"] = parse_size(capture_budget)
+        if capture_ring is not None:
+            from capsteer.config.sizes import parse_size
+
+            settings["capture_ring_bytes"] = parse_size(capture_ring)
         engine = Engine(model, capsteer_config=settings, **kw)
         startup = time.perf_counter() - started
         hidden, layers = engine.hidden_size, engine.num_layers
@@ -222,13 +227,16 @@ def main() -> None:
     ap.add_argument("--capture-budget", default=None, metavar="SIZE",
                     help="the capture writer's budget (capture_budget, e.g. 4GiB; default the "
                          "engine's 1 GiB)")
+    ap.add_argument("--capture-ring", default=None, metavar="SIZE",
+                    help="each writer process's shared-memory ring (capture_ring_bytes, e.g. "
+                         "1GiB; default 128MiB): the ring A/B")
     ap.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "results"))
     args = ap.parse_args()
     if args.one:
         print("RESULT " + json.dumps(run_one(args.one, args.model, args.device, args.p6,
                                              args.capture_dir, args.shape,
                                              args.writer_processes, args.capture_io,
-                                             args.capture_budget)),
+                                             args.capture_budget, args.capture_ring)),
               flush=True)
         return
     work = Path(tempfile.mkdtemp(prefix="capsteer-tp-"))
@@ -255,7 +263,9 @@ def main() -> None:
                        if args.writer_processes is not None else []) + [
                        "--capture-io", args.capture_io] + (
                        ["--capture-budget", args.capture_budget]
-                       if args.capture_budget is not None else [])
+                       if args.capture_budget is not None else []) + (
+                       ["--capture-ring", args.capture_ring]
+                       if args.capture_ring is not None else [])
             proc = subprocess.run(cmd, capture_output=True, text=True)
             line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
             if proc.returncode != 0 or not line:

@@ -589,11 +589,17 @@ def _durable_writer(config: dict) -> CaptureSink | None:
     if mode == "process":  # publishing must not hold this process's GIL (writer_process.py)
         from capsteer.capture.pool import check_processes
         from capsteer.capture.writer_pool import ProcessWriterPool, auto_processes
-        from capsteer.capture.writer_process import ProcessCaptureWriter
+        from capsteer.capture.writer_process import DEFAULT_RING_BYTES, ProcessCaptureWriter
 
         processes = config.get("capture_writer_processes")
         processes = auto_processes(kwargs["policy"]) if processes is None else int(processes)
         check_processes(processes, kwargs["policy"])  # 0, or a split budget under drop/reject
+        # The shared-memory ring each writer process takes rows through (and the engine's
+        # GPU copies land in): how large a burst leaves the engine before it waits on the
+        # children. An engine-config key for the benchmarks' A/B, not a server flag.
+        kwargs["ring_bytes"] = int(config.get("capture_ring_bytes", DEFAULT_RING_BYTES))
+        if kwargs["ring_bytes"] < 1 << 20:
+            raise ValueError(f"capture_ring_bytes must be at least 1 MiB; got {kwargs['ring_bytes']}")
         if processes > 1:  # one child's main thread bounds it below a disk's rate
             return ProcessWriterPool(root, processes=processes, **kwargs)
         return ProcessCaptureWriter(root, **kwargs)

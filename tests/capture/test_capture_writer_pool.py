@@ -127,3 +127,22 @@ def test_auto_processes_follows_the_policy_and_the_cores(monkeypatch):
     assert auto_processes("drop") == auto_processes("reject") == 1
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     assert auto_processes("block") == 1
+
+
+def test_the_workers_config_sizes_every_childs_ring(tmp_path):
+    """`capture_ring_bytes` (the engine config's key, bench/throughput.py --capture-ring)
+    reaches every writer process's ring; below 1 MiB it is refused by name."""
+    from capsteer.engine_ext.worker import _durable_writer
+
+    config = {"capture_dir": str(tmp_path / "c"), "capture_writer_processes": 2,
+              "capture_workers": 1, "capture_ring_bytes": 3 << 20}
+    pool = _durable_writer(config)
+    try:
+        assert isinstance(pool, ProcessWriterPool)
+        assert pool.ready.wait(60), "a writer process never said it was ready"
+        assert [w.ring_bytes for w in pool.writers] == [3 << 20, 3 << 20]
+        assert [s["ring_bytes"] for s in pool.stats()["processes"]] == [3 << 20, 3 << 20]
+    finally:
+        pool.shutdown(timeout=30)
+    with pytest.raises(ValueError, match="capture_ring_bytes"):
+        _durable_writer({**config, "capture_ring_bytes": 4096})
