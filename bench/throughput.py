@@ -138,13 +138,11 @@ def run_one(config: str, model: str, device: str, p6: bool, capture_dir: str,
             settings["capture_writer_processes"] = writer_processes
         if capture_io != "buffered":
             settings["capture_io"] = capture_io
-        if capture_budget is not None:
-            from capsteer.config.sizes import parse_size
+        from capsteer.config.sizes import parse_size
 
+        if capture_budget is not None:
             settings["capture_budget"] = parse_size(capture_budget)
         if capture_ring is not None:
-            from capsteer.config.sizes import parse_size
-
             settings["capture_ring_bytes"] = parse_size(capture_ring)
         engine = Engine(model, capsteer_config=settings, **kw)
         startup = time.perf_counter() - started
