@@ -138,6 +138,8 @@ def run_one(config: str, model: str, device: str, p6: bool, capture_dir: str,
             settings["capture_writer_processes"] = writer_processes
         if capture_io != "buffered":
             settings["capture_io"] = capture_io
+        from storage import waits_between
+
         from capsteer.config.sizes import parse_size
 
         if capture_budget is not None:
@@ -171,8 +173,6 @@ def run_one(config: str, model: str, device: str, p6: bool, capture_dir: str,
         batch(prompts)
         times.append(time.perf_counter() - t)
         if before is not None:  # where a capture batch's time went past the GPU
-            from storage import waits_between
-
             waits.append(waits_between(before, _writer_counters(engine))
                          | {"phases": dict(engine.last_phases)})
         if config == "capture":

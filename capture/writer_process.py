@@ -72,6 +72,7 @@ from capsteer.capture.sink import CaptureEnd, CaptureRequest
 log = logging.getLogger(__name__)
 
 DEFAULT_RING_BYTES = 128 << 20
+MIN_RING_BYTES = 1 << 20  # the engine config refuses less; a direct caller is rounded up
 _HEADER = 4096  # the consumed counters (copy ring at 0, device ring at 8), then the rings
 _PAGE = 4096
 _ALIGN = 64
@@ -133,7 +134,7 @@ class ProcessCaptureWriter:
         self._writer_kwargs: dict[str, Any] = {"budget_bytes": budget_bytes, "policy": policy,
                                                "workers": workers, "digest": digest,
                                                "direct_io": direct_io}
-        self.ring_bytes = -(-max(ring_bytes, 1 << 20) // _PAGE) * _PAGE
+        self.ring_bytes = -(-max(ring_bytes, MIN_RING_BYTES) // _PAGE) * _PAGE
         # Two rings after the header: the copy ring (write() copies rows in) and the device
         # ring (the engine's GPU copies rows straight into it, see reserve_rows).
         self._fd = os.memfd_create("capsteer-capture-ring", os.MFD_CLOEXEC)

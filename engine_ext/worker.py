@@ -589,7 +589,11 @@ def _durable_writer(config: dict) -> CaptureSink | None:
     if mode == "process":  # publishing must not hold this process's GIL (writer_process.py)
         from capsteer.capture.pool import check_processes
         from capsteer.capture.writer_pool import ProcessWriterPool, auto_processes
-        from capsteer.capture.writer_process import DEFAULT_RING_BYTES, ProcessCaptureWriter
+        from capsteer.capture.writer_process import (
+            DEFAULT_RING_BYTES,
+            MIN_RING_BYTES,
+            ProcessCaptureWriter,
+        )
 
         processes = config.get("capture_writer_processes")
         processes = auto_processes(kwargs["policy"]) if processes is None else int(processes)
@@ -598,8 +602,9 @@ def _durable_writer(config: dict) -> CaptureSink | None:
         # GPU copies land in): how large a burst leaves the engine before it waits on the
         # children. An engine-config key for the benchmarks' A/B, not a server flag.
         kwargs["ring_bytes"] = int(config.get("capture_ring_bytes", DEFAULT_RING_BYTES))
-        if kwargs["ring_bytes"] < 1 << 20:
-            raise ValueError(f"capture_ring_bytes must be at least 1 MiB; got {kwargs['ring_bytes']}")
+        if kwargs["ring_bytes"] < MIN_RING_BYTES:
+            raise ValueError(f"capture_ring_bytes must be at least {MIN_RING_BYTES} bytes (1 MiB); "
+                             f"got {kwargs['ring_bytes']}")
         if processes > 1:  # one child's main thread bounds it below a disk's rate
             return ProcessWriterPool(root, processes=processes, **kwargs)
         return ProcessCaptureWriter(root, **kwargs)
