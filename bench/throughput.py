@@ -227,7 +227,7 @@ def main() -> None:
                          "engine's 1 GiB)")
     ap.add_argument("--capture-ring", default=None, metavar="SIZE",
                     help="each writer process's shared-memory ring (capture_ring_bytes, e.g. "
-                         "1GiB; default 128MiB): the ring A/B")
+                         "128MiB; default the engine's 1 GiB): the ring A/B")
     ap.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "results"))
     args = ap.parse_args()
     if args.one:

@@ -224,7 +224,8 @@ class Engine:
 
     def writer_stats(self) -> list[dict | None]:
         """Each worker's durable-writer stats (budget and ring waits, bytes in flight; None
-        where it has no capture_dir): where a capture-heavy batch's time went past the GPU."""
+        where it has no capture_dir or writes no captures, as TP ranks but 0): where a
+        capture-heavy batch's time went past the GPU."""
         return list(self.llm.collective_rpc("capsteer_writer_stats"))
 
     def close(self) -> None:

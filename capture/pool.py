@@ -22,6 +22,14 @@ from capsteer.capture import metrics
 
 POLICIES = ("block", "drop", "reject")
 
+# Each writer process's shared-memory ring (on a GPU a second one of the same size,
+# page-locked, takes the engine's device copies). 1 GiB: on an H100 host the P6 burst
+# (3.9 GB of rows over two writer processes) then never waits for ring space, where
+# 128 MiB rings held the engine's step thread 1.1-3.3 s a burst and every request in the
+# batch with it (bench/results/h100-2026-11-28-session43.md).
+DEFAULT_RING_BYTES = 1 << 30
+MIN_RING_BYTES = 1 << 20  # the settings refuse less; a direct caller is rounded up
+
 
 class Overloaded(RuntimeError):
     """The budget cannot take a new capture now (reject policy); retry later."""
@@ -43,6 +51,13 @@ def check_budget(limit_bytes: int, policy: str) -> None:
         raise ValueError(f"unknown overload policy {policy!r}; accepted: {', '.join(POLICIES)}")
     if limit_bytes <= 0:
         raise ValueError("budget must be positive")
+
+
+def check_ring_bytes(ring_bytes: int, name: str = "a capture writer ring") -> None:
+    """ValueError, naming the setting, for a writer ring below MIN_RING_BYTES."""
+    if ring_bytes < MIN_RING_BYTES:
+        raise ValueError(f"{name} must be at least 1MiB ({MIN_RING_BYTES} bytes); "
+                         f"got {ring_bytes}")
 
 
 def check_processes(processes: int, policy: str) -> None:

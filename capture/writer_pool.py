@@ -30,9 +30,9 @@ import numpy as np
 import torch
 
 from capsteer.capture import metrics
-from capsteer.capture.pool import check_processes
+from capsteer.capture.pool import DEFAULT_RING_BYTES, check_processes
 from capsteer.capture.sink import CaptureEnd, CaptureRequest
-from capsteer.capture.writer_process import DEFAULT_RING_BYTES, DeviceRows, ProcessCaptureWriter
+from capsteer.capture.writer_process import DeviceRows, ProcessCaptureWriter
 
 # Writer processes the default configuration starts where the host has the cores: two
 # reached the disk's rate on the lent H100 hosts (16 cores); one is the bound below that.

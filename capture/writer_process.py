@@ -67,12 +67,11 @@ import torch
 
 from capsteer.capture import metrics
 from capsteer.capture.layouts import copy_rows
+from capsteer.capture.pool import DEFAULT_RING_BYTES, MIN_RING_BYTES, check_budget
 from capsteer.capture.sink import CaptureEnd, CaptureRequest
 
 log = logging.getLogger(__name__)
 
-DEFAULT_RING_BYTES = 128 << 20
-MIN_RING_BYTES = 1 << 20  # the engine config refuses less; a direct caller is rounded up
 _HEADER = 4096  # the consumed counters (copy ring at 0, device ring at 8), then the rings
 _PAGE = 4096
 _ALIGN = 64
@@ -125,7 +124,6 @@ class ProcessCaptureWriter:
     def __init__(self, root: str | Path, *, budget_bytes: int = 1 << 30, policy: str = "block",
                  workers: int | None = None, digest: str = "sha256",
                  ring_bytes: int = DEFAULT_RING_BYTES, direct_io: bool = False) -> None:
-        from capsteer.capture.pool import check_budget
         from capsteer.capture.publish import check_digest
 
         check_budget(budget_bytes, policy)  # here, not as a failover when the child starts

@@ -32,7 +32,7 @@ from pydantic_settings import (
 )
 from pydantic_settings.exceptions import SettingsError
 
-from capsteer.capture.pool import check_processes
+from capsteer.capture.pool import DEFAULT_RING_BYTES, check_processes, check_ring_bytes
 from capsteer.capture.publish import DEFAULT_DIGEST, DIGESTS, IO_MODES
 from capsteer.capture.spec import DEFAULT_SPEC, LAYOUTS
 from capsteer.config.sizes import parse_size
@@ -108,6 +108,10 @@ class ServerSettings(BaseSettings):
         "2 under block on a host of 8 or more CPUs, else 1")
     capture_budget: int = Field(1 << 30, description="bytes of capture rows in flight "
                                 "(engine memory), e.g. 1GiB")
+    capture_ring: int = Field(DEFAULT_RING_BYTES, description="each capture writer process's "
+                              "shared-memory ring (on a GPU one more of the same size, "
+                              "page-locked): how large a burst of captured rows leaves the "
+                              "engine before its step waits for the writer, e.g. 256MiB")
     capture_wait_timeout: float = Field(60.0, description="seconds a capture_wait response "
                                         "may be held (then status pending)")
     steering_dir: str = Field("steering-vectors", description="named steering vectors")
@@ -141,9 +145,9 @@ class ServerSettings(BaseSettings):
             raise ValueError(f"{value} processes need capture_writer process (got {writer!r})")
         return value
 
-    @field_validator("capture_budget", mode="before")
+    @field_validator("capture_budget", "capture_ring", mode="before")
     @classmethod
-    def _parse_budget(cls, value: Any) -> Any:
+    def _parse_size(cls, value: Any) -> Any:
         return parse_size(value) if isinstance(value, (str, int, float)) else value
 
     @field_validator("capture_budget")
@@ -151,6 +155,12 @@ class ServerSettings(BaseSettings):
     def _check_budget(cls, value: int) -> int:
         if value <= 0:
             raise ValueError(f"must be a positive size (e.g. 512MiB, 2GiB); got {value}")
+        return value
+
+    @field_validator("capture_ring")
+    @classmethod
+    def _check_ring(cls, value: int) -> int:
+        check_ring_bytes(value)
         return value
 
     @field_validator("capture_wait_timeout")
@@ -217,6 +227,8 @@ class ServerSettings(BaseSettings):
             config["capture_writer_processes"] = self.capture_writer_processes
         if self.capture_io != "buffered":
             config["capture_io"] = self.capture_io
+        if self.capture_ring != DEFAULT_RING_BYTES:
+            config["capture_ring_bytes"] = self.capture_ring
         return config
 
 

@@ -69,7 +69,10 @@ class EngineHooks:
         self.model_name = adapter.model_name(worker)
         self.capture_rank = adapter.is_capture_rank()
         self.memory = MemorySink(final_positions=False)  # capsteer.engine finalizes
-        self.writer: CaptureSink | None = _durable_writer(self.config)
+        # Only the rank that writes captures starts writer processes (each holds its rings,
+        # on a GPU page-locked): the other TP ranks of a stage never publish.
+        self.writer: CaptureSink | None = _durable_writer(self.config) \
+            if self.capture_rank else None
         self.sharded = _sharded_sink(self.config, self.model_name, self.sites.hidden_size, dtype) \
             if self.capture_rank else None
         self.sinks: dict[str, CaptureSink] = {}  # capture_id -> the sink its request chose
@@ -587,24 +590,18 @@ def _durable_writer(config: dict) -> CaptureSink | None:
               "direct_io": io == "direct"}
     mode = str(config.get("capture_writer", "process"))
     if mode == "process":  # publishing must not hold this process's GIL (writer_process.py)
-        from capsteer.capture.pool import check_processes
+        from capsteer.capture.pool import DEFAULT_RING_BYTES, check_processes, check_ring_bytes
         from capsteer.capture.writer_pool import ProcessWriterPool, auto_processes
-        from capsteer.capture.writer_process import (
-            DEFAULT_RING_BYTES,
-            MIN_RING_BYTES,
-            ProcessCaptureWriter,
-        )
+        from capsteer.capture.writer_process import ProcessCaptureWriter
 
         processes = config.get("capture_writer_processes")
         processes = auto_processes(kwargs["policy"]) if processes is None else int(processes)
         check_processes(processes, kwargs["policy"])  # 0, or a split budget under drop/reject
         # The shared-memory ring each writer process takes rows through (and the engine's
         # GPU copies land in): how large a burst leaves the engine before it waits on the
-        # children. An engine-config key for the benchmarks' A/B, not a server flag.
+        # children (server flag --capture-ring).
         kwargs["ring_bytes"] = int(config.get("capture_ring_bytes", DEFAULT_RING_BYTES))
-        if kwargs["ring_bytes"] < MIN_RING_BYTES:
-            raise ValueError(f"capture_ring_bytes must be at least {MIN_RING_BYTES} bytes (1 MiB); "
-                             f"got {kwargs['ring_bytes']}")
+        check_ring_bytes(kwargs["ring_bytes"], "capture_ring_bytes")
         if processes > 1:  # one child's main thread bounds it below a disk's rate
             return ProcessWriterPool(root, processes=processes, **kwargs)
         return ProcessCaptureWriter(root, **kwargs)

