@@ -5,16 +5,23 @@
 # and one JSON per process (a call brings back few files).
 #
 #   bench/gpu_p6_ab.sh OUT ROUNDS "label:throughput args" ["label:throughput args" ...]
-#   e.g. bench/gpu_p6_ab.sh $OUT/ring 2 "128MiB:--capture-ring 128MiB" "1GiB:--capture-ring 1GiB"
+#   e.g. bench/gpu_p6_ab.sh $OUT/ring 2 "default:" "128MiB:--capture-ring 128MiB"
 #
-# Env: P6_TIMEOUT (s a process, default 120), P6_FIRST_TIMEOUT (the first process, which
-# may compile on a cold cache; default 240), P6_DEADLINE (epoch s: start no process that
+# Env: P6_TIMEOUT (s a process, default 180), P6_FIRST_TIMEOUT (the first process, which
+# may compile on a cold cache; default 300), P6_DEADLINE (epoch s: start no process that
 # could run past it), P6_SHAPE (default llama3-8b-36l).
 set -uo pipefail
+set +m  # no job control: a background job stays in this shell's group, so setsid below
+        # makes the process its own group leader (same pid) instead of forking
+if [ $# -lt 3 ]; then
+    echo "usage: $0 OUT ROUNDS label:args [label:args ...]" >&2
+    exit 2
+fi
 out=$1 rounds=$2
 shift 2
 mkdir -p "$out"
 log="$out/p6-ab.log"
+: > "$log"
 shape=${P6_SHAPE:-llama3-8b-36l}
 disk() {
     dd if=/dev/zero of=/tmp/capsteer-dd.bin bs=16M count=256 conv=fsync 2>&1 | tail -n 1 >> "$log"
@@ -25,10 +32,11 @@ disk
 n=0
 for round in $(seq 1 "$rounds"); do
     for variant in "$@"; do
-        label=${variant%%:*} args=${variant#*:}
+        label=${variant%%:*} args=""
+        [[ $variant == *:* ]] && args=${variant#*:}
         n=$((n + 1))
-        limit=${P6_TIMEOUT:-120}
-        [ "$n" = 1 ] && limit=${P6_FIRST_TIMEOUT:-240}
+        limit=${P6_TIMEOUT:-180}
+        [ "$n" = 1 ] && limit=${P6_FIRST_TIMEOUT:-300}
         if [ -n "${P6_DEADLINE:-}" ] && [ $(( $(date +%s) + limit )) -gt "$P6_DEADLINE" ]; then
             echo "== stop before process $n: the deadline leaves less than ${limit} s" >> "$log"
             break 2
@@ -43,15 +51,18 @@ for round in $(seq 1 "$rounds"); do
         setsid python bench/throughput.py --device cuda --p6 --shape "$shape" $args \
             --out "$work" > "$work/log" 2>&1 &
         pid=$!
-        (sleep "$limit"; kill -9 -- "-$pid" 2>/dev/null) &
+        (sleep "$limit"; kill -9 -- "-$pid") > /dev/null 2>&1 &
         watchdog=$!
         wait "$pid"
-        kill "$watchdog" 2>/dev/null
-        kill -9 -- "-$pid" 2>/dev/null
+        rc=$?
+        pkill -P "$watchdog" sleep 2> /dev/null
+        kill "$watchdog" 2> /dev/null
+        kill -9 -- "-$pid" 2> /dev/null  # children left behind by a failure
         grep -E "^(capture|  rep)|Error|error|failed" "$work/log" >> "$log"
-        cp "$work"/gpu-*-p6-*.json "$out/p$n-$label.json" 2>/dev/null \
-            || { echo "   (no result: ran past ${limit} s or failed); its log ends:" >> "$log"
-                 tail -n 15 "$work/log" | sed 's/^/   | /' >> "$log"; }
+        if ! cp "$work"/gpu-*-p6-*.json "$out/p$n-$label.json" 2> /dev/null; then
+            echo "   (no result: exit $rc, 137 = killed at ${limit} s); its log ends:" >> "$log"
+            tail -n 15 "$work/log" | sed 's/^/   | /' >> "$log"
+        fi
     done
 done
 echo "== dd after $(date +%T)" >> "$log"

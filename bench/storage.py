@@ -68,11 +68,12 @@ MIB = 1 << 20
 _DIRECT_BLOCK = 8 * MIB
 # Where a writer waited over a timed stretch (differences of its stats): the engine side
 # for ring space (the children's main threads taking rows out), the children for budget
-# (publishing to disk freeing room); and the levels it ended at. throughput.py charges
+# (publishing to disk freeing room), the device ring's reservations and refusals (a
+# refusal sends rows through the copy ring); and the levels it ended at. throughput.py charges
 # each P6 repetition with the same.
 WRITER_WAITS = ("ring_waits", "ring_wait_s", "budget_waits", "budget_wait_s", "spilled_bytes",
-                "intake_messages", "intake_s", "intake_cpu_s")
-WRITER_LEVELS = ("peak_bytes", "budget_bytes")
+                "intake_messages", "intake_s", "intake_cpu_s", "device_writes", "device_full")
+WRITER_LEVELS = ("peak_bytes", "budget_bytes", "ring_bytes")
 
 
 def waits_between(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:

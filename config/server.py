@@ -95,7 +95,8 @@ class ServerSettings(BaseSettings):
     capture_digest: str = Field(DEFAULT_DIGEST, description="checksum recorded per file in "
                                 "manifests: sha256 (api.md) or blake3 (faster; named in the entry)")
     capture_writer: str = Field("process", description="where durable captures are published: "
-                                "process (a writer process beside each engine worker, so "
+                                "process (writer processes beside each capture-writing "
+                                "engine worker, TP rank 0 of each stage, so "
                                 "publishing never holds the engine's GIL) or threads (in the "
                                 "worker process)")
     capture_io: str = Field("buffered", description="how durable capture files reach the "
@@ -103,7 +104,8 @@ class ServerSettings(BaseSettings):
                             "or direct (O_DIRECT from an aligned staging block: no page-cache "
                             "copy; buffered where the filesystem refuses it)")
     capture_writer_processes: int | None = Field(
-        None, description="writer processes per engine worker (capture_writer process); "
+        None, description="writer processes per capture-writing engine worker "
+        "(capture_writer process); "
         "the budget is split among them, so more than one needs the block policy; none: "
         "2 under block on a host of 8 or more CPUs, else 1")
     capture_budget: int = Field(1 << 30, description="bytes of capture rows in flight "
@@ -159,8 +161,12 @@ class ServerSettings(BaseSettings):
 
     @field_validator("capture_ring")
     @classmethod
-    def _check_ring(cls, value: int) -> int:
+    def _check_ring(cls, value: int, info: ValidationInfo) -> int:
         check_ring_bytes(value)
+        writer = info.data.get("capture_writer", "process")
+        if value != DEFAULT_RING_BYTES and writer != "process":
+            raise ValueError(f"rings belong to writer processes; capture_writer {writer!r} "
+                             "has none")
         return value
 
     @field_validator("capture_wait_timeout")

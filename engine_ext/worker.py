@@ -593,6 +593,7 @@ def _durable_writer(config: dict) -> CaptureSink | None:
         from capsteer.capture.pool import DEFAULT_RING_BYTES, check_processes, check_ring_bytes
         from capsteer.capture.writer_pool import ProcessWriterPool, auto_processes
         from capsteer.capture.writer_process import ProcessCaptureWriter
+        from capsteer.config.sizes import parse_size
 
         processes = config.get("capture_writer_processes")
         processes = auto_processes(kwargs["policy"]) if processes is None else int(processes)
@@ -600,7 +601,7 @@ def _durable_writer(config: dict) -> CaptureSink | None:
         # The shared-memory ring each writer process takes rows through (and the engine's
         # GPU copies land in): how large a burst leaves the engine before it waits on the
         # children (server flag --capture-ring).
-        kwargs["ring_bytes"] = int(config.get("capture_ring_bytes", DEFAULT_RING_BYTES))
+        kwargs["ring_bytes"] = parse_size(config.get("capture_ring_bytes", DEFAULT_RING_BYTES))
         check_ring_bytes(kwargs["ring_bytes"], "capture_ring_bytes")
         if processes > 1:  # one child's main thread bounds it below a disk's rate
             return ProcessWriterPool(root, processes=processes, **kwargs)

@@ -314,10 +314,16 @@ def test_worker_config() -> None:
         load_settings({"capture_writer": "fork"})
 
 
-def test_capture_ring_reaches_the_workers_as_bytes() -> None:
+def test_capture_ring_reaches_the_workers_as_bytes(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     from capsteer.capture.pool import DEFAULT_RING_BYTES
 
     assert ServerSettings().capture_ring == DEFAULT_RING_BYTES
+    assert load_settings(config_file=write_yaml(tmp_path, {"capture_ring": "64MiB"})) \
+        .capture_ring == 64 << 20
+    monkeypatch.setenv("CAPSTEER_CAPTURE_RING", "2GiB")
+    assert load_settings().capture_ring == 2 << 30
+    monkeypatch.delenv("CAPSTEER_CAPTURE_RING")
     assert "capture_ring_bytes" not in ServerSettings().worker_config()  # the workers' default
     small = load_settings({"capture_ring": "256MiB"}).worker_config()
     assert small["capture_ring_bytes"] == 256 << 20
@@ -325,6 +331,8 @@ def test_capture_ring_reaches_the_workers_as_bytes() -> None:
         load_settings({"capture_ring": "64KiB"})
     with pytest.raises(ConfigError, match="capture_ring"):
         load_settings({"capture_ring": "lots"})
+    with pytest.raises(ConfigError, match=r"capture_ring.*writer processes"):
+        load_settings({"capture_ring": "256MiB", "capture_writer": "threads"})
 
 
 def test_writer_processes_reach_the_workers_only_where_they_can_serve() -> None:
