@@ -25,8 +25,9 @@ POLICIES = ("block", "drop", "reject")
 # Each writer process's shared-memory ring (on a GPU a second one of the same size,
 # page-locked, takes the engine's device copies). 1 GiB: on an H100 host the P6 burst
 # (3.9 GB of rows over two writer processes) then never waits for ring space, where
-# 128 MiB rings held the engine's step thread 1.1-3.3 s a burst and every request in the
-# batch with it (bench/results/h100-2026-11-28-session43.md).
+# 128 MiB rings held the engine 1.1-3.3 s a burst, and every request in the batch with
+# it (bench/results/h100-2026-11-28-session43.md). The other ring of each pair (rows the
+# device ring had no room for, and every row on CPU) is touched only as it is used.
 DEFAULT_RING_BYTES = 1 << 30
 MIN_RING_BYTES = 1 << 20  # the settings refuse less; a direct caller is rounded up
 
