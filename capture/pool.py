@@ -21,6 +21,7 @@ from collections.abc import Callable
 from capsteer.capture import metrics
 
 POLICIES = ("block", "drop", "reject")
+DEFAULT_BUDGET_BYTES = 1 << 30  # capture rows in flight per engine (--capture-budget)
 
 # Each writer process's shared-memory ring (on a GPU a second one of the same size,
 # page-locked, takes the engine's device copies). 1 GiB: on an H100 host the P6 burst

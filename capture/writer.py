@@ -53,7 +53,14 @@ from capsteer.capture.layouts import (
     tensor_plan,
 )
 from capsteer.capture.paths import relative_dir, validate_capture_id
-from capsteer.capture.pool import Budget, Grant, Overloaded, WorkerThreads, check_budget
+from capsteer.capture.pool import (
+    DEFAULT_BUDGET_BYTES,
+    Budget,
+    Grant,
+    Overloaded,
+    WorkerThreads,
+    check_budget,
+)
 from capsteer.capture.publish import (
     DEFAULT_DIGEST,
     DEFAULT_FS,
@@ -228,7 +235,7 @@ class CaptureWriter:
         self,
         root: str | Path,
         *,
-        budget_bytes: int = 1 << 30,
+        budget_bytes: int = DEFAULT_BUDGET_BYTES,
         policy: str = "block",
         workers: int | None = None,
         fs: FileSystem = DEFAULT_FS,

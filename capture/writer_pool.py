@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from capsteer.capture import metrics
-from capsteer.capture.pool import DEFAULT_RING_BYTES, check_processes
+from capsteer.capture.pool import DEFAULT_BUDGET_BYTES, DEFAULT_RING_BYTES, check_processes
 from capsteer.capture.sink import CaptureEnd, CaptureRequest
 from capsteer.capture.writer_process import DeviceRows, ProcessCaptureWriter
 
@@ -80,7 +80,8 @@ class ProcessWriterPool:
 
     copies_rows = True  # every child copies rows into its ring before write returns
 
-    def __init__(self, root: str | Path, *, processes: int, budget_bytes: int = 1 << 30,
+    def __init__(self, root: str | Path, *, processes: int,
+                 budget_bytes: int = DEFAULT_BUDGET_BYTES,
                  policy: str = "block", workers: int | None = None, digest: str = "sha256",
                  ring_bytes: int = DEFAULT_RING_BYTES, direct_io: bool = False) -> None:
         check_processes(processes, policy)

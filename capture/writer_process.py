@@ -67,7 +67,12 @@ import torch
 
 from capsteer.capture import metrics
 from capsteer.capture.layouts import copy_rows
-from capsteer.capture.pool import DEFAULT_RING_BYTES, MIN_RING_BYTES, check_budget
+from capsteer.capture.pool import (
+    DEFAULT_BUDGET_BYTES,
+    DEFAULT_RING_BYTES,
+    MIN_RING_BYTES,
+    check_budget,
+)
 from capsteer.capture.sink import CaptureEnd, CaptureRequest
 
 log = logging.getLogger(__name__)
@@ -121,7 +126,8 @@ class ProcessCaptureWriter:
 
     copies_rows = True  # write() copies the rows before it returns: callers pass views
 
-    def __init__(self, root: str | Path, *, budget_bytes: int = 1 << 30, policy: str = "block",
+    def __init__(self, root: str | Path, *, budget_bytes: int = DEFAULT_BUDGET_BYTES,
+                 policy: str = "block",
                  workers: int | None = None, digest: str = "sha256",
                  ring_bytes: int = DEFAULT_RING_BYTES, direct_io: bool = False) -> None:
         from capsteer.capture.publish import check_digest

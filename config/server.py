@@ -32,7 +32,12 @@ from pydantic_settings import (
 )
 from pydantic_settings.exceptions import SettingsError
 
-from capsteer.capture.pool import DEFAULT_RING_BYTES, check_processes, check_ring_bytes
+from capsteer.capture.pool import (
+    DEFAULT_BUDGET_BYTES,
+    DEFAULT_RING_BYTES,
+    check_processes,
+    check_ring_bytes,
+)
 from capsteer.capture.publish import DEFAULT_DIGEST, DIGESTS, IO_MODES
 from capsteer.capture.spec import DEFAULT_SPEC, LAYOUTS
 from capsteer.config.sizes import parse_size
@@ -108,7 +113,7 @@ class ServerSettings(BaseSettings):
         "(capture_writer process); "
         "the budget is split among them, so more than one needs the block policy; none: "
         "2 under block on a host of 8 or more CPUs, else 1")
-    capture_budget: int = Field(1 << 30, description="bytes of capture rows in flight "
+    capture_budget: int = Field(DEFAULT_BUDGET_BYTES, description="bytes of capture rows in flight "
                                 "(engine memory), e.g. 1GiB")
     capture_ring: int = Field(DEFAULT_RING_BYTES, description="each capture writer process's "
                               "shared-memory ring (on a GPU one more of the same size, "

@@ -583,14 +583,20 @@ def _durable_writer(config: dict) -> CaptureSink | None:
     io = str(config.get("capture_io", "buffered"))
     if io not in IO_MODES:
         raise ValueError(f"capture_io must be one of {', '.join(IO_MODES)}; got {io!r}")
-    kwargs = {"budget_bytes": int(config.get("capture_budget", 1 << 30)),
+    from capsteer.capture.pool import (
+        DEFAULT_BUDGET_BYTES,
+        DEFAULT_RING_BYTES,
+        check_processes,
+        check_ring_bytes,
+    )
+
+    kwargs = {"budget_bytes": int(config.get("capture_budget", DEFAULT_BUDGET_BYTES)),
               "policy": str(config.get("capture_overload", "block")),
               "workers": int(config["capture_workers"]) if "capture_workers" in config else None,
               "digest": str(config.get("capture_digest", "sha256")),
               "direct_io": io == "direct"}
     mode = str(config.get("capture_writer", "process"))
     if mode == "process":  # publishing must not hold this process's GIL (writer_process.py)
-        from capsteer.capture.pool import DEFAULT_RING_BYTES, check_processes, check_ring_bytes
         from capsteer.capture.writer_pool import ProcessWriterPool, auto_processes
         from capsteer.capture.writer_process import ProcessCaptureWriter
         from capsteer.config.sizes import parse_size
