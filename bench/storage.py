@@ -61,8 +61,10 @@ from capsteer.capture import (
     parse_capture_spec,
     publish,
 )
+from capsteer.capture.pool import DEFAULT_RING_BYTES, check_ring_bytes
 from capsteer.capture.publish import DIGESTS, AtomicFile, FileSystem, fsync_dir, new_hasher
 from capsteer.capture.writer import default_workers
+from capsteer.config.sizes import parse_size
 
 MIB = 1 << 20
 _DIRECT_BLOCK = 8 * MIB
@@ -283,9 +285,11 @@ def digest_compare(directory: Path, repeat: int, files: int = 6, file_mib: int =
 def writer_rate(
     directory: Path, layout: str, total_mib: int, layers: int, hidden: int, prompt: int, workers: int,
     digest: str = "sha256", processes: int = 0, direct_io: bool = False,
+    ring_bytes: int | None = None,
 ) -> dict[str, float]:
     """The writer's publish rate; `processes` >= 1 publishes through that many writer
-    processes (the engine's path: rows cross a ring into each child), 0 in this process."""
+    processes (the engine's path: rows cross a ring of `ring_bytes`, the server's default
+    when None, into each child), 0 in this process."""
     spec = parse_capture_spec(
         {"hooks": ["resid_post"], "layers": "all", "positions": "all", "layout": layout}, num_layers=layers
     )
@@ -304,7 +308,7 @@ def writer_rate(
         from capsteer.capture.writer_process import ProcessCaptureWriter
 
         kw = {"budget_bytes": budget * processes, "workers": workers, "digest": digest,
-              "direct_io": direct_io}
+              "direct_io": direct_io, "ring_bytes": ring_bytes or DEFAULT_RING_BYTES}
         w = (ProcessWriterPool(root, processes=processes, **kw) if processes > 1
              else ProcessCaptureWriter(root, **kw))
         if not w.ready.wait(60):
@@ -376,21 +380,35 @@ def _without_sha256(fn: Callable[[], dict[str, float]]) -> dict[str, float]:
         publish.new_hasher = saved
 
 
+def _ring_size(text: str, where: str) -> int:
+    """A writer process's ring size as the server's `--capture-ring` reads it."""
+    try:
+        size = parse_size(text)
+        check_ring_bytes(size, where)
+    except ValueError as exc:
+        raise SystemExit(f"{where}: {exc}") from None
+    return size
+
+
 def parse_variants(text: str, args: argparse.Namespace) -> list[dict[str, Any]]:
-    """`--writer-variants 2x8,4x4:blake3,2x8:direct`: writer configurations timed in every
-    paired round beside the main one (PROCESSESxTHREADS, then optional `:blake3`/`:sha256`
-    and `:direct`), so each meets the same round's disk figures."""
+    """`--writer-variants 2x8,4x4:blake3,2x8:direct,2x8:ring=128MiB`: writer configurations
+    timed in every paired round beside the main one (PROCESSESxTHREADS, then optional
+    `:blake3`/`:sha256`, `:direct` and `:ring=SIZE`), so each meets the same round's disk
+    figures."""
     variants = []
     for item in filter(None, (t.strip() for t in text.split(","))):
         shape, *opts = item.split(":")
         try:
             processes, workers = (int(x) for x in shape.split("x"))
         except ValueError:
-            raise SystemExit(f"--writer-variants: {item!r} is not PROCESSESxTHREADS[:digest][:direct]") from None
-        digest, direct_io = args.digest, False
+            raise SystemExit(f"--writer-variants: {item!r} is not "
+                             "PROCESSESxTHREADS[:digest][:direct][:ring=SIZE]") from None
+        digest, direct_io, ring_bytes = args.digest, False, args.ring_bytes
         for opt in opts:
             if opt == "direct":
                 direct_io = True
+            elif opt.startswith("ring="):
+                ring_bytes = _ring_size(opt[len("ring="):], f"--writer-variants {item!r}")
             elif opt in DIGESTS:
                 digest = opt
             else:
@@ -400,7 +418,7 @@ def parse_variants(text: str, args: argparse.Namespace) -> list[dict[str, Any]]:
         if any(v["label"] == item for v in variants):
             raise SystemExit(f"--writer-variants: {item!r} is listed twice")
         variants.append({"label": item, "processes": processes, "workers": workers,
-                         "digest": digest, "direct_io": direct_io})
+                         "digest": digest, "direct_io": direct_io, "ring_bytes": ring_bytes})
     return variants
 
 
@@ -419,7 +437,8 @@ def paired_rounds(work: Path, args: argparse.Namespace) -> dict[str, Any]:
     print(f"directory: {work.parent}; {args.total_mib} MiB per measurement; packed writer"
           f"{' (direct I/O)' if args.direct_io else ''}, "
           f"{args.workers} threads, digest {args.digest}, "
-          + (f"{args.processes} writer process(es)" if args.processes else "in-process writer"))
+          + (f"{args.processes} writer process(es), {args.ring_bytes / MIB:.0f} MiB rings"
+             if args.processes else "in-process writer"))
     file_mib = max(1, args.layers * args.prompt * args.hidden * 2 // MIB)  # one request's file
     streams = max(1, args.processes)
     print(f"{'round':>5} {'order':<13}{'dd':>7}{'loop':>7}{'wb loop':>8}{'files':>7}{'direct':>7}"
@@ -449,7 +468,8 @@ def paired_rounds(work: Path, args: argparse.Namespace) -> dict[str, Any]:
 
         def writer(e: dict[str, Any] = entry, r: int = r) -> None:
             headline = {"label": None, "processes": args.processes, "workers": args.workers,
-                        "digest": args.digest, "direct_io": args.direct_io}
+                        "digest": args.digest, "direct_io": args.direct_io,
+                        "ring_bytes": args.ring_bytes}
             order = [headline, *variants]
             # The configurations' order turns every two rounds (the disk's side alternates
             # every round), so each one in turn runs next to the disk's measurements.
@@ -459,7 +479,7 @@ def paired_rounds(work: Path, args: argparse.Namespace) -> dict[str, Any]:
                 try:
                     got = writer_rate(work, "packed", args.total_mib, args.layers, args.hidden,
                                       args.prompt, v["workers"], v["digest"], v["processes"],
-                                      direct_io=v["direct_io"])
+                                      direct_io=v["direct_io"], ring_bytes=v["ring_bytes"])
                 except (Exception, SystemExit) as exc:
                     if v["label"] is None:
                         raise  # the headline writer failing ends the run
@@ -513,7 +533,8 @@ def paired_rounds(work: Path, args: argparse.Namespace) -> dict[str, Any]:
         vr = [e["variants"][v["label"]]["ratio"] for e in rounds if "ratio" in e["variants"][v["label"]]]
         failed = len(rounds) - len(vr)
         about = (f"  variant {v['label']:<14} ({v['processes']} process(es) x {v['workers']} threads, "
-                 f"{v['digest']}{', direct I/O' if v['direct_io'] else ''}): ")
+                 f"{v['digest']}{', direct I/O' if v['direct_io'] else ''}, "
+                 f"{v['ring_bytes'] / MIB:.0f} MiB rings): ")
         if not vr:
             summaries[v["label"]] = {**v, "ratio": None, "failed_rounds": failed}
             print(about + f"failed in every round ({rounds[0]['variants'][v['label']]['error']})")
@@ -556,9 +577,12 @@ def main(argv: list[str] | None = None) -> int:
                          "round; replaces the best-of --repeat table")
     ap.add_argument("--writer-variants", default="",
                     help="with --paired-rounds: more writer configurations timed in every round "
-                         "against the same disk figures, e.g. 2x8,4x4,2x8:blake3,2x8:direct "
-                         "(PROCESSESxTHREADS[:digest][:direct]); the ratio and verdict stay the "
-                         "main writer's")
+                         "against the same disk figures, e.g. 2x8,4x4,2x8:blake3,2x8:direct,"
+                         "2x8:ring=128MiB (PROCESSESxTHREADS[:digest][:direct][:ring=SIZE]); the "
+                         "ratio and verdict stay the main writer's")
+    ap.add_argument("--ring", default=None, metavar="SIZE",
+                    help="each writer process's ring, as the server's --capture-ring "
+                         "(default: the server's default)")
     ap.add_argument("--max-seconds", type=float, default=0.0,
                     help="with --paired-rounds: start no round that would end past this many "
                          "seconds (judged by the rounds so far), so a time-limited run still "
@@ -568,13 +592,16 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--writer-variants needs --paired-rounds")
     if args.workers is None:
         args.workers = default_workers()
+    args.ring_bytes = (_ring_size(args.ring, "--ring") if args.ring is not None
+                       else DEFAULT_RING_BYTES)
 
     base = args.dir or Path(__file__).parent / "results"
     base.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="storage-", suffix=".tmp", dir=base))
     torch.set_num_threads(1)
     try:
-        result: dict[str, object] = {"digest": args.digest, "processes": args.processes}
+        result: dict[str, object] = {"digest": args.digest, "processes": args.processes,
+                                     "ring_bytes": args.ring_bytes}
         if args.paired_rounds:
             result.update(paired_rounds(work, args))
             if args.json:
@@ -595,7 +622,8 @@ def main(argv: list[str] | None = None) -> int:
             for layout in runs:
                 runs[layout].append(
                     writer_rate(work, layout, args.total_mib, args.layers, args.hidden, args.prompt, args.workers,
-                                args.digest, args.processes, direct_io=args.direct_io)
+                                args.digest, args.processes, direct_io=args.direct_io,
+                                ring_bytes=args.ring_bytes)
                 )
         disk = max(disk_dd + disk_loop + disk_writeback)
         print(f"directory: {work.parent} ({args.total_mib} MiB per measurement, best of {args.repeat})")

@@ -277,13 +277,13 @@ def main() -> None:
                   f"(start-up {rows[-1]['startup_s']:.0f} s)", flush=True)
             for rep, w in enumerate(rows[-1].get("writer_waits") or []):
                 ph = w.get("phases") or {}
+                full = w.get("device_full") or 0
                 print(f"  rep {rep + 1}: outputs {ph.get('outputs', 0):.2f} s, captures "
                       f"{ph.get('captures', 0):.2f} s more; writer waited "
                       f"{w.get('budget_wait_s') or 0:.2f} s for budget "
                       f"({w.get('budget_waits') or 0} waits), the engine "
                       f"{w.get('ring_wait_s') or 0:.2f} s for ring space (device ring "
-                      f"full {w.get('device_full') or 0} of "
-                      f"{(w.get('device_full') or 0) + (w.get('device_writes') or 0)} "
+                      f"full {full} of {full + (w.get('device_writes') or 0)} "
                       f"reservations); peak "
                       f"{(w.get('peak_bytes') or 0) / 2**20:.0f} of "
                       f"{(w.get('budget_bytes') or 0) / 2**20:.0f} MiB", flush=True)
