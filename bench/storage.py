@@ -285,11 +285,13 @@ def digest_compare(directory: Path, repeat: int, files: int = 6, file_mib: int =
 def writer_rate(
     directory: Path, layout: str, total_mib: int, layers: int, hidden: int, prompt: int, workers: int,
     digest: str = "sha256", processes: int = 0, direct_io: bool = False,
-    ring_bytes: int | None = None,
+    ring_bytes: int | None = None, touch_rings: bool = True,
 ) -> dict[str, float]:
     """The writer's publish rate; `processes` >= 1 publishes through that many writer
     processes (the engine's path: rows cross a ring of `ring_bytes`, the server's default
-    when None, into each child), 0 in this process."""
+    when None, into each child), 0 in this process. `touch_rings` faults the rings' pages
+    in before the clock starts, as a server's writer has them after its first ring of rows
+    (False times a fresh writer's first pass, page faults included)."""
     spec = parse_capture_spec(
         {"hooks": ["resid_post"], "layers": "all", "positions": "all", "layout": layout}, num_layers=layers
     )
@@ -326,6 +328,7 @@ def writer_rate(
         for i in range(processes):
             publish(f"warm-{layout}-{i}")
         w.flush()
+        touched = touch_rings and w.touch_copy_ring()
     before = w.stats() or {}  # the timed publishes' waits, not the warm-up's
     t0, c0, k0 = time.perf_counter(), time.process_time(), _children_cpu_s()
     for i in range(n_requests):
@@ -345,7 +348,7 @@ def writer_rate(
     shutil.rmtree(root)
     return {"mb_s": data / dt / 1e6, "bytes": data, "files": files, "seconds": dt, "median_publish_s": publish,
             "cpu_s_per_gb": cpu / (data / 1e9), "child_cpu_s_per_gb": child_cpu / (data / 1e9),
-            "waits": waits}
+            "waits": waits, **({"rings_touched": touched} if processes >= 1 else {})}
 
 
 def _children_cpu_s() -> float:
@@ -391,10 +394,10 @@ def _ring_size(text: str, where: str) -> int:
 
 
 def parse_variants(text: str, args: argparse.Namespace) -> list[dict[str, Any]]:
-    """`--writer-variants 2x8,4x4:blake3,2x8:direct,2x8:ring=128MiB`: writer configurations
-    timed in every paired round beside the main one (PROCESSESxTHREADS, then optional
-    `:blake3`/`:sha256`, `:direct` and `:ring=SIZE`), so each meets the same round's disk
-    figures."""
+    """`--writer-variants 2x8,4x4:blake3,2x8:direct,2x8:ring=128MiB,2x8:cold`: writer
+    configurations timed in every paired round beside the main one (PROCESSESxTHREADS, then
+    optional `:blake3`/`:sha256`, `:direct`, `:ring=SIZE` and `:cold`, rings not faulted in
+    before the clock), so each meets the same round's disk figures."""
     variants = []
     for item in filter(None, (t.strip() for t in text.split(","))):
         shape, *opts = item.split(":")
@@ -403,10 +406,12 @@ def parse_variants(text: str, args: argparse.Namespace) -> list[dict[str, Any]]:
         except ValueError:
             raise SystemExit(f"--writer-variants: {item!r} is not "
                              "PROCESSESxTHREADS[:digest][:direct][:ring=SIZE]") from None
-        digest, direct_io, ring_bytes = args.digest, False, args.ring_bytes
+        digest, direct_io, ring_bytes, touch = args.digest, False, args.ring_bytes, not args.cold_rings
         for opt in opts:
             if opt == "direct":
                 direct_io = True
+            elif opt == "cold":
+                touch = False
             elif opt.startswith("ring="):
                 ring_bytes = _ring_size(opt[len("ring="):], f"--writer-variants {item!r}")
             elif opt in DIGESTS:
@@ -418,7 +423,8 @@ def parse_variants(text: str, args: argparse.Namespace) -> list[dict[str, Any]]:
         if any(v["label"] == item for v in variants):
             raise SystemExit(f"--writer-variants: {item!r} is listed twice")
         variants.append({"label": item, "processes": processes, "workers": workers,
-                         "digest": digest, "direct_io": direct_io, "ring_bytes": ring_bytes})
+                         "digest": digest, "direct_io": direct_io, "ring_bytes": ring_bytes,
+                         "touch_rings": touch})
     return variants
 
 
@@ -438,7 +444,7 @@ def paired_rounds(work: Path, args: argparse.Namespace) -> dict[str, Any]:
           f"{' (direct I/O)' if args.direct_io else ''}, "
           f"{args.workers} threads, digest {args.digest}, "
           + (f"{args.processes} writer process(es), {args.ring_bytes / MIB:.0f} MiB rings"
-             if args.processes else "in-process writer"))
+             f"{' (cold)' if args.cold_rings else ''}" if args.processes else "in-process writer"))
     file_mib = max(1, args.layers * args.prompt * args.hidden * 2 // MIB)  # one request's file
     streams = max(1, args.processes)
     print(f"{'round':>5} {'order':<13}{'dd':>7}{'loop':>7}{'wb loop':>8}{'files':>7}{'direct':>7}"
@@ -469,7 +475,7 @@ def paired_rounds(work: Path, args: argparse.Namespace) -> dict[str, Any]:
         def writer(e: dict[str, Any] = entry, r: int = r) -> None:
             headline = {"label": None, "processes": args.processes, "workers": args.workers,
                         "digest": args.digest, "direct_io": args.direct_io,
-                        "ring_bytes": args.ring_bytes}
+                        "ring_bytes": args.ring_bytes, "touch_rings": not args.cold_rings}
             order = [headline, *variants]
             # The configurations' order turns every two rounds (the disk's side alternates
             # every round), so each one in turn runs next to the disk's measurements.
@@ -479,7 +485,8 @@ def paired_rounds(work: Path, args: argparse.Namespace) -> dict[str, Any]:
                 try:
                     got = writer_rate(work, "packed", args.total_mib, args.layers, args.hidden,
                                       args.prompt, v["workers"], v["digest"], v["processes"],
-                                      direct_io=v["direct_io"], ring_bytes=v["ring_bytes"])
+                                      direct_io=v["direct_io"], ring_bytes=v["ring_bytes"],
+                                      touch_rings=v["touch_rings"])
                 except (Exception, SystemExit) as exc:
                     if v["label"] is None:
                         raise  # the headline writer failing ends the run
@@ -534,7 +541,7 @@ def paired_rounds(work: Path, args: argparse.Namespace) -> dict[str, Any]:
         failed = len(rounds) - len(vr)
         about = (f"  variant {v['label']:<14} ({v['processes']} process(es) x {v['workers']} threads, "
                  f"{v['digest']}{', direct I/O' if v['direct_io'] else ''}, "
-                 f"{v['ring_bytes'] / MIB:.0f} MiB rings): ")
+                 f"{v['ring_bytes'] / MIB:.0f} MiB rings{'' if v['touch_rings'] else ', cold'}): ")
         if not vr:
             summaries[v["label"]] = {**v, "ratio": None, "failed_rounds": failed}
             print(about + f"failed in every round ({rounds[0]['variants'][v['label']]['error']})")
@@ -578,8 +585,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--writer-variants", default="",
                     help="with --paired-rounds: more writer configurations timed in every round "
                          "against the same disk figures, e.g. 2x8,4x4,2x8:blake3,2x8:direct,"
-                         "2x8:ring=128MiB (PROCESSESxTHREADS[:digest][:direct][:ring=SIZE]); the "
-                         "ratio and verdict stay the main writer's")
+                         "2x8:ring=128MiB,2x8:cold (PROCESSESxTHREADS[:digest][:direct][:ring=SIZE]"
+                         "[:cold]); the ratio and verdict stay the main writer's")
+    ap.add_argument("--cold-rings", action="store_true",
+                    help="time writer processes with their rings not yet faulted in (a fresh "
+                         "writer's first ring of rows); by default they are touched first, as "
+                         "a running server's are")
     ap.add_argument("--ring", default=None, metavar="SIZE",
                     help="each writer process's ring, as the server's --capture-ring "
                          "(default: the server's default)")
@@ -601,7 +612,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     try:
         result: dict[str, object] = {"digest": args.digest, "processes": args.processes,
-                                     "ring_bytes": args.ring_bytes}
+                                     "ring_bytes": args.ring_bytes, "touch_rings": not args.cold_rings}
         if args.paired_rounds:
             result.update(paired_rounds(work, args))
             if args.json:
@@ -623,7 +634,7 @@ def main(argv: list[str] | None = None) -> int:
                 runs[layout].append(
                     writer_rate(work, layout, args.total_mib, args.layers, args.hidden, args.prompt, args.workers,
                                 args.digest, args.processes, direct_io=args.direct_io,
-                                ring_bytes=args.ring_bytes)
+                                ring_bytes=args.ring_bytes, touch_rings=not args.cold_rings)
                 )
         disk = max(disk_dd + disk_loop + disk_writeback)
         print(f"directory: {work.parent} ({args.total_mib} MiB per measurement, best of {args.repeat})")

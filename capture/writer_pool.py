@@ -150,6 +150,10 @@ class ProcessWriterPool:
         for w in self.writers:
             w.flush_sends()
 
+    def touch_copy_ring(self) -> bool:
+        """Every child's copy ring faulted in (see ProcessCaptureWriter)."""
+        return all([w.touch_copy_ring() for w in self.writers])
+
     def pin_device_ring(self) -> bool:
         """Every child's device ring page-locked (see ProcessCaptureWriter)."""
         return all([w.pin_device_ring() for w in self.writers])

@@ -111,6 +111,42 @@ def test_rows_wrap_the_ring_wait_for_it_and_go_inline_when_large(proc_writer, ro
     assert stats["open_captures"] == 0
 
 
+def _resident_bytes(address: int) -> int:
+    """Rss of this process's mapping that holds `address` (/proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and line.startswith("Rss:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_touch_copy_ring_faults_in_the_copy_ring_and_keeps_rows_in_flight(root):
+    ring = 8 << 20
+    w = ProcessCaptureWriter(root, budget_bytes=64 << 20, workers=2, ring_bytes=ring)
+    try:
+        assert w.ready.wait(60)
+        mapping = w._ring.data_ptr()
+        assert _resident_bytes(mapping) < ring // 2  # untouched: only what was written
+        spec = make_spec(layers=[0, 1], positions="all")
+        refs_by_cid = {}
+        for i in range(4):  # rows in the ring while its pages are faulted in
+            req = make_request(f"touch-{i}", spec, 40, hidden=1024)
+            end, refs_by_cid[f"touch-{i}"] = feed(w, req, 1)
+            w.close(end)
+            if i == 1:
+                assert w.touch_copy_ring()
+        resident = _resident_bytes(mapping)
+        assert ring <= resident < 2 * ring  # the copy ring, not the device ring beside it
+        assert w.flush(60)
+        assert_published(root, refs_by_cid)
+    finally:
+        w.shutdown(timeout=30)
+
+
 def test_the_child_freezes_its_imports_out_of_the_collectors_walks(proc_writer, root):
     """torch and numpy's objects (~170k) live as long as the child: frozen, a full
     collection does not walk them while every writer thread waits on the GIL."""
