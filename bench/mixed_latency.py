@@ -1,0 +1,374 @@
+"""Plain requests' latency beside capture bursts, through the real server (issue 12).
+
+A capsteer server is shared between chat traffic and capture jobs, so what a capture burst
+costs the plain requests batched beside it is what users feel. Each process here is one
+server: `capsteer serve --vanilla` (stock `vllm serve`, same flags) or capsteer.
+Configurations are interleaved over rounds (vanilla, capsteer, vanilla, ...). In each
+server, after an untimed warm-up:
+
+- quiet: C closed-loop clients send plain streamed completions (prompt P tokens, G
+  generated, ignore_eos) for Q seconds;
+- bursts: the same clients go on while a burst of R requests (prompt L tokens, one
+  generated) starts every B seconds. In capsteer each request of a burst captures
+  resid_post at every layer over the prompt, durable, with `capture_wait` (P6's shape at
+  the defaults). In vanilla the same requests carry no capture.
+
+Plain requests are grouped by when they ran: quiet, or beside a burst (their time
+overlaps one). For each group it prints the median and p95 of time to first token and of
+end-to-end latency. It also prints each burst's time to its last response (for capsteer,
+captures durable). Beside them: capsteer / vanilla ratios of the same figures, for each
+round and over the per-process medians (above 1 = slower than vanilla).
+
+    python bench/mixed_latency.py --device cuda --shape llama3-8b-36l --rounds 2 --out $OUT/mixed
+    python bench/mixed_latency.py --device cpu --shape llama-tiny --rounds 1 --quiet-s 10 \
+        --bursts 2 --burst-requests 8 --burst-every 8 --clients 2        (smoke)
+
+Writes <out>/mixed-latency.json (every request's times, per process) and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).parent))
+import perf_models  # bench/ is not a package
+
+CONFIGS = ("vanilla", "capsteer")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_argv(config: str, model: Path, shape: str, args: argparse.Namespace, port: int,
+                capture_dir: Path) -> list[str]:
+    """The same engine flags for both configurations; capsteer adds its capture root."""
+    kw = perf_models.engine_kwargs(shape)
+    max_len = max(args.prompt + args.gen, args.burst_prompt + 1) + 16
+    argv = [sys.executable, "-m", "capsteer.cli", "serve", str(model),
+            "--host", "127.0.0.1", "--port", str(port), "--dtype", kw["dtype"],
+            "--max-model-len", str(max_len), "--seed", "0",
+            "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+            "--gpu-memory-utilization", "0.85" if args.device == "cuda" else "0.3"]
+    if "load_format" in kw:
+        argv += ["--load-format", kw["load_format"]]
+    if config == "vanilla":
+        return [*argv, "--vanilla"]
+    return [*argv, "--capture-dir", str(capture_dir), *args.capsteer_flags]
+
+
+def wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout: float) -> float:
+    import httpx
+
+    t0 = time.monotonic()
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited ({proc.returncode}):\n"
+                               + log.read_text(errors="replace")[-6000:])
+        try:
+            if httpx.get(url + "/v1/models", timeout=2).is_success:
+                return time.monotonic() - t0
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() - t0 > timeout:
+            raise RuntimeError(f"the server did not start in {timeout:.0f} s")
+        time.sleep(1)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(90)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+
+
+class Traffic:
+    """One server's plain clients and bursts; every request's times, from one clock."""
+
+    def __init__(self, url: str, model: str, args: argparse.Namespace, capture: bool,
+                 capture_dir: Path) -> None:
+        from openai import AsyncOpenAI
+
+        self.client = AsyncOpenAI(base_url=url + "/v1", api_key="none", timeout=900,
+                                  max_retries=0)
+        self.model, self.args, self.capture, self.capture_dir = model, args, capture, capture_dir
+        self.rng = random.Random(7)
+        self.t0 = time.monotonic()
+        self.plain: list[dict[str, Any]] = []
+        self.bursts: list[dict[str, Any]] = []
+
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+    def prompt(self, n: int) -> list[int]:
+        """Fresh token ids every request: a repeated prompt would hit the prefix cache."""
+        return [self.rng.randrange(10, 500) for _ in range(n)]
+
+    async def one_plain(self, phase: str) -> None:
+        start = self.now()
+        first = None
+        chunks = 0
+        stream = await self.client.completions.create(
+            model=self.model, prompt=self.prompt(self.args.prompt), max_tokens=self.args.gen,
+            temperature=0.0, stream=True, extra_body={"ignore_eos": True})
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].text is not None:
+                chunks += 1
+                if first is None:
+                    first = self.now()
+        end = self.now()
+        self.plain.append({"phase": phase, "start": start, "first": first, "end": end,
+                           "chunks": chunks})
+
+    async def clients(self, phase: str, until: asyncio.Event) -> None:
+        async def loop() -> None:
+            while not until.is_set():
+                await self.one_plain(phase)
+
+        await asyncio.gather(*(loop() for _ in range(self.args.clients)))
+
+    async def burst(self, record: bool = True) -> dict[str, Any]:
+        extra: dict[str, Any] = {"ignore_eos": True}
+        if self.capture:
+            extra.update({"capture": {"hooks": ["resid_post"], "layers": "all",
+                                      "positions": "prompt", "layout": "packed"},
+                          "capture_wait": True})
+        start = self.now()
+
+        async def one() -> str:
+            r = await self.client.completions.create(
+                model=self.model, prompt=self.prompt(self.args.burst_prompt), max_tokens=1,
+                temperature=0.0, extra_body=extra)
+            if not self.capture:
+                return "none"
+            got = (r.model_extra or {}).get("capture_results") or {}
+            return str(got.get("status"))
+
+        statuses = await asyncio.gather(*(one() for _ in range(self.args.burst_requests)))
+        out = {"start": start, "end": self.now(), "statuses": statuses}
+        out["seconds"] = out["end"] - out["start"]
+        if self.capture and any(s != "ok" for s in statuses):
+            raise RuntimeError(f"capture burst: receipts {sorted(set(statuses))}")
+        if self.capture:  # the next bursts write afresh (an 8B burst is ~3.9 GB)
+            for child in self.capture_dir.iterdir():
+                shutil.rmtree(child, ignore_errors=True)
+        if record:
+            self.bursts.append(out)
+        return out
+
+    async def run(self) -> None:
+        a = self.args
+        # Warm-up (untimed): a burst and a round of plain requests.
+        await self.burst(record=False)
+        await asyncio.gather(*(self.one_plain("warm-up") for _ in range(a.clients)))
+        quiet_done = asyncio.Event()
+        quiet = asyncio.create_task(self.clients("quiet", quiet_done))
+        await asyncio.sleep(a.quiet_s)
+        quiet_done.set()
+        await quiet
+        bursts_done = asyncio.Event()
+        beside = asyncio.create_task(self.clients("bursts", bursts_done))
+        for i in range(a.bursts):
+            started = self.now()
+            await self.burst()
+            if i + 1 < a.bursts:
+                await asyncio.sleep(max(0.0, a.burst_every - (self.now() - started)))
+        bursts_done.set()
+        await beside
+        await self.client.close()
+
+
+def group(plain: list[dict], bursts: list[dict]) -> dict[str, list[dict]]:
+    """quiet (the quiet phase) and beside (overlapping a burst); the rest of the burst
+    phase ran between bursts."""
+    out: dict[str, list[dict]] = {"quiet": [], "beside": [], "between": []}
+    for r in plain:
+        if r["phase"] == "quiet":
+            out["quiet"].append(r)
+        elif r["phase"] == "bursts":
+            hit = any(r["start"] < b["end"] and r["end"] > b["start"] for b in bursts)
+            out["beside" if hit else "between"].append(r)
+    return out
+
+
+def p95(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(0.95 * (len(xs) - 1)))]
+
+
+def figures(plain: list[dict], bursts: list[dict]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, rs in group(plain, bursts).items():
+        ttft = [r["first"] - r["start"] for r in rs if r["first"] is not None]
+        lat = [r["end"] - r["start"] for r in rs]
+        out[name] = {"n": len(rs)}
+        if lat:
+            out[name].update({"ttft_median_s": statistics.median(ttft), "ttft_p95_s": p95(ttft),
+                              "latency_median_s": statistics.median(lat),
+                              "latency_p95_s": p95(lat)})
+    secs = [b["seconds"] for b in bursts]
+    out["burst_s"] = secs
+    out["burst_median_s"] = statistics.median(secs) if secs else None
+    return out
+
+
+def run_process(config: str, model: Path, args: argparse.Namespace, work: Path) -> dict:
+    capture_dir = work / "captures"
+    shutil.rmtree(capture_dir, ignore_errors=True)
+    capture_dir.mkdir(parents=True)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = work / f"serve-{config}.log"
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen(server_argv(config, model, args.shape, args, port, capture_dir),
+                                stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
+                                cwd=work)  # not the checkout: the installed capsteer
+    try:
+        startup = wait_ready(proc, url, log, args.start_timeout)
+        traffic = Traffic(url, str(model), args, config == "capsteer", capture_dir)
+        asyncio.run(traffic.run())
+    except BaseException:
+        print(log.read_text(errors="replace")[-4000:], file=sys.stderr)
+        raise
+    finally:
+        stop(proc)
+        shutil.rmtree(capture_dir, ignore_errors=True)
+    return {"config": config, "startup_s": startup, "plain": traffic.plain,
+            "bursts": traffic.bursts, "figures": figures(traffic.plain, traffic.bursts)}
+
+
+KEYS = [("quiet", "ttft_median_s"), ("quiet", "latency_median_s"),
+        ("beside", "ttft_median_s"), ("beside", "ttft_p95_s"),
+        ("beside", "latency_median_s"), ("beside", "latency_p95_s")]
+HEADS = ["q ttft", "q lat", "b ttft", "b ttft95", "b lat", "b lat95"]
+
+
+def device_name(device: str) -> str:
+    """The GPU's name without a CUDA context in this process (the servers need the memory)."""
+    if device != "cuda":
+        return "cpu"
+    got = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                         capture_output=True, text=True, check=False)
+    return got.stdout.strip().splitlines()[0] if got.returncode == 0 and got.stdout.strip() else "cuda"
+
+
+def row(label: str, f: dict) -> str:
+    cells = [f"{f[g].get(k, float('nan')):9.3f}" for g, k in KEYS]
+    burst = f["burst_median_s"]
+    return (f"{label:<22}" + "".join(cells) + f"{burst if burst is not None else float('nan'):9.3f}"
+            + f"   n quiet {f['quiet']['n']}, beside {f['beside']['n']}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--shape", default=None, help="a bench/perf_models.py geometry "
+                    "(default llama3-8b-36l on cuda, llama-tiny on cpu)")
+    ap.add_argument("--rounds", type=int, default=2, help="processes per configuration")
+    ap.add_argument("--clients", type=int, default=8, help="closed-loop plain clients")
+    ap.add_argument("--prompt", type=int, default=256, help="plain requests' prompt tokens")
+    ap.add_argument("--gen", type=int, default=64, help="plain requests' generated tokens")
+    ap.add_argument("--quiet-s", type=float, default=20.0)
+    ap.add_argument("--bursts", type=int, default=3)
+    ap.add_argument("--burst-every", type=float, default=12.0, help="seconds between burst starts")
+    ap.add_argument("--burst-requests", type=int, default=103)
+    ap.add_argument("--burst-prompt", type=int, default=128)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--capsteer-flags", default="", help="more capsteer serve flags, one string")
+    ap.add_argument("--start-timeout", type=float, default=600.0)
+    ap.add_argument("--deadline", type=float, default=0.0,
+                    help="epoch seconds: start no process after it")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/capsteer-mixed"))
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "bench/results"))
+    args = ap.parse_args()
+    args.shape = args.shape or ("llama3-8b-36l" if args.device == "cuda" else "llama-tiny")
+    args.capsteer_flags = args.capsteer_flags.split()
+    args.work.mkdir(parents=True, exist_ok=True)
+    model = perf_models.write_model(args.work / f"model-{args.shape}", args.shape, args.device)
+    print(perf_models.describe(args.shape), flush=True)
+    processes: list[dict] = []
+    out = args.out / "mixed-latency.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    args.device_name = device_name(args.device)
+    print(f"{'process':<22}" + "".join(f"{h:>9}" for h in HEADS) + f"{'burst s':>9}"
+          "   (seconds; quiet: no burst running; beside: overlapping a burst)", flush=True)
+    for r in range(args.rounds):
+        for config in CONFIGS:
+            if args.deadline and time.time() > args.deadline:
+                print(f"--deadline: not starting {config} round {r + 1}", flush=True)
+                break
+            got = run_process(config, model, args, args.work)
+            got["round"] = r + 1
+            processes.append(got)
+            print(row(f"{config} round {r + 1}", got["figures"]), flush=True)
+            out.write_text(json.dumps(report(args, processes), indent=1))  # survives a timeout
+    result = report(args, processes)
+    out.write_text(json.dumps(result, indent=1))
+    for name, ratios in result["ratios"].items():
+        print(f"capsteer / vanilla, {name}: " + ", ".join(
+            f"{k} {v:.3f}" for k, v in ratios.items() if v is not None), flush=True)
+
+
+def report(args: argparse.Namespace, processes: list[dict]) -> dict:
+    """Per-process figures, and capsteer / vanilla ratios by round and over medians."""
+    ratios: dict[str, dict[str, float | None]] = {}
+
+    def ratio(cap: dict, van: dict) -> dict[str, float | None]:
+        got: dict[str, float | None] = {}
+        for g, k in KEYS:
+            a, b = cap[g].get(k), van[g].get(k)
+            got[f"{g}_{k}"] = a / b if a is not None and b else None
+        a, b = cap["burst_median_s"], van["burst_median_s"]
+        got["burst_median_s"] = a / b if a is not None and b else None
+        return got
+
+    by_round: dict[int, dict[str, dict]] = {}
+    for p in processes:
+        by_round.setdefault(p["round"], {})[p["config"]] = p["figures"]
+    for r, both in sorted(by_round.items()):
+        if set(both) == set(CONFIGS):
+            ratios[f"round {r}"] = ratio(both["capsteer"], both["vanilla"])
+    medians = {}
+    for config in CONFIGS:
+        fs = [p["figures"] for p in processes if p["config"] == config]
+        if not fs:
+            continue
+        med: dict[str, Any] = {g: {} for g in ("quiet", "beside")}
+        for g, k in KEYS:
+            vals = [f[g][k] for f in fs if k in f[g]]
+            med[g][k] = statistics.median(vals) if vals else None
+        bs = [f["burst_median_s"] for f in fs if f["burst_median_s"] is not None]
+        med["burst_median_s"] = statistics.median(bs) if bs else None
+        medians[config] = med
+    if set(medians) == set(CONFIGS):
+        ratios["medians of processes"] = ratio(medians["capsteer"], medians["vanilla"])
+    return {"date": dt.date.today().isoformat(), "command": " ".join(sys.argv),
+            "device": args.device_name,
+            "shape": args.shape, "workload": {k: getattr(args, k) for k in (
+                "clients", "prompt", "gen", "quiet_s", "bursts", "burst_every",
+                "burst_requests", "burst_prompt", "max_num_batched_tokens")},
+            "capsteer_flags": args.capsteer_flags, "processes": processes,
+            "medians": medians, "ratios": ratios}
+
+
+if __name__ == "__main__":
+    main()
