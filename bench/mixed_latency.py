@@ -13,11 +13,14 @@ server, after an untimed warm-up:
   resid_post at every layer over the prompt, durable, with `capture_wait` (P6's shape at
   the defaults). In vanilla the same requests carry no capture.
 
-Plain requests are grouped by when they ran: quiet, or beside a burst (their time
-overlaps one). For each group it prints the median and p95 of time to first token and of
-end-to-end latency. It also prints each burst's time to its last response (for capsteer,
-captures durable). Beside them: capsteer / vanilla ratios of the same figures, for each
-round and over the per-process medians (above 1 = slower than vanilla).
+Plain requests are grouped by when they ran: the quiet phase; the burst phase (all of
+them: the same schedule in both configurations); and, within it, those beside a burst
+(their time overlaps one; a capsteer burst lasts until its captures are durable, so its
+window is longer than vanilla's). For each group it prints the median and p95 of time to
+first token and of end-to-end latency, and each burst's time to its last response.
+Beside them: capsteer / vanilla ratios of the same figures, for each round and over the
+per-process medians of complete rounds (above 1 = slower than vanilla). Captures are
+deleted only between phases, never while requests are timed.
 
     python bench/mixed_latency.py --device cuda --shape llama3-8b-36l --rounds 2 --out $OUT/mixed
     python bench/mixed_latency.py --device cpu --shape llama-tiny --rounds 1 --quiet-s 10 \
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime as dt
 import json
 import os
@@ -92,13 +96,17 @@ def wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout: float) -> f
 
 
 def stop(proc: subprocess.Popen) -> None:
+    """SIGINT the server, then SIGKILL its whole group: engine processes it started may
+    outlive it and hold the GPU's memory the next server needs."""
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGINT)
         try:
             proc.wait(90)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
+            pass
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(30)
 
 
 class Traffic:
@@ -168,18 +176,22 @@ class Traffic:
         out["seconds"] = out["end"] - out["start"]
         if self.capture and any(s != "ok" for s in statuses):
             raise RuntimeError(f"capture burst: receipts {sorted(set(statuses))}")
-        if self.capture:  # the next bursts write afresh (an 8B burst is ~3.9 GB)
-            for child in self.capture_dir.iterdir():
-                shutil.rmtree(child, ignore_errors=True)
         if record:
             self.bursts.append(out)
         return out
+
+    def clear_captures(self) -> None:
+        """Delete published captures, only while no request is timed (a deletion would
+        compete with the server for the disk and this loop's thread)."""
+        for child in self.capture_dir.iterdir():
+            shutil.rmtree(child, ignore_errors=True)
 
     async def run(self) -> None:
         a = self.args
         # Warm-up (untimed): a burst and a round of plain requests.
         await self.burst(record=False)
         await asyncio.gather(*(self.one_plain("warm-up") for _ in range(a.clients)))
+        self.clear_captures()
         quiet_done = asyncio.Event()
         quiet = asyncio.create_task(self.clients("quiet", quiet_done))
         await asyncio.sleep(a.quiet_s)
@@ -195,18 +207,21 @@ class Traffic:
         bursts_done.set()
         await beside
         await self.client.close()
+        self.clear_captures()
 
 
 def group(plain: list[dict], bursts: list[dict]) -> dict[str, list[dict]]:
-    """quiet (the quiet phase) and beside (overlapping a burst); the rest of the burst
-    phase ran between bursts."""
-    out: dict[str, list[dict]] = {"quiet": [], "beside": [], "between": []}
+    """quiet (the quiet phase); bursts (every plain request of the burst phase: the same
+    schedule in both configurations); beside (those overlapping a burst, whose window is
+    longer where bursts take longer, as capsteer's wait for durable captures)."""
+    out: dict[str, list[dict]] = {"quiet": [], "bursts": [], "beside": []}
     for r in plain:
         if r["phase"] == "quiet":
             out["quiet"].append(r)
         elif r["phase"] == "bursts":
-            hit = any(r["start"] < b["end"] and r["end"] > b["start"] for b in bursts)
-            out["beside" if hit else "between"].append(r)
+            out["bursts"].append(r)
+            if any(r["start"] < b["end"] and r["end"] > b["start"] for b in bursts):
+                out["beside"].append(r)
     return out
 
 
@@ -221,9 +236,10 @@ def figures(plain: list[dict], bursts: list[dict]) -> dict[str, Any]:
         ttft = [r["first"] - r["start"] for r in rs if r["first"] is not None]
         lat = [r["end"] - r["start"] for r in rs]
         out[name] = {"n": len(rs)}
+        if ttft:
+            out[name].update({"ttft_median_s": statistics.median(ttft), "ttft_p95_s": p95(ttft)})
         if lat:
-            out[name].update({"ttft_median_s": statistics.median(ttft), "ttft_p95_s": p95(ttft),
-                              "latency_median_s": statistics.median(lat),
+            out[name].update({"latency_median_s": statistics.median(lat),
                               "latency_p95_s": p95(lat)})
     secs = [b["seconds"] for b in bursts]
     out["burst_s"] = secs
@@ -257,9 +273,10 @@ def run_process(config: str, model: Path, args: argparse.Namespace, work: Path) 
 
 
 KEYS = [("quiet", "ttft_median_s"), ("quiet", "latency_median_s"),
-        ("beside", "ttft_median_s"), ("beside", "ttft_p95_s"),
+        ("bursts", "ttft_median_s"), ("bursts", "ttft_p95_s"),
+        ("bursts", "latency_median_s"), ("bursts", "latency_p95_s"),
         ("beside", "latency_median_s"), ("beside", "latency_p95_s")]
-HEADS = ["q ttft", "q lat", "b ttft", "b ttft95", "b lat", "b lat95"]
+HEADS = ["q ttft", "q lat", "p ttft", "p ttft95", "p lat", "p lat95", "b lat", "b lat95"]
 
 
 def device_name(device: str) -> str:
@@ -275,7 +292,8 @@ def row(label: str, f: dict) -> str:
     cells = [f"{f[g].get(k, float('nan')):9.3f}" for g, k in KEYS]
     burst = f["burst_median_s"]
     return (f"{label:<22}" + "".join(cells) + f"{burst if burst is not None else float('nan'):9.3f}"
-            + f"   n quiet {f['quiet']['n']}, beside {f['beside']['n']}")
+            + f"   n quiet {f['quiet']['n']}, burst phase {f['bursts']['n']}, "
+            f"beside {f['beside']['n']}")
 
 
 def main() -> None:
@@ -310,7 +328,8 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     args.device_name = device_name(args.device)
     print(f"{'process':<22}" + "".join(f"{h:>9}" for h in HEADS) + f"{'burst s':>9}"
-          "   (seconds; quiet: no burst running; beside: overlapping a burst)", flush=True)
+          "   (seconds; q: quiet phase; p: the burst phase, every plain request; b: those "
+          "overlapping a burst)", flush=True)
     for r in range(args.rounds):
         for config in CONFIGS:
             if args.deadline and time.time() > args.deadline:
@@ -344,15 +363,15 @@ def report(args: argparse.Namespace, processes: list[dict]) -> dict:
     by_round: dict[int, dict[str, dict]] = {}
     for p in processes:
         by_round.setdefault(p["round"], {})[p["config"]] = p["figures"]
-    for r, both in sorted(by_round.items()):
-        if set(both) == set(CONFIGS):
-            ratios[f"round {r}"] = ratio(both["capsteer"], both["vanilla"])
+    paired = {r for r, both in by_round.items() if set(both) == set(CONFIGS)}
+    for r in sorted(paired):
+        ratios[f"round {r}"] = ratio(by_round[r]["capsteer"], by_round[r]["vanilla"])
     medians = {}
-    for config in CONFIGS:
-        fs = [p["figures"] for p in processes if p["config"] == config]
+    for config in CONFIGS:  # rounds with both configurations only (a deadline can cut one)
+        fs = [p["figures"] for p in processes if p["config"] == config and p["round"] in paired]
         if not fs:
             continue
-        med: dict[str, Any] = {g: {} for g in ("quiet", "beside")}
+        med: dict[str, Any] = {g: {} for g in ("quiet", "bursts", "beside")}
         for g, k in KEYS:
             vals = [f[g][k] for f in fs if k in f[g]]
             med[g][k] = statistics.median(vals) if vals else None

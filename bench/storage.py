@@ -329,6 +329,9 @@ def writer_rate(
             publish(f"warm-{layout}-{i}")
         w.flush()
         touched = touch_rings and w.touch_copy_ring()
+        if touch_rings and not touched:
+            print("warning: the rings could not be faulted in (no MADV_POPULATE_WRITE); "
+                  "this measurement includes their first pass", file=sys.stderr, flush=True)
     before = w.stats() or {}  # the timed publishes' waits, not the warm-up's
     t0, c0, k0 = time.perf_counter(), time.process_time(), _children_cpu_s()
     for i in range(n_requests):
@@ -405,15 +408,19 @@ def parse_variants(text: str, args: argparse.Namespace) -> list[dict[str, Any]]:
             processes, workers = (int(x) for x in shape.split("x"))
         except ValueError:
             raise SystemExit(f"--writer-variants: {item!r} is not "
-                             "PROCESSESxTHREADS[:digest][:direct][:ring=SIZE]") from None
+                             "PROCESSESxTHREADS[:digest][:direct][:ring=SIZE][:cold]") from None
         digest, direct_io, ring_bytes, touch = args.digest, False, args.ring_bytes, not args.cold_rings
         for opt in opts:
             if opt == "direct":
                 direct_io = True
-            elif opt == "cold":
-                touch = False
-            elif opt.startswith("ring="):
-                ring_bytes = _ring_size(opt[len("ring="):], f"--writer-variants {item!r}")
+            elif opt == "cold" or opt.startswith("ring="):
+                if processes == 0:
+                    raise SystemExit(f"--writer-variants {item!r}: :{opt} needs writer processes "
+                                     "(the in-process writer has no ring)")
+                if opt == "cold":
+                    touch = False
+                else:
+                    ring_bytes = _ring_size(opt[len("ring="):], f"--writer-variants {item!r}")
             elif opt in DIGESTS:
                 digest = opt
             else:
@@ -588,8 +595,9 @@ def main(argv: list[str] | None = None) -> int:
                          "2x8:ring=128MiB,2x8:cold (PROCESSESxTHREADS[:digest][:direct][:ring=SIZE]"
                          "[:cold]); the ratio and verdict stay the main writer's")
     ap.add_argument("--cold-rings", action="store_true",
-                    help="time writer processes with their rings not yet faulted in (a fresh "
-                         "writer's first ring of rows); by default they are touched first, as "
+                    help="time writer processes with their rings not yet faulted in past the "
+                         "untimed warm-up (one request's rows each, 128 MiB at the defaults): "
+                         "a fresh writer's first pass; by default they are touched first, as "
                          "a running server's are")
     ap.add_argument("--ring", default=None, metavar="SIZE",
                     help="each writer process's ring, as the server's --capture-ring "
@@ -601,6 +609,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.writer_variants and not args.paired_rounds:
         ap.error("--writer-variants needs --paired-rounds")
+    if not args.processes and (args.ring is not None or args.cold_rings):
+        ap.error("--ring and --cold-rings need --processes (the in-process writer has no ring)")
     if args.workers is None:
         args.workers = default_workers()
     args.ring_bytes = (_ring_size(args.ring, "--ring") if args.ring is not None
@@ -641,7 +651,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"request shape: {args.layers} layers x {args.hidden} hidden x {args.prompt} positions, bf16 "
               f"= {args.layers * args.hidden * args.prompt * 2 / MIB:.0f} MiB; {args.workers} writer threads; "
               f"digest {args.digest}; "
-              + (f"{args.processes} writer process(es)" if args.processes else "in-process writer"))
+              + (f"{args.processes} writer process(es), {args.ring_bytes / MIB:.0f} MiB rings"
+                 f"{' (cold)' if args.cold_rings else ''}" if args.processes else "in-process writer"))
         print(f"{'measurement':<34}{'MB/s':>9}{'ratio':>8}")
         if disk_dd:
             print(f"{'disk: dd bs=1M conv=fsync':<34}{max(disk_dd):>9.0f}{max(disk_dd) / disk:>8.2f}")

@@ -283,13 +283,14 @@ class ProcessCaptureWriter:
             self._send_pending_locked()
 
     def touch_copy_ring(self) -> bool:
-        """Fault in every page of the copy ring now, keeping its contents. Otherwise the
-        sink thread faults them in over the first `ring_bytes` of copied rows, once in
-        the writer's life (about 0.25 s of CPU a GiB on a GPU host); a benchmark that
-        starts a fresh writer calls this so its timed window sees the writer as a server
-        has it after that. False where the kernel lacks MADV_POPULATE_WRITE (Linux < 5.14)."""
+        """Fault in every page of the header and copy ring now, keeping their contents.
+        Otherwise the sink thread faults them in over the first `ring_bytes` of copied
+        rows, once in the writer's life (on an H100 host about 0.5-0.7 s of CPU a GiB); a
+        benchmark that starts a fresh writer calls this so its timed window sees the
+        writer as a server has it after that. False where the kernel refuses
+        MADV_POPULATE_WRITE (before Linux 5.14). Holds the GIL while the kernel works."""
         try:
-            self._mm.madvise(_MADV_POPULATE_WRITE, _HEADER, self.ring_bytes)
+            self._mm.madvise(_MADV_POPULATE_WRITE, 0, _HEADER + self.ring_bytes)
         except OSError:
             return False
         return True
