@@ -22,20 +22,15 @@ import datetime as dt
 import json
 import os
 import re
-import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).parent))
+from serve_proc import free_port, stop, wait_ready  # bench/ is not a package
+
 HOOKS = ["resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def fire(url: str, model: str, n: int, hidden: int) -> list[dict]:
@@ -104,17 +99,7 @@ def main() -> None:
                     "date": dt.date.today().isoformat(), "dp": args.dp,
                     "requests": args.requests, "command": " ".join(sys.argv)}
     try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(log_path.read_text()[-6000:])
-            try:
-                if httpx.get(url + "/v1/models", timeout=2).is_success:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() - t0 > 900:
-                raise RuntimeError("server did not start")
-            time.sleep(1)
+        wait_ready(proc, url, log_path, 900)
         report["startup_s"] = round(time.monotonic() - t0, 1)
         t1 = time.monotonic()
         replies = asyncio.run(fire(url, str(model), args.requests, args.hidden))
@@ -147,12 +132,7 @@ def main() -> None:
             ("capsteer_steering_requests_total", ()))
         report["steered_sent"] = args.requests // 2
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGINT)
-            try:
-                proc.wait(90)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+        stop(proc)
         log.close()
     ranks = sorted(set(re.findall(r"EngineCore_DP(\d+)", log_path.read_text(errors="replace"))))
     report["dp_ranks_in_log"] = ranks
