@@ -71,7 +71,11 @@ def server_argv(config: str, model: Path, shape: str, args: argparse.Namespace, 
         argv += ["--load-format", kw["load_format"]]
     if config == "vanilla":
         return [*argv, "--vanilla"]
-    return [*argv, "--capture-dir", str(capture_dir), *args.capsteer_flags]
+    # A step of burst prompts captures every layer of up to max-num-batched-tokens tokens:
+    # the GPU staging buffer holds them all (its default holds 4 rows a token).
+    staging = args.max_num_batched_tokens * perf_models.SHAPES[shape].layers
+    return [*argv, "--capture-dir", str(capture_dir), "--capture-staging-rows", str(staging),
+            *args.capsteer_flags]
 
 
 class Traffic:

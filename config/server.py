@@ -119,6 +119,11 @@ class ServerSettings(BaseSettings):
                               "shared-memory ring (on a GPU one more of the same size, "
                               "page-locked): how large a burst of captured rows leaves the "
                               "engine before its step waits for the writer, e.g. 256MiB")
+    capture_staging_rows: int | None = Field(
+        None, description="GPU rows for one engine step's captured activations (a row: one "
+        "token at one hook and layer; its GPU memory, rows x hidden x dtype bytes, is taken "
+        "before vLLM sizes its KV cache). A step whose captures need more fails its largest captures with "
+        "an error receipt naming the rows it needed; none: 4 x --max-num-batched-tokens")
     capture_wait_timeout: float = Field(60.0, description="seconds a capture_wait response "
                                         "may be held (then status pending)")
     steering_dir: str = Field("steering-vectors", description="named steering vectors")
@@ -172,6 +177,13 @@ class ServerSettings(BaseSettings):
         if value != DEFAULT_RING_BYTES and writer != "process":
             raise ValueError(f"rings belong to writer processes; capture_writer {writer!r} "
                              "has none")
+        return value
+
+    @field_validator("capture_staging_rows")
+    @classmethod
+    def _check_staging_rows(cls, value: int | None) -> int | None:
+        if value is not None and value < 1:
+            raise ValueError(f"must be at least 1 row; got {value}")
         return value
 
     @field_validator("capture_wait_timeout")
@@ -240,6 +252,8 @@ class ServerSettings(BaseSettings):
             config["capture_io"] = self.capture_io
         if self.capture_ring != DEFAULT_RING_BYTES:
             config["capture_ring_bytes"] = self.capture_ring
+        if self.capture_staging_rows is not None:
+            config["staging_rows"] = self.capture_staging_rows
         return config
 
 

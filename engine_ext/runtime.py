@@ -364,7 +364,8 @@ class HookRuntime:
         step copies some."""
         if plan.staging_rows > self.trash_row:
             raise RuntimeError("capsteer: capture staging buffer too small for this step "
-                               f"({plan.staging_rows} rows > {self.trash_row}); raise staging_rows")
+                               f"({plan.staging_rows} rows > {self.trash_row}); raise "
+                               "--capture-staging-rows (worker config staging_rows)")
         if plan.uniform_slot:
             # Every row of the step is steered by one shared, class-free row: the whole
             # index is that slot (padding rows too: their outputs are dropped), written

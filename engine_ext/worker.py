@@ -342,7 +342,7 @@ class EngineHooks:
             reason = (f"a step needed {plan.staging_rows} capture rows (this request "
                       f"{rows}), more than the staging buffer's {self.runtime.trash_row}; "
                       "capture fewer hooks/layers, lower --max-num-batched-tokens or raise "
-                      "staging_rows")
+                      "--capture-staging-rows (worker config staging_rows)")
             logger.error("capsteer: capture %s failed: %s", capture_id, reason)
             sink = self.sinks.pop(capture_id)
             if self.harvester is not None:

@@ -114,7 +114,8 @@ def test_precedence_flag_env_file_default(tmp_path: Path,
                          "capture_overload": "env", "capture_digest": "default",
                          "capture_writer": "default", "capture_writer_processes": "default",
                          "capture_io": "default", "capture_budget": "default",
-                         "capture_ring": "default", "capture_wait_timeout": "file", "steering_dir": "file",
+                         "capture_ring": "default", "capture_staging_rows": "default",
+                         "capture_wait_timeout": "file", "steering_dir": "file",
                          "admin_key": "env", "capture_default": "default",
                          "global_capture": "default"}
     assert r.config_file == path
@@ -350,12 +351,34 @@ def test_writer_processes_reach_the_workers_only_where_they_can_serve() -> None:
 
 
 # ---- flags and `capsteer config show` ----
+def test_capture_staging_rows_reach_the_workers(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """--capture-staging-rows (GPU rows for one step's captures) is sent as the workers'
+    `staging_rows` only when given; the workers' default (4 x max_num_batched_tokens)
+    stays theirs."""
+    assert ServerSettings().capture_staging_rows is None
+    assert "staging_rows" not in ServerSettings().worker_config()
+    assert load_settings({"capture_staging_rows": 73728}).worker_config()["staging_rows"] == 73728
+    assert load_settings(config_file=write_yaml(tmp_path, {"capture_staging_rows": 4096})) \
+        .capture_staging_rows == 4096
+    monkeypatch.setenv("CAPSTEER_CAPTURE_STAGING_ROWS", "9000")
+    assert load_settings().capture_staging_rows == 9000
+    for bad in (0, -5, "lots"):
+        with pytest.raises(ConfigError, match="capture_staging_rows"):
+            load_settings({"capture_staging_rows": bad})
+    p = argparse.ArgumentParser()
+    cli.add_server_flags(p)
+    args = p.parse_args(["--capture-staging-rows", "50000"])
+    assert cli.overrides_from_args(args) == {"capture_staging_rows": 50000}
+
+
 def test_server_flags_shared_definition() -> None:
     flags = {f.flag: f for f in cli.SERVER_FLAGS}
     assert list(flags) == ["--config", "--capture-dir", "--capture-layout", "--capture-overload",
                            "--capture-digest", "--capture-writer", "--capture-writer-processes",
                            "--capture-io",
-                           "--capture-budget", "--capture-ring", "--capture-wait-timeout", "--steering-dir",
+                           "--capture-budget", "--capture-ring", "--capture-staging-rows",
+                           "--capture-wait-timeout", "--steering-dir",
                            "--admin-key", "--global-capture"]
     assert flags["--capture-layout"].choices == ("packed", "per_file")
     assert flags["--capture-overload"].choices == OVERLOAD_POLICIES
