@@ -122,7 +122,7 @@ class ServerSettings(BaseSettings):
     capture_staging_rows: int | None = Field(
         None, description="GPU rows for one engine step's captured activations (a row: one "
         "token at one hook and layer; its GPU memory, rows x hidden x dtype bytes, is taken "
-        "before vLLM sizes its KV cache). A step whose captures need more fails its largest captures with "
+        "before vLLM sizes its KV cache, and twice that of page-locked host memory). A step whose captures need more fails its largest captures with "
         "an error receipt naming the rows it needed; none: 4 x --max-num-batched-tokens")
     capture_wait_timeout: float = Field(60.0, description="seconds a capture_wait response "
                                         "may be held (then status pending)")
