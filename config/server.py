@@ -122,8 +122,10 @@ class ServerSettings(BaseSettings):
     capture_staging_rows: int | None = Field(
         None, description="GPU rows for one engine step's captured activations (a row: one "
         "token at one hook and layer; its GPU memory, rows x hidden x dtype bytes, is taken "
-        "before vLLM sizes its KV cache, and twice that of page-locked host memory). A step whose captures need more fails its largest captures with "
-        "an error receipt naming the rows it needed; none: 4 x --max-num-batched-tokens")
+        "before vLLM sizes its KV cache, and twice that of page-locked host memory, on every "
+        "GPU worker; CPU engines stage no rows). A step whose captures need more fails its "
+        "largest captures with an error receipt naming the rows it needed; none: 4 x "
+        "--max-num-batched-tokens")
     capture_wait_timeout: float = Field(60.0, description="seconds a capture_wait response "
                                         "may be held (then status pending)")
     steering_dir: str = Field("steering-vectors", description="named steering vectors")
@@ -179,9 +181,16 @@ class ServerSettings(BaseSettings):
                              "has none")
         return value
 
+    @field_validator("capture_staging_rows", mode="before")
+    @classmethod
+    def _check_staging_rows(cls, value: Any) -> Any:
+        if isinstance(value, bool):  # `capture_staging_rows: yes` would be 1 row
+            raise ValueError(f"must be a number of rows; got {value!r}")
+        return value
+
     @field_validator("capture_staging_rows")
     @classmethod
-    def _check_staging_rows(cls, value: int | None) -> int | None:
+    def _check_staging_rows_positive(cls, value: int | None) -> int | None:
         if value is not None and value < 1:
             raise ValueError(f"must be at least 1 row; got {value}")
         return value

@@ -363,7 +363,7 @@ def test_capture_staging_rows_reach_the_workers(tmp_path: Path,
         .capture_staging_rows == 4096
     monkeypatch.setenv("CAPSTEER_CAPTURE_STAGING_ROWS", "9000")
     assert load_settings().capture_staging_rows == 9000
-    for bad in (0, -5, "lots"):
+    for bad in (0, -5, "lots", True):
         with pytest.raises(ConfigError, match="capture_staging_rows"):
             load_settings({"capture_staging_rows": bad})
     p = argparse.ArgumentParser()
