@@ -285,11 +285,11 @@ def digest_compare(directory: Path, repeat: int, files: int = 6, file_mib: int =
 def writer_rate(
     directory: Path, layout: str, total_mib: int, layers: int, hidden: int, prompt: int, workers: int,
     digest: str = "sha256", processes: int = 0, direct_io: bool = False,
-    ring_bytes: int | None = None, touch_rings: bool = True,
+    ring_bytes: int = DEFAULT_RING_BYTES, touch_rings: bool = True,
 ) -> dict[str, float]:
     """The writer's publish rate; `processes` >= 1 publishes through that many writer
-    processes (the engine's path: rows cross a ring of `ring_bytes`, the server's default
-    when None, into each child), 0 in this process. `touch_rings` faults the rings' pages
+    processes (the engine's path: rows cross a ring of `ring_bytes` into each child), 0
+    in this process. `touch_rings` faults the rings' pages
     in before the clock starts, as a server's writer has them after its first ring of rows
     (False times a fresh writer's first pass, page faults included)."""
     spec = parse_capture_spec(
@@ -310,7 +310,7 @@ def writer_rate(
         from capsteer.capture.writer_process import ProcessCaptureWriter
 
         kw = {"budget_bytes": budget * processes, "workers": workers, "digest": digest,
-              "direct_io": direct_io, "ring_bytes": ring_bytes or DEFAULT_RING_BYTES}
+              "direct_io": direct_io, "ring_bytes": ring_bytes}
         w = (ProcessWriterPool(root, processes=processes, **kw) if processes > 1
              else ProcessCaptureWriter(root, **kw))
         if not w.ready.wait(60):
@@ -386,6 +386,14 @@ def _without_sha256(fn: Callable[[], dict[str, float]]) -> dict[str, float]:
         publish.new_hasher = saved
 
 
+def _writer_label(args: argparse.Namespace) -> str:
+    """How the headline writer publishes, for the printed headers."""
+    if not args.processes:
+        return "in-process writer"
+    return (f"{args.processes} writer process(es), {args.ring_bytes / MIB:.0f} MiB rings"
+            f"{' (cold)' if args.cold_rings else ''}")
+
+
 def _ring_size(text: str, where: str) -> int:
     """A writer process's ring size as the server's `--capture-ring` reads it."""
     try:
@@ -449,9 +457,7 @@ def paired_rounds(work: Path, args: argparse.Namespace) -> dict[str, Any]:
     widths = {v["label"]: max(16, len(v["label"]) + 1) for v in variants}
     print(f"directory: {work.parent}; {args.total_mib} MiB per measurement; packed writer"
           f"{' (direct I/O)' if args.direct_io else ''}, "
-          f"{args.workers} threads, digest {args.digest}, "
-          + (f"{args.processes} writer process(es), {args.ring_bytes / MIB:.0f} MiB rings"
-             f"{' (cold)' if args.cold_rings else ''}" if args.processes else "in-process writer"))
+          f"{args.workers} threads, digest {args.digest}, {_writer_label(args)}")
     file_mib = max(1, args.layers * args.prompt * args.hidden * 2 // MIB)  # one request's file
     streams = max(1, args.processes)
     print(f"{'round':>5} {'order':<13}{'dd':>7}{'loop':>7}{'wb loop':>8}{'files':>7}{'direct':>7}"
@@ -650,9 +656,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"directory: {work.parent} ({args.total_mib} MiB per measurement, best of {args.repeat})")
         print(f"request shape: {args.layers} layers x {args.hidden} hidden x {args.prompt} positions, bf16 "
               f"= {args.layers * args.hidden * args.prompt * 2 / MIB:.0f} MiB; {args.workers} writer threads; "
-              f"digest {args.digest}; "
-              + (f"{args.processes} writer process(es), {args.ring_bytes / MIB:.0f} MiB rings"
-                 f"{' (cold)' if args.cold_rings else ''}" if args.processes else "in-process writer"))
+              f"digest {args.digest}; {_writer_label(args)}")
         print(f"{'measurement':<34}{'MB/s':>9}{'ratio':>8}")
         if disk_dd:
             print(f"{'disk: dd bs=1M conv=fsync':<34}{max(disk_dd):>9.0f}{max(disk_dd) / disk:>8.2f}")
