@@ -85,10 +85,13 @@ def needs_end_report(capture: CaptureSpec, prompt_len: int | None) -> bool:
 def build_payload(
     capture: CaptureSpec | None, steering: SteeringSpec | None, capture_id: str | None = None,
     durable: bool = False, dir_time: float | None = None, await_end: bool | None = None,
+    record_id: str | None = None,
 ) -> HookPayload | None:
     """extra_args + cache_salt. Captured prompts never reuse cached blocks (unique
     salt); steered prompts share blocks only with identical steering. `await_end`
-    (default: `durable`) promises the worker an end report for a durable capture."""
+    (default: `durable`) promises the worker an end report for a durable capture.
+    `record_id` is the id the capture records (manifest `request_id`, sharded index
+    `id`); without it, the engine's own request id."""
     if capture is None and (steering is None or steering.is_noop):
         return None
     payload: dict[str, Any] = {}
@@ -107,6 +110,8 @@ def build_payload(
         payload["durable"] = durable
         # the caller reports the output length (end_captures)
         payload["await_end"] = durable if await_end is None else await_end
+        if record_id is not None:
+            payload["record_id"] = record_id
         salt = f"capsteer-capture-{capture_id}"
     return HookPayload({EXTRA_ARGS_KEY: payload}, salt, capture_id)
 

@@ -40,6 +40,8 @@ _RANGE_RE = re.compile(r"\s*(-?\d+)\s*-\s*(-?\d+)\s*")
 _SLICE_RE = re.compile(r"\s*(-?\d+)?\s*:\s*(-?\d+)?\s*")
 _INT_RE = re.compile(r"\s*-?\d+\s*")
 MAX_EXPLICIT_POSITIONS = 1 << 20
+# Explicit positions are int64 on the engine's path; no context is near 2**31 tokens.
+MAX_POSITION = (1 << 31) - 1
 
 
 class SpecError(ValueError):
@@ -133,6 +135,13 @@ def _as_int(value: object, field: str) -> int:
     return int(value)
 
 
+def _position(value: object, field: str) -> int:
+    position = _as_int(value, field)
+    if not -MAX_POSITION <= position <= MAX_POSITION:
+        raise SpecError(field, f"position {position} is out of range (|position| <= {MAX_POSITION})")
+    return position
+
+
 def parse_positions(value: object) -> PositionSpec:
     """Parse `capture.positions`: a kind name, an int, or a list of ints."""
     field = "capture.positions"
@@ -141,7 +150,7 @@ def parse_positions(value: object) -> PositionSpec:
         if kind in POSITION_KINDS and kind != "explicit":
             return PositionSpec(kind)
         if _INT_RE.fullmatch(kind):
-            return PositionSpec("explicit", (int(kind),))
+            return PositionSpec("explicit", (_position(kind, field),))
         accepted = ", ".join(k for k in POSITION_KINDS if k != "explicit")
         raise SpecError(field, f"unknown positions {value!r}; accepted: {accepted} or a list of ints")
     if isinstance(value, (list, tuple)):
@@ -149,10 +158,10 @@ def parse_positions(value: object) -> PositionSpec:
             raise SpecError(field, "empty list")
         if len(value) > MAX_EXPLICIT_POSITIONS:
             raise SpecError(field, f"more than {MAX_EXPLICIT_POSITIONS} positions")
-        ints = sorted({_as_int(v, field) for v in value})
+        ints = sorted({_position(v, field) for v in value})
         return PositionSpec("explicit", tuple(ints))
     if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
-        return PositionSpec("explicit", (int(value),))
+        return PositionSpec("explicit", (_position(value, field),))
     raise SpecError(field, f"expected a string or a list of ints, got {type(value).__name__}")
 
 

@@ -65,6 +65,9 @@ class RequestHooks:
     steering_key: str | None = None  # requests with the same steering share table entries
     sites: frozenset[int] = frozenset()  # sites this request steers or copies at
     group: int = 0  # the writer process its capture goes to: a step's rows are laid out by it
+    # Kept positions can lie past the prompt (see needs_output_length); decided on arrival,
+    # where a payload the engine cannot use is refused without stopping the engine.
+    reaches_output: bool = False
 
     @classmethod
     def from_extra_args(
@@ -85,6 +88,7 @@ class RequestHooks:
             hooks.sink = str(payload.get("sink") or ("durable" if hooks.durable else "memory"))
             hooks.record_id = payload.get("record_id")
             hooks.dir_time = payload.get("dir_time")
+            hooks.reaches_output = hooks.capture.positions.reaches_past_prompt(prompt_len)
             points: dict[tuple[int, int], list[tuple[str, int]]] = defaultdict(list)
             for hook, layer in hooks.capture.keys():
                 point = hook_point(hook, layer)
@@ -122,8 +126,7 @@ class RequestHooks:
     @property
     def needs_output_length(self) -> bool:
         """Whether the kept positions depend on the output length (generated tokens)."""
-        return self.capture is not None and \
-            self.capture.positions.reaches_past_prompt(self.prompt_len)
+        return self.capture is not None and self.reaches_output
 
     def release(self, runtime: HookRuntime) -> None:
         runtime.free_slot(self.slot, self.steering_key if self.shared_slot else None)

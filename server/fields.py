@@ -10,6 +10,7 @@ becomes `SamplingParams.extra_args` in every worker) and `cache_salt`.
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -70,6 +71,33 @@ def lift_extra_body(body: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
+def refuse_reserved_args(body: Mapping[str, Any]) -> None:
+    """Only capsteer writes its worker payload. A client's own `vllm_xargs.capsteer` (on
+    any endpoint that takes `vllm_xargs`) or `sampling_params.extra_args.capsteer` (the
+    token-in endpoint) would reach every worker without the checks, the admission and the
+    tracking that the fields above get: refused, with or without capsteer fields."""
+    params = body.get("sampling_params")
+    for field, args in (("vllm_xargs", body.get("vllm_xargs")),
+                        ("sampling_params.extra_args",
+                         params.get("extra_args") if isinstance(params, Mapping) else None)):
+        if isinstance(args, str):  # form-data endpoints send vllm_xargs as JSON text
+            try:
+                args = json.loads(args)
+            except ValueError:
+                continue  # not JSON: vLLM refuses it itself
+        if isinstance(args, Mapping) and EXTRA_ARGS_KEY in args:
+            raise FieldError(f"{field}.{EXTRA_ARGS_KEY}", "is reserved for capsteer's own fields")
+
+
+def _check_positions_fit(capture: CaptureSpec, max_model_len: int) -> None:
+    """An explicit position no request can reach (past the context, or counting back
+    further than any prompt) would leave its capture silently short: refused."""
+    outside = [p for p in capture.positions.explicit if not -max_model_len <= p < max_model_len]
+    if outside:
+        raise FieldError("capture.positions", f"position {outside[0]} lies outside the model's "
+                         f"context (max_model_len {max_model_len})")
+
+
 def parse_hook_fields(
     body: dict[str, Any], shape: ModelShape, *, lookup: VectorLookup | None,
     default_layout: str, capture_default: Mapping[str, Any] | None,
@@ -80,6 +108,7 @@ def parse_hook_fields(
     if raw_capture is not None and raw_capture is not False:
         capture = parse_capture_spec(raw_capture, num_layers=shape.num_layers,
                                      default_layout=default_layout, default=capture_default)
+        _check_positions_fit(capture, shape.max_model_len)
         n = body.get("n", 1)
         if n is not None and n != 1:
             raise FieldError("n", "capture needs n=1 (one capture per request; send n requests)")
@@ -102,17 +131,34 @@ def parse_hook_fields(
             raise FieldError(exc.field, exc.reason) from None
     stream = body.get("stream") is True
     options = body.get("stream_options")
+    if options is not None and not isinstance(options, Mapping):
+        raise FieldError("stream_options", f"must be an object, got {type(options).__name__}")
     wants_usage = isinstance(options, Mapping) and options.get("include_usage") is True
     return HookFields(capture, wait, steering, stream, wants_usage)
 
 
+def response_id(body: dict[str, Any], path: str, header_id: str | None) -> str:
+    """The `id` vLLM gives the response ("chatcmpl-…" / "cmpl-…" + the X-Request-Id
+    header, else the body's `request_id`), so a capture's manifest can name it. A body
+    with neither gets a fresh `request_id` here (vLLM would draw one itself)."""
+    base = header_id
+    if base is None:
+        given = body.get("request_id")
+        if not isinstance(given, str) or not given:
+            given = body["request_id"] = uuid.uuid4().hex
+        base = given
+    return ("chatcmpl-" if path.rstrip("/").endswith("/chat/completions") else "cmpl-") + base
+
+
 def rewrite_body(body: dict[str, Any], hooks: HookFields, capture_id: str | None,
-                 dir_time: float | None = None) -> dict[str, Any]:
+                 dir_time: float | None = None, record_id: str | None = None) -> dict[str, Any]:
     """The body stock vLLM accepts: capsteer fields out, `vllm_xargs` and `cache_salt` in.
-    `dir_time` dates the capture's directory (default: now)."""
+    `dir_time` dates the capture's directory (default: now); `record_id` is the id the
+    capture records (the response's id)."""
     out = {k: v for k, v in body.items() if k not in HOOK_FIELDS}
     payload = build_payload(hooks.capture, hooks.steering, capture_id=capture_id,
-                            durable=hooks.capture is not None, dir_time=dir_time)
+                            durable=hooks.capture is not None, dir_time=dir_time,
+                            record_id=record_id)
     if payload is None:
         return out
     xargs = out.get("vllm_xargs")
@@ -120,8 +166,7 @@ def rewrite_body(body: dict[str, Any], hooks: HookFields, capture_id: str | None
         xargs = {}
     if not isinstance(xargs, Mapping):
         raise FieldError("vllm_xargs", "must be an object")
-    if EXTRA_ARGS_KEY in xargs:
-        raise FieldError(f"vllm_xargs.{EXTRA_ARGS_KEY}", "is reserved for capsteer's own fields")
+    refuse_reserved_args(out)
     out["vllm_xargs"] = {**xargs, EXTRA_ARGS_KEY: json.dumps(payload.extra_args[EXTRA_ARGS_KEY])}
     if payload.cache_salt:
         user_salt = out.get("cache_salt")

@@ -8,6 +8,8 @@ to `vllm serve`, so every vLLM endpoint and flag keeps working. The middleware:
 - on chat/completions, validates `capture`, `capture_wait` and `steering` before
   vLLM sees the request (400 naming the field; 429 under the reject policy) and
   rewrites them into `vllm_xargs` and `cache_salt`;
+- on every JSON POST, refuses a client's own `vllm_xargs.capsteer` (the workers' payload,
+  which only these checks may write);
 - on the way back, adds `capture_results` (see responses.py);
 - on /metrics, appends the capsteer metrics to vLLM's (see metrics.py for several
   API server processes).
@@ -24,6 +26,7 @@ from collections.abc import Awaitable, Callable
 
 from capsteer.config.server import ServerSettings
 from capsteer.engine import new_capture_id
+from capsteer.engine_ext.plan import EXTRA_ARGS_KEY
 from capsteer.server import metrics
 from capsteer.server.fields import (
     HOOK_FIELDS,
@@ -31,6 +34,8 @@ from capsteer.server.fields import (
     estimate_capture_bytes,
     lift_extra_body,
     parse_hook_fields,
+    refuse_reserved_args,
+    response_id,
     rewrite_body,
 )
 from capsteer.server.responses import CaptureResponder
@@ -81,6 +86,11 @@ def replay(body: bytes, receive: Receive) -> Receive:
     return inner
 
 
+def _is_json(scope: Scope) -> bool:
+    content_type = dict(scope["headers"]).get(b"content-type", b"")
+    return content_type.split(b";")[0].strip().lower() == b"application/json"
+
+
 def with_content_length(scope: Scope, length: int) -> Scope:
     headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
     headers.append((b"content-length", str(length).encode()))
@@ -104,6 +114,8 @@ class CapsteerMiddleware:
         method, path = scope.get("method"), scope.get("path", "")
         if method == "POST" and path in GENERATION_PATHS:
             await self._generation(scope, receive, send)
+        elif method == "POST" and _is_json(scope):
+            await self._other_post(scope, receive, send)
         elif method == "GET" and path.rstrip("/") == "/metrics":
             await self._metrics(scope, receive, send)
         else:
@@ -131,6 +143,26 @@ class CapsteerMiddleware:
                  self.state.model.hidden_size, settings.capture_dir, settings.capture_layout,
                  settings.capture_overload, settings.steering_dir)
 
+    # ---- every other JSON POST (responses, messages, token-in generate, ...) ----
+    async def _other_post(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """vLLM endpoints beyond chat/completions take `vllm_xargs` too: a client's own
+        capsteer payload there is refused (see refuse_reserved_args), all else untouched."""
+        raw = await read_body(receive)
+        # JSON may spell the key with escapes ("\u0063apsteer"): such bodies are parsed too.
+        if (EXTRA_ARGS_KEY.encode() in raw or b"\\u" in raw) and self._authorized(scope):
+            try:
+                body = json.loads(raw)
+            except ValueError:
+                body = None
+            if isinstance(body, dict):
+                try:
+                    refuse_reserved_args(body)
+                except FieldError as exc:
+                    await send_json(send, 400, error_body(400, str(exc), exc.field,
+                                                          "BadRequestError"))
+                    return
+        await self.app(scope, replay(raw, receive), send)
+
     # ---- chat / completions ----
     def _authorized(self, scope: Scope) -> bool:
         """Mirror vLLM's --api-key check: an unauthenticated request goes on untouched and
@@ -153,9 +185,16 @@ class CapsteerMiddleware:
         except ValueError:
             body = None
         global_capture = state.global_capture
-        if not isinstance(body, dict) or not (
-                global_capture is not None or "extra_body" in body
-                or any(f in body for f in HOOK_FIELDS)) or not self._authorized(scope):
+        if not isinstance(body, dict) or not self._authorized(scope):
+            await self.app(scope, replay(raw, receive), send)
+            return
+        if not (global_capture is not None or "extra_body" in body
+                or any(f in body for f in HOOK_FIELDS)):
+            try:
+                refuse_reserved_args(body)
+            except FieldError as exc:
+                await send_json(send, 400, error_body(400, str(exc), exc.field, "BadRequestError"))
+                return
             await self.app(scope, replay(raw, receive), send)
             return
         try:
@@ -168,7 +207,12 @@ class CapsteerMiddleware:
                 capture_default=state.settings.capture_default)
             capture_id = new_capture_id() if hooks.capture is not None else None
             dir_time = time.time()
-            new_body = rewrite_body(body, hooks, capture_id, dir_time)
+            record_id = None
+            if capture_id is not None:
+                header = dict(scope["headers"]).get(b"x-request-id")
+                record_id = response_id(body, scope.get("path", ""),
+                                        None if header is None else header.decode("latin-1"))
+            new_body = rewrite_body(body, hooks, capture_id, dir_time, record_id)
         except FieldError as exc:
             await send_json(send, 400, error_body(400, str(exc), exc.field, "BadRequestError"))
             return

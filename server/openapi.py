@@ -45,7 +45,7 @@ STEERING = {
     "type": "object", "description": "Steer the residual stream per request (api.md §2).",
     "required": ["vectors"], "additionalProperties": False,
     "properties": {"vectors": {"type": "array", "items": {
-        "type": "object", "required": ["hook", "vector"],
+        "type": "object", "required": ["vector"],
         "properties": {
             "hook": _HOOK, "layer": {"type": "integer"}, "layers": _LAYERS,
             "vector": {"anyOf": [

@@ -102,6 +102,20 @@ async def list_vectors(request: Request) -> dict[str, Any]:
     return {"object": "list", "data": items}
 
 
+async def _body_up_to(request: Request, limit: int) -> bytes | None:
+    """The body, or None once it passes `limit` bytes (read no further: an oversized
+    upload is never held whole in memory)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        return None
+    data = bytearray()
+    async for chunk in request.stream():
+        data += chunk
+        if len(data) > limit:
+            return None
+    return bytes(data)
+
+
 @router.put("/v1/steering/vectors/{name}", status_code=201)
 async def put_vector(name: str, request: Request, format: str | None = None) -> Response:
     """Register (or replace) a vector. Body: safetensors, .pt, .npy, JSON or a GGUF control
@@ -110,9 +124,9 @@ async def put_vector(name: str, request: Request, format: str | None = None) -> 
     if denied is not None:
         return denied
     name_error, format_error = _registry_errors()
-    data = await request.body()
-    if len(data) > MAX_VECTOR_UPLOAD:
-        return _error(413, f"vector upload of {len(data)} bytes is over {MAX_VECTOR_UPLOAD}", "body")
+    data = await _body_up_to(request, MAX_VECTOR_UPLOAD)
+    if data is None:  # api.md §4: too many bytes is a 400 naming the field
+        return _error(400, f"vector upload is over {MAX_VECTOR_UPLOAD} bytes", "body")
     if not data:
         return _error(400, "empty body: send the vector file as the request body", "body")
     try:

@@ -134,7 +134,8 @@ def test_position_forms(value, kind, explicit):
     assert spec.positions == PositionSpec(kind, explicit)
 
 
-@pytest.mark.parametrize("value", ["first", [], ["x"], [True], 2.0])
+@pytest.mark.parametrize("value", ["first", [], ["x"], [True], 2.0, [2**63], -(2**31), 2**31,
+                                   str(2**64), [0, "9" * 30]])
 def test_position_errors(value):
     with pytest.raises(SpecError) as info:
         parse({"positions": value})
@@ -215,3 +216,15 @@ def test_position_spec_rejects_inconsistent():
         PositionSpec("explicit")
     with pytest.raises(SpecError):
         PositionSpec("nope")
+
+
+def test_wire_positions_out_of_range_are_refused_before_the_engine_uses_them():
+    """A payload that skipped the front end (the workers parse the wire form) must not
+    reach numpy's int64 on the step thread: from_wire refuses it by name."""
+    spec = parse({"positions": [2**31 - 1, -(2**31 - 1)]})
+    assert spec.positions.reaches_past_prompt(10)
+    wire = json.loads(spec.to_json())
+    wire["positions"] = [2**63]
+    with pytest.raises(SpecError) as info:
+        CaptureSpec.from_wire(json.dumps(wire))
+    assert info.value.field == "capture.positions"

@@ -60,6 +60,12 @@ BAD: list[tuple[str, dict, str]] = [
     ("field twice", {"capture": True, "extra_body": {"capture": True}}, "extra_body.capture"),
     ("reserved vllm_xargs key", {"capture": True, "vllm_xargs": {"capsteer": "{}"}},
      "vllm_xargs.capsteer"),
+    # Past int64: once crashed the engine core (numpy overflow on the step thread).
+    ("position past int64", {"capture": {"positions": [2**63]}}, "capture.positions"),
+    ("position past the context", {"capture": {"positions": [0, 10**6]}}, "capture.positions"),
+    ("position before any prompt", {"capture": {"positions": -(10**6)}}, "capture.positions"),
+    ("stream_options not an object",
+     {"capture": True, "stream": True, "stream_options": "usage"}, "stream_options"),
 ]
 
 
@@ -82,6 +88,40 @@ def test_invalid_fields_get_400_naming_the_field_and_never_reach_the_engine(serv
     for name in ("vllm:prompt_tokens_total", "vllm:request_success_total"):
         assert metric_value(after, name, model_name="demo") == metric_value(
             before, name, model_name="demo"), name
+
+
+RESERVED = '{"capture": "{\\"hooks\\": {\\"resid_post\\": [0]}}", "capture_id": "forged"}'
+PLAIN = {"model": "demo", "max_tokens": 2}
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/completions", {**PLAIN, "prompt": PROMPT, "vllm_xargs": {"capsteer": RESERVED}},
+     "vllm_xargs.capsteer"),
+    ("/v1/chat/completions", {**PLAIN, "messages": [{"role": "user", "content": PROMPT}],
+                              "vllm_xargs": {"capsteer": RESERVED}}, "vllm_xargs.capsteer"),
+    ("/v1/responses", {"model": "demo", "input": PROMPT, "vllm_xargs": {"capsteer": RESERVED}},
+     "vllm_xargs.capsteer"),
+    ("/inference/v1/generate", {"model": "demo", "token_ids": [1, 2, 3], "sampling_params": {
+        "max_tokens": 2, "extra_args": {"capsteer": RESERVED}}}, "sampling_params.extra_args"),
+])
+def test_a_clients_own_worker_payload_is_refused_on_every_endpoint(server, http, path, body,
+                                                                    param):
+    """Without capsteer fields a body goes to vLLM untouched, but a `capsteer` key of its
+    own would reach the workers unchecked (no admission, no tracking): refused, also
+    when the JSON spells the key with escapes."""
+    before = scrape(server.url)
+    for encoded in (json.dumps(body), json.dumps(body).replace('"capsteer"', '"\\u0063apsteer"')):
+        r = http.post(path, content=encoded, headers={"content-type": "application/json"})
+        assert r.status_code == 400, (path, r.status_code, r.text)
+        assert r.json()["error"]["param"].startswith(param), r.text
+    after = scrape(server.url)
+    assert metric_value(after, "vllm:request_success_total", model_name="demo") == \
+        metric_value(before, "vllm:request_success_total", model_name="demo")
+
+
+def test_other_vllm_xargs_still_reach_vllm(http):
+    r = http.post("/v1/completions", json={**PLAIN, "prompt": PROMPT, "vllm_xargs": {"k": "v"}})
+    assert r.status_code == 200, r.text
 
 
 def test_nothing_lands_outside_the_capture_root(server, http):

@@ -22,11 +22,13 @@ pytestmark = [pytest.mark.engine, pytest.mark.uses_engine("server")]
 MESSAGES = [{"role": "user", "content": "tell me about foxes and dogs"}]
 
 
-def _check_durable(server, results: dict, completion_tokens: int) -> None:
+def _check_durable(server, results: dict, completion_tokens: int, response_id: str) -> None:
     """The files were durable when the response arrived: manifest visible, every file
-    listed exists with its size, and exactly the fed positions are there."""
+    listed exists with its size, and exactly the fed positions are there. The manifest
+    names the response's own id."""
     directory = capture_dir(server, results)
     manifest = json.loads((directory / "manifest.json").read_text())
+    assert manifest["request_id"] == response_id
     for f in manifest["files"]:
         assert (directory / f["name"]).stat().st_size == f["bytes"]
     assert manifest["fed_tokens"] == manifest["prompt_tokens"] + completion_tokens - 1
@@ -37,7 +39,7 @@ def test_completion_capture_wait_equals_hf(server, client, hf_models):
     resp = client.completions.create(model="demo", prompt=PROMPT, max_tokens=6, temperature=0,
                                      extra_body={"capture": ALL_HOOKS, "capture_wait": True})
     results = resp.model_extra["capture_results"]
-    _check_durable(server, results, resp.usage.completion_tokens)
+    _check_durable(server, results, resp.usage.completion_tokens, resp.id)
     assert assert_capture_matches_hf(hf_models["qwen3"], capture_dir(server, results)) > 0
 
 
@@ -46,8 +48,25 @@ def test_chat_capture_wait_equals_hf(server, client, hf_models):
         model="demo", messages=MESSAGES, max_tokens=5, temperature=0,
         extra_body={"capture": ALL_HOOKS, "capture_wait": True})
     results = resp.model_extra["capture_results"]
-    _check_durable(server, results, resp.usage.completion_tokens)
+    _check_durable(server, results, resp.usage.completion_tokens, resp.id)
     assert_capture_matches_hf(hf_models["qwen3"], capture_dir(server, results))
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_manifest_names_the_response_id_the_client_chose(server, client, kind):
+    """X-Request-Id (vLLM's own header) and the body's `request_id` both set the response's
+    id; the capture's manifest records the same id, so the two can be joined."""
+    extra = {"capture": True, "capture_wait": True}
+    for header, body_id in (("hdr-7", None), (None, "body-8")):
+        kwargs = {"model": "demo", "max_tokens": 2, "temperature": 0,
+                  "extra_headers": {"X-Request-Id": header} if header else None,
+                  "extra_body": {**extra, **({"request_id": body_id} if body_id else {})}}
+        resp = client.chat.completions.create(messages=MESSAGES, **kwargs) if kind == "chat" \
+            else client.completions.create(prompt=PROMPT, **kwargs)
+        prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
+        assert resp.id == prefix + (header or body_id)
+        _check_durable(server, resp.model_extra["capture_results"], resp.usage.completion_tokens,
+                       resp.id)
 
 
 @pytest.mark.parametrize("kind", ["completion", "chat"])
@@ -66,7 +85,7 @@ def test_streaming_final_chunk_carries_results(server, client, hf_models, kind):
     assert last.id == chunks[0].id and last.model == "demo"
     assert all("capture_results" not in (c.model_extra or {}) for c in chunks[:-1])
     assert all(c.usage is None for c in chunks), "usage chunk leaked though not asked for"
-    _check_durable(server, results, 7)
+    _check_durable(server, results, 7, last.id)
     assert_capture_matches_hf(hf_models["qwen3"], capture_dir(server, results))
 
 
@@ -95,7 +114,7 @@ def test_stop_string_ends_capture_at_the_output(server, client, hf_models):
     assert resp.choices[0].finish_reason == "stop"
     assert resp.usage.completion_tokens < 24
     results = resp.model_extra["capture_results"]
-    _check_durable(server, results, resp.usage.completion_tokens)
+    _check_durable(server, results, resp.usage.completion_tokens, resp.id)
     assert_capture_matches_hf(hf_models["qwen3"], capture_dir(server, results))
 
 

@@ -615,3 +615,31 @@ def test_lookup_unknown_and_hostile_names_are_field_errors(reg):
             parse_steering_spec({"vectors": [{"layer": 0, "vector": {"name": name}}]},
                                 num_layers=LAYERS, hidden_size=HIDDEN, lookup=reg.lookup)
         assert err.value.field == "steering.vectors[0].vector.name"
+
+
+@pytest.mark.parametrize(("chunks", "declared", "want"), [
+    ([b"ab", b"cd"], None, b"abcd"),
+    ([b"ab", b"cd"], 4, b"abcd"),
+    ([b"abc", b"de"], None, None),  # streamed (no length): stops past the limit
+    ([b"a"], 99, None),  # the declared length alone refuses it, unread
+])
+def test_vector_uploads_are_read_up_to_the_limit(chunks, declared, want):
+    """An upload over the limit is refused without holding it whole (server/routes.py)."""
+    import asyncio
+
+    from starlette.requests import Request
+
+    from capsteer.server.routes import _body_up_to
+
+    sent: list[bytes] = []
+
+    async def receive() -> dict:
+        chunk = chunks[len(sent)]
+        sent.append(chunk)
+        return {"type": "http.request", "body": chunk, "more_body": len(sent) < len(chunks)}
+
+    headers = [] if declared is None else [(b"content-length", str(declared).encode())]
+    request = Request({"type": "http", "method": "PUT", "headers": headers}, receive)
+    assert asyncio.run(_body_up_to(request, 4)) == want
+    if declared == 99:
+        assert sent == []
