@@ -35,6 +35,15 @@ def main(argv: list[str] | None = None) -> int:
 
         return extract.main(argv[1:])
     if argv[:1] == ["serve"]:  # every unknown flag belongs to `vllm serve`
+        from capsteer.server import launch
+
+        if not argv[1:]:
+            print(launch.serve_help(), file=sys.stderr)
+            return 2
+        if {"-h", "--help"} & set(argv[1:]):  # --help=GROUP is vLLM's
+            print(launch.serve_help())
+            return 0
+        argv = ["serve", *launch.model_first(argv[1:])]
         args, passthrough = build_parser().parse_known_args(argv)
         return int(args.func(args, passthrough) or 0)
     args = build_parser().parse_args(argv)

@@ -25,6 +25,7 @@ from capsteer.config.server import (
     ServerSettings,
     load_settings,
     resolve_settings,
+    split_config_file,
 )
 
 MASK = "***"
@@ -57,7 +58,9 @@ def _field_flag(field: str, **kwargs: Any) -> ServerFlag:
 
 
 SERVER_FLAGS: list[ServerFlag] = [
-    ServerFlag("--config", None, f"YAML file of server settings (or set {CONFIG_ENV_VAR})",
+    ServerFlag("--config", None, "YAML file, as `vllm serve --config` reads it; capsteer takes "
+               "its own settings from it (these flags' names, or a `server:` section) and "
+               f"leaves every other key to vLLM (a file of capsteer settings only: {CONFIG_ENV_VAR})",
                metavar="FILE"),
     _field_flag("capture_dir", metavar="DIR"),
     _field_flag("capture_layout", choices=tuple(LAYOUTS)),
@@ -91,7 +94,7 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
 def load_from_args(args: argparse.Namespace) -> ServerSettings:
     """Effective settings for parsed SERVER_FLAGS (flag > env > file > default)."""
-    return load_settings(overrides_from_args(args), getattr(args, "config", None))
+    return load_settings(overrides_from_args(args), getattr(args, "config", None), shared=True)
 
 
 def add_command(subparsers: argparse._SubParsersAction) -> None:
@@ -105,11 +108,14 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
 
 def _show(args: argparse.Namespace) -> int:
     try:
-        resolved = resolve_settings(overrides_from_args(args), args.config)
+        resolved = resolve_settings(overrides_from_args(args), args.config, shared=True)
+        left = split_config_file(args.config)[1] if args.config else {}
     except ConfigError as exc:
         print(f"capsteer config: {exc}", file=sys.stderr)
         return 2
     print(render(resolved, args.format))
+    if left and args.format == "yaml":
+        print(f"# left to vllm serve: {', '.join(str(k) for k in left)}")
     return 0
 
 

@@ -60,6 +60,7 @@ class _Resolution:
     """How the next `ServerSettings(...)` in this context picks its sources."""
 
     config_file: Path | None = None  # YAML file to read (None: no file)
+    shared_file: bool = False  # the file is `vllm serve --config`'s: other keys are vLLM's
     init_only: bool = False  # from_env: the JSON blob is already the effective config
 
 
@@ -226,7 +227,8 @@ class ServerSettings(BaseSettings):
             return (init_settings,)
         if resolution.config_file is None:
             return init_settings, env_settings
-        return init_settings, env_settings, YamlFileSource(settings_cls, resolution.config_file)
+        return init_settings, env_settings, YamlFileSource(settings_cls, resolution.config_file,
+                                                           shared=resolution.shared_file)
 
     def to_env(self) -> str:
         return self.model_dump_json()
@@ -266,8 +268,11 @@ class ServerSettings(BaseSettings):
         return config
 
 
-def read_config_file(path: str | Path) -> dict[str, Any]:
-    """The settings in a YAML file (flat, or under `server:`), unknown keys refused."""
+def read_config_file(path: str | Path, shared: bool = False) -> dict[str, Any]:
+    """The settings in a YAML file (flat, or under `server:`), unknown keys refused; in a
+    `shared` file (`capsteer serve --config`, which is also vLLM's) they are vLLM's."""
+    if shared:
+        return split_config_file(path)[0]
     path = Path(path)
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
@@ -276,6 +281,33 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     except (OSError, yaml.YAMLError) as exc:
         raise ConfigError(f"config file {path}: cannot read it: {exc}") from None
     return _file_settings(data, path)
+
+
+def split_config_file(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(capsteer's settings, every other key) of a YAML file that `capsteer serve --config`
+    shares with `vllm serve --config`: capsteer's are its setting names (flat, `-` or `_`)
+    and the `server:` section; the rest is vLLM's, as `vllm serve --config` reads it."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"config file {path}: cannot read it: {exc}") from None
+    if data is None:
+        return {}, {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path}: expected a mapping of settings, "
+                          f"got {type(data).__name__}")
+    valid = set(ServerSettings.model_fields)
+    ours = {k: v for k, v in data.items()
+            if k == FILE_SECTION or str(k).replace("-", "_") in valid}
+    if FILE_SECTION in ours and len(ours) > 1:
+        raise ConfigError(f"config file {path}: capsteer settings both under '{FILE_SECTION}:' "
+                          f"and at the top level ({', '.join(str(k) for k in ours)}); give "
+                          "them in one place")
+    rest = {k: v for k, v in data.items() if k not in ours}
+    return _file_settings(ours, path), rest
 
 
 def _file_settings(data: Any, path: Path) -> dict[str, Any]:
@@ -302,13 +334,14 @@ def _file_settings(data: Any, path: Path) -> dict[str, Any]:
 class YamlFileSource(YamlConfigSettingsSource):
     """pydantic-settings' YAML source, strict: missing file, stray keys are errors."""
 
-    def __init__(self, settings_cls: type[BaseSettings], path: Path) -> None:
+    def __init__(self, settings_cls: type[BaseSettings], path: Path, shared: bool = False) -> None:
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
+        self.shared = shared
         super().__init__(settings_cls, yaml_file=path)
 
     def _read_file(self, file_path: Any) -> dict[str, Any]:
-        return read_config_file(file_path)
+        return read_config_file(file_path, shared=self.shared)
 
 
 class Resolved(NamedTuple):
@@ -320,7 +353,7 @@ class Resolved(NamedTuple):
 
 
 def resolve_settings(overrides: Mapping[str, Any] | None = None,
-                     config_file: str | Path | None = None) -> Resolved:
+                     config_file: str | Path | None = None, shared: bool = False) -> Resolved:
     """`load_settings`, plus the source of every field."""
     flags = {k: v for k, v in (overrides or {}).items() if v is not None}
     valid = list(ServerSettings.model_fields)
@@ -328,7 +361,9 @@ def resolve_settings(overrides: Mapping[str, Any] | None = None,
     if unknown:
         raise ConfigError(f"unknown setting(s) {', '.join(unknown)}; valid: {', '.join(valid)}")
     path = config_file_path(config_file)
-    file_values = read_config_file(path) if path is not None else {}
+    # $CAPSTEER_CONFIG is capsteer's alone; a file given as `--config` is vLLM's too
+    shared = shared and config_file is not None
+    file_values = read_config_file(path, shared) if path is not None else {}
     try:
         env_values = _env_values()
     except SettingsError as exc:
@@ -341,7 +376,7 @@ def resolve_settings(overrides: Mapping[str, Any] | None = None,
         else "file" if name in file_values else "default"
         for name in valid}
     try:
-        with _resolving(_Resolution(config_file=path)):
+        with _resolving(_Resolution(config_file=path, shared_file=shared)):
             settings = ServerSettings(**flags)
     except ValidationError as exc:
         raise ConfigError(_explain(exc, sources, path)) from None
@@ -349,13 +384,13 @@ def resolve_settings(overrides: Mapping[str, Any] | None = None,
 
 
 def load_settings(overrides: Mapping[str, Any] | None = None,
-                  config_file: str | Path | None = None) -> ServerSettings:
+                  config_file: str | Path | None = None, shared: bool = False) -> ServerSettings:
     """Effective settings: flag (overrides; None = not given) > CAPSTEER_* env > YAML file
     (`config_file`, else $CAPSTEER_CONFIG) > defaults. Raises `ConfigError`.
 
     Dict values (capture_default) given both in env and file are merged key by key.
     """
-    return resolve_settings(overrides, config_file).settings
+    return resolve_settings(overrides, config_file, shared).settings
 
 
 def _env_values() -> dict[str, Any]:

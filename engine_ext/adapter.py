@@ -486,20 +486,27 @@ def run_vllm_serve(argv: list[str]) -> None:
         sys.argv = ["vllm", "serve", *argv]
         vllm_main()
         return
-    from vllm.entrypoints.cli import serve as serve_cli
     from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
     from vllm.logger import configure_logging_from_args
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     cli_env_setup()
+    args, command = vllm_serve_args(argv)
+    configure_logging_from_args(args)
+    command.validate(args)
+    command.cmd(args)
+
+
+def vllm_serve_args(argv: list[str]) -> tuple[object, object]:
+    """(namespace, serve command) as `vllm serve ARGV` parses it: vLLM's own parser, so
+    what capsteer hands vLLM can be checked without starting a server."""
+    from vllm.entrypoints.cli import serve as serve_cli
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
     parser = FlexibleArgumentParser(prog="capsteer serve")
     subparsers = parser.add_subparsers(dest="subparser", required=True)
     (command,) = serve_cli.cmd_init()
     command.subparser_init(subparsers)
-    args = parser.parse_args(["serve", *argv])
-    configure_logging_from_args(args)
-    command.validate(args)
-    command.cmd(args)
+    return parser.parse_args(["serve", *argv]), command
 
 
 def is_capture_rank() -> bool:

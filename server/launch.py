@@ -14,7 +14,7 @@ import json
 import os
 
 from capsteer.config.cli import add_server_flags, load_from_args
-from capsteer.config.server import ENV_VAR, ConfigError
+from capsteer.config.server import ENV_VAR, ConfigError, split_config_file
 from capsteer.engine_ext.lifeline import mark_launcher
 from capsteer.engine_ext.version import hooks_code_hash
 from capsteer.server.peers import RUNTIME_ENV, make_runtime_dir
@@ -24,21 +24,94 @@ MIDDLEWARE = "capsteer.server.middleware.CapsteerMiddleware"
 CPU_DEFAULTS = ["--gpu-memory-utilization", "0.3", "--max-model-len", "2048"]
 
 
-def vllm_argv(model: str, passthrough: list[str], worker_config: dict | None = None) -> list[str]:
-    """Arguments of `vllm serve` with the capsteer worker, middleware and config folded in."""
-    argv = [model, *passthrough]
-    if "--worker-cls" not in passthrough:
-        argv += ["--worker-cls", WORKER_CLS]
-    extra: dict = {}
-    if "--additional-config" in passthrough:
-        i = passthrough.index("--additional-config")
-        extra = json.loads(passthrough[i + 1])
-        del argv[1 + i: 1 + i + 2]
+def vllm_argv(model: str, passthrough: list[str], worker_config: dict | None = None,
+              file_extra: dict | None = None) -> list[str]:
+    """Arguments of `vllm serve` with the capsteer worker, middleware and config folded in.
+    `--additional-config`, in every spelling vLLM reads (`=`, `_`, dotted keys; a config
+    file's own, `file_extra`, beneath the command line's), becomes one, holding capsteer's
+    section too."""
+    argv, extra = take_additional_config(passthrough, file_extra)
+    worker = _flag_value(argv, ("--worker-cls",))
+    if worker is not None and worker != WORKER_CLS:
+        raise SystemExit(f"capsteer serve: --worker-cls {worker} is not supported: capsteer's "
+                         f"worker ({WORKER_CLS}) installs the hooks, and vLLM runs one worker "
+                         "class")
     section = extra.setdefault("capsteer", {})
+    if not isinstance(section, dict):
+        raise SystemExit("capsteer serve: --additional-config's \"capsteer\" key is capsteer's "
+                         "worker section; it must be an object")
     section.update(worker_config or {})
     section["hooks_code"] = hooks_code_hash()
     section["frontend"] = "server"  # lets the workers tell served DP from the in-process engine
-    return [*argv, "--middleware", MIDDLEWARE, "--additional-config", json.dumps(extra)]
+    if worker is None:
+        argv += ["--worker-cls", WORKER_CLS]
+    return [model, *argv, "--middleware", MIDDLEWARE, "--additional-config", json.dumps(extra)]
+
+
+def _normalized(arg: str) -> tuple[str, str, str]:
+    """(flag name as vLLM reads it, "=" or "", inline value): `_` in the name's first part
+    reads as `-` (dotted keys after it are kept as given)."""
+    name, eq, value = arg.partition("=")
+    if name.startswith("--"):
+        head, dot, tail = name[2:].partition(".")
+        name = "--" + head.replace("_", "-") + dot + tail
+    return name, eq, value
+
+
+def take_additional_config(argv: list[str], base: dict | None = None) -> tuple[list[str], dict]:
+    """(argv without any `--additional-config`, the merged value): a whole value replaces
+    what came before (vLLM: the last one wins), a dotted key sets one entry."""
+    merged: dict = json.loads(json.dumps(base or {}))
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        name, eq, value = _normalized(argv[i])
+        if name == "--additional-config" or name.startswith("--additional-config."):
+            if not eq:
+                if i + 1 >= len(argv):
+                    raise SystemExit(f"capsteer serve: {argv[i]} needs a value")
+                value = argv[i + 1]
+                i += 1
+            if name == "--additional-config":
+                try:
+                    merged = json.loads(value)
+                except ValueError as exc:
+                    raise SystemExit(f"capsteer serve: --additional-config: not JSON ({exc})") \
+                        from None
+                if not isinstance(merged, dict):
+                    raise SystemExit("capsteer serve: --additional-config must be a JSON object")
+            else:
+                *parents, leaf = name.removeprefix("--additional-config.").split(".")
+                node = merged
+                for key in parents:
+                    node = node.setdefault(key, {})
+                    if not isinstance(node, dict):
+                        raise SystemExit(f"capsteer serve: {name}: {key} is not an object")
+                try:
+                    node[leaf] = json.loads(value)
+                except ValueError:
+                    node[leaf] = value
+        else:
+            rest.append(argv[i])
+        i += 1
+    return rest, merged
+
+
+def model_first(argv: list[str]) -> list[str]:
+    """`serve` arguments with the model first, as capsteer's parser reads them: vLLM also
+    takes `--model M`; a flag before the model is refused (which flags take a value is
+    vLLM's to know, so "--port 8000 M" cannot be told from "--enforce-eager M")."""
+    if argv and not argv[0].startswith("-"):
+        return argv
+    for i, arg in enumerate(argv):
+        name, eq, value = _normalized(arg)
+        if name == "--model":
+            if not eq and i + 1 < len(argv):
+                return [argv[i + 1], *argv[:i], *argv[i + 2:]]
+            if eq:
+                return [value, *argv[:i], *argv[i + 1:]]
+    raise SystemExit("capsteer serve: give the model first, as with vllm serve: "
+                     "`capsteer serve MODEL [flags]` (or `--model MODEL`)")
 
 
 # vLLM DP launch modes capsteer refuses (engine_ext/adapter.data_parallel_problem says why
@@ -56,7 +129,7 @@ UNSUPPORTED_DP_FLAGS = {
 def refuse_unsupported_dp(passthrough: list[str]) -> None:
     """SystemExit naming the first vLLM data-parallel flag capsteer cannot serve."""
     for i, arg in enumerate(passthrough):
-        name = arg.split("=", 1)[0]
+        name = _normalized(arg)[0]
         for flags, what in UNSUPPORTED_DP_FLAGS.items():
             if name in flags:
                 raise SystemExit(
@@ -70,47 +143,131 @@ def refuse_unsupported_dp(passthrough: list[str]) -> None:
             if value != "mp":
                 raise SystemExit(f"capsteer serve: --data-parallel-backend {value} is not "
                                  "supported; only the default mp backend is")
+    local = _flag_value(passthrough, ("--data-parallel-size-local", "-dpl"))
+    size = _flag_value(passthrough, ("--data-parallel-size", "-dp")) or "1"
+    if local is not None and local.isdigit() and size.isdigit() and int(local) < int(size):
+        raise SystemExit(
+            f"capsteer serve: --data-parallel-size-local {local} below --data-parallel-size "
+            f"{size} is not supported (engines on several nodes); capsteer serves every "
+            "engine on this node: `capsteer serve MODEL --data-parallel-size N` "
+            "(docs/server.md, Data parallelism)")
+
+
+def _flag_value(argv: list[str], names: tuple[str, ...]) -> str | None:
+    """The last value given to a flag (`--flag V` or `--flag=V`), as vLLM's parser reads it."""
+    value = None
+    for i, arg in enumerate(argv):
+        name, eq, given = _normalized(arg)
+        if name in names:
+            value = given if eq else (argv[i + 1] if i + 1 < len(argv) else None)
+    return value
 
 
 def add_command(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("serve", help="OpenAI-compatible server with capsteer hooks",
                               add_help=False)
     p.add_argument("model")
-    p.add_argument("--cpu-defaults", action="store_true",
-                   help="flags that fit a 2-core CPU machine")
-    p.add_argument("--vanilla", action="store_true",
-                   help="run stock `vllm serve` with the same flags and no capsteer "
-                        "(side-by-side comparisons)")
-    add_server_flags(p)
+    _add_serve_flags(p)
     p.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace, passthrough: list[str] | None = None) -> int:
     from capsteer.engine_ext.adapter import run_vllm_serve
 
-    # `--config` is capsteer's settings file; vLLM's own `--config` is `--vllm-config`.
-    extra = ["--config" if a == "--vllm-config" else a for a in (passthrough or [])]
+    # `--config` is vllm serve's config file; capsteer takes its own keys from it.
+    # `--vllm-config` (older spelling) names a file of vLLM's flags only.
+    extra, vllm_only = _take_flag(list(passthrough or []), "--vllm-config")
+    if vllm_only is not None and args.config is not None:
+        raise SystemExit("capsteer serve: give one config file: --config FILE holds vLLM's "
+                         "flags and capsteer's settings alike")
     if args.cpu_defaults:
         extra = CPU_DEFAULTS + extra
     try:
         settings = load_from_args(args)  # flag > CAPSTEER_* env > --config file > default
+        vllm_keys = split_config_file(args.config)[1] if args.config else {}
     except ConfigError as exc:
         raise SystemExit(f"capsteer serve: {exc}") from None
+    file_extra = {}
+    if not args.vanilla:  # capsteer merges it with its own section (vllm_argv)
+        for key in ("additional-config", "additional_config"):
+            file_extra = vllm_keys.pop(key, file_extra)
+        if not isinstance(file_extra, dict):
+            raise SystemExit(f"capsteer serve: {args.config}: additional-config must be a mapping")
+    config_file = vllm_only if vllm_only is not None else _vllm_config_file(vllm_keys)
+    if config_file is not None:
+        extra = ["--config", config_file, *extra]
     if args.vanilla:
         run_vllm_serve([args.model, *extra])
         return 0
     refuse_unsupported_dp(extra)
+    argv = vllm_argv(args.model, extra, settings.worker_config(), file_extra)
     os.environ[ENV_VAR] = settings.to_env()
     mark_launcher()  # the engine processes vLLM starts exit if this process is killed
     if RUNTIME_ENV not in os.environ:  # shared by the API server processes vLLM starts
         os.environ[RUNTIME_ENV] = make_runtime_dir()
-    host = extra[extra.index("--host") + 1] if "--host" in extra else "127.0.0.1"
-    port = extra[extra.index("--port") + 1] if "--port" in extra else "8000"
-    served = extra[extra.index("--served-model-name") + 1] if "--served-model-name" in extra \
-        else args.model
+    host = _flag_value(extra, ("--host",)) or "127.0.0.1"
+    port = _flag_value(extra, ("--port",)) or "8000"
+    served = _flag_value(extra, ("--served-model-name",)) or args.model
     print(ready_hint(served, host, port), flush=True)
-    run_vllm_serve(vllm_argv(args.model, extra, settings.worker_config()))
+    run_vllm_serve(argv)
     return 0
+
+
+def _take_flag(argv: list[str], flag: str) -> tuple[list[str], str | None]:
+    """(argv without `flag` and its value, the last value given)."""
+    rest: list[str] = []
+    value = None
+    i = 0
+    while i < len(argv):
+        name, eq, given = _normalized(argv[i])
+        if name == flag:
+            if not eq and i + 1 >= len(argv):
+                raise SystemExit(f"capsteer serve: {flag} needs a value")
+            value = given if eq else argv[i + 1]
+            i += 1 if eq else 2
+            continue
+        rest.append(argv[i])
+        i += 1
+    return rest, value
+
+
+def serve_help() -> str:
+    """`capsteer serve --help`: capsteer's own flags; vLLM's are `vllm serve --help`'s."""
+    parser = argparse.ArgumentParser(
+        prog="capsteer serve", usage="capsteer serve MODEL [vllm serve flags] [capsteer flags]",
+        description="vLLM's OpenAI-compatible server with capsteer's capture and steering. "
+                    "Every flag not listed here is `vllm serve`'s, with vLLM's meaning "
+                    "(`vllm serve --help`; `--help=GROUP` shows vLLM's groups).")
+    _add_serve_flags(parser)
+    return parser.format_help()
+
+
+def _add_serve_flags(p: argparse.ArgumentParser | argparse._ActionsContainer) -> None:
+    p.add_argument("--cpu-defaults", action="store_true",
+                   help="flags that fit a 2-core CPU machine")
+    p.add_argument("--vanilla", action="store_true",
+                   help="run stock `vllm serve` with the same flags and no capsteer "
+                        "(side-by-side comparisons)")
+    add_server_flags(p)
+
+
+def _vllm_config_file(keys: dict) -> str | None:
+    """vLLM's share of a `--config` file, as a YAML file of its own (vLLM reads it), or None
+    when the file held capsteer settings only."""
+    if not keys:
+        return None
+    import atexit
+    import shutil
+    import tempfile
+
+    import yaml
+
+    folder = tempfile.mkdtemp(prefix="capsteer-vllm-config-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    path = os.path.join(folder, "vllm.yaml")
+    with open(path, "w", encoding="utf-8") as fh:
+        yaml.safe_dump(keys, fh, sort_keys=False)
+    return path
 
 
 def ready_hint(model: str, host: str, port: str) -> str:

@@ -221,6 +221,7 @@ def test_pending_receipt_from_any_api_server(dp_server):
     (["-dp", "4", "--data-parallel-size-local", "2", "--data-parallel-start-rank", "2"],
      "--data-parallel-start-rank"),
     (["--data-parallel-size", "2", "--data-parallel-hybrid-lb"], "--data-parallel-hybrid-lb"),
+    (["-dp", "2", "--data-parallel-size-local=1"], "--data-parallel-size-local 1"),
     (["--data-parallel-size", "2", "--headless"], "--headless"),
     (["--data-parallel-size", "2", "--data-parallel-backend", "ray"],
      "--data-parallel-backend ray"),
