@@ -75,8 +75,9 @@ def check_row(where: str, row: object) -> tuple[str | None, str | None, list | N
     return rid, prompt, messages
 
 
-def iter_input_rows(path: Path) -> Iterator[tuple[str, object]]:
-    """(where, row) for every input row, streamed: JSONL (blank lines skipped) or Parquet."""
+def iter_input_rows(path: Path) -> Iterator[tuple[int, str, object]]:
+    """(number, where, row) for every input row, streamed: JSONL (its line number; blank
+    lines skipped but counted, as an editor counts them) or Parquet (its row number)."""
     if path.suffix == ".parquet":
         try:
             import pyarrow.parquet as pq
@@ -86,23 +87,23 @@ def iter_input_rows(path: Path) -> Iterator[tuple[str, object]]:
         for batch in pq.ParquetFile(path).iter_batches(batch_size=8192):
             for row in batch.to_pylist():
                 n += 1
-                yield f"{path}:{n}", row
+                yield n, f"{path}:{n}", row
         return
     with open(path, encoding="utf-8") as fh:
         for lineno, line in enumerate(fh, 1):
             if not line.strip():
                 continue
             try:
-                yield f"{path}:{lineno}", json.loads(line)
+                yield lineno, f"{path}:{lineno}", json.loads(line)
             except ValueError as exc:
                 raise InputError(f"{path}:{lineno}: not JSON ({exc})") from None
 
 
 def iter_records(path: str | Path) -> Iterator[tuple[Record, bool]]:
     """(record, whether the row named its own id) for every row, checked and streamed:
-    `id` defaults to the row's number; ids must be unique."""
+    `id` defaults to the line number (Parquet: row number); ids must be unique."""
     seen: set[str] = set()
-    for n, (where, row) in enumerate(iter_input_rows(Path(path)), 1):
+    for n, where, row in iter_input_rows(Path(path)):
         rid, prompt, messages = check_row(where, row)
         named = rid is not None
         rid = rid if named else str(n)
@@ -113,7 +114,7 @@ def iter_records(path: str | Path) -> Iterator[tuple[Record, bool]]:
 
 
 def read_records(path: str | Path) -> list[Record]:
-    """JSONL (or Parquet with the same columns): `id` (default: row number) plus `prompt`
+    """JSONL (or Parquet with the same columns): `id` (default: line number) plus `prompt`
     or `messages`. Ids must be unique."""
     return [record for record, _ in iter_records(path)]
 
@@ -273,14 +274,31 @@ def _shards(out: Path) -> list[str]:
 
 
 def _check_job(out: Path, spec: CaptureSpec) -> None:
-    """A resumed job must ask for what the directory already holds."""
+    """A resumed job must ask for what the directory already holds: the same keys, the
+    same positions and the same stored dtype, else its rows would mix two kinds under one
+    manifest (which names only the last run's)."""
     manifest = out / "manifest.json"
     if not manifest.exists():
         return
-    held = json.loads(manifest.read_text()).get("spec")
-    if held is not None and held.get("hooks") != spec.to_dict()["hooks"]:
-        raise ValueError(f"{out} holds a job capturing {held.get('hooks')}; this run asks for "
-                         f"{spec.to_dict()['hooks']} (use another --output)")
+    job = json.loads(manifest.read_text())
+    held = job.get("spec")
+    if held is None:
+        return
+    want = spec.to_dict()
+    flags = {"hooks": "--hooks/--layers", "positions": "--positions"}
+    for name, flag in flags.items():
+        if held.get(name) != want[name]:
+            raise ValueError(f"{out} holds a job capturing {name} {held.get(name)}; this run "
+                             f"asks for {want[name]} ({flag}; use another --output for a "
+                             "different job)")
+    # "auto" stores the model's dtype, known only once the engine runs: a resumed job
+    # names the dtype the directory holds, or asks "auto" again as the job did.
+    stored = job.get("dtype")
+    asked = want["dtype"]
+    if asked != held.get("dtype") and asked != stored:
+        raise ValueError(f"{out} holds {stored} rows (--capture-dtype {held.get('dtype')}); "
+                         f"this run asks for --capture-dtype {asked} (use another --output "
+                         "for a different job)")
 
 
 def _prompts(engine: Engine, records: list[Record]) -> Iterator[tuple[Record, dict]]:
@@ -469,6 +487,11 @@ def main(argv: list[str]) -> int:
     if not model:
         parser.error("give the model: capsteer extract MODEL --input ... --output ...")
     kwargs = engine_args(args, parser)
+    if not Path(args.input).is_file():
+        parser.error(f"--input {args.input}: no such file")
+    if "worker_cls" in kwargs:  # capsteer.engine sets its own; vLLM would run only one
+        parser.error("--worker-cls: capsteer extract runs capsteer's worker, which installs "
+                     "the hooks; a worker of your own cannot run beside it")
     positions = _split(args.positions)
     try:
         result = extract(

@@ -146,7 +146,7 @@ def run(top: str | Path, *, deep: bool, out: Any = None) -> int:
         return EXIT_OK
     headers = ["dir", "id", "status", "layout", "dtype", "positions", "keys", "files", "bytes"]
     print(_table(headers, rows), file=out)
-    if len(rows) == 1 and (top / MANIFEST_FILE).is_file():
+    if len(rows) == 1 and (top / MANIFEST_FILE).is_file() and not corrupt:
         _, manifest = load_manifest(top)
         if manifest.get("tensors"):
             print("", file=out)

@@ -31,6 +31,7 @@ import numpy as np
 from safetensors import safe_open
 
 from capsteer.capture.layouts import key_name
+from capsteer.capture.reader import CaptureReadError
 from capsteer.capture.sharded import ShardedCapture, read_sharded
 from capsteer.hooks import canonical_hook
 
@@ -250,8 +251,24 @@ def _parse_keys(hooks: str | None, layers: str | None) -> list[tuple[str, int]] 
         return None
     if hooks is None or layers is None:
         raise SystemExit("capsteer export: give --hooks and --layers together")
-    return [(h.strip(), int(layer)) for h in hooks.split(",") if h.strip()
-            for layer in layers.split(",") if layer.strip()]
+    return [(h.strip(), layer) for h in hooks.split(",") if h.strip()
+            for layer in _parse_layer_list(layers)]
+
+
+def _parse_layer_list(layers: str) -> list[int]:
+    """Comma-separated layers, each a number or an inclusive range "a-b" (as `capsteer
+    extract --layers` takes them)."""
+    out: list[int] = []
+    for item in (part.strip() for part in layers.split(",")):
+        if not item:
+            continue
+        lo, dash, hi = item.partition("-")
+        if lo.strip().isdigit() and (not dash or hi.strip().isdigit()):
+            out.extend(range(int(lo), int(hi if dash else lo) + 1))
+        else:
+            raise SystemExit(f"capsteer export: --layers {layers!r}: give layer numbers or "
+                             "ranges, comma-separated (e.g. 0,16 or 4-8)")
+    return out
 
 
 def add_command(subparsers: Any) -> None:
@@ -292,7 +309,7 @@ def _main(args: Any) -> int:
                                  hook_names=hook_names, dtype=args.capture_dtype,
                                  rows_per_file=args.rows_per_file,
                                  progress=not args.no_progress)
-    except (OSError, KeyError, ValueError, ImportError) as e:
+    except (OSError, KeyError, ValueError, ImportError, CaptureReadError) as e:
         raise SystemExit(f"capsteer export: {e}") from None
     print(f"{result.sequences} rows of {result.context_size} tokens in {result.files} files "
           f"under {result.path} ({result.dropped_rows} tail rows left out)")

@@ -639,12 +639,16 @@ class ShardedCapture:
         return [parse_key_name(k) for k in self.manifest.get("keys", [])]
 
     def request(self, request_id: str) -> dict[str, Any]:
-        """{"positions", "token_ids", (hook, layer): tensor} for one request."""
+        """{"positions", "token_ids", (hook, layer): tensor} for one request; hooks may be
+        named by their aliases (as with a single capture)."""
         from safetensors import safe_open
 
-        e = self._by_id[str(request_id)]
+        e = self._by_id.get(str(request_id))
+        if e is None:
+            raise KeyError(f"request {request_id!r} is not in the job at {self.path} "
+                           f"({len(self._by_id)} requests indexed)")
         lo, hi = e["row_start"], e["row_start"] + e["row_count"]
-        out: dict[Any, Any] = {}
+        out: dict[Any, Any] = _RowsByKey()
         with safe_open(self.path / e["shard"], framework="pt") as fh:
             out["positions"] = fh.get_slice("positions")[lo:hi].numpy()
             out["token_ids"] = fh.get_slice("token_ids")[lo:hi].numpy()
@@ -659,6 +663,21 @@ class ShardedCapture:
             if e["shard"] not in listed:
                 problems.append(f"index entry {e['id']} points to unlisted {e['shard']}")
         return problems
+
+
+class _RowsByKey(dict):
+    """A request's rows by (hook, layer): an alias of a hook finds its canonical key."""
+
+    def __missing__(self, key: object) -> Any:
+        if isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], str):
+            try:
+                canonical = (canonical_hook(key[0]), key[1])
+            except ValueError:  # not a hook name at all
+                canonical = key
+            if canonical != key and canonical in self:
+                return self[canonical]
+        captured = ", ".join(key_name(*k) for k in self if isinstance(k, tuple))
+        raise KeyError(f"{key!r} was not captured; captured: {captured}")
 
 
 def read_index(path: Path) -> list[dict[str, Any]]:

@@ -71,6 +71,9 @@ def test_corruption_is_detected(published, damage, capsys):
     assert "CORRUPT" in out and "1 corrupt" in out
     if damage != "flip":  # sizes are enough for the rest: inspect fails too
         assert main(["inspect", str(root)]) == 1
+    # The damaged capture on its own: reported and counted, never a traceback.
+    assert main(["verify", str(target)]) == 1
+    assert "1 manifest(s), 1 corrupt" in capsys.readouterr().out
     read(dirs[0])  # the other capture is untouched
     if damage == "flip":  # same size: only the checksum can tell, and read(verify=False) skips it
         assert read(target, verify=False).status == "ok"
@@ -188,3 +191,20 @@ def test_read_from_a_receipt_an_sdk_response_or_an_id(root, published, monkeypat
         read({"capture_id": "cap-nothere", "status": "pending"}, root=root)
     with pytest.raises(SpecError):
         read({"capture_id": "cap-x", "status": "ok", "dir": "../../etc"}, root=root)
+
+
+def test_export_refuses_plain_mistakes_by_name(root, published, tmp_path):
+    """`capsteer export` on something that is not a job, or with layers it cannot read:
+    one line naming the problem (exit status 1), no traceback; ranges are read."""
+    from capsteer.capture.export import _parse_keys
+
+    assert _parse_keys("resid_post", "0-2,5") == [("resid_post", layer) for layer in (0, 1, 2, 5)]
+    _, dirs = published
+    for job, extra in ((dirs[0], []), (tmp_path / "missing", []),
+                       (dirs[0], ["--hooks", "resid_post", "--layers", "x-1"])):
+        res = subprocess.run([sys.executable, "-m", "capsteer.cli", "export", str(job), "--to",
+                              "sae-lens", str(tmp_path / "out"), *extra],
+                             capture_output=True, text=True, timeout=120)
+        assert res.returncode == 1, res.stderr
+        assert res.stderr.startswith("capsteer export:") and "Traceback" not in res.stderr, \
+            res.stderr

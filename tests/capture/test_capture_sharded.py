@@ -70,6 +70,12 @@ def test_shards_index_manifest_and_plain_safetensors(tmp_path):
     assert job.ids() == [r[0] for r in reqs]
     got = job.request("r5")
     assert torch.equal(got[("resid_mid", 2)], reqs[5][3][("resid_mid", 2)])
+    assert torch.equal(got[("post_attn", 2)], got[("resid_mid", 2)])  # an alias, as read() takes
+    for missing in (("resid_mid", 9), ("nonsense", 2)):
+        with pytest.raises(KeyError, match="was not captured"):
+            got[missing]
+    with pytest.raises(KeyError, match="not in the job"):
+        job.request("r-none")
     assert cli_main(["verify", str(d)]) == 0
 
 

@@ -113,3 +113,58 @@ def test_the_forward_runs_every_layer_when_generated_positions_are_kept(
 def test_full_forward_flag():
     assert parse("--full-forward")[0].full_forward is True
     assert parse()[0].full_forward is False
+
+
+def test_default_ids_are_the_lines_numbers(tmp_path):
+    """api.md: `id` defaults to the line number, as an editor counts lines (blank ones too)."""
+    from capsteer.extract import read_records
+
+    path = tmp_path / "in.jsonl"
+    path.write_text('{"prompt": "a"}\n\n{"prompt": "b"}\n{"id": "x", "prompt": "c"}\n  \n'
+                    '{"prompt": "d"}\n')
+    assert [r.id for r in read_records(path)] == ["1", "3", "x", "6"]
+
+
+def test_a_resumed_job_must_ask_for_the_rows_it_holds(tmp_path):
+    """Resuming with other hooks, positions or stored dtype would mix two kinds of rows
+    under one manifest: refused by flag name; the same request (or "auto" again) resumes."""
+    import json
+
+    from capsteer.capture.spec import parse_capture_spec
+    from capsteer.extract import _check_job
+
+    def spec(**kw):
+        return parse_capture_spec({"hooks": ["resid_post"], "layers": [1],
+                                   "positions": "prompt", "layout": "packed", **kw},
+                                  num_layers=4)
+
+    held = spec(dtype="auto")
+    (tmp_path / "manifest.json").write_text(json.dumps({"spec": held.to_dict(),
+                                                        "dtype": "bfloat16"}))
+    _check_job(tmp_path, spec(dtype="auto"))
+    _check_job(tmp_path, spec(dtype="bf16"))  # what "auto" stored
+    for other, flag in ((spec(layers=[2]), "--hooks/--layers"),
+                        (spec(positions="all"), "--positions"),
+                        (spec(dtype="float32"), "--capture-dtype float32")):
+        with pytest.raises(ValueError, match=flag):
+            _check_job(tmp_path, other)
+    (tmp_path / "manifest.json").write_text(json.dumps({"spec": spec(dtype="bf16").to_dict(),
+                                                        "dtype": "bfloat16"}))
+    with pytest.raises(ValueError, match="--capture-dtype auto"):
+        _check_job(tmp_path, spec(dtype="auto"))
+
+
+@pytest.mark.parametrize(("flags", "named"), [
+    (["--input", "missing.jsonl"], "--input missing.jsonl: no such file"),
+    (["--input", "in.jsonl", "--worker-cls", "my.Worker"], "--worker-cls"),
+])
+def test_extract_refuses_plain_mistakes_by_name(tmp_path, monkeypatch, capsys, flags, named):
+    """A usage error (exit status 2) naming the flag, before any engine starts."""
+    from capsteer.extract import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "in.jsonl").write_text('{"prompt": "a"}\n')
+    with pytest.raises(SystemExit) as info:
+        main(["some/model", "--output", "job", *flags])
+    assert info.value.code == 2
+    assert named in capsys.readouterr().err
