@@ -71,7 +71,12 @@ def test_fsync_latency_shows_in_histograms_not_in_submitters(root):
     assert pub1["sum"] - pub0["sum"] >= 6 * 4 * DELAY
     assert fsync1["count"] - fsync0["count"] >= 6 * 4
     assert fsync1["sum"] - fsync0["sum"] >= 6 * 4 * DELAY * 0.95
-    assert fsync1["le_0.25"] - fsync0["le_0.25"] == fsync1["count"] - fsync0["count"]  # ~0.1 s each
+    # Each observation is one fsync (~DELAY), not a publish (>= 4 x DELAY). On a loaded
+    # 2-core host a few run late (CI once saw 2 of 32 past 0.25 s): the mean and the bulk
+    # are checked, not every one.
+    n = fsync1["count"] - fsync0["count"]
+    assert (fsync1["sum"] - fsync0["sum"]) / n < 2 * DELAY
+    assert fsync1["le_0.25"] - fsync0["le_0.25"] >= 0.75 * n
     assert all(r.timings["fsync_s"] >= 2 * DELAY for r in receipts)
     for r in receipts:
         read(root / r.dir)
