@@ -70,14 +70,9 @@ class RequestHooks:
     reaches_output: bool = False
 
     @classmethod
-    def from_extra_args(
-        cls, req_id: str, extra_args: Mapping | None, prompt_len: int, runtime: HookRuntime
-    ) -> RequestHooks | None:
-        payload = (extra_args or {}).get(EXTRA_ARGS_KEY)
-        if isinstance(payload, str):  # `vllm_xargs` carries flat values: JSON text
-            payload = json.loads(payload)
-        if not payload:
-            return None
+    def capture_only(cls, req_id: str, payload: Mapping, prompt_len: int) -> RequestHooks:
+        """The capture fields of a payload, nothing allocated: enough to open and end
+        the capture (also to answer for one the worker cannot serve)."""
         hooks = cls(req_id=req_id, prompt_len=prompt_len)
         if payload.get("capture"):
             # JSON text (cheap for vLLM's per-request copy; parsed once per distinct text)
@@ -89,6 +84,17 @@ class RequestHooks:
             hooks.record_id = payload.get("record_id")
             hooks.dir_time = payload.get("dir_time")
             hooks.reaches_output = hooks.capture.positions.reaches_past_prompt(prompt_len)
+        return hooks
+
+    @classmethod
+    def from_extra_args(
+        cls, req_id: str, extra_args: Mapping | None, prompt_len: int, runtime: HookRuntime
+    ) -> RequestHooks | None:
+        payload = decode_payload(extra_args)
+        if not payload:
+            return None
+        hooks = cls.capture_only(req_id, payload, prompt_len)
+        if hooks.capture is not None:
             points: dict[tuple[int, int], list[tuple[str, int]]] = defaultdict(list)
             for hook, layer in hooks.capture.keys():
                 point = hook_point(hook, layer)
@@ -135,6 +141,15 @@ class RequestHooks:
             runtime.release_entries(self.steering_key)
         self.entries = {}
         self.steering_key = None
+
+
+def decode_payload(extra_args: Mapping | None) -> Mapping | None:
+    """capsteer's payload in a request's extra_args (`vllm_xargs` carries flat values, so
+    it comes as JSON text), or None."""
+    payload = (extra_args or {}).get(EXTRA_ARGS_KEY)
+    if isinstance(payload, str):
+        payload = json.loads(payload)
+    return payload or None
 
 
 _SITE_SETS: dict[frozenset[int], frozenset[int]] = {}

@@ -23,7 +23,12 @@ from capsteer.engine_ext import adapter
 from capsteer.engine_ext.canary import CanaryFailed, faulty_site, run_canary
 from capsteer.engine_ext.harvest import Harvester
 from capsteer.engine_ext.lifeline import watch_launcher
-from capsteer.engine_ext.plan import RequestHooks, build_step_plan, shared_site_set
+from capsteer.engine_ext.plan import (
+    RequestHooks,
+    build_step_plan,
+    decode_payload,
+    shared_site_set,
+)
 from capsteer.engine_ext.runtime import HookRuntime, StepPlan, hook_point, install_runtime
 
 logger = logging.getLogger("vllm.capsteer")  # under vLLM's configured logger
@@ -206,9 +211,10 @@ class EngineHooks:
                 continue  # resumed after preemption: keep what was captured
             try:
                 hooks = RequestHooks.from_extra_args(req_id, extra, len(prompt), self.runtime)
-            except Exception:  # validated at the front end; a bad payload must not stop the engine
-                logger.exception("capsteer: request %s has an unusable hook payload; "
-                                 "it runs without hooks", req_id)
+            except Exception as exc:  # a payload must never stop the engine
+                logger.exception("capsteer: request %s has a hook payload this worker cannot "
+                                 "serve; it runs without hooks", req_id)
+                self._refuse_capture(req_id, prompt, extra, f"capsteer: {exc}")
                 continue
             if hooks is None:
                 continue
@@ -243,6 +249,22 @@ class EngineHooks:
                 group_of = getattr(sink, "group_of", None)  # the writer pool's child
                 if group_of is not None:
                     hooks.group = group_of(hooks.capture_id)
+
+    def _refuse_capture(self, req_id: str, prompt, extra, reason: str) -> None:
+        """A capture the worker cannot serve (e.g. the steering table is full) still ends,
+        with an error receipt naming why: the client's wait and the server's budget are
+        released, never left until the capture is forgotten."""
+        if not self.capture_rank:
+            return
+        try:
+            hooks = RequestHooks.capture_only(req_id, decode_payload(extra) or {}, len(prompt))
+        except Exception:  # no capture the worker could name: nothing to answer for
+            return
+        if hooks.capture is None:
+            return
+        sink = self._sink_for(hooks)
+        sink.open(self._capture_request(req_id, prompt, hooks))
+        self._run_on_sink_thread(lambda s=sink, c=hooks.capture_id, r=reason: s.abort(c, r))
 
     def _capture_request(self, req_id: str, prompt, hooks: RequestHooks) -> CaptureRequest:
         return CaptureRequest(

@@ -98,6 +98,14 @@ def _check_positions_fit(capture: CaptureSpec, max_model_len: int) -> None:
                          f"context (max_model_len {max_model_len})")
 
 
+def _prompt_count(prompt: object) -> int:
+    """Prompts in a completions `prompt`: a string or a token list is one; a list of
+    strings or of token lists is one each."""
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        return len(prompt)
+    return 1
+
+
 def parse_hook_fields(
     body: dict[str, Any], shape: ModelShape, *, lookup: VectorLookup | None,
     default_layout: str, capture_default: Mapping[str, Any] | None,
@@ -114,6 +122,9 @@ def parse_hook_fields(
             raise FieldError("n", "capture needs n=1 (one capture per request; send n requests)")
         if body.get("best_of") not in (None, 1):
             raise FieldError("best_of", "capture needs best_of=1")
+        if _prompt_count(body.get("prompt")) > 1:
+            raise FieldError("prompt", "capture needs one prompt per request (each prompt is "
+                             "its own capture; send one request per prompt)")
     wait = body.get("capture_wait", False)
     if wait is None:
         wait = False
@@ -129,6 +140,10 @@ def parse_hook_fields(
                                            hidden_size=shape.hidden_size, lookup=lookup)
         except SteeringSpecError as exc:
             raise FieldError(exc.field, exc.reason) from None
+    if body.get("use_beam_search") is True and (
+            capture is not None or (steering is not None and not steering.is_noop)):
+        # vLLM's beam search runs its own sampling params, without capsteer's payload
+        raise FieldError("use_beam_search", "capture and steering do not run under beam search")
     stream = body.get("stream") is True
     options = body.get("stream_options")
     if options is not None and not isinstance(options, Mapping):

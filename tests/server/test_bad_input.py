@@ -66,6 +66,10 @@ BAD: list[tuple[str, dict, str]] = [
     ("position before any prompt", {"capture": {"positions": -(10**6)}}, "capture.positions"),
     ("stream_options not an object",
      {"capture": True, "stream": True, "stream_options": "usage"}, "stream_options"),
+    # vLLM's beam search builds its own sampling params: no payload, no receipt, ever
+    ("beam search with capture", {"capture": True, "use_beam_search": True}, "use_beam_search"),
+    ("beam search with steering", {"use_beam_search": True, "steering": {"vectors": [
+        {"hook": "resid_post", "layer": 0, "vector": V}]}}, "use_beam_search"),
 ]
 
 
@@ -122,6 +126,18 @@ def test_a_clients_own_worker_payload_is_refused_on_every_endpoint(server, http,
 def test_other_vllm_xargs_still_reach_vllm(http):
     r = http.post("/v1/completions", json={**PLAIN, "prompt": PROMPT, "vllm_xargs": {"k": "v"}})
     assert r.status_code == 200, r.text
+
+
+def test_a_capture_of_several_prompts_is_refused(http):
+    """A completions `prompt` list runs one engine request per prompt: one capture id could
+    not name them (one is renamed, never reported; they share a cache salt)."""
+    for prompt in (["a b", "c d"], [[1, 2], [3, 4]]):
+        r = http.post("/v1/completions", json={**PLAIN, "prompt": prompt, "capture": True})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    for prompt in (["a b"], [1, 2, 3]):  # one prompt, as a list of one or as tokens
+        r = http.post("/v1/completions", json={**PLAIN, "prompt": prompt, "capture": True,
+                                               "capture_wait": True})
+        assert r.status_code == 200 and r.json()["capture_results"]["status"] == "ok", r.text
 
 
 def test_nothing_lands_outside_the_capture_root(server, http):

@@ -817,3 +817,37 @@ def test_a_steps_copies_into_writer_rings_are_one_per_writer_and_point(monkeypat
     for route, sink, reserved in direct:
         assert reserved.writer is sink
         torch.testing.assert_close(reserved.rows, rt.staging[worker._staging_span(plan, route)])
+
+
+def test_a_capture_the_worker_cannot_serve_ends_with_an_error_receipt():
+    """A payload whose hooks cannot be registered (here: the steering table is full) runs
+    without hooks, and its capture still ends: an error naming why, never silence (the
+    client's wait and the server's budget would be held until the capture is forgotten)."""
+    from types import MethodType, SimpleNamespace
+
+    from capsteer.capture.sink import MemorySink
+    from capsteer.engine_ext.worker import EngineHooks
+
+    rt = HookRuntime(LAYERS, HIDDEN, torch.float32, torch.device("cpu"), max_tokens=16,
+                     max_entries=2, max_requests=4)
+    steer = {"vectors": [{"hook": "resid_post", "layers": "all", "vector": [0.5] * HIDDEN}]}
+    with pytest.raises(RuntimeError, match="steering table full"):
+        hooks_for("a", 3, rt=rt, steering=steer, capture={"hooks": ["resid_post"]})
+    assert rt.free_slots == list(range(4, 0, -1))  # nothing half-registered stays behind
+    extra = {"capsteer": {
+        "capture": parse_capture_spec({"hooks": ["resid_post"]}, num_layers=LAYERS).to_dict(),
+        "capture_id": "cap-a", "durable": False,
+        "steering": parse_steering_spec(steer, num_layers=LAYERS, hidden_size=HIDDEN).to_dict()}}
+    memory = MemorySink(final_positions=False)
+    worker = SimpleNamespace(
+        capture_rank=True, memory=memory, writer=None, sharded=None, runtime=rt,
+        model_name="m", stage=0, num_stages=1, device_driven=False,
+        sites=SimpleNamespace(hidden_size=HIDDEN, num_layers=LAYERS))
+    for name in ("_sink_for", "_capture_request", "_run_on_sink_thread", "_refuse_capture"):
+        setattr(worker, name, MethodType(getattr(EngineHooks, name), worker))
+    worker._refuse_capture("a", [1, 2, 3], extra, "capsteer: steering table full")
+    result = memory.take(["cap-a"])["cap-a"]
+    assert result.error == "capsteer: steering table full"
+    worker._refuse_capture("b", [1], {"capsteer": {"steering": extra["capsteer"]["steering"]}},
+                           "no capture")
+    assert memory.take(["cap-b"]) == {}  # steering only: no capture to answer for
