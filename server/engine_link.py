@@ -24,6 +24,8 @@ from typing import Any
 from capsteer.engine_ext import adapter
 
 log = logging.getLogger("vllm.capsteer.server")
+REPORT_ATTEMPTS = 3
+REPORT_RETRY_S = 0.5  # then 1 s: a busy engine core answers utility calls between steps
 
 
 class EngineLink:
@@ -47,13 +49,28 @@ class EngineLink:
     async def _flush(self) -> None:
         while self._ends:
             batch, self._ends = self._ends, []
+            answers = await self._send_ends(batch)
+            if answers is not None:
+                await self._settle_unreached(batch, answers)
+
+    async def _send_ends(self, batch: list[tuple[str, int | None]]) -> list | None:
+        """The workers' answers, trying REPORT_ATTEMPTS times: a lost report would leave
+        its captures to the workers' end_wait_s fallback (every fed position, published as
+        ok, and only once the engine steps again). A report seen twice is harmless: a
+        worker acts on a capture's first end only."""
+        for attempt in range(REPORT_ATTEMPTS):
             try:
-                answers = await asyncio.wait_for(adapter.collective_rpc_all(
+                return await asyncio.wait_for(adapter.collective_rpc_all(
                     self.engine, "capsteer_end_captures", args=(batch,)), self.rpc_timeout_s)
-            except Exception:  # the workers publish on their own after end_wait_s
-                log.exception("capsteer: reporting %d capture ends to the engine failed", len(batch))
-                continue
-            await self._settle_unreached(batch, answers)
+            except Exception:
+                last = attempt == REPORT_ATTEMPTS - 1
+                log.warning("capsteer: reporting %d capture ends to the engine failed (try %d "
+                            "of %d)%s", len(batch), attempt + 1, REPORT_ATTEMPTS,
+                            "; the workers publish them after end_wait_s" if last else "",
+                            exc_info=last)
+                if not last:
+                    await asyncio.sleep(REPORT_RETRY_S * 2 ** attempt)
+        return None
 
     async def _settle_unreached(self, batch: list[tuple[str, int | None]],
                                 answers: list) -> None:

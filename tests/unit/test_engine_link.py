@@ -1,0 +1,55 @@
+"""End reports reach the workers through transient failures (server/engine_link.py)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from capsteer.server import engine_link
+from capsteer.server.engine_link import EngineLink
+
+
+class FlakyEngine:
+    """An engine client whose first `fail` collective_rpc calls raise, as a busy or
+    restarting engine core's utility calls can."""
+
+    def __init__(self, fail: int) -> None:
+        self.fail = fail
+        self.calls: list[tuple] = []
+
+    async def collective_rpc(self, method, timeout=None, args=()):
+        self.calls.append((method, args))
+        if len(self.calls) <= self.fail:
+            raise TimeoutError("engine core busy")
+        (ends,) = args
+        return [[capture_id for capture_id, _ in ends]]  # one worker opened them all
+
+
+def _report(fail: int) -> tuple[FlakyEngine, list[str]]:
+    unreached: list[str] = []
+
+    async def on_unreached(capture_id: str) -> None:
+        unreached.append(capture_id)
+
+    async def run() -> FlakyEngine:
+        engine = FlakyEngine(fail)
+        link = EngineLink(engine, on_unreached, rpc_timeout_s=5)
+        link.report_end("cap-1", 7)
+        link.report_end("cap-2", None)
+        await link.drain()
+        return engine
+
+    return asyncio.run(run()), unreached
+
+
+def test_a_failed_report_is_sent_again(monkeypatch):
+    monkeypatch.setattr(engine_link, "REPORT_RETRY_S", 0.01)
+    engine, unreached = _report(fail=engine_link.REPORT_ATTEMPTS - 1)
+    assert len(engine.calls) == engine_link.REPORT_ATTEMPTS
+    assert all(args == engine.calls[-1][1] for _, args in engine.calls)  # the same batch
+    assert unreached == []  # the answer named both as opened
+
+
+def test_a_report_that_never_arrives_is_given_up_after_the_attempts(monkeypatch):
+    monkeypatch.setattr(engine_link, "REPORT_RETRY_S", 0.01)
+    engine, unreached = _report(fail=99)
+    assert len(engine.calls) == engine_link.REPORT_ATTEMPTS and unreached == []
