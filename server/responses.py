@@ -47,18 +47,19 @@ class CaptureResponder:
     async def send(self, message: dict) -> None:
         kind = message["type"]
         if kind == "http.response.start":
-            # The id is known before the body: a client whose stream breaks can still ask
-            # GET /v1/captures/{id}.
-            message = {**message, "headers": [*message.get("headers", []),
-                                              (CAPTURE_ID_HEADER, self.capture_id.encode())]}
             headers = {k.lower(): v for k, v in message.get("headers", [])}
             ctype = headers.get(b"content-type", b"")
-            if message["status"] != 200:
+            if message["status"] != 200:  # vLLM refused it: no capture, and no id to ask for
                 self.mode = "pass"
                 self._end(None)
                 self._on_refused(self.capture_id)
                 await self._send(message)
-            elif ctype.startswith(b"text/event-stream"):
+                return
+            # The id is known before the body: a client whose stream breaks can still ask
+            # GET /v1/captures/{id}.
+            message = {**message, "headers": [*message.get("headers", []),
+                                              (CAPTURE_ID_HEADER, self.capture_id.encode())]}
+            if ctype.startswith(b"text/event-stream"):
                 self.mode = "sse"
                 await self._send(message)
             else:

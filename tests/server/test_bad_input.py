@@ -140,6 +140,14 @@ def test_a_capture_of_several_prompts_is_refused(http):
         assert r.status_code == 200 and r.json()["capture_results"]["status"] == "ok", r.text
 
 
+def test_a_capture_vllm_refuses_names_no_capture_id(server, http):
+    """vLLM's own 400 (a prompt past max_model_len): nothing was captured, so no capture
+    id is handed out that GET /v1/captures would then answer 404 for."""
+    r = http.post("/v1/completions", json={**PLAIN, "prompt": [1] * 600, "capture": True})
+    assert r.status_code == 400, r.text
+    assert "x-capsteer-capture-id" not in r.headers
+
+
 def test_nothing_lands_outside_the_capture_root(server, http):
     root = server.workdir / "captures"
     outside_before = set(os.listdir(server.workdir))
