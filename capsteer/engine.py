@@ -20,7 +20,7 @@ from capsteer.capture.receipts import Receipt, receipt_at
 from capsteer.capture.sink import CapturedActivations
 from capsteer.capture.spec import CaptureSpec, SpecError, parse_capture_spec
 from capsteer.engine_ext.lifeline import mark_launcher
-from capsteer.engine_ext.plan import EXTRA_ARGS_KEY
+from capsteer.engine_ext.plan import EXTRA_ARGS_KEY, sign_payload
 from capsteer.engine_ext.version import hooks_code_hash
 from capsteer.steering.spec import SteeringSpec, VectorLookup, parse_steering_spec
 
@@ -113,7 +113,7 @@ def build_payload(
         if record_id is not None:
             payload["record_id"] = record_id
         salt = f"capsteer-capture-{capture_id}"
-    return HookPayload({EXTRA_ARGS_KEY: payload}, salt, capture_id)
+    return HookPayload({EXTRA_ARGS_KEY: sign_payload(payload)}, salt, capture_id)
 
 
 def _final_positions(

@@ -13,7 +13,7 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Container, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,7 +22,7 @@ from capsteer.capture.publish import DIGESTS, check_digest, entry_digest
 from capsteer.capture.sharded import INDEX_FILE, indexed_ids, read_index
 from capsteer.capture.spec import DTYPES, CaptureSpec, parse_capture_spec
 from capsteer.engine import Engine, needs_end_report, new_capture_id
-from capsteer.engine_ext.plan import EXTRA_ARGS_KEY
+from capsteer.engine_ext.plan import EXTRA_ARGS_KEY, sign_payload
 
 logger = logging.getLogger("capsteer.extract")
 
@@ -179,6 +179,7 @@ def extract(
             engine_kwargs=engine_kwargs, digest=digest)
     records = read_records(input_path)
     done = indexed_ids(out)
+    _check_resumed_ids(out, done, {r.id for r in records})
     todo = [r for r in records if r.id not in done]
     num_layers = _model_layers(model)
     spec = parse_capture_spec(
@@ -301,6 +302,17 @@ def _check_job(out: Path, spec: CaptureSpec) -> None:
                          "for a different job)")
 
 
+def _check_resumed_ids(out: Path, done: Container[str], ids: set[str]) -> None:
+    """A resumed job's done ids must all be the input's: else the input is another one (or
+    its rows were numbered otherwise: default ids are line numbers, blank lines counted),
+    and resuming would store rows twice under two ids."""
+    stray = sorted(d for d in done if d not in ids)
+    if stray:
+        raise ValueError(f"{out} holds {len(stray)} request id(s) this input does not have "
+                         f"(e.g. {stray[0]!r}): it is another job's input, or its rows are "
+                         "numbered otherwise (give every row an `id`); use another --output")
+
+
 def _prompts(engine: Engine, records: list[Record]) -> Iterator[tuple[Record, dict]]:
     for rec in records:
         if rec.messages is not None:
@@ -328,7 +340,7 @@ def submit_capture(llm_engine: Any, rec: Record, prompt: dict[str, Any], spec: C
                "record_id": rec.id, "await_end": reports}
     prompt["cache_salt"] = f"capsteer-capture-{capture_id}"  # every position is fed
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                            extra_args={EXTRA_ARGS_KEY: payload})
+                            extra_args={EXTRA_ARGS_KEY: sign_payload(payload)})
     # outputs carry the id given here; add_request returns vLLM's internal one
     llm_engine.add_request(capture_id, prompt, params)
     return capture_id, reports

@@ -10,6 +10,7 @@ are never fed, and captured requests never hit the cache: their salt is unique).
 from __future__ import annotations
 
 import json
+import os
 from collections import defaultdict
 from collections.abc import Container, Mapping
 from dataclasses import dataclass, field
@@ -17,11 +18,16 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from capsteer.capture.paths import validate_capture_id
 from capsteer.capture.spec import CaptureSpec
 from capsteer.engine_ext.runtime import STREAM, SUB, HookRuntime, StepPlan, hook_point
 from capsteer.steering.spec import SteeringSpec
 
 EXTRA_ARGS_KEY = "capsteer"
+# A server's workers act only on payloads carrying this key (its value lives in the
+# environment of the server's processes; clients never see it), so a payload that
+# reached vLLM by a path capsteer's checks do not cover runs without hooks.
+PAYLOAD_KEY_ENV = "CAPSTEER_PAYLOAD_KEY"
 PROMPT, GENERATED = 0, 1
 
 
@@ -77,7 +83,7 @@ class RequestHooks:
         if payload.get("capture"):
             # JSON text (cheap for vLLM's per-request copy; parsed once per distinct text)
             hooks.capture = CaptureSpec.from_wire(payload["capture"])
-            hooks.capture_id = payload["capture_id"]
+            hooks.capture_id = validate_capture_id(payload["capture_id"])
             hooks.durable = bool(payload.get("durable", False))
             hooks.await_end = bool(payload.get("await_end", False))
             hooks.sink = str(payload.get("sink") or ("durable" if hooks.durable else "memory"))
@@ -91,8 +97,12 @@ class RequestHooks:
         cls, req_id: str, extra_args: Mapping | None, prompt_len: int, runtime: HookRuntime
     ) -> RequestHooks | None:
         payload = decode_payload(extra_args)
-        if not payload:
-            return None
+        return None if not payload else cls.from_payload(req_id, payload, prompt_len, runtime)
+
+    @classmethod
+    def from_payload(
+        cls, req_id: str, payload: Mapping, prompt_len: int, runtime: HookRuntime
+    ) -> RequestHooks:
         hooks = cls.capture_only(req_id, payload, prompt_len)
         if hooks.capture is not None:
             points: dict[tuple[int, int], list[tuple[str, int]]] = defaultdict(list)
@@ -141,6 +151,21 @@ class RequestHooks:
             runtime.release_entries(self.steering_key)
         self.entries = {}
         self.steering_key = None
+
+
+def sign_payload(payload: dict) -> dict:
+    """`payload` with this process's payload key (see PAYLOAD_KEY_ENV), when it has one:
+    its engine's workers, started from this environment, expect it."""
+    key = os.environ.get(PAYLOAD_KEY_ENV)
+    if key:
+        payload["key"] = key
+    return payload
+
+
+def payload_is_trusted(payload: Mapping, key: str | None) -> bool:
+    """Whether a worker expecting `key` (None: no key, the in-process engine) may act on
+    `payload`."""
+    return key is None or payload.get("key") == key
 
 
 def decode_payload(extra_args: Mapping | None) -> Mapping | None:

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -24,9 +26,11 @@ from capsteer.engine_ext.canary import CanaryFailed, faulty_site, run_canary
 from capsteer.engine_ext.harvest import Harvester
 from capsteer.engine_ext.lifeline import watch_launcher
 from capsteer.engine_ext.plan import (
+    PAYLOAD_KEY_ENV,
     RequestHooks,
     build_step_plan,
     decode_payload,
+    payload_is_trusted,
     shared_site_set,
 )
 from capsteer.engine_ext.runtime import HookRuntime, StepPlan, hook_point, install_runtime
@@ -73,6 +77,8 @@ class EngineHooks:
         )
         self.model_name = adapter.model_name(worker)
         self.capture_rank = adapter.is_capture_rank()
+        # A server's payload key (plan.PAYLOAD_KEY_ENV); None in the in-process engine
+        self.payload_key = os.environ.get(PAYLOAD_KEY_ENV) or None
         self.memory = MemorySink(final_positions=False)  # capsteer.engine finalizes
         # Only the rank that writes captures starts writer processes (each holds its rings,
         # on a GPU page-locked): the other TP ranks of a stage never publish.
@@ -210,13 +216,24 @@ class EngineHooks:
             if req_id in self.requests or req_id in self.detached:
                 continue  # resumed after preemption: keep what was captured
             try:
-                hooks = RequestHooks.from_extra_args(req_id, extra, len(prompt), self.runtime)
+                payload = decode_payload(extra)
+            except ValueError:
+                logger.exception("capsteer: request %s has an unreadable hook payload; it runs "
+                                 "without hooks", req_id)
+                continue
+            if payload is None:
+                continue
+            if not payload_is_trusted(payload, self.payload_key):
+                logger.warning("capsteer: request %s carries a hook payload this server did not "
+                               "write (it reached vLLM around capsteer's checks); it runs "
+                               "without hooks", req_id)
+                continue
+            try:
+                hooks = RequestHooks.from_payload(req_id, payload, len(prompt), self.runtime)
             except Exception as exc:  # a payload must never stop the engine
                 logger.exception("capsteer: request %s has a hook payload this worker cannot "
                                  "serve; it runs without hooks", req_id)
-                self._refuse_capture(req_id, prompt, extra, f"capsteer: {exc}")
-                continue
-            if hooks is None:
+                self._refuse_capture(req_id, prompt, payload, f"capsteer: {exc}")
                 continue
             refusal = self._beyond_stop(hooks)
             if refusal is not None:
@@ -250,20 +267,22 @@ class EngineHooks:
                 if group_of is not None:
                     hooks.group = group_of(hooks.capture_id)
 
-    def _refuse_capture(self, req_id: str, prompt, extra, reason: str) -> None:
+    def _refuse_capture(self, req_id: str, prompt, payload: Mapping, reason: str) -> None:
         """A capture the worker cannot serve (e.g. the steering table is full) still ends,
         with an error receipt naming why: the client's wait and the server's budget are
         released, never left until the capture is forgotten."""
         if not self.capture_rank:
             return
         try:
-            hooks = RequestHooks.capture_only(req_id, decode_payload(extra) or {}, len(prompt))
+            hooks = RequestHooks.capture_only(req_id, payload, len(prompt))
+            if hooks.capture is None:
+                return
+            sink = self._sink_for(hooks)
+            sink.open(self._capture_request(req_id, prompt, hooks))
         except Exception:  # no capture the worker could name: nothing to answer for
+            logger.exception("capsteer: request %s: its capture could not be ended either",
+                             req_id)
             return
-        if hooks.capture is None:
-            return
-        sink = self._sink_for(hooks)
-        sink.open(self._capture_request(req_id, prompt, hooks))
         self._run_on_sink_thread(lambda s=sink, c=hooks.capture_id, r=reason: s.abort(c, r))
 
     def _capture_request(self, req_id: str, prompt, hooks: RequestHooks) -> CaptureRequest:

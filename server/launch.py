@@ -12,8 +12,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 
-from capsteer.config.cli import add_server_flags, load_from_args
+from capsteer.config.cli import SERVER_FLAGS, add_server_flags, load_from_args
 from capsteer.config.server import ENV_VAR, ConfigError, split_config_file
 from capsteer.engine_ext.lifeline import mark_launcher
 from capsteer.engine_ext.version import hooks_code_hash
@@ -25,12 +26,12 @@ CPU_DEFAULTS = ["--gpu-memory-utilization", "0.3", "--max-model-len", "2048"]
 
 
 def vllm_argv(model: str, passthrough: list[str], worker_config: dict | None = None,
-              file_extra: dict | None = None) -> list[str]:
+              file_tokens: list[str] | None = None) -> list[str]:
     """Arguments of `vllm serve` with the capsteer worker, middleware and config folded in.
-    `--additional-config`, in every spelling vLLM reads (`=`, `_`, dotted keys; a config
-    file's own, `file_extra`, beneath the command line's), becomes one, holding capsteer's
-    section too."""
-    argv, extra = take_additional_config(passthrough, file_extra)
+    `--additional-config`, in every spelling vLLM reads (`=`, `_`, dotted keys, a config
+    file's: `file_tokens`, which come first), becomes the one value vLLM would have read,
+    with capsteer's section added."""
+    argv, extra = take_additional_config([*(file_tokens or []), *passthrough])
     worker = _flag_value(argv, ("--worker-cls",))
     if worker is not None and worker != WORKER_CLS:
         raise SystemExit(f"capsteer serve: --worker-cls {worker} is not supported: capsteer's "
@@ -58,10 +59,13 @@ def _normalized(arg: str) -> tuple[str, str, str]:
     return name, eq, value
 
 
-def take_additional_config(argv: list[str], base: dict | None = None) -> tuple[list[str], dict]:
-    """(argv without any `--additional-config`, the merged value): a whole value replaces
-    what came before (vLLM: the last one wins), a dotted key sets one entry."""
-    merged: dict = json.loads(json.dumps(base or {}))
+def take_additional_config(argv: list[str]) -> tuple[list[str], dict]:
+    """(argv without any `--additional-config`, the value vLLM would read from them): the
+    last whole value, unless dotted keys are given, whose dict then replaces it (vLLM adds
+    them as one more value after all others), with vLLM's value reading ("1k" = 1000)."""
+    whole: dict = {}
+    dotted: dict = {}
+    has_dotted = False
     rest: list[str] = []
     i = 0
     while i < len(argv):
@@ -73,43 +77,81 @@ def take_additional_config(argv: list[str], base: dict | None = None) -> tuple[l
                 value = argv[i + 1]
                 i += 1
             if name == "--additional-config":
-                try:
-                    merged = json.loads(value)
-                except ValueError as exc:
-                    raise SystemExit(f"capsteer serve: --additional-config: not JSON ({exc})") \
-                        from None
-                if not isinstance(merged, dict):
-                    raise SystemExit("capsteer serve: --additional-config must be a JSON object")
+                whole = _json_object(value, "--additional-config")
             else:
-                *parents, leaf = name.removeprefix("--additional-config.").split(".")
-                node = merged
-                for key in parents:
-                    node = node.setdefault(key, {})
-                    if not isinstance(node, dict):
-                        raise SystemExit(f"capsteer serve: {name}: {key} is not an object")
-                try:
-                    node[leaf] = json.loads(value)
-                except ValueError:
-                    node[leaf] = value
+                has_dotted = True
+                _set_dotted(dotted, name.removeprefix("--additional-config."), value)
         else:
             rest.append(argv[i])
         i += 1
-    return rest, merged
+    return rest, dotted if has_dotted else whole
+
+
+def _json_object(value: object, what: str) -> dict:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise SystemExit(f"capsteer serve: {what}: not JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise SystemExit(f"capsteer serve: {what} must be a JSON object")
+    return value
+
+
+def _set_dotted(merged: dict, key: str, value: str) -> None:
+    *parents, leaf = key.split(".")
+    node = merged
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise SystemExit(f"capsteer serve: additional-config.{key}: {part} is not an object")
+    try:
+        node[leaf] = json.loads(value)
+    except ValueError:
+        try:
+            from vllm.utils.argparse_utils import human_readable_int
+
+            node[leaf] = human_readable_int(value)
+        except Exception:  # vLLM keeps such a value as text too
+            node[leaf] = value
+
+
+def file_additional_config(keys: dict) -> list[str]:
+    """Pop a config file's additional-config (a mapping, JSON text, or dotted
+    `additional-config.x` keys) from `keys` (vLLM's share of the file), as the command-line
+    tokens vLLM makes of them: they come before the command line's own."""
+    tokens: list[str] = []
+    for key in list(keys):
+        head, dot, tail = str(key).partition(".")
+        if head.replace("_", "-") != "additional-config":
+            continue
+        value = keys.pop(key)
+        text = value if isinstance(value, str) else json.dumps(value)
+        tokens += [f"--additional-config{dot}{tail}", text]
+    return tokens
 
 
 def model_first(argv: list[str]) -> list[str]:
-    """`serve` arguments with the model first, as capsteer's parser reads them: vLLM also
-    takes `--model M`; a flag before the model is refused (which flags take a value is
-    vLLM's to know, so "--port 8000 M" cannot be told from "--enforce-eager M")."""
-    if argv and not argv[0].startswith("-"):
-        return argv
-    for i, arg in enumerate(argv):
+    """`serve` arguments with the model first, as capsteer's parser reads them. vLLM also
+    takes `--model M`; capsteer's own flags may come before the model; a vLLM flag before
+    it is refused (which vLLM flags take a value is vLLM's to know, so "--port 8000 M"
+    cannot be told from "--enforce-eager M")."""
+    valued = {f.flag for f in SERVER_FLAGS}
+    i = 0
+    while i < len(argv):
+        name, eq, _ = _normalized(argv[i])
+        if not argv[i].startswith("-"):
+            return [argv[i], *argv[:i], *argv[i + 1:]]
+        if name in ("--cpu-defaults", "--vanilla"):
+            i += 1
+        elif name in valued:
+            i += 1 if eq else 2
+        else:
+            break
+    for j, arg in enumerate(argv):
         name, eq, value = _normalized(arg)
-        if name == "--model":
-            if not eq and i + 1 < len(argv):
-                return [argv[i + 1], *argv[:i], *argv[i + 2:]]
-            if eq:
-                return [value, *argv[:i], *argv[i + 1:]]
+        if name == "--model" and (eq or j + 1 < len(argv)):
+            return [value if eq else argv[j + 1], *argv[:j], *argv[j + (1 if eq else 2):]]
     raise SystemExit("capsteer serve: give the model first, as with vllm serve: "
                      "`capsteer serve MODEL [flags]` (or `--model MODEL`)")
 
@@ -175,33 +217,40 @@ def _run(args: argparse.Namespace, passthrough: list[str] | None = None) -> int:
     from capsteer.engine_ext.adapter import run_vllm_serve
 
     # `--config` is vllm serve's config file; capsteer takes its own keys from it.
-    # `--vllm-config` (older spelling) names a file of vLLM's flags only.
-    extra, vllm_only = _take_flag(list(passthrough or []), "--vllm-config")
-    if vllm_only is not None and args.config is not None:
-        raise SystemExit("capsteer serve: give one config file: --config FILE holds vLLM's "
-                         "flags and capsteer's settings alike")
+    # `--vllm-config` is an older spelling of the same.
+    extra, older = _take_flag(list(passthrough or []), "--vllm-config")
+    if older is not None:
+        if args.config is not None:
+            raise SystemExit("capsteer serve: give one config file: --config FILE holds "
+                             "vLLM's flags and capsteer's settings alike")
+        args.config = older
+    config = args.config
     if args.cpu_defaults:
         extra = CPU_DEFAULTS + extra
     try:
         settings = load_from_args(args)  # flag > CAPSTEER_* env > --config file > default
-        vllm_keys = split_config_file(args.config)[1] if args.config else {}
+        vllm_keys = split_config_file(config)[1] if config else {}
     except ConfigError as exc:
         raise SystemExit(f"capsteer serve: {exc}") from None
-    file_extra = {}
+    file_tokens: list[str] = []
     if not args.vanilla:  # capsteer merges it with its own section (vllm_argv)
-        for key in ("additional-config", "additional_config"):
-            file_extra = vllm_keys.pop(key, file_extra)
-        if not isinstance(file_extra, dict):
-            raise SystemExit(f"capsteer serve: {args.config}: additional-config must be a mapping")
-    config_file = vllm_only if vllm_only is not None else _vllm_config_file(vllm_keys)
+        file_tokens = file_additional_config(vllm_keys)
+        if any(str(k).replace("_", "-") == "worker-cls" for k in vllm_keys):
+            raise SystemExit(f"capsteer serve: {config}: worker-cls is not supported: "
+                             f"capsteer's worker ({WORKER_CLS}) installs the hooks")
+    config_file = _vllm_config_file(vllm_keys)
     if config_file is not None:
         extra = ["--config", config_file, *extra]
     if args.vanilla:
         run_vllm_serve([args.model, *extra])
         return 0
     refuse_unsupported_dp(extra)
-    argv = vllm_argv(args.model, extra, settings.worker_config(), file_extra)
+    argv = vllm_argv(args.model, extra, settings.worker_config(), file_tokens)
     os.environ[ENV_VAR] = settings.to_env()
+    # the API processes sign their payloads with it and the workers check it (plan.py)
+    from capsteer.engine_ext.plan import PAYLOAD_KEY_ENV
+
+    os.environ.setdefault(PAYLOAD_KEY_ENV, secrets.token_hex(16))
     mark_launcher()  # the engine processes vLLM starts exit if this process is killed
     if RUNTIME_ENV not in os.environ:  # shared by the API server processes vLLM starts
         os.environ[RUNTIME_ENV] = make_runtime_dir()

@@ -845,9 +845,28 @@ def test_a_capture_the_worker_cannot_serve_ends_with_an_error_receipt():
         sites=SimpleNamespace(hidden_size=HIDDEN, num_layers=LAYERS))
     for name in ("_sink_for", "_capture_request", "_run_on_sink_thread", "_refuse_capture"):
         setattr(worker, name, MethodType(getattr(EngineHooks, name), worker))
-    worker._refuse_capture("a", [1, 2, 3], extra, "capsteer: steering table full")
+    worker._refuse_capture("a", [1, 2, 3], extra["capsteer"], "capsteer: steering table full")
     result = memory.take(["cap-a"])["cap-a"]
     assert result.error == "capsteer: steering table full"
-    worker._refuse_capture("b", [1], {"capsteer": {"steering": extra["capsteer"]["steering"]}},
-                           "no capture")
+    worker._refuse_capture("b", [1], {"steering": extra["capsteer"]["steering"]}, "no capture")
+    worker._refuse_capture("c", [1], {**extra["capsteer"], "capture_id": "../x"}, "bad id")
+    assert memory.take(["../x"]) == {}  # an id no path may hold: nothing opened, no crash
     assert memory.take(["cap-b"]) == {}  # steering only: no capture to answer for
+
+
+def test_a_servers_workers_act_only_on_payloads_it_signed(monkeypatch):
+    """capsteer serve puts a key in its processes' environment; payloads built there carry
+    it, and a worker expecting it ignores any payload without it (one that reached vLLM
+    around the front end's checks). The in-process engine has no key and trusts its own."""
+    from capsteer.engine import build_payload
+    from capsteer.engine_ext.plan import PAYLOAD_KEY_ENV, payload_is_trusted
+
+    capture = parse_capture_spec({"hooks": ["resid_post"]}, num_layers=LAYERS)
+    monkeypatch.delenv(PAYLOAD_KEY_ENV, raising=False)
+    unsigned = build_payload(capture, None).extra_args["capsteer"]
+    assert "key" not in unsigned and payload_is_trusted(unsigned, None)
+    monkeypatch.setenv(PAYLOAD_KEY_ENV, "k1")
+    signed = build_payload(capture, None).extra_args["capsteer"]
+    assert signed["key"] == "k1" and payload_is_trusted(signed, "k1")
+    assert not payload_is_trusted(unsigned, "k1")
+    assert not payload_is_trusted({**signed, "key": "guess"}, "k1")
