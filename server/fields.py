@@ -98,6 +98,13 @@ def _check_positions_fit(capture: CaptureSpec, max_model_len: int) -> None:
                          f"context (max_model_len {max_model_len})")
 
 
+def _lax_true(value: object) -> bool:
+    """True as vLLM's request models read a boolean (pydantic's lax mode: 1, "true", "yes"...)."""
+    if isinstance(value, str):
+        return value.strip().lower() in ("1", "true", "t", "yes", "y", "on")
+    return value is True or (isinstance(value, int) and value == 1)
+
+
 def _prompt_count(prompt: object) -> int:
     """Prompts in a completions `prompt`: a string or a token list is one; a list of
     strings or of token lists is one each."""
@@ -111,6 +118,7 @@ def parse_hook_fields(
     default_layout: str, capture_default: Mapping[str, Any] | None,
 ) -> HookFields:
     """Validate the capsteer fields of an (extra_body-lifted) request body."""
+    refuse_reserved_args(body)  # also when the fields ask for nothing (capture: false)
     capture = None
     raw_capture = body.get("capture")
     if raw_capture is not None and raw_capture is not False:
@@ -118,7 +126,7 @@ def parse_hook_fields(
                                      default_layout=default_layout, default=capture_default)
         _check_positions_fit(capture, shape.max_model_len)
         n = body.get("n", 1)
-        if n is not None and n != 1:
+        if n is not None and str(n).strip() != "1":  # vLLM reads "1" as 1
             raise FieldError("n", "capture needs n=1 (one capture per request; send n requests)")
         if body.get("best_of") not in (None, 1):
             raise FieldError("best_of", "capture needs best_of=1")
@@ -140,7 +148,7 @@ def parse_hook_fields(
                                            hidden_size=shape.hidden_size, lookup=lookup)
         except SteeringSpecError as exc:
             raise FieldError(exc.field, exc.reason) from None
-    if body.get("use_beam_search") is True and (
+    if _lax_true(body.get("use_beam_search")) and (
             capture is not None or (steering is not None and not steering.is_noop)):
         # vLLM's beam search runs its own sampling params, without capsteer's payload
         raise FieldError("use_beam_search", "capture and steering do not run under beam search")
@@ -158,10 +166,9 @@ def response_id(body: dict[str, Any], path: str, header_id: str | None) -> str:
     with neither gets a fresh `request_id` here (vLLM would draw one itself)."""
     base = header_id
     if base is None:
-        given = body.get("request_id")
-        if not isinstance(given, str) or not given:
-            given = body["request_id"] = uuid.uuid4().hex
-        base = given
+        if "request_id" not in body:
+            body["request_id"] = uuid.uuid4().hex
+        base = str(body["request_id"])  # (not a string: vLLM refuses the request itself)
     return ("chatcmpl-" if path.rstrip("/").endswith("/chat/completions") else "cmpl-") + base
 
 

@@ -87,8 +87,11 @@ def replay(body: bytes, receive: Receive) -> Receive:
 
 
 def _is_json(scope: Scope) -> bool:
+    """A body FastAPI parses as JSON: application/json or application/*+json."""
     content_type = dict(scope["headers"]).get(b"content-type", b"")
-    return content_type.split(b";")[0].strip().lower() == b"application/json"
+    kind = content_type.split(b";")[0].strip().lower()
+    return kind == b"application/json" or (kind.startswith(b"application/")
+                                           and kind.endswith(b"+json"))
 
 
 def with_content_length(scope: Scope, length: int) -> Scope:
@@ -148,8 +151,10 @@ class CapsteerMiddleware:
         """vLLM endpoints beyond chat/completions take `vllm_xargs` too: a client's own
         capsteer payload there is refused (see refuse_reserved_args), all else untouched."""
         raw = await read_body(receive)
-        # JSON may spell the key with escapes ("\u0063apsteer"): such bodies are parsed too.
-        if (EXTRA_ARGS_KEY.encode() in raw or b"\\u" in raw) and self._authorized(scope):
+        # JSON may spell the key with escapes ("\u0063apsteer") or come in UTF-16/32 (NUL
+        # bytes): such bodies are parsed too.
+        suspect = EXTRA_ARGS_KEY.encode() in raw or b"\\u" in raw or b"\x00" in raw
+        if suspect and self._authorized(scope):
             try:
                 body = json.loads(raw)
             except ValueError:
@@ -209,7 +214,8 @@ class CapsteerMiddleware:
             dir_time = time.time()
             record_id = None
             if capture_id is not None:
-                header = dict(scope["headers"]).get(b"x-request-id")
+                header = next((v for k, v in scope["headers"] if k.lower() == b"x-request-id"),
+                              None)  # the first, as Starlette (and so vLLM) reads it
                 record_id = response_id(body, scope.get("path", ""),
                                         None if header is None else header.decode("latin-1"))
             new_body = rewrite_body(body, hooks, capture_id, dir_time, record_id)

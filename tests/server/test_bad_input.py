@@ -68,6 +68,12 @@ BAD: list[tuple[str, dict, str]] = [
      {"capture": True, "stream": True, "stream_options": "usage"}, "stream_options"),
     # vLLM's beam search builds its own sampling params: no payload, no receipt, ever
     ("beam search with capture", {"capture": True, "use_beam_search": True}, "use_beam_search"),
+    ("beam search, lax true", {"capture": True, "use_beam_search": "yes"}, "use_beam_search"),
+    # the reserved key beside fields that ask for nothing, or lifted from extra_body
+    ("reserved key beside capture false", {"capture": False, "vllm_xargs": {"capsteer": "{}"}},
+     "vllm_xargs.capsteer"),
+    ("reserved key in extra_body", {"extra_body": {"vllm_xargs": {"capsteer": "{}"}}},
+     "vllm_xargs.capsteer"),
     ("beam search with steering", {"use_beam_search": True, "steering": {"vectors": [
         {"hook": "resid_post", "layer": 0, "vector": V}]}}, "use_beam_search"),
 ]
@@ -114,9 +120,13 @@ def test_a_clients_own_worker_payload_is_refused_on_every_endpoint(server, http,
     own would reach the workers unchecked (no admission, no tracking): refused, also
     when the JSON spells the key with escapes."""
     before = scrape(server.url)
-    for encoded in (json.dumps(body), json.dumps(body).replace('"capsteer"', '"\\u0063apsteer"')):
-        r = http.post(path, content=encoded, headers={"content-type": "application/json"})
-        assert r.status_code == 400, (path, r.status_code, r.text)
+    text = json.dumps(body)
+    for encoded, kind in ((text, "application/json"),
+                          (text.replace('"capsteer"', '"\\u0063apsteer"'), "application/json"),
+                          (text.encode("utf-16"), "application/json"),
+                          (text, "application/vnd.api+json; charset=utf-8")):
+        r = http.post(path, content=encoded, headers={"content-type": kind})
+        assert r.status_code == 400, (path, kind, r.status_code, r.text)
         assert r.json()["error"]["param"].startswith(param), r.text
     after = scrape(server.url)
     assert metric_value(after, "vllm:request_success_total", model_name="demo") == \
@@ -136,7 +146,7 @@ def test_a_capture_of_several_prompts_is_refused(http):
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
     for prompt in (["a b"], [1, 2, 3]):  # one prompt, as a list of one or as tokens
         r = http.post("/v1/completions", json={**PLAIN, "prompt": prompt, "capture": True,
-                                               "capture_wait": True})
+                                               "capture_wait": True, "n": "1"})
         assert r.status_code == 200 and r.json()["capture_results"]["status"] == "ok", r.text
 
 
