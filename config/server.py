@@ -287,7 +287,7 @@ def split_config_file(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]
     """(capsteer's settings, every other key) of a YAML file that `capsteer serve --config`
     shares with `vllm serve --config`: capsteer's are its setting names (flat, `-` or `_`)
     and the `server:` section; the rest is vLLM's, as `vllm serve --config` reads it."""
-    path = Path(path)
+    path = Path(path).expanduser()
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except FileNotFoundError:

@@ -14,11 +14,17 @@ from capsteer.engine_ext.adapter import vllm_serve_args
 from capsteer.server import launch
 
 
-def served(argv: list[str], file_extra: dict | None = None):
+def served(argv: list[str], file_tokens: list[str] | None = None):
     """What vLLM's serve parser makes of capsteer's argv for `argv`."""
     args, _ = vllm_serve_args(launch.vllm_argv("some/model", argv, {"capture_dir": "/c"},
-                                               file_extra))
+                                               file_tokens))
     return args
+
+
+def vllms_own(argv: list[str]) -> dict:
+    """The additional-config stock `vllm serve` reads from the same flags."""
+    args, _ = vllm_serve_args(["some/model", *argv])
+    return args.additional_config
 
 
 @pytest.mark.parametrize("flags", [
@@ -27,21 +33,29 @@ def served(argv: list[str], file_extra: dict | None = None):
     ["--additional_config", '{"mine": 1}'],
     ["--additional-config.mine", "1"],
     ["--additional-config", '{"mine": 0}', "--additional-config.mine=1"],
+    # vLLM's own rules, kept: dotted keys replace a whole value wherever they stand, and
+    # read "1k" as 1000; the last whole value wins
+    ["--additional-config.mine", "1", "--additional-config", '{"other": 2}'],
+    ["--additional-config.mine", "1k", "--additional-config.deep.x", "y"],
+    ['--additional-config={"other": 2}', '--additional-config={"mine": 1}'],
 ])
-def test_the_users_additional_config_survives_beside_capsteers(flags):
+def test_the_users_additional_config_is_what_vllm_reads_beside_capsteers(flags):
     args = served(["--max-model-len", "256", *flags])
-    assert args.additional_config["mine"] == 1, args.additional_config
-    section = args.additional_config["capsteer"]
+    section = args.additional_config.pop("capsteer")
+    assert args.additional_config == vllms_own(flags) and "mine" in args.additional_config
     assert section["capture_dir"] == "/c" and section["frontend"] == "server"
     assert args.worker_cls == launch.WORKER_CLS and args.max_model_len == 256
 
 
-def test_a_config_files_additional_config_lies_beneath_the_command_lines():
-    args = served(["--additional-config.b", "3"], file_extra={"a": 1, "b": 2})
-    assert (args.additional_config["a"], args.additional_config["b"]) == (1, 3)
-    # vLLM's rule for a whole value: the last one replaces what came before
-    args = served(['--additional-config={"c": 4}'], file_extra={"a": 1})
+def test_a_config_files_additional_config_comes_before_the_command_lines():
+    file_tokens = launch.file_additional_config({"additional-config": {"a": 1, "b": 2},
+                                                  "max-model-len": 300})
+    assert served([], file_tokens).additional_config["a"] == 1
+    args = served(['--additional-config={"c": 4}'], file_tokens)  # the last whole value
     assert "a" not in args.additional_config and args.additional_config["c"] == 4
+    keys = {"additional_config.b": 3, "additional-config": '{"a": 1}'}  # dotted, JSON text
+    args = served([], launch.file_additional_config(keys))
+    assert keys == {} and args.additional_config["b"] == 3 and "a" not in args.additional_config
 
 
 @pytest.mark.parametrize("flags", [["--worker-cls", "my.Worker"], ["--worker_cls=my.Worker"]])
@@ -53,6 +67,9 @@ def test_another_worker_class_is_refused_in_every_spelling(flags):
 
 @pytest.mark.parametrize(("argv", "want"), [
     (["m", "--port", "9"], ["m", "--port", "9"]),
+    (["--cpu-defaults", "--capture-dir", "d", "m", "--port", "9"],
+     ["m", "--cpu-defaults", "--capture-dir", "d", "--port", "9"]),
+    (["--config=f.yaml", "m"], ["m", "--config=f.yaml"]),
     (["--model", "m", "--port", "9"], ["m", "--port", "9"]),
     (["--port", "9", "--model=m"], ["m", "--port", "9"]),
 ])
@@ -77,8 +94,8 @@ def test_one_config_file_holds_vllms_flags_and_capsteers_settings(tmp_path):
     settings = load_from_args(parser.parse_args(["--config", str(path)]))
     assert settings.capture_dir == "/from-file" and settings.capture_budget == 2 << 20
     rest = split_config_file(path)[1]
-    extra = rest.pop("additional-config")
-    args = served(["--config", launch._vllm_config_file(rest)], file_extra=extra)
+    tokens = launch.file_additional_config(rest)
+    args = served(["--config", launch._vllm_config_file(rest)], tokens)
     assert args.max_model_len == 300 and args.enforce_eager
     assert args.additional_config["mine"] == 5 and "capsteer" in args.additional_config
     # capsteer's keys under `server:` as well; both places at once is ambiguous
