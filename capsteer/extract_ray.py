@@ -593,7 +593,7 @@ def extract_on_ray(
 ) -> ExtractResult:
     """`extract(..., ray=True)`: run (or resume) a job on engine replicas through Ray Data."""
     from capsteer.capture.spec import parse_capture_spec
-    from capsteer.extract import _check_job, _model_layers
+    from capsteer.extract import _check_job, _check_resumed_ids, _model_layers
 
     if not ray:
         raise ValueError("num_replicas, ray_address and ray_batch_size need ray=True (--ray)")
@@ -629,6 +629,7 @@ def extract_on_ray(
     if recovered:
         logger.warning("capsteer extract: committed %d requests that replicas had made durable "
                        "before the last run stopped", recovered)
+    _check_resumed_ids(out, committer.done, set(ids))
     todo = [i for i in ids if i not in committer.done]
     if not todo:
         return ExtractResult(out, 0, len(ids), 0, 0.0, 0, _shards(out))

@@ -168,3 +168,13 @@ def test_extract_refuses_plain_mistakes_by_name(tmp_path, monkeypatch, capsys, f
         main(["some/model", "--output", "job", *flags])
     assert info.value.code == 2
     assert named in capsys.readouterr().err
+
+
+def test_a_resumed_job_must_hold_only_this_inputs_ids(tmp_path):
+    """Done ids the input does not have mean another input (or rows numbered otherwise):
+    resuming would store the same rows again under new ids."""
+    from capsteer.extract import _check_resumed_ids
+
+    _check_resumed_ids(tmp_path, {"1", "3"}, {"1", "3", "4"})
+    with pytest.raises(ValueError, match=r"1 request id\(s\) this input does not have \(e.g. '2'\)"):
+        _check_resumed_ids(tmp_path, {"1", "2"}, {"1", "3"})
