@@ -274,13 +274,16 @@ def read_config_file(path: str | Path, shared: bool = False) -> dict[str, Any]:
     if shared:
         return split_config_file(path)[0]
     path = Path(path)
+    return _file_settings(_load_yaml(path), path)
+
+
+def _load_yaml(path: Path) -> Any:
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        return yaml.safe_load(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {path}") from None
     except (OSError, yaml.YAMLError) as exc:
         raise ConfigError(f"config file {path}: cannot read it: {exc}") from None
-    return _file_settings(data, path)
 
 
 def split_config_file(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -288,12 +291,7 @@ def split_config_file(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]
     shares with `vllm serve --config`: capsteer's are its setting names (flat, `-` or `_`)
     and the `server:` section; the rest is vLLM's, as `vllm serve --config` reads it."""
     path = Path(path).expanduser()
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ConfigError(f"config file not found: {path}") from None
-    except (OSError, yaml.YAMLError) as exc:
-        raise ConfigError(f"config file {path}: cannot read it: {exc}") from None
+    data = _load_yaml(path)
     if data is None:
         return {}, {}
     if not isinstance(data, dict):
