@@ -83,10 +83,16 @@ class Traffic:
 
     def __init__(self, url: str, model: str, args: argparse.Namespace, capture: bool,
                  capture_dir: Path) -> None:
+        import httpx
         from openai import AsyncOpenAI
 
+        # No retries (they would hide latency), so an idle pooled connection must be dropped
+        # before the server's 5 s keep-alive closes it: reusing one as uvicorn closes it
+        # fails the request (httpx.ReadError, seen on GPU after the 103-request warm-up).
+        http = httpx.AsyncClient(timeout=900, limits=httpx.Limits(
+            max_connections=None, max_keepalive_connections=None, keepalive_expiry=2.0))
         self.client = AsyncOpenAI(base_url=url + "/v1", api_key="none", timeout=900,
-                                  max_retries=0)
+                                  max_retries=0, http_client=http)
         self.model, self.args, self.capture, self.capture_dir = model, args, capture, capture_dir
         self.rng = random.Random(7)
         self.t0 = time.monotonic()
@@ -286,7 +292,13 @@ def main() -> None:
                     help="epoch seconds: start no process after it")
     ap.add_argument("--work", type=Path, default=Path("/tmp/capsteer-mixed"))
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "bench/results"))
+    ap.add_argument("--merge", type=Path, nargs="+", default=None, metavar="JSON",
+                    help="run nothing: join these mixed-latency.json files (one GPU call "
+                    "each, in run order) into <out>/mixed-latency.json, rounds renumbered")
     args = ap.parse_args()
+    if args.merge:
+        merge(args.merge, args.out / "mixed-latency.json")
+        return
     args.shape = args.shape or ("llama3-8b-36l" if args.device == "cuda" else "llama-tiny")
     args.capsteer_flags = args.capsteer_flags.split()
     args.work.mkdir(parents=True, exist_ok=True)
@@ -311,9 +323,38 @@ def main() -> None:
             out.write_text(json.dumps(report(args, processes), indent=1))  # survives a timeout
     result = report(args, processes)
     out.write_text(json.dumps(result, indent=1))
+    print_ratios(result)
+
+
+def print_ratios(result: dict) -> None:
     for name, ratios in result["ratios"].items():
         print(f"capsteer / vanilla, {name}: " + ", ".join(
             f"{k} {v:.3f}" for k, v in ratios.items() if v is not None), flush=True)
+
+
+def merge(files: list[Path], out: Path) -> None:
+    """Rounds run in separate calls (a GPU call has a time limit) judged as one run."""
+    runs = [json.loads(f.read_text()) for f in files]
+    first = runs[0]
+    for f, run in zip(files, runs):
+        if (run["shape"], run["workload"], run["capsteer_flags"]) != (
+                first["shape"], first["workload"], first["capsteer_flags"]):
+            raise SystemExit(f"{f}: another shape, workload or flags than {files[0]}")
+    processes, offset = [], 0
+    for run in runs:
+        for p in run["processes"]:
+            processes.append({**p, "round": offset + p["round"]})
+        offset += max((p["round"] for p in run["processes"]), default=0)
+    args = argparse.Namespace(device_name=first["device"], shape=first["shape"],
+                              capsteer_flags=first["capsteer_flags"], **first["workload"])
+    result = report(args, processes)
+    result["command"] = "; ".join(run["command"] for run in runs)
+    result["merged_from"] = [str(f) for f in files]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    for p in processes:
+        print(row(f"{p['config']} round {p['round']}", p["figures"]), flush=True)
+    print_ratios(result)
 
 
 def report(args: argparse.Namespace, processes: list[dict]) -> dict:
