@@ -205,6 +205,22 @@ def p95(xs: list[float]) -> float:
     return xs[min(len(xs) - 1, round(0.95 * (len(xs) - 1)))]
 
 
+OFFSET_BIN_S = 0.5
+
+
+def ttft_by_offset(plain: list[dict], bursts: list[dict]) -> dict[str, float]:
+    """Median TTFT of the burst phase's plain requests by when they started after the
+    latest burst start (0.5 s bins): where in a burst the plain requests wait."""
+    bins: dict[int, list[float]] = {}
+    for r in plain:
+        if r["phase"] != "bursts" or r["first"] is None:
+            continue
+        since = [r["start"] - b["start"] for b in bursts if r["start"] >= b["start"]]
+        if since:
+            bins.setdefault(int(min(since) // OFFSET_BIN_S), []).append(r["first"] - r["start"])
+    return {f"{k * OFFSET_BIN_S:.1f}": statistics.median(v) for k, v in sorted(bins.items())}
+
+
 def figures(plain: list[dict], bursts: list[dict]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, rs in group(plain, bursts).items():
@@ -216,6 +232,7 @@ def figures(plain: list[dict], bursts: list[dict]) -> dict[str, Any]:
         if lat:
             out[name].update({"latency_median_s": statistics.median(lat),
                               "latency_p95_s": p95(lat)})
+    out["ttft_by_offset"] = ttft_by_offset(plain, bursts)
     secs = [b["seconds"] for b in bursts]
     out["burst_s"] = secs
     out["burst_median_s"] = statistics.median(secs) if secs else None
@@ -271,6 +288,12 @@ def row(label: str, f: dict) -> str:
             f"beside {f['beside']['n']}")
 
 
+def offsets_row(f: dict) -> str:
+    got = f.get("ttft_by_offset") or {}
+    return ("    TTFT ms by start after a burst's (s): "
+            + " ".join(f"{k}:{v * 1000:.0f}" for k, v in list(got.items())[:12]))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
@@ -320,6 +343,7 @@ def main() -> None:
             got["round"] = r + 1
             processes.append(got)
             print(row(f"{config} round {r + 1}", got["figures"]), flush=True)
+            print(offsets_row(got["figures"]), flush=True)
             out.write_text(json.dumps(report(args, processes), indent=1))  # survives a timeout
     result = report(args, processes)
     out.write_text(json.dumps(result, indent=1))
@@ -336,14 +360,15 @@ def merge(files: list[Path], out: Path) -> None:
     """Rounds run in separate calls (a GPU call has a time limit) judged as one run."""
     runs = [json.loads(f.read_text()) for f in files]
     first = runs[0]
-    for f, run in zip(files, runs):
+    for f, run in zip(files, runs, strict=True):
         if (run["shape"], run["workload"], run["capsteer_flags"]) != (
                 first["shape"], first["workload"], first["capsteer_flags"]):
             raise SystemExit(f"{f}: another shape, workload or flags than {files[0]}")
     processes, offset = [], 0
     for run in runs:
         for p in run["processes"]:
-            processes.append({**p, "round": offset + p["round"]})
+            processes.append({**p, "round": offset + p["round"],  # figures of this code
+                              "figures": figures(p["plain"], p["bursts"])})
         offset += max((p["round"] for p in run["processes"]), default=0)
     args = argparse.Namespace(device_name=first["device"], shape=first["shape"],
                               capsteer_flags=first["capsteer_flags"], **first["workload"])
@@ -354,6 +379,7 @@ def merge(files: list[Path], out: Path) -> None:
     out.write_text(json.dumps(result, indent=1))
     for p in processes:
         print(row(f"{p['config']} round {p['round']}", p["figures"]), flush=True)
+        print(offsets_row(p["figures"]), flush=True)
     print_ratios(result)
 
 
