@@ -46,6 +46,7 @@ import collections
 import gc
 import json
 import logging
+import math
 import os
 import pickle
 import queue
@@ -324,7 +325,7 @@ class ProcessCaptureWriter:
         write is too large, or the ring is full (the caller takes the copy path)."""
         if not self._device_rows or self._fallback is not None:
             return None
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize  # per route: np.prod costs ~4 us
         size = _align(nbytes)
         if 2 * size > self.ring_bytes or not nbytes:
             return None
@@ -698,7 +699,7 @@ def _serve(sock_fd: int, ctl_fd: int, ring_fd: int, config: dict[str, Any]) -> N
         kind = msg[0]
         if kind == "writes":
             for cid, hook, layer, pos, dtype, shape, offset, end in msg[1]:
-                nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+                nbytes = math.prod(shape) * dtype.itemsize
                 rows = rings[offset:offset + nbytes].view(dtype).view(shape)
                 if 2 * nbytes >= ring_bytes:  # CaptureWriter.write copies rows of a larger
                     rows = rows.clone()       # storage; the parent keeps writes below half
