@@ -240,10 +240,7 @@ class EngineHooks:
                 hooks.release(self.runtime)
                 logger.error("capsteer: request %s runs without hooks: %s", req_id, refusal)
                 if hooks.capture is not None and self.capture_rank:
-                    sink = self._sink_for(hooks)
-                    sink.open(self._capture_request(req_id, prompt, hooks))
-                    self._run_on_sink_thread(
-                        lambda s=sink, c=hooks.capture_id, r=refusal: s.abort(c, r))
+                    self._open_and_abort(req_id, prompt, hooks, refusal)
                 continue
             self.requests[req_id] = hooks
             if hooks.capture is not None and not self.capture_rank:
@@ -275,14 +272,18 @@ class EngineHooks:
             return
         try:
             hooks = RequestHooks.capture_only(req_id, payload, len(prompt))
-            if hooks.capture is None:
-                return
-            sink = self._sink_for(hooks)
-            sink.open(self._capture_request(req_id, prompt, hooks))
+            if hooks.capture is not None:
+                self._open_and_abort(req_id, prompt, hooks, reason)
         except Exception:  # no capture the worker could name: nothing to answer for
             logger.exception("capsteer: request %s: its capture could not be ended either",
                              req_id)
-            return
+
+    def _open_and_abort(self, req_id: str, prompt, hooks: RequestHooks, reason: str) -> None:
+        """End a capture that will get no rows: open it, so its sink knows it, then abort
+        it on the sink thread (after anything queued before), which writes the error
+        receipt that releases the client's wait and the server's reservation."""
+        sink = self._sink_for(hooks)
+        sink.open(self._capture_request(req_id, prompt, hooks))
         self._run_on_sink_thread(lambda s=sink, c=hooks.capture_id, r=reason: s.abort(c, r))
 
     def _capture_request(self, req_id: str, prompt, hooks: RequestHooks) -> CaptureRequest:

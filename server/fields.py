@@ -176,7 +176,8 @@ def rewrite_body(body: dict[str, Any], hooks: HookFields, capture_id: str | None
                  dir_time: float | None = None, record_id: str | None = None) -> dict[str, Any]:
     """The body stock vLLM accepts: capsteer fields out, `vllm_xargs` and `cache_salt` in.
     `dir_time` dates the capture's directory (default: now); `record_id` is the id the
-    capture records (the response's id)."""
+    capture records (the response's id). `body` passed `parse_hook_fields`, which refused
+    a client's own payload key; the one written here replaces any that is left."""
     out = {k: v for k, v in body.items() if k not in HOOK_FIELDS}
     payload = build_payload(hooks.capture, hooks.steering, capture_id=capture_id,
                             durable=hooks.capture is not None, dir_time=dir_time,
@@ -188,7 +189,6 @@ def rewrite_body(body: dict[str, Any], hooks: HookFields, capture_id: str | None
         xargs = {}
     if not isinstance(xargs, Mapping):
         raise FieldError("vllm_xargs", "must be an object")
-    refuse_reserved_args(out)
     out["vllm_xargs"] = {**xargs, EXTRA_ARGS_KEY: json.dumps(payload.extra_args[EXTRA_ARGS_KEY])}
     if payload.cache_salt:
         user_salt = out.get("cache_salt")

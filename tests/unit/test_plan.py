@@ -843,7 +843,8 @@ def test_a_capture_the_worker_cannot_serve_ends_with_an_error_receipt():
         capture_rank=True, memory=memory, writer=None, sharded=None, runtime=rt,
         model_name="m", stage=0, num_stages=1, device_driven=False,
         sites=SimpleNamespace(hidden_size=HIDDEN, num_layers=LAYERS))
-    for name in ("_sink_for", "_capture_request", "_run_on_sink_thread", "_refuse_capture"):
+    for name in ("_sink_for", "_capture_request", "_run_on_sink_thread", "_refuse_capture",
+                 "_open_and_abort"):
         setattr(worker, name, MethodType(getattr(EngineHooks, name), worker))
     worker._refuse_capture("a", [1, 2, 3], extra["capsteer"], "capsteer: steering table full")
     result = memory.take(["cap-a"])["cap-a"]
