@@ -25,7 +25,6 @@ from capsteer.config.server import (
     ServerSettings,
     load_settings,
     resolve_settings,
-    split_config_file,
 )
 
 MASK = "***"
@@ -109,13 +108,12 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
 def _show(args: argparse.Namespace) -> int:
     try:
         resolved = resolve_settings(overrides_from_args(args), args.config, shared=True)
-        left = split_config_file(args.config)[1] if args.config else {}
     except ConfigError as exc:
         print(f"capsteer config: {exc}", file=sys.stderr)
         return 2
     print(render(resolved, args.format))
-    if left and args.format == "yaml":
-        print(f"# left to vllm serve: {', '.join(str(k) for k in left)}")
+    if resolved.vllm_keys and args.format == "yaml":
+        print(f"# left to vllm serve: {', '.join(str(k) for k in resolved.vllm_keys)}")
     return 0
 
 

@@ -62,6 +62,7 @@ class _Resolution:
     config_file: Path | None = None  # YAML file to read (None: no file)
     shared_file: bool = False  # the file is `vllm serve --config`'s: other keys are vLLM's
     init_only: bool = False  # from_env: the JSON blob is already the effective config
+    file_values: Mapping[str, Any] | None = None  # the file's settings, read already
 
 
 _RESOLUTION: ContextVar[_Resolution | None] = ContextVar("capsteer_settings_resolution",
@@ -228,7 +229,8 @@ class ServerSettings(BaseSettings):
         if resolution.config_file is None:
             return init_settings, env_settings
         return init_settings, env_settings, YamlFileSource(settings_cls, resolution.config_file,
-                                                           shared=resolution.shared_file)
+                                                           shared=resolution.shared_file,
+                                                           values=resolution.file_values)
 
     def to_env(self) -> str:
         return self.model_dump_json()
@@ -330,15 +332,21 @@ def _file_settings(data: Any, path: Path) -> dict[str, Any]:
 
 
 class YamlFileSource(YamlConfigSettingsSource):
-    """pydantic-settings' YAML source, strict: missing file, stray keys are errors."""
+    """pydantic-settings' YAML source, strict: missing file, stray keys are errors.
+    `values`: the file's settings as `resolve_settings` read them, so that the sources it
+    reports and the settings come from one read (one version of the file)."""
 
-    def __init__(self, settings_cls: type[BaseSettings], path: Path, shared: bool = False) -> None:
+    def __init__(self, settings_cls: type[BaseSettings], path: Path, shared: bool = False,
+                 values: Mapping[str, Any] | None = None) -> None:
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
         self.shared = shared
+        self.values = values
         super().__init__(settings_cls, yaml_file=path)
 
     def _read_file(self, file_path: Any) -> dict[str, Any]:
+        if self.values is not None:
+            return dict(self.values)
         return read_config_file(file_path, shared=self.shared)
 
 
@@ -348,6 +356,9 @@ class Resolved(NamedTuple):
     settings: ServerSettings
     sources: dict[str, Source]
     config_file: Path | None
+    # a shared file's other keys (`vllm serve --config`'s), from the same read: `capsteer
+    # serve` hands them to vLLM without reading the file again
+    vllm_keys: dict[str, Any]
 
 
 def resolve_settings(overrides: Mapping[str, Any] | None = None,
@@ -361,7 +372,12 @@ def resolve_settings(overrides: Mapping[str, Any] | None = None,
     path = config_file_path(config_file)
     # $CAPSTEER_CONFIG is capsteer's alone; a file given as `--config` is vLLM's too
     shared = shared and config_file is not None
-    file_values = read_config_file(path, shared) if path is not None else {}
+    file_values: dict[str, Any] = {}
+    vllm_keys: dict[str, Any] = {}
+    if path is not None and shared:
+        file_values, vllm_keys = split_config_file(path)
+    elif path is not None:
+        file_values = read_config_file(path)
     try:
         env_values = _env_values()
     except SettingsError as exc:
@@ -374,11 +390,12 @@ def resolve_settings(overrides: Mapping[str, Any] | None = None,
         else "file" if name in file_values else "default"
         for name in valid}
     try:
-        with _resolving(_Resolution(config_file=path, shared_file=shared)):
+        with _resolving(_Resolution(config_file=path, shared_file=shared,
+                                    file_values=file_values)):
             settings = ServerSettings(**flags)
     except ValidationError as exc:
         raise ConfigError(_explain(exc, sources, path)) from None
-    return Resolved(settings, sources, path)
+    return Resolved(settings, sources, path, vllm_keys)
 
 
 def load_settings(overrides: Mapping[str, Any] | None = None,

@@ -13,9 +13,11 @@ import argparse
 import json
 import os
 import secrets
+from collections.abc import Collection, Iterator, Sequence
+from typing import NamedTuple
 
-from capsteer.config.cli import SERVER_FLAGS, add_server_flags, load_from_args
-from capsteer.config.server import ENV_VAR, ConfigError, split_config_file
+from capsteer.config.cli import SERVER_FLAGS, add_server_flags, overrides_from_args
+from capsteer.config.server import ENV_VAR, ConfigError, resolve_settings
 from capsteer.engine_ext.lifeline import mark_launcher
 from capsteer.engine_ext.version import hooks_code_hash
 from capsteer.server.peers import RUNTIME_ENV, make_runtime_dir
@@ -59,32 +61,63 @@ def _normalized(arg: str) -> tuple[str, str, str]:
     return name, eq, value
 
 
+class FlagUse(NamedTuple):
+    """One occurrence of a flag in an argv."""
+
+    index: int  # where the flag's token is
+    name: str  # the flag as vLLM reads it (`_normalized`)
+    value: str | None  # `--x=v`'s v or the next token; None: the flag ends the argv
+    width: int  # tokens the flag and its value take: 2 for `--x v`, else 1
+
+
+def _flag_uses(argv: Sequence[str], names: Collection[str], *, dotted: bool = False,
+               skip_values: bool = False) -> Iterator[FlagUse]:
+    """Every occurrence of the flags `names` (`--x=v`, `--x v`, `_` spellings), in order; one
+    walker so that every reader of vLLM's flags agrees on what a flag's value is.
+    `dotted`: `NAME.key` counts as NAME's too (vLLM's dict flags). Readers look at every
+    token, a watched flag's value included (a refused flag is never hidden behind another
+    flag); `skip_values` steps over a found flag's value, as the takers that remove a flag
+    and its value need."""
+    i = 0
+    while i < len(argv):
+        name, eq, given = _normalized(argv[i])
+        head, dot, _ = name.partition(".")
+        if name in names or (dotted and dot and head in names):
+            if eq:
+                use = FlagUse(i, name, given, 1)
+            elif i + 1 < len(argv):
+                use = FlagUse(i, name, argv[i + 1], 2)
+            else:
+                use = FlagUse(i, name, None, 1)
+            yield use
+            if skip_values:
+                i += use.width
+                continue
+        i += 1
+
+
+def _without(argv: Sequence[str], uses: Collection[FlagUse]) -> list[str]:
+    """`argv` less the tokens of `uses` (each flag and its value)."""
+    taken = {i for use in uses for i in range(use.index, use.index + use.width)}
+    return [arg for i, arg in enumerate(argv) if i not in taken]
+
+
 def take_additional_config(argv: list[str]) -> tuple[list[str], dict]:
     """(argv without any `--additional-config`, the value vLLM would read from them): the
     last whole value, unless dotted keys are given, whose dict then replaces it (vLLM adds
     them as one more value after all others), with vLLM's value reading ("1k" = 1000)."""
+    uses = list(_flag_uses(argv, ("--additional-config",), dotted=True, skip_values=True))
     whole: dict = {}
     dotted: dict = {}
-    has_dotted = False
-    rest: list[str] = []
-    i = 0
-    while i < len(argv):
-        name, eq, value = _normalized(argv[i])
-        if name == "--additional-config" or name.startswith("--additional-config."):
-            if not eq:
-                if i + 1 >= len(argv):
-                    raise SystemExit(f"capsteer serve: {argv[i]} needs a value")
-                value = argv[i + 1]
-                i += 1
-            if name == "--additional-config":
-                whole = _json_object(value, "--additional-config")
-            else:
-                has_dotted = True
-                _set_dotted(dotted, name.removeprefix("--additional-config."), value)
+    for use in uses:
+        if use.value is None:
+            raise SystemExit(f"capsteer serve: {argv[use.index]} needs a value")
+        if use.name == "--additional-config":
+            whole = _json_object(use.value, "--additional-config")
         else:
-            rest.append(argv[i])
-        i += 1
-    return rest, dotted if has_dotted else whole
+            _set_dotted(dotted, use.name.removeprefix("--additional-config."), use.value)
+    has_dotted = any(use.name != "--additional-config" for use in uses)
+    return _without(argv, uses), dotted if has_dotted else whole
 
 
 def _json_object(value: object, what: str) -> dict:
@@ -148,10 +181,9 @@ def model_first(argv: list[str]) -> list[str]:
             i += 1 if eq else 2
         else:
             break
-    for j, arg in enumerate(argv):
-        name, eq, value = _normalized(arg)
-        if name == "--model" and (eq or j + 1 < len(argv)):
-            return [value if eq else argv[j + 1], *argv[:j], *argv[j + (1 if eq else 2):]]
+    for use in _flag_uses(argv, ("--model",)):
+        if use.value is not None:
+            return [use.value, *_without(argv, [use])]
     raise SystemExit("capsteer serve: give the model first, as with vllm serve: "
                      "`capsteer serve MODEL [flags]` (or `--model MODEL`)")
 
@@ -166,25 +198,26 @@ UNSUPPORTED_DP_FLAGS = {
     ("--data-parallel-start-rank", "-dpr"): "hybrid / multi-node data parallelism",
     ("--headless",): "engines without an API server (multi-node data parallelism)",
 }
+DP_BACKEND_FLAGS = ("--data-parallel-backend", "-dpb")  # only its default, mp, is served
 
 
 def refuse_unsupported_dp(passthrough: list[str]) -> None:
     """SystemExit naming the first vLLM data-parallel flag capsteer cannot serve."""
-    for i, arg in enumerate(passthrough):
-        name = _normalized(arg)[0]
-        for flags, what in UNSUPPORTED_DP_FLAGS.items():
-            if name in flags:
-                raise SystemExit(
-                    f"capsteer serve: {flags[0]} is not supported ({what}); capsteer serves "
-                    "vLLM's internal load balancing with every engine on this node: "
-                    "`capsteer serve MODEL --data-parallel-size N` (docs/server.md, Data "
-                    "parallelism)")
-        if name in ("--data-parallel-backend", "-dpb"):
-            value = arg.split("=", 1)[1] if "=" in arg else (
-                passthrough[i + 1] if i + 1 < len(passthrough) else "")
-            if value != "mp":
-                raise SystemExit(f"capsteer serve: --data-parallel-backend {value} is not "
-                                 "supported; only the default mp backend is")
+    refused = {name: (flags, what) for flags, what in UNSUPPORTED_DP_FLAGS.items()
+               for name in flags}
+    # every occurrence is judged (vLLM reads the last backend given; none may be another)
+    for use in _flag_uses(passthrough, (*refused, *DP_BACKEND_FLAGS)):
+        if use.name in refused:
+            flags, what = refused[use.name]
+            raise SystemExit(
+                f"capsteer serve: {flags[0]} is not supported ({what}); capsteer serves "
+                "vLLM's internal load balancing with every engine on this node: "
+                "`capsteer serve MODEL --data-parallel-size N` (docs/server.md, Data "
+                "parallelism)")
+        value = use.value or ""
+        if value != "mp":
+            raise SystemExit(f"capsteer serve: --data-parallel-backend {value} is not "
+                             "supported; only the default mp backend is")
     local = _flag_value(passthrough, ("--data-parallel-size-local", "-dpl"))
     size = _flag_value(passthrough, ("--data-parallel-size", "-dp")) or "1"
     if local is not None and local.isdigit() and size.isdigit() and int(local) < int(size):
@@ -197,12 +230,8 @@ def refuse_unsupported_dp(passthrough: list[str]) -> None:
 
 def _flag_value(argv: list[str], names: tuple[str, ...]) -> str | None:
     """The last value given to a flag (`--flag V` or `--flag=V`), as vLLM's parser reads it."""
-    value = None
-    for i, arg in enumerate(argv):
-        name, eq, given = _normalized(arg)
-        if name in names:
-            value = given if eq else (argv[i + 1] if i + 1 < len(argv) else None)
-    return value
+    uses = list(_flag_uses(argv, names))
+    return uses[-1].value if uses else None
 
 
 def add_command(subparsers: argparse._SubParsersAction) -> None:
@@ -228,10 +257,12 @@ def _run(args: argparse.Namespace, passthrough: list[str] | None = None) -> int:
     if args.cpu_defaults:
         extra = CPU_DEFAULTS + extra
     try:
-        settings = load_from_args(args)  # flag > CAPSTEER_* env > --config file > default
-        vllm_keys = split_config_file(config)[1] if config else {}
+        # flag > CAPSTEER_* env > --config file > default (cli.load_from_args), and the
+        # file's other keys, vLLM's, from the same single read of it
+        resolved = resolve_settings(overrides_from_args(args), config, shared=True)
     except ConfigError as exc:
         raise SystemExit(f"capsteer serve: {exc}") from None
+    settings, vllm_keys = resolved.settings, dict(resolved.vllm_keys)
     file_tokens: list[str] = []
     if not args.vanilla:  # capsteer merges it with its own section (vllm_argv)
         file_tokens = file_additional_config(vllm_keys)
@@ -264,20 +295,10 @@ def _run(args: argparse.Namespace, passthrough: list[str] | None = None) -> int:
 
 def _take_flag(argv: list[str], flag: str) -> tuple[list[str], str | None]:
     """(argv without `flag` and its value, the last value given)."""
-    rest: list[str] = []
-    value = None
-    i = 0
-    while i < len(argv):
-        name, eq, given = _normalized(argv[i])
-        if name == flag:
-            if not eq and i + 1 >= len(argv):
-                raise SystemExit(f"capsteer serve: {flag} needs a value")
-            value = given if eq else argv[i + 1]
-            i += 1 if eq else 2
-            continue
-        rest.append(argv[i])
-        i += 1
-    return rest, value
+    uses = list(_flag_uses(argv, (flag,), skip_values=True))
+    if any(use.value is None for use in uses):
+        raise SystemExit(f"capsteer serve: {flag} needs a value")
+    return _without(argv, uses), uses[-1].value if uses else None
 
 
 def serve_help() -> str:

@@ -410,6 +410,29 @@ def test_load_from_args(tmp_path: Path) -> None:
     assert (s.capture_dir, s.steering_dir) == ("flag", "sv")
 
 
+def test_a_shared_file_is_read_once_and_split(tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--config` (vllm serve's file too): capsteer's keys are settings, the rest is vLLM's,
+    from one read; $CAPSTEER_CONFIG is capsteer's alone (no vLLM keys, strays refused)."""
+    from capsteer.config import server
+
+    reads: list[object] = []
+    load_yaml = server._load_yaml
+    monkeypatch.setattr(server, "_load_yaml", lambda path: reads.append(path) or load_yaml(path))
+    path = write_yaml(tmp_path, {"capture_dir": "file", "max-model-len": 300})
+    r = resolve_settings({"steering_dir": "flag"}, path, shared=True)
+    assert len(reads) == 1
+    assert (r.settings.capture_dir, r.settings.steering_dir) == ("file", "flag")
+    assert r.sources["capture_dir"] == "file" and r.vllm_keys == {"max-model-len": 300}
+    own = write_yaml(tmp_path, {"capture_dir": "x"}, name="own.yaml")
+    assert resolve_settings(config_file=own).vllm_keys == {}
+    monkeypatch.setenv(CONFIG_ENV_VAR, str(path))
+    with pytest.raises(ConfigError, match="unknown key"):
+        resolve_settings(shared=True)
+    with pytest.raises(ConfigError, match="unknown key"):  # constructed directly
+        ServerSettings()
+
+
 def test_config_show_yaml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                           capsys: pytest.CaptureFixture[str]) -> None:
     path = write_yaml(tmp_path, {"server": {"capture_dir": "file-dir", "capture_layout": "per_file"}})
