@@ -8,7 +8,12 @@ they run after the fast suites, grouped by name, so each engine starts once.
 from __future__ import annotations
 
 import gc
+import hashlib
+import os
+import shutil
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -53,11 +58,53 @@ class LazyDict(dict):
         return value
 
 
+MODEL_CACHE_ENV = "CAPSTEER_TEST_MODEL_CACHE"
+
+
+def _demo_model_key(family: str, seed: int) -> str:
+    """What a demo model's bytes depend on: its writer's source and the libraries that
+    draw and save it."""
+    import tokenizers
+    import torch
+    import transformers
+
+    from capsteer import demo_model
+
+    digest = hashlib.sha256(Path(demo_model.__file__).read_bytes())
+    digest.update(f"{family}/{seed}/{torch.__version__}/{transformers.__version__}/"
+                  f"{tokenizers.__version__}".encode())
+    return f"{family}-{digest.hexdigest()[:16]}"
+
+
+def stable_demo_model(family: str, seed: int = 7) -> Path:
+    """The demo model at a path that stays the same from run to run. vLLM's compile-cache
+    key includes the model's path (capsteer's key adds its hook code's hash), so engine
+    starts after the first run load compiled graphs instead of compiling them: ~30 s of
+    each start on the 2-core CI hosts. Built once into a temporary directory, then
+    renamed into place, so a run never sees half a model."""
+    root = Path(os.environ.get(MODEL_CACHE_ENV)
+                or Path.home() / ".cache" / "capsteer" / "test-models")
+    final = root / _demo_model_key(family, seed)
+    if (final / "config.json").is_file():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    building = Path(tempfile.mkdtemp(prefix=f".{family}-", dir=root))
+    try:
+        write_demo_model(building, family, seed=seed)
+        try:
+            building.rename(final)
+        except OSError:  # another run put it in place first: theirs is the same bytes
+            if not (final / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(building, ignore_errors=True)
+    return final
+
+
 @pytest.fixture(scope="session")
-def model_dirs(tmp_path_factory) -> dict[str, str]:
+def model_dirs() -> dict[str, str]:
     """Demo model directory per family (capsteer.demo_model.FAMILIES), seed 7."""
-    return LazyDict(lambda family: str(write_demo_model(tmp_path_factory.mktemp(family), family,
-                                                        seed=7)))
+    return LazyDict(lambda family: str(stable_demo_model(family, seed=7)))
 
 
 @pytest.fixture(scope="session")
