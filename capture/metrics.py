@@ -59,6 +59,13 @@ REJECTED = Counter(
     "Captures refused up front because the in-flight budget was exhausted.",
     registry=REGISTRY,
 )
+# Counted by the engine workers (this registry is theirs), not by the API server.
+STEERING_REFUSED = Counter(
+    "capsteer_steering_refused_total",
+    "Steered requests whose hooks a worker could not install (e.g. its steering table was "
+    "full): they ran unsteered. Counted by tensor-parallel rank 0 of each pipeline stage.",
+    registry=REGISTRY,
+)
 FSYNC_SECONDS = Histogram(
     "capsteer_fsync_seconds",
     "Duration of each fsync (files and directories) done by the capture writer.",

@@ -231,9 +231,7 @@ class EngineHooks:
             try:
                 hooks = RequestHooks.from_payload(req_id, payload, len(prompt), self.runtime)
             except Exception as exc:  # a payload must never stop the engine
-                logger.exception("capsteer: request %s has a hook payload this worker cannot "
-                                 "serve; it runs without hooks", req_id)
-                self._refuse_capture(req_id, prompt, payload, f"capsteer: {exc}")
+                self._hooks_refused(req_id, prompt, payload, exc)
                 continue
             refusal = self._beyond_stop(hooks)
             if refusal is not None:
@@ -263,6 +261,19 @@ class EngineHooks:
                 group_of = getattr(sink, "group_of", None)  # the writer pool's child
                 if group_of is not None:
                     hooks.group = group_of(hooks.capture_id)
+
+    def _hooks_refused(self, req_id: str, prompt, payload: Mapping, exc: Exception) -> None:
+        """A payload this worker cannot serve runs without hooks, never silently: logged,
+        counted in capsteer_steering_refused_total (operators alert on it; a steered
+        response that was not steered looks like any other), and its capture, if any,
+        ends with an error receipt."""
+        logger.error("capsteer: request %s has a hook payload this worker cannot serve; it "
+                     "runs without hooks: %s", req_id, exc, exc_info=exc)
+        if self.capture_rank and payload.get("steering"):
+            from capsteer.capture import metrics
+
+            metrics.STEERING_REFUSED.inc()
+        self._refuse_capture(req_id, prompt, payload, f"capsteer: {exc}")
 
     def _refuse_capture(self, req_id: str, prompt, payload: Mapping, reason: str) -> None:
         """A capture the worker cannot serve (e.g. the steering table is full) still ends,

@@ -42,6 +42,7 @@ CAPSTEER_METRICS = {
     "capsteer_capture_rejected_total",
     "capsteer_fsync_seconds",
     "capsteer_steering_requests_total",
+    "capsteer_steering_refused_total",
     "capsteer_steering_vectors",
 }
 VLLM_METRICS = {

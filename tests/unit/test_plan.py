@@ -855,6 +855,52 @@ def test_a_capture_the_worker_cannot_serve_ends_with_an_error_receipt():
     assert memory.take(["cap-b"]) == {}  # steering only: no capture to answer for
 
 
+def test_steering_a_worker_cannot_apply_is_counted_not_silent():
+    """A steered request whose hooks cannot be installed runs unsteered: the worker counts
+    it in capsteer_steering_refused_total (once per stage, on TP rank 0), so operators see
+    what the client cannot tell from the response; its capture ends with the error."""
+    from types import MethodType, SimpleNamespace
+
+    from capsteer.capture import metrics
+    from capsteer.capture.sink import MemorySink
+    from capsteer.engine_ext.worker import EngineHooks
+
+    rt = HookRuntime(LAYERS, HIDDEN, torch.float32, torch.device("cpu"), max_tokens=16,
+                     max_entries=2, max_requests=4)
+    steer = parse_steering_spec({"vectors": [{"hook": "resid_post", "layers": "all",
+                                              "vector": [0.5] * HIDDEN}]},
+                                num_layers=LAYERS, hidden_size=HIDDEN).to_dict()
+    capture = parse_capture_spec({"hooks": ["resid_post"]}, num_layers=LAYERS).to_dict()
+
+    def worker(rank0: bool):
+        w = SimpleNamespace(
+            capture_rank=rank0, memory=MemorySink(final_positions=False), writer=None,
+            sharded=None, runtime=rt, model_name="m", stage=0, num_stages=1,
+            device_driven=False, sites=SimpleNamespace(hidden_size=HIDDEN, num_layers=LAYERS))
+        for name in ("_sink_for", "_capture_request", "_run_on_sink_thread", "_refuse_capture",
+                     "_open_and_abort", "_hooks_refused"):
+            setattr(w, name, MethodType(getattr(EngineHooks, name), w))
+        return w
+
+    def refused() -> float:
+        return metrics.REGISTRY.get_sample_value("capsteer_steering_refused_total") or 0.0
+
+    before = refused()
+    full = RuntimeError("capsteer: steering table full (raise max_entries)")
+    w = worker(True)
+    w._hooks_refused("a", [1, 2], {"steering": steer}, full)
+    assert refused() == before + 1
+    w._hooks_refused("b", [1, 2], {"steering": steer, "capture": capture, "capture_id": "cap-b",
+                                   "durable": False}, full)
+    assert refused() == before + 2
+    assert w.memory.take(["cap-b"])["cap-b"].error == f"capsteer: {full}"
+    w._hooks_refused("c", [1], {"capture": capture, "capture_id": "cap-c", "durable": False},
+                     ValueError("bad capture"))
+    assert refused() == before + 2  # no steering asked: the capture's error receipt says it
+    worker(False)._hooks_refused("d", [1], {"steering": steer}, full)
+    assert refused() == before + 2  # TP ranks > 0 repeat rank 0's work: counted once
+
+
 def test_a_servers_workers_act_only_on_payloads_it_signed(monkeypatch):
     """capsteer serve puts a key in its processes' environment; payloads built there carry
     it, and a worker expecting it ignores any payload without it (one that reached vLLM
