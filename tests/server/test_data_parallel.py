@@ -163,8 +163,8 @@ def test_captures_from_both_ranks_once_each_equal_hf(dp_server, hf_models):
         names = _families(after)
         capsteer = [f for f in names if f.startswith("capsteer_")]
         assert len(names) == len(set(names)), sorted(f for f in names if names.count(f) > 1)
-        assert len(capsteer) == 10, capsteer
-        assert len(re.findall(r"^# TYPE capsteer_", after, re.M)) == 10
+        assert len(capsteer) == 11, capsteer
+        assert len(re.findall(r"^# TYPE capsteer_", after, re.M)) == 11
 
         def delta(name: str, text: str = after, **labels: str) -> float:
             return _sample(text, name, **labels) - _sample(before, name, **labels)
@@ -173,6 +173,7 @@ def test_captures_from_both_ranks_once_each_equal_hf(dp_server, hf_models):
         assert delta("capsteer_capture_files_total") == sum(len(r["files"]) for r in results)
         assert delta("capsteer_capture_bytes_total") == on_disk_bytes
         assert delta("capsteer_steering_requests_total") == steered
+        assert delta("capsteer_steering_refused_total") == 0  # every steered request steered
         assert _sample(after, "capsteer_capture_inflight_bytes") == 0
         assert "vllm:prompt_tokens_total" in after
 
