@@ -214,14 +214,20 @@ def _capture_queued_behind_a_long_batch(http, client, prompts: int, tokens: int)
             waiting = metric_value(text, "vllm:num_requests_waiting", engine="0",
                                    model_name="demo")
             if took < 0.3 and waiting >= 32 and not batch.done():
-                with http.stream("POST", "/v1/completions", json={
-                        "model": "demo", "prompt": PROMPT, "max_tokens": 8, "temperature": 0,
-                        "stream": True,
-                        "capture": {"hooks": ["resid_post"], "positions": "all"}}) as r:
-                    assert r.status_code == 200
-                    capture_id = r.headers["x-capsteer-capture-id"]
-                    if batch.done():
-                        capture_id = None
+                try:
+                    with http.stream("POST", "/v1/completions", json={
+                            "model": "demo", "prompt": PROMPT, "max_tokens": 8,
+                            "temperature": 0, "stream": True,
+                            "capture": {"hooks": ["resid_post"], "positions": "all"}}) as r:
+                        assert r.status_code == 200
+                        capture_id = r.headers["x-capsteer-capture-id"]
+                        if batch.done():
+                            capture_id = None
+                except httpx.RemoteProtocolError:
+                    # The pooled connection was closed by the server's keep-alive timer as
+                    # the request went out (seen once in CI): no response, so no capture;
+                    # the chance was missed, and the caller tries another batch.
+                    capture_id = None
                 break
             time.sleep(0.02)
         completion_tokens = batch.result()
