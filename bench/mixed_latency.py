@@ -288,10 +288,12 @@ def row(label: str, f: dict) -> str:
             f"beside {f['beside']['n']}")
 
 
-def offsets_row(f: dict) -> str:
+def print_process(label: str, f: dict) -> None:
+    """A process's figures, and its TTFT by start time after a burst's start."""
     got = f.get("ttft_by_offset") or {}
-    return ("    TTFT ms by start after a burst's (s): "
-            + " ".join(f"{k}:{v * 1000:.0f}" for k, v in list(got.items())[:12]))
+    print(row(label, f), flush=True)
+    print("    TTFT ms by start after a burst's (s): "
+          + " ".join(f"{k}:{v * 1000:.0f}" for k, v in list(got.items())[:12]), flush=True)
 
 
 def main() -> None:
@@ -342,8 +344,7 @@ def main() -> None:
             got = run_process(config, model, args, args.work)
             got["round"] = r + 1
             processes.append(got)
-            print(row(f"{config} round {r + 1}", got["figures"]), flush=True)
-            print(offsets_row(got["figures"]), flush=True)
+            print_process(f"{config} round {r + 1}", got["figures"])
             out.write_text(json.dumps(report(args, processes), indent=1))  # survives a timeout
     result = report(args, processes)
     out.write_text(json.dumps(result, indent=1))
@@ -378,8 +379,7 @@ def merge(files: list[Path], out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     for p in processes:
-        print(row(f"{p['config']} round {p['round']}", p["figures"]), flush=True)
-        print(offsets_row(p["figures"]), flush=True)
+        print_process(f"{p['config']} round {p['round']}", p["figures"])
     print_ratios(result)
 
 
