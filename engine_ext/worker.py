@@ -730,6 +730,8 @@ class CapsteerWorker(adapter.platform_worker_base()):  # type: ignore[misc]
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        # Before the model first runs, which is when vLLM keys its compile cache.
+        adapter.take_runtime_config(self)
         watch_launcher()  # an orphaned engine exits instead of holding the GPU for nobody
 
     def load_model(self, *args, **kwargs) -> None:
