@@ -57,7 +57,7 @@ def test_defaults() -> None:
     s = load_settings()
     assert s == ServerSettings()
     assert (s.capture_dir, s.capture_layout, s.capture_overload) == ("captures", "packed", "block")
-    assert s.capture_budget == 1 << 30 and s.capture_wait_timeout == 60.0
+    assert s.capture_budget == 4 << 30 and s.capture_wait_timeout == 60.0
     assert s.admin_key is None and s.global_capture is None
     assert s.capture_default == {"hooks": ["resid_post"], "layers": "all", "positions": "all"}
     assert OVERLOAD_POLICIES == ("block", "drop", "reject")
@@ -109,7 +109,7 @@ def test_precedence_flag_env_file_default(tmp_path: Path,
     assert s.admin_key == "env-key"  # env, flag None = not given
     assert s.capture_layout == "per_file"  # file, flag None = not given
     assert s.steering_dir == "sv-file" and s.capture_wait_timeout == 5.0  # file > default
-    assert s.capture_budget == 1 << 30  # default
+    assert s.capture_budget == 4 << 30  # default
     assert r.sources == {"capture_dir": "flag", "capture_layout": "file",
                          "capture_overload": "env", "capture_digest": "default",
                          "capture_writer": "default", "capture_writer_processes": "default",
