@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -162,6 +163,15 @@ class ProcessWriterPool:
                      dtype: torch.dtype) -> DeviceRows | None:
         writer = self._route.get(capture_id)
         return None if writer is None else writer.reserve_rows(capture_id, shape, dtype)
+
+    def reserve_span(self, capture_ids: Sequence[str], shapes: Sequence[tuple[int, ...]],
+                     dtype: torch.dtype) -> tuple[torch.Tensor, list[DeviceRows]] | None:
+        """`ProcessCaptureWriter.reserve_span` in the child holding these captures (the
+        caller groups them by `group_of`); None unless one child holds them all."""
+        writer = self._route.get(capture_ids[0]) if capture_ids else None
+        if writer is None or any(self._route.get(c) is not writer for c in capture_ids[1:]):
+            return None
+        return writer.reserve_span(capture_ids, shapes, dtype)
 
     def write_reserved(self, reserved: DeviceRows, capture_id: str, hook: str, layer: int,
                        positions: np.ndarray) -> None:

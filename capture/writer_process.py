@@ -57,6 +57,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -108,13 +109,21 @@ def _dumps(msg: tuple) -> bytes:
 
 @dataclass
 class DeviceRows:
-    """Device-ring space reserved for one write's rows (`ProcessCaptureWriter.reserve_rows`):
-    `rows` is the page-locked host view the engine's GPU copy fills."""
+    """Device-ring space reserved for one write's rows (`ProcessCaptureWriter.reserve_rows`,
+    or one write's part of `reserve_span`): `rows` is the page-locked host view the
+    engine's GPU copy fills. Handing it over needs only the numbers (no tensor view)."""
 
     writer: ProcessCaptureWriter
-    rows: torch.Tensor
+    shape: tuple[int, ...]
+    dtype: torch.dtype
     offset: int  # from the start of the shared memory (what a "writes" entry names)
     end: int  # logical end, for the child's consumed counter
+
+    @property
+    def rows(self) -> torch.Tensor:
+        start = self.offset - _HEADER - self.writer.ring_bytes
+        nbytes = math.prod(self.shape) * self.dtype.itemsize
+        return self.writer._dring[start:start + nbytes].view(self.dtype).view(self.shape)
 
 
 class ProcessCaptureWriter:
@@ -334,8 +343,42 @@ class ProcessCaptureWriter:
             self.device_full += 1
             return None
         self._dhead = end
-        rows = self._dring[phys:phys + nbytes].view(dtype).view(shape)
-        return DeviceRows(self, rows, _HEADER + self.ring_bytes + phys, end)
+        return DeviceRows(self, tuple(shape), dtype, _HEADER + self.ring_bytes + phys, end)
+
+    def group_of(self, capture_id: str) -> int:
+        """One child: every capture's rows go to this ring (as `ProcessWriterPool.group_of`)."""
+        return 0
+
+    def reserve_span(self, capture_ids: Sequence[str], shapes: Sequence[tuple[int, ...]],
+                     dtype: torch.dtype) -> tuple[torch.Tensor, list[DeviceRows]] | None:
+        """One device-ring reservation for several writes in a row (a step's rows of
+        several captures at one point, which the plan lays out next to each other): one
+        GPU copy fills the returned (rows, hidden) view, and each DeviceRows hands one
+        write's part over. Each part ends where its rows end, so the child frees the span
+        write by write, as it frees separate reservations. Never waits: None as
+        `reserve_rows` (the caller reserves write by write then). Per write this costs a
+        few integer sums instead of a tensor view each and a merge of the copies."""
+        if not self._device_rows or self._fallback is not None or not shapes:
+            return None
+        item = dtype.itemsize
+        sizes = [math.prod(shape) * item for shape in shapes]
+        total = sum(sizes)
+        size = _align(total)
+        if 2 * size > self.ring_bytes or not total:
+            return None
+        phys, end = _place(self._dhead, size, self.ring_bytes)
+        if end - struct.unpack_from("<Q", self._mm, 8)[0] > self.ring_bytes:
+            self.device_full += len(shapes)
+            return None
+        self._dhead = end
+        base, start = _HEADER + self.ring_bytes + phys, end - size
+        parts, at = [], 0
+        for shape, nbytes in zip(shapes, sizes, strict=True):
+            parts.append(DeviceRows(self, tuple(shape), dtype, base + at, start + at + nbytes))
+            at += nbytes
+        parts[-1].end = end  # the alignment padding goes with the last write
+        rows = sum(shape[0] for shape in shapes)
+        return self._dring[phys:phys + total].view(dtype).view(rows, *shapes[0][1:]), parts
 
     def write_reserved(self, reserved: DeviceRows, capture_id: str, hook: str, layer: int,
                        positions: np.ndarray) -> None:
@@ -343,14 +386,13 @@ class ProcessCaptureWriter:
         Every reservation is handed over, in reservation order: the child advances the
         device ring past it."""
         pos = np.ascontiguousarray(positions, dtype=np.int64).reshape(-1)
-        rows = reserved.rows
         with self._send_lock:
             if self._fallback is not None:
-                self._fallback.write(capture_id, hook, layer, pos, rows)
+                self._fallback.write(capture_id, hook, layer, pos, reserved.rows)
                 return
             self.device_writes += 1
-            self._queue_locked((capture_id, hook, int(layer), pos, rows.dtype,
-                                tuple(rows.shape), reserved.offset, -reserved.end))
+            self._queue_locked((capture_id, hook, int(layer), pos, reserved.dtype,
+                                reserved.shape, reserved.offset, -reserved.end))
 
     def close(self, end: CaptureEnd) -> None:
         if self._fallback is not None:

@@ -460,21 +460,46 @@ class EngineHooks:
         go through the harvester's pinned ring."""
         direct, rest, copies = [], [], []
         staging = self.runtime.staging
+        hidden = tuple(staging.shape[1:])
+        run: list = []  # consecutive routes for one span: same sink, child and point
+        run_key: tuple | None = None
+        run_end = -1
+
+        def flush_run() -> None:
+            if not run:
+                return
+            sink = sinks[run[0].capture_id]
+            first = _staging_span(plan, run[0]).start
+            got = sink.reserve_span([r.capture_id for r in run],
+                                    [(len(r.positions), *hidden) for r in run], staging.dtype)
+            if got is not None:  # one GPU copy for the whole run
+                dst, parts = got
+                copies.append((parts[0].writer, dst, staging[first:first + dst.shape[0]]))
+                direct.extend((route, sink, part) for route, part in zip(run, parts, strict=True))
+                return
+            for route in run:  # a ring too full for the span: write by write, as space allows
+                _reserve_one(route, sink, staging[_staging_span(plan, route)], copies,
+                                  direct, rest)
+
         # Point by point (stable: writer groups, then batch order, within a point): a
-        # writer's rows of one point are one span of staging, and reserving them one
-        # after another makes them one span of its ring too. Routes come request by
-        # request (a request's points together), which would interleave the points.
+        # writer's rows of one point are one span of staging, and reserving them together
+        # makes them one span of its ring. Routes come request by request (a request's
+        # points together), which would interleave the points.
         for route in sorted(plan.routes, key=lambda r: r.point):
             sink = sinks[route.capture_id]
-            reserve = getattr(sink, "reserve_rows", None)
-            src = staging[_staging_span(plan, route)]
-            reserved = None if reserve is None else reserve(route.capture_id, tuple(src.shape),
-                                                            src.dtype)
-            if reserved is None:
-                rest.append(route)
+            span = _staging_span(plan, route)
+            if getattr(sink, "reserve_span", None) is None:
+                flush_run()
+                run, run_key = [], None
+                _reserve_one(route, sink, staging[span], copies, direct, rest)
                 continue
-            copies.append((reserved.writer, reserved.rows, src))
-            direct.append((route, sink, reserved))
+            key = (route.point, id(sink), sink.group_of(route.capture_id))
+            if key != run_key or span.start != run_end:
+                flush_run()
+                run, run_key = [], key
+            run.append(route)
+            run_end = span.stop
+        flush_run()
         merged = merge_row_copies(copies)
         for dst, src in merged:
             dst.copy_(src, non_blocking=True)
@@ -715,6 +740,20 @@ def merge_row_copies(copies: list[tuple[object, torch.Tensor, torch.Tensor]]
                 continue
         merged.append((owner, dst, src))
     return [(dst, src) for _, dst, src in merged]
+
+
+def _reserve_one(route, sink: CaptureSink, src: torch.Tensor, copies: list, direct: list,
+                 rest: list) -> None:
+    """One route's ring space on its own (a sink without spans, or a span that did not
+    fit): its copy joins `copies`, or the route joins `rest` (the harvester's path)."""
+    reserve = getattr(sink, "reserve_rows", None)
+    reserved = None if reserve is None else reserve(route.capture_id, tuple(src.shape),
+                                                    src.dtype)
+    if reserved is None:
+        rest.append(route)
+        return
+    copies.append((reserved.writer, reserved.rows, src))
+    direct.append((route, sink, reserved))
 
 
 def _staging_span(plan: StepPlan, route) -> slice:

@@ -413,6 +413,59 @@ def test_a_steps_rows_reach_each_writer_ring_in_one_copy(root):
         pool.shutdown(timeout=30)
 
 
+def test_a_span_reservation_publishes_each_writes_rows_and_frees_the_ring_write_by_write(root):
+    """`reserve_span`: one reservation and one copy for a step's rows of several captures
+    at one point. Each part hands over its own rows; the parts end where their rows end,
+    so 30 steps of two 48 KiB spans a child wrap each 1 MiB ring about three times and
+    publish exactly what was copied; a span larger than half the ring, or of captures in two
+    children, is refused (the engine then reserves write by write)."""
+    from capsteer.capture.writer_pool import ProcessWriterPool
+
+    pool = ProcessWriterPool(root, processes=2, budget_bytes=64 << 20, workers=2,
+                             ring_bytes=1 << 20)
+    try:
+        assert pool.ready.wait(60)
+        for child in pool.writers:
+            child._device_rows = True  # what pin_device_ring sets once CUDA pinned the ring
+        spec = make_spec(layers=[0, 1], positions="all")
+        hidden, chunk, prompt = 256, 8, 240
+        cids = [f"span-{i}" for i in range(12)]
+        for cid in cids:
+            pool.open(make_request(cid, spec, prompt, hidden=hidden))
+        by_child = {g: [c for c in cids if pool.group_of(c) == g] for g in (0, 1)}
+        assert all(by_child.values())
+        assert pool.reserve_span([by_child[0][0], by_child[1][0]], [(chunk, hidden)] * 2,
+                                 torch.float32) is None  # two children
+        assert pool.reserve_span(by_child[0], [(100, hidden)] * len(by_child[0]),
+                                 torch.float32) is None  # larger than half the ring
+        keys = [("resid_post", 0), ("resid_post", 1)]
+        refs = {cid: {k: reference_rows(cid, k, prompt, hidden, torch.float32) for k in keys}
+                for cid in cids}
+        for lo in range(0, prompt, chunk):
+            for hook, layer in keys:
+                for group in by_child.values():
+                    staging = torch.cat([refs[c][(hook, layer)][lo: lo + chunk] for c in group])
+                    got = pool.reserve_span(group, [(chunk, hidden)] * len(group), torch.float32)
+                    assert got is not None
+                    dst, parts = got
+                    assert dst.shape == staging.shape and len(parts) == len(group)
+                    dst.copy_(staging)  # the GPU's one copy
+                    staging.fill_(float("nan"))
+                    for i, (cid, part) in enumerate(zip(group, parts, strict=True)):
+                        assert part.rows.data_ptr() == dst[i * chunk].data_ptr()
+                        pool.write_reserved(part, cid, hook, layer, np.arange(lo, lo + chunk))
+            pool.end_step()
+        for cid in cids:
+            pool.close(CaptureEnd(cid, tuple(range(1000, 1000 + prompt)), finish_reason="length"))
+        assert pool.flush(60)
+        assert_published(root, refs)
+        stats = pool.stats()
+        assert stats["device_writes"] == len(cids) * len(keys) * (prompt // chunk)
+        assert stats["device_full"] == 0  # freed write by write: the rings never filled up
+    finally:
+        pool.shutdown(timeout=30)
+
+
 def test_merge_row_copies_joins_only_copies_that_continue_each_other():
     from capsteer.engine_ext.worker import merge_row_copies
 

@@ -819,6 +819,67 @@ def test_a_steps_copies_into_writer_rings_are_one_per_writer_and_point(monkeypat
         torch.testing.assert_close(reserved.rows, rt.staging[worker._staging_span(plan, route)])
 
 
+def test_a_steps_copies_into_span_writers_are_one_reservation_per_writer_and_point():
+    """With writers that reserve spans (`reserve_span`), `_copy_to_sinks` asks each writer
+    once per point for all its routes' rows there (one copy each); a writer that refuses
+    the span gets its routes reserved one by one (`reserve_rows`), and what does not fit
+    even so goes to the harvester's path. Every route gets its own rows."""
+    from types import SimpleNamespace
+
+    from capsteer.engine_ext import worker
+
+    class Ring:
+        def __init__(self, spans: bool, room: int = 64) -> None:
+            self.rows, self.head, self.spans, self.room = torch.zeros(64, HIDDEN), 0, spans, room
+            self.span_calls, self.row_calls = [], 0
+
+        def group_of(self, capture_id):
+            return 0
+
+        def reserve_rows(self, capture_id, shape, dtype):
+            self.row_calls += 1
+            if self.head + shape[0] > self.room:
+                return None
+            got = SimpleNamespace(writer=self, rows=self.rows[self.head: self.head + shape[0]])
+            self.head += shape[0]
+            return got
+
+        def reserve_span(self, capture_ids, shapes, dtype):
+            self.span_calls.append(list(capture_ids))
+            if not self.spans:
+                return None
+            n = sum(shape[0] for shape in shapes)
+            dst, parts, at = self.rows[self.head: self.head + n], [], self.head
+            for shape in shapes:
+                parts.append(SimpleNamespace(writer=self, rows=self.rows[at: at + shape[0]]))
+                at += shape[0]
+            self.head += n
+            return dst, parts
+
+    rt = HookRuntime(LAYERS, HIDDEN, torch.float32, torch.device("cpu"), max_tokens=32,
+                     max_requests=8, staging_rows=64, device_driven=True)
+    ids = [f"c{i}" for i in range(4)]
+    reqs = {r: hooks_for(r, 4, rt=rt, capture={"hooks": ["resid_post", "attn_out"],
+                                               "layers": [1]}) for r in ids}
+    for i, h in enumerate(reqs.values()):
+        h.group = i % 2
+    rings = [Ring(spans=True), Ring(spans=False, room=12)]
+    plan = build_step_plan(ids, np.array([0, 4, 8, 12, 16]), np.zeros(4, np.int64), reqs, None,
+                           host_steering=False)
+    rt.staging[: plan.staging_rows] = torch.arange(plan.staging_rows * HIDDEN,
+                                                   dtype=torch.float32).view(-1, HIDDEN)
+    sinks = {f"cap-{r}": rings[reqs[r].group] for r in ids}
+    hooks = SimpleNamespace(runtime=rt, ring_copies=0)
+    direct, rest = worker.EngineHooks._copy_to_sinks(hooks, plan, sinks)
+    assert rings[0].span_calls == [["cap-c0", "cap-c2"]] * 2 and rings[0].row_calls == 0
+    assert rings[1].span_calls == [["cap-c1", "cap-c3"]] * 2 and rings[1].row_calls == 4
+    assert len(direct) == 7 and len(rest.routes) == 1  # 3 x 4 rows fit the second ring
+    assert rest.routes[0].capture_id == "cap-c3"
+    for route, sink, reserved in direct:
+        assert reserved.writer is sink
+        torch.testing.assert_close(reserved.rows, rt.staging[worker._staging_span(plan, route)])
+
+
 def test_a_capture_the_worker_cannot_serve_ends_with_an_error_receipt():
     """A payload whose hooks cannot be registered (here: the steering table is full) runs
     without hooks, and its capture still ends: an error naming why, never silence (the
