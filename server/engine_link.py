@@ -5,7 +5,11 @@
   found here, after the engine may have fed more). Reports are batched: at most
   one call in flight, the rest queue behind it.
   The answer names the captures each worker opened; an aborted one no worker opened
-  never reached an engine, and the server publishes its error outcome itself.
+  never reached an engine, and the server publishes its error outcome itself. A
+  request vLLM answered with an error status is reported the same way: if no worker
+  opened its capture there is nothing to publish and the server forgets it; if one did,
+  that worker publishes the aborted capture's error receipt, and the server keeps it
+  (and its reserved bytes) until then.
 - Metrics: the writers run in the workers, so /metrics asks each worker for a
   snapshot of its capture metrics at scrape time (last good one on failure).
 
@@ -29,19 +33,26 @@ REPORT_RETRY_S = 0.5  # then 1 s: a busy engine core answers utility calls betwe
 
 
 class EngineLink:
-    def __init__(self, engine_client: Any, on_unreached: Callable[[str], Awaitable[None]], *,
+    def __init__(self, engine_client: Any, on_unreached: Callable[[str], Awaitable[None]],
+                 on_refused: Callable[[str], None] | None = None, *,
                  rpc_timeout_s: float = 10.0) -> None:
         self.engine = engine_client
         self.rpc_timeout_s = rpc_timeout_s
         self.on_unreached = on_unreached  # an aborted capture no worker opened
+        self.on_refused = on_refused  # a refused request's capture no worker opened
+        self._refused: set[str] = set()  # reported ends of requests vLLM refused
         self._ends: list[tuple[str, int | None]] = []
         self._flusher: asyncio.Task | None = None
         self._last_metrics: list[dict] = []
 
-    def report_end(self, capture_id: str, num_output_tokens: int | None) -> None:
-        """Queue a capture's final output length (None: the request was aborted).
+    def report_end(self, capture_id: str, num_output_tokens: int | None, *,
+                   refused: bool = False) -> None:
+        """Queue a capture's final output length (None: the request was aborted;
+        `refused`: vLLM answered its request with an error status).
 
         Synchronous so it also works from `finally` blocks of cancelled requests."""
+        if refused:
+            self._refused.add(capture_id)
         self._ends.append((capture_id, num_output_tokens))
         if self._flusher is None or self._flusher.done():
             self._flusher = asyncio.get_running_loop().create_task(self._flush())
@@ -52,6 +63,7 @@ class EngineLink:
             answers = await self._send_ends(batch)
             if answers is not None:
                 await self._settle_unreached(batch, answers)
+            self._forget_refused(batch, answers)
 
     async def _send_ends(self, batch: list[tuple[str, int | None]]) -> list | None:
         """The workers' answers, trying REPORT_ATTEMPTS times: a lost report would leave
@@ -79,12 +91,25 @@ class EngineLink:
         channel), so no writer will ever publish them."""
         opened = {cid for answer in answers for cid in (answer or ())}
         for capture_id, num_output in batch:
-            if num_output is None and capture_id not in opened:
+            if num_output is None and capture_id not in opened \
+                    and capture_id not in self._refused:
                 try:
                     await self.on_unreached(capture_id)
                 except Exception:
                     log.exception("capsteer: publishing the outcome of capture %s, aborted "
                                   "before it reached the engine, failed", capture_id)
+
+    def _forget_refused(self, batch: list[tuple[str, int | None]], answers: list | None) -> None:
+        """Refused requests whose capture no worker opened are forgotten (nothing will be
+        published). Without an answer the server cannot tell, and forgets them too: a
+        refusal almost always comes before the engine, and a capture held for a manifest
+        that never comes would hold its reserved bytes for good."""
+        opened = {cid for answer in (answers or ()) for cid in (answer or ())}
+        for capture_id, _ in batch:
+            if capture_id in self._refused:
+                self._refused.discard(capture_id)
+                if capture_id not in opened and self.on_refused is not None:
+                    self.on_refused(capture_id)
 
     async def drain(self) -> None:
         """Wait until every queued report was sent (tests, shutdown)."""

@@ -251,8 +251,7 @@ class CapsteerMiddleware:
         responder = CaptureResponder(
             send, capture_id=capture_id, wait=hooks.capture_wait,
             client_wants_usage=hooks.client_wants_usage, report_end=state.link.report_end,
-            receipt=lambda cid: state.tracker.wait(cid, state.settings.capture_wait_timeout),
-            on_refused=state.tracker.untrack)
+            receipt=lambda cid: state.tracker.wait(cid, state.settings.capture_wait_timeout))
         try:
             await self.app(inner_scope, replay(encoded, receive), responder.send)
         finally:

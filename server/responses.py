@@ -26,15 +26,13 @@ class CaptureResponder:
     """One captured request's response path (see module docstring)."""
 
     def __init__(self, send: Send, *, capture_id: str, wait: bool, client_wants_usage: bool,
-                 report_end: Callable[[str, int | None], None], receipt: ReceiptSource,
-                 on_refused: Callable[[str], None]) -> None:
+                 report_end: Callable[..., None], receipt: ReceiptSource) -> None:
         self._send = send
         self.capture_id = capture_id
         self.wait = wait
         self.client_wants_usage = client_wants_usage
         self._report = report_end
         self._receipt = receipt
-        self._on_refused = on_refused
         self.mode: str | None = None  # "json" | "sse" | "pass"
         self._start: dict | None = None
         self._body = bytearray()
@@ -49,10 +47,9 @@ class CaptureResponder:
         if kind == "http.response.start":
             headers = {k.lower(): v for k, v in message.get("headers", [])}
             ctype = headers.get(b"content-type", b"")
-            if message["status"] != 200:  # vLLM refused it: no capture, and no id to ask for
-                self.mode = "pass"
-                self._end(None)
-                self._on_refused(self.capture_id)
+            if message["status"] != 200:  # vLLM refused it: no id to ask for, and no
+                self.mode = "pass"         # capture unless an engine had opened it
+                self._end(None, refused=True)
                 await self._send(message)
                 return
             # The id is known before the body: a client whose stream breaks can still ask
@@ -82,10 +79,10 @@ class CaptureResponder:
         self._end(None)
 
     # ---- internals ----
-    def _end(self, num_output: int | None) -> None:
+    def _end(self, num_output: int | None, refused: bool = False) -> None:
         if not self.ended:
             self.ended = True
-            self._report(self.capture_id, num_output)
+            self._report(self.capture_id, num_output, refused=refused)
 
     async def _results(self) -> dict[str, Any]:
         started = time.monotonic()

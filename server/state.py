@@ -58,7 +58,7 @@ class CapsteerState:
                         topology.api_servers)
         tracker = CaptureTracker(settings.capture_dir, admission_budget(settings, topology),
                                  peers=peers, model=model.name)
-        link = EngineLink(engine, tracker.settle_unreached)
+        link = EngineLink(engine, tracker.settle_unreached, tracker.untrack)
         return cls(settings, model, shape, registry, tracker, link,
                    adapter.api_keys(app), global_capture, topology)
 

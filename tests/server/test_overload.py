@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -55,6 +56,18 @@ def test_reject_policy_answers_429_and_stays_healthy(reject_server):
     assert too_big.status_code == 400 and "budget" in too_big.json()["error"]["message"]
     assert httpx.get(url + "/health", timeout=30).status_code == 200
     assert _post(url, SMALL).status_code == 200  # the budget was freed
+    # Requests vLLM itself refuses after admission reserved their bytes (three would hold
+    # more than the budget): no capture id reaches the client, and once the workers
+    # answer that none of them opened those captures, the reservations are freed.
+    for _ in range(3):
+        refused = httpx.post(url + "/v1/completions", timeout=60,
+                             json={**_body(SMALL, 16), "temperature": -1.0})
+        assert refused.status_code == 400, refused.text
+        assert "x-capsteer-capture-id" not in refused.headers
+    deadline = time.monotonic() + 30
+    while (code := _post(url, SMALL).status_code) == 429 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert code == 200
     metrics = httpx.get(url + "/metrics", timeout=30).text
     assert f"capsteer_capture_rejected_total {float(codes.count(429))}" in metrics
 

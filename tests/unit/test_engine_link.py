@@ -53,3 +53,52 @@ def test_a_report_that_never_arrives_is_given_up_after_the_attempts(monkeypatch)
     monkeypatch.setattr(engine_link, "REPORT_RETRY_S", 0.01)
     engine, unreached = _report(fail=99)
     assert len(engine.calls) == engine_link.REPORT_ATTEMPTS and unreached == []
+
+
+class OpeningEngine:
+    """An engine client whose one worker answers that it opened the captures in `opened`."""
+
+    def __init__(self, opened: set[str], fail: bool = False) -> None:
+        self.opened, self.fail = opened, fail
+
+    async def collective_rpc(self, method, timeout=None, args=()):
+        if self.fail:
+            raise TimeoutError("engine core gone")
+        (ends,) = args
+        return [[capture_id for capture_id, _ in ends if capture_id in self.opened]]
+
+
+def _refusals(engine) -> tuple[list[str], list[str]]:
+    """(captures forgotten as refused, captures settled as unreached) after reporting a
+    refused request opened by a worker, one no worker opened, and a plain abort."""
+    forgotten: list[str] = []
+    unreached: list[str] = []
+
+    async def on_unreached(capture_id: str) -> None:
+        unreached.append(capture_id)
+
+    async def run() -> None:
+        link = EngineLink(engine, on_unreached, forgotten.append, rpc_timeout_s=5)
+        link.report_end("refused-opened", None, refused=True)
+        link.report_end("refused-unopened", None, refused=True)
+        link.report_end("aborted-unopened", None)
+        await link.drain()
+        assert link._refused == set()  # nothing kept once answered (or given up)
+
+    asyncio.run(run())
+    return forgotten, unreached
+
+
+def test_a_refused_request_whose_capture_a_worker_opened_stays_tracked():
+    """vLLM answered with an error status: a capture no worker opened is forgotten (its
+    reservation freed, no error manifest written); one a worker opened is left to that
+    worker's error receipt, which frees it when it appears."""
+    forgotten, unreached = _refusals(OpeningEngine({"refused-opened"}))
+    assert forgotten == ["refused-unopened"]
+    assert unreached == ["aborted-unopened"]  # a plain abort still gets its error outcome
+
+
+def test_refusals_are_forgotten_when_the_workers_never_answer(monkeypatch):
+    monkeypatch.setattr(engine_link, "REPORT_RETRY_S", 0.01)
+    forgotten, unreached = _refusals(OpeningEngine(set(), fail=True))
+    assert forgotten == ["refused-opened", "refused-unopened"] and unreached == []
