@@ -478,8 +478,8 @@ class EngineHooks:
                 direct.extend((route, sink, part) for route, part in zip(run, parts, strict=True))
                 return
             for route in run:  # a ring too full for the span: write by write, as space allows
-                _reserve_one(route, sink, staging[_staging_span(plan, route)], copies,
-                                  direct, rest)
+                _reserve_one(route, sink, staging[_staging_span(plan, route)], copies, direct,
+                             rest)
 
         # Point by point (stable: writer groups, then batch order, within a point): a
         # writer's rows of one point are one span of staging, and reserving them together
