@@ -1,8 +1,10 @@
 """Host cost of handing a step's captured rows to the writer processes' device rings, per
 route (one capture at one point): reserving ring space and merging the GPU copies on the
 engine's step thread, and handing the writes over on the harvester thread. Compares
-per-route reservations (`reserve_rows` + `merge_row_copies`) with one span per writer
-and point (`reserve_span`). CPU only: the rings stand in for page-locked ones (nothing
+per-route reservations (`reserve_rows` + `merge_row_copies`, writes handed over one by
+one: the engine before session 47) with one span per writer and point (`reserve_span`),
+its writes handed over one by one ("span") or a child's in one call
+(`write_reserved_many`, "span_many": the engine now). CPU only: the rings stand in for page-locked ones (nothing
 is copied by a GPU; the costs measured are the host's).
 
     python bench/reserve_cost.py [--requests 48] [--step-requests 16] [--layers 36]
@@ -35,7 +37,7 @@ def run(mode: str, args: argparse.Namespace, root: Path) -> dict[str, float]:
     spec = parse_capture_spec({"hooks": ["resid_post"], "layers": list(range(layers)),
                                "positions": "all"}, num_layers=layers)
     staging = torch.zeros(args.step_requests * prompt * layers, hidden, dtype=torch.bfloat16)
-    times = {"reserve": 0.0, "merge": 0.0, "hand_over": 0.0}
+    times = {"reserve": 0.0, "merge": 0.0, "hand_over": 0.0, "hand_over_cpu": 0.0}
     routes = copies_n = 0
     positions = np.arange(prompt)
     for s in range(0, args.requests, args.step_requests):
@@ -49,7 +51,7 @@ def run(mode: str, args: argparse.Namespace, root: Path) -> dict[str, float]:
         copies, handed, row = [], [], 0
         for layer in range(layers):
             for ids in by_child:
-                if mode == "span":
+                if mode != "route":
                     dst, parts = pool.reserve_span(ids, [(prompt, hidden)] * len(ids),
                                                    torch.bfloat16)
                     copies.append((parts[0].writer, dst,
@@ -64,11 +66,16 @@ def run(mode: str, args: argparse.Namespace, root: Path) -> dict[str, float]:
                     row += 1
         t1 = time.perf_counter()
         merged = merge_row_copies(copies)
-        t2 = time.perf_counter()
-        for cid, layer, got in handed:
-            pool.write_reserved(got, cid, "resid_post", layer, positions)
+        t2, c2 = time.perf_counter(), time.thread_time()
+        if mode == "span_many":
+            pool.write_reserved_many([(got, cid, "resid_post", layer, positions)
+                                      for cid, layer, got in handed])
+        else:
+            for cid, layer, got in handed:
+                pool.write_reserved(got, cid, "resid_post", layer, positions)
         pool.end_step()
-        t3 = time.perf_counter()
+        t3, c3 = time.perf_counter(), time.thread_time()
+        times["hand_over_cpu"] += c3 - c2  # this thread's CPU: without waits on the sends
         times["reserve"] += t1 - t0
         times["merge"] += t2 - t1
         times["hand_over"] += t3 - t2
@@ -89,16 +96,16 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=36)
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--hidden", type=int, default=4096)
-    ap.add_argument("--rounds", type=int, default=2, help="route, span, route, span, ...")
+    ap.add_argument("--rounds", type=int, default=2, help="route, span, span_many, route, ...")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="capsteer-reserve-"))
     try:
         for r in range(args.rounds):
-            for mode in ("route", "span"):
+            for mode in ("route", "span", "span_many"):
                 root = work / f"{mode}-{r}"
                 root.mkdir()
                 got = run(mode, args, root)
-                print(f"{mode:6s} round {r + 1}: {got}", flush=True)
+                print(f"{mode:9s} round {r + 1}: {got}", flush=True)
                 shutil.rmtree(root, ignore_errors=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -415,9 +415,10 @@ def test_a_steps_rows_reach_each_writer_ring_in_one_copy(root):
 
 def test_a_span_reservation_publishes_each_writes_rows_and_frees_the_ring_write_by_write(root):
     """`reserve_span`: one reservation and one copy for a step's rows of several captures
-    at one point. Each part hands over its own rows; the parts end where their rows end,
-    so 30 steps of two 48 KiB spans a child wrap each 1 MiB ring about three times and
-    publish exactly what was copied; a span larger than half the ring, or of captures in two
+    at one point. Each part hands over its own rows (one by one, or a step's in one
+    `write_reserved_many` call); the parts end where their rows end,
+    so 30 steps of two 48 KiB spans a child wrap each 1 MiB ring about three times (a
+    full ring waits for its child) and publish exactly what was copied; a span larger than half the ring, or of captures in two
     children, is refused (the engine then reserves write by write)."""
     from capsteer.capture.writer_pool import ProcessWriterPool
 
@@ -442,18 +443,30 @@ def test_a_span_reservation_publishes_each_writes_rows_and_frees_the_ring_write_
         refs = {cid: {k: reference_rows(cid, k, prompt, hidden, torch.float32) for k in keys}
                 for cid in cids}
         for lo in range(0, prompt, chunk):
+            writes = []  # the step's hand-over: every child's writes in one call
             for hook, layer in keys:
                 for group in by_child.values():
                     staging = torch.cat([refs[c][(hook, layer)][lo: lo + chunk] for c in group])
-                    got = pool.reserve_span(group, [(chunk, hidden)] * len(group), torch.float32)
-                    assert got is not None
+                    deadline = time.monotonic() + 30
+                    # A full ring waits for the child (the engine would reserve write by
+                    # write then); a ring never freed would end the test here.
+                    while (got := pool.reserve_span(group, [(chunk, hidden)] * len(group),
+                                                    torch.float32)) is None:
+                        assert time.monotonic() < deadline, "the ring was never freed"
+                        pool.end_step()  # sends what is queued, so the child can free it
+                        time.sleep(0.01)
                     dst, parts = got
                     assert dst.shape == staging.shape and len(parts) == len(group)
                     dst.copy_(staging)  # the GPU's one copy
                     staging.fill_(float("nan"))
                     for i, (cid, part) in enumerate(zip(group, parts, strict=True)):
                         assert part.rows.data_ptr() == dst[i * chunk].data_ptr()
-                        pool.write_reserved(part, cid, hook, layer, np.arange(lo, lo + chunk))
+                        writes.append((part, cid, hook, layer, np.arange(lo, lo + chunk)))
+            if lo % (2 * chunk):
+                pool.write_reserved_many(writes)
+            else:  # the one-by-one hand-over, for the other steps
+                for write in writes:
+                    pool.write_reserved(*write)
             pool.end_step()
         for cid in cids:
             pool.close(CaptureEnd(cid, tuple(range(1000, 1000 + prompt)), finish_reason="length"))
@@ -461,7 +474,6 @@ def test_a_span_reservation_publishes_each_writes_rows_and_frees_the_ring_write_
         assert_published(root, refs)
         stats = pool.stats()
         assert stats["device_writes"] == len(cids) * len(keys) * (prompt // chunk)
-        assert stats["device_full"] == 0  # freed write by write: the rings never filled up
     finally:
         pool.shutdown(timeout=30)
 
