@@ -1,10 +1,9 @@
 """Host cost of handing a step's captured rows to the writer processes' device rings, per
 route (one capture at one point): reserving ring space and merging the GPU copies on the
-engine's step thread, and handing the writes over on the harvester thread. Compares
-per-route reservations (`reserve_rows` + `merge_row_copies`, writes handed over one by
-one: the engine before session 47) with one span per writer and point (`reserve_span`),
-its writes handed over one by one ("span") or a child's in one call
-(`write_reserved_many`, "span_many": the engine now). CPU only: the rings stand in for page-locked ones (nothing
+engine's step thread, and handing the writes over on the harvester thread (wall time,
+which includes blocking sends to the children, and the thread's CPU time). Compares
+per-route reservations (`reserve_rows` + `merge_row_copies`: the engine before session 47)
+with one span per writer and point (`reserve_span`: the engine now). CPU only: the rings stand in for page-locked ones (nothing
 is copied by a GPU; the costs measured are the host's).
 
     python bench/reserve_cost.py [--requests 48] [--step-requests 16] [--layers 36]
@@ -67,12 +66,8 @@ def run(mode: str, args: argparse.Namespace, root: Path) -> dict[str, float]:
         t1 = time.perf_counter()
         merged = merge_row_copies(copies)
         t2, c2 = time.perf_counter(), time.thread_time()
-        if mode == "span_many":
-            pool.write_reserved_many([(got, cid, "resid_post", layer, positions)
-                                      for cid, layer, got in handed])
-        else:
-            for cid, layer, got in handed:
-                pool.write_reserved(got, cid, "resid_post", layer, positions)
+        for cid, layer, got in handed:
+            pool.write_reserved(got, cid, "resid_post", layer, positions)
         pool.end_step()
         t3, c3 = time.perf_counter(), time.thread_time()
         times["hand_over_cpu"] += c3 - c2  # this thread's CPU: without waits on the sends
@@ -96,12 +91,12 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=36)
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--hidden", type=int, default=4096)
-    ap.add_argument("--rounds", type=int, default=2, help="route, span, span_many, route, ...")
+    ap.add_argument("--rounds", type=int, default=2, help="route, span, route, span, ...")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="capsteer-reserve-"))
     try:
         for r in range(args.rounds):
-            for mode in ("route", "span", "span_many"):
+            for mode in ("route", "span"):
                 root = work / f"{mode}-{r}"
                 root.mkdir()
                 got = run(mode, args, root)

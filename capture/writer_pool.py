@@ -177,16 +177,6 @@ class ProcessWriterPool:
                        positions: np.ndarray) -> None:
         reserved.writer.write_reserved(reserved, capture_id, hook, layer, positions)
 
-    def write_reserved_many(self, writes: Sequence[tuple[DeviceRows, str, str, int,
-                                                          np.ndarray]]) -> None:
-        """`write_reserved` of many writes, each child's in one call (order kept)."""
-        by_child: dict[int, tuple[ProcessCaptureWriter, list]] = {}
-        for write in writes:
-            writer = write[0].writer
-            by_child.setdefault(id(writer), (writer, []))[1].append(write)
-        for writer, own in by_child.values():
-            writer.write_reserved_many(own)
-
     def close(self, end: CaptureEnd) -> None:
         writer = self._route.pop(end.capture_id, None)
         if writer is not None:

@@ -394,25 +394,6 @@ class ProcessCaptureWriter:
             self._queue_locked((capture_id, hook, int(layer), pos, reserved.dtype,
                                 reserved.shape, reserved.offset, -reserved.end))
 
-    def write_reserved_many(self, writes: Sequence[tuple[DeviceRows, str, str, int,
-                                                          np.ndarray]]) -> None:
-        """`write_reserved` of a step's (reserved, capture_id, hook, layer, positions), in
-        reservation order, under one lock: the harvester thread hands a P6 burst's 3,708
-        writes over without a call and a lock each."""
-        with self._send_lock:
-            if self._fallback is not None:
-                for reserved, capture_id, hook, layer, positions in writes:
-                    pos = np.ascontiguousarray(positions, dtype=np.int64).reshape(-1)
-                    self._fallback.write(capture_id, hook, layer, pos, reserved.rows)
-                return
-            self.device_writes += len(writes)
-            for reserved, capture_id, hook, layer, positions in writes:
-                pos = np.ascontiguousarray(positions, dtype=np.int64).reshape(-1)
-                self._pending.append((capture_id, hook, int(layer), pos, reserved.dtype,
-                                      reserved.shape, reserved.offset, -reserved.end))
-                if len(self._pending) >= _MAX_BATCH:
-                    self._send_pending_locked()
-
     def close(self, end: CaptureEnd) -> None:
         if self._fallback is not None:
             self._fallback.close(end)

@@ -443,7 +443,9 @@ class EngineHooks:
                                 strict=True):
                     hooks.tokens[p] = t
                 start += len(positions)
-            _hand_over(direct)
+            for route, sink, reserved in direct:
+                for hook, layer in route.keys:
+                    sink.write_reserved(reserved, route.capture_id, hook, layer, route.positions)
             self._deliver(staged, sinks, lambda r: rows[_staging_span(plan, r)])
 
         self.harvester.submit_copy(self.runtime.staging,
@@ -752,24 +754,6 @@ def _reserve_one(route, sink: CaptureSink, src: torch.Tensor, copies: list, dire
         return
     copies.append((reserved.writer, reserved.rows, src))
     direct.append((route, sink, reserved))
-
-
-def _hand_over(direct: list) -> None:
-    """Hand every (route, sink, reservation) the GPU copies filled to its sink, each
-    (hook, layer) of the route a write, in reservation order: a sink's writes in one
-    call where it takes many (`write_reserved_many`), else one by one."""
-    by_sink: dict[int, tuple[CaptureSink, list]] = {}
-    for route, sink, reserved in direct:
-        writes = by_sink.setdefault(id(sink), (sink, []))[1]
-        for hook, layer in route.keys:
-            writes.append((reserved, route.capture_id, hook, layer, route.positions))
-    for sink, writes in by_sink.values():
-        many = getattr(sink, "write_reserved_many", None)
-        if many is not None:
-            many(writes)
-            continue
-        for reserved, capture_id, hook, layer, positions in writes:
-            sink.write_reserved(reserved, capture_id, hook, layer, positions)
 
 
 def _staging_span(plan: StepPlan, route) -> slice:

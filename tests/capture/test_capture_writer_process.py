@@ -415,8 +415,7 @@ def test_a_steps_rows_reach_each_writer_ring_in_one_copy(root):
 
 def test_a_span_reservation_publishes_each_writes_rows_and_frees_the_ring_write_by_write(root):
     """`reserve_span`: one reservation and one copy for a step's rows of several captures
-    at one point. Each part hands over its own rows (one by one, or a step's in one
-    `write_reserved_many` call); the parts end where their rows end,
+    at one point. Each part hands over its own rows; the parts end where their rows end,
     so 30 steps of two 48 KiB spans a child wrap each 1 MiB ring about three times (a
     full ring waits for its child) and publish exactly what was copied; a span larger than half the ring, or of captures in two
     children, is refused (the engine then reserves write by write)."""
@@ -443,7 +442,7 @@ def test_a_span_reservation_publishes_each_writes_rows_and_frees_the_ring_write_
         refs = {cid: {k: reference_rows(cid, k, prompt, hidden, torch.float32) for k in keys}
                 for cid in cids}
         for lo in range(0, prompt, chunk):
-            writes = []  # the step's hand-over: every child's writes in one call
+            writes = []  # handed over after the step's copies, as the harvester does
             for hook, layer in keys:
                 for group in by_child.values():
                     staging = torch.cat([refs[c][(hook, layer)][lo: lo + chunk] for c in group])
@@ -462,11 +461,8 @@ def test_a_span_reservation_publishes_each_writes_rows_and_frees_the_ring_write_
                     for i, (cid, part) in enumerate(zip(group, parts, strict=True)):
                         assert part.rows.data_ptr() == dst[i * chunk].data_ptr()
                         writes.append((part, cid, hook, layer, np.arange(lo, lo + chunk)))
-            if lo % (2 * chunk):
-                pool.write_reserved_many(writes)
-            else:  # the one-by-one hand-over, for the other steps
-                for write in writes:
-                    pool.write_reserved(*write)
+            for write in writes:
+                pool.write_reserved(*write)
             pool.end_step()
         for cid in cids:
             pool.close(CaptureEnd(cid, tuple(range(1000, 1000 + prompt)), finish_reason="length"))

@@ -880,43 +880,6 @@ def test_a_steps_copies_into_span_writers_are_one_reservation_per_writer_and_poi
         torch.testing.assert_close(reserved.rows, rt.staging[worker._staging_span(plan, route)])
 
 
-def test_the_hand_over_keeps_each_sinks_reservation_order_and_every_key():
-    """`_hand_over`: each (hook, layer) of a route is a write of its reservation; a sink
-    that takes many writes gets all of its own in one call, a sink that does not gets
-    them one by one, each in the order its reservations were made."""
-    from types import SimpleNamespace
-
-    from capsteer.engine_ext import worker
-
-    class Many:
-        def __init__(self) -> None:
-            self.calls = []
-
-        def write_reserved_many(self, writes):
-            self.calls.append([(w[0], w[1], w[2], w[3]) for w in writes])
-
-    class OneByOne:
-        def __init__(self) -> None:
-            self.writes = []
-
-        def write_reserved(self, reserved, capture_id, hook, layer, positions):
-            self.writes.append((reserved, capture_id, hook, layer))
-
-    many, one = Many(), OneByOne()
-
-    def route(cid, keys):
-        return SimpleNamespace(capture_id=cid, keys=keys, positions=np.arange(3))
-
-    direct = [(route("a", (("resid_post", 1), ("resid_pre", 2))), many, "ra"),
-              (route("b", (("resid_post", 1),)), one, "rb"),
-              (route("c", (("attn_out", 0),)), many, "rc"),
-              (route("d", (("mlp_out", 3),)), one, "rd")]
-    worker._hand_over(direct)
-    assert many.calls == [[("ra", "a", "resid_post", 1), ("ra", "a", "resid_pre", 2),
-                           ("rc", "c", "attn_out", 0)]]
-    assert one.writes == [("rb", "b", "resid_post", 1), ("rd", "d", "mlp_out", 3)]
-
-
 def test_a_capture_the_worker_cannot_serve_ends_with_an_error_receipt():
     """A payload whose hooks cannot be registered (here: the steering table is full) runs
     without hooks, and its capture still ends: an error naming why, never silence (the
