@@ -361,117 +361,118 @@ def test_a_deferred_close_still_reaches_the_child_before_a_flush_call(proc_write
     assert_published(root, {"defer-flush": refs})
 
 
-def test_a_steps_rows_reach_each_writer_ring_in_one_copy(root):
+@pytest.fixture
+def device_ring_pool(root):
+    """Two writer processes whose device rings take rows as on a GPU (1 MiB each)."""
+    from capsteer.capture.writer_pool import ProcessWriterPool
+
+    pool = ProcessWriterPool(root, processes=2, budget_bytes=64 << 20, workers=2,
+                             ring_bytes=1 << 20)
+    try:
+        assert pool.ready.wait(60)
+        for child in pool.writers:
+            child._device_rows = True  # what pin_device_ring sets once CUDA pinned the ring
+        yield pool
+    finally:
+        pool.shutdown(timeout=30)
+
+
+def test_a_steps_rows_reach_each_writer_ring_in_one_copy(root, device_ring_pool):
     """The engine's step copies its captured rows into the writer processes' device rings:
     laid out writer by writer (the plan's groups, `group_of`), the reservations of one
     writer follow each other in its ring and `merge_row_copies` turns a step's 12 copies
     into one per writer (more only where a ring wraps). What each child publishes is the
     rows it was given."""
-    from capsteer.capture.writer_pool import ProcessWriterPool
     from capsteer.engine_ext.worker import merge_row_copies
 
-    pool = ProcessWriterPool(root, processes=2, budget_bytes=64 << 20, workers=2,
-                             ring_bytes=1 << 20)
-    try:
-        assert pool.ready.wait(60)
-        for child in pool.writers:
-            child._device_rows = True  # what pin_device_ring sets once CUDA pinned the ring
-        spec = make_spec(layers=[1], positions="all")
-        hidden, chunk, prompt = 256, 8, 40
-        cids = [f"grp-{i}" for i in range(12)]
-        for cid in cids:
-            pool.open(make_request(cid, spec, prompt, hidden=hidden))
-        groups = {cid: pool.group_of(cid) for cid in cids}
-        assert sorted(set(groups.values())) == [0, 1]
-        refs = {cid: reference_rows(cid, ("resid_post", 1), prompt, hidden, torch.float32)
-                for cid in cids}
-        ordered = sorted(cids, key=groups.get)  # the plan's layout: by group, stable
-        merged_counts = []
-        for lo in range(0, prompt, chunk):
-            staging = torch.cat([refs[cid][lo: lo + chunk] for cid in ordered])
-            copies, handed = [], []
-            for i, cid in enumerate(ordered):
-                got = pool.reserve_rows(cid, (chunk, hidden), torch.float32)
-                assert got is not None
-                copies.append((got.writer, got.rows, staging[i * chunk: (i + 1) * chunk]))
-                handed.append((cid, got))
-            merged = merge_row_copies(copies)
-            merged_counts.append(len(merged))
-            for dst, src in merged:
-                dst.copy_(src)
-            staging.fill_(float("nan"))  # the step's buffer is reused: the rings hold the rows
-            for cid, got in handed:
-                pool.write_reserved(got, cid, "resid_post", 1, np.arange(lo, lo + chunk))
-            pool.end_step()
-        for cid in cids:
-            pool.close(CaptureEnd(cid, tuple(range(1000, 1000 + prompt)), finish_reason="length"))
-        assert pool.flush(60)
-        assert_published(root, {cid: {("resid_post", 1): refs[cid]} for cid in cids})
-        # 12 x 8 KiB a step into two 1 MiB rings: no wrap within these five steps
-        assert merged_counts == [2] * 5
-    finally:
-        pool.shutdown(timeout=30)
+    pool = device_ring_pool
+    spec = make_spec(layers=[1], positions="all")
+    hidden, chunk, prompt = 256, 8, 40
+    cids = [f"grp-{i}" for i in range(12)]
+    for cid in cids:
+        pool.open(make_request(cid, spec, prompt, hidden=hidden))
+    groups = {cid: pool.group_of(cid) for cid in cids}
+    assert sorted(set(groups.values())) == [0, 1]
+    refs = {cid: reference_rows(cid, ("resid_post", 1), prompt, hidden, torch.float32)
+            for cid in cids}
+    ordered = sorted(cids, key=groups.get)  # the plan's layout: by group, stable
+    merged_counts = []
+    for lo in range(0, prompt, chunk):
+        staging = torch.cat([refs[cid][lo: lo + chunk] for cid in ordered])
+        copies, handed = [], []
+        for i, cid in enumerate(ordered):
+            got = pool.reserve_rows(cid, (chunk, hidden), torch.float32)
+            assert got is not None
+            copies.append((got.writer, got.rows, staging[i * chunk: (i + 1) * chunk]))
+            handed.append((cid, got))
+        merged = merge_row_copies(copies)
+        merged_counts.append(len(merged))
+        for dst, src in merged:
+            dst.copy_(src)
+        staging.fill_(float("nan"))  # the step's buffer is reused: the rings hold the rows
+        for cid, got in handed:
+            pool.write_reserved(got, cid, "resid_post", 1, np.arange(lo, lo + chunk))
+        pool.end_step()
+    for cid in cids:
+        pool.close(CaptureEnd(cid, tuple(range(1000, 1000 + prompt)), finish_reason="length"))
+    assert pool.flush(60)
+    assert_published(root, {cid: {("resid_post", 1): refs[cid]} for cid in cids})
+    # 12 x 8 KiB a step into two 1 MiB rings: no wrap within these five steps
+    assert merged_counts == [2] * 5
 
 
-def test_a_span_reservation_publishes_each_writes_rows_and_frees_the_ring_write_by_write(root):
+def test_a_span_reservation_publishes_each_writes_rows_and_frees_the_ring_write_by_write(
+        root, device_ring_pool):
     """`reserve_span`: one reservation and one copy for a step's rows of several captures
     at one point. Each part hands over its own rows; the parts end where their rows end,
     so 30 steps of two 48 KiB spans a child wrap each 1 MiB ring about three times (a
-    full ring waits for its child) and publish exactly what was copied; a span larger than half the ring, or of captures in two
-    children, is refused (the engine then reserves write by write)."""
-    from capsteer.capture.writer_pool import ProcessWriterPool
-
-    pool = ProcessWriterPool(root, processes=2, budget_bytes=64 << 20, workers=2,
-                             ring_bytes=1 << 20)
-    try:
-        assert pool.ready.wait(60)
-        for child in pool.writers:
-            child._device_rows = True  # what pin_device_ring sets once CUDA pinned the ring
-        spec = make_spec(layers=[0, 1], positions="all")
-        hidden, chunk, prompt = 256, 8, 240
-        cids = [f"span-{i}" for i in range(12)]
-        for cid in cids:
-            pool.open(make_request(cid, spec, prompt, hidden=hidden))
-        by_child = {g: [c for c in cids if pool.group_of(c) == g] for g in (0, 1)}
-        assert all(by_child.values())
-        assert pool.reserve_span([by_child[0][0], by_child[1][0]], [(chunk, hidden)] * 2,
-                                 torch.float32) is None  # two children
-        assert pool.reserve_span(by_child[0], [(100, hidden)] * len(by_child[0]),
-                                 torch.float32) is None  # larger than half the ring
-        keys = [("resid_post", 0), ("resid_post", 1)]
-        refs = {cid: {k: reference_rows(cid, k, prompt, hidden, torch.float32) for k in keys}
-                for cid in cids}
-        for lo in range(0, prompt, chunk):
-            writes = []  # handed over after the step's copies, as the harvester does
-            for hook, layer in keys:
-                for group in by_child.values():
-                    staging = torch.cat([refs[c][(hook, layer)][lo: lo + chunk] for c in group])
-                    deadline = time.monotonic() + 30
-                    # A full ring waits for the child (the engine would reserve write by
-                    # write then); a ring never freed would end the test here.
-                    while (got := pool.reserve_span(group, [(chunk, hidden)] * len(group),
-                                                    torch.float32)) is None:
-                        assert time.monotonic() < deadline, "the ring was never freed"
-                        pool.end_step()  # sends what is queued, so the child can free it
-                        time.sleep(0.01)
-                    dst, parts = got
-                    assert dst.shape == staging.shape and len(parts) == len(group)
-                    dst.copy_(staging)  # the GPU's one copy
-                    staging.fill_(float("nan"))
-                    for i, (cid, part) in enumerate(zip(group, parts, strict=True)):
-                        assert part.rows.data_ptr() == dst[i * chunk].data_ptr()
-                        writes.append((part, cid, hook, layer, np.arange(lo, lo + chunk)))
-            for write in writes:
-                pool.write_reserved(*write)
-            pool.end_step()
-        for cid in cids:
-            pool.close(CaptureEnd(cid, tuple(range(1000, 1000 + prompt)), finish_reason="length"))
-        assert pool.flush(60)
-        assert_published(root, refs)
-        stats = pool.stats()
-        assert stats["device_writes"] == len(cids) * len(keys) * (prompt // chunk)
-    finally:
-        pool.shutdown(timeout=30)
+    full ring waits for its child) and publish exactly what was copied; a span larger
+    than half the ring, or of captures in two children, is refused (the engine then
+    reserves write by write)."""
+    pool = device_ring_pool
+    spec = make_spec(layers=[0, 1], positions="all")
+    hidden, chunk, prompt = 256, 8, 240
+    cids = [f"span-{i}" for i in range(12)]
+    for cid in cids:
+        pool.open(make_request(cid, spec, prompt, hidden=hidden))
+    by_child = {g: [c for c in cids if pool.group_of(c) == g] for g in (0, 1)}
+    assert all(by_child.values())
+    assert pool.reserve_span([by_child[0][0], by_child[1][0]], [(chunk, hidden)] * 2,
+                             torch.float32) is None  # two children
+    assert pool.reserve_span(by_child[0], [(100, hidden)] * len(by_child[0]),
+                             torch.float32) is None  # larger than half the ring
+    keys = [("resid_post", 0), ("resid_post", 1)]
+    refs = {cid: {k: reference_rows(cid, k, prompt, hidden, torch.float32) for k in keys}
+            for cid in cids}
+    for lo in range(0, prompt, chunk):
+        writes = []  # handed over after the step's copies, as the harvester does
+        for hook, layer in keys:
+            for group in by_child.values():
+                staging = torch.cat([refs[c][(hook, layer)][lo: lo + chunk] for c in group])
+                deadline = time.monotonic() + 30
+                # A full ring waits for the child (the engine would reserve write by
+                # write then); a ring never freed would end the test here.
+                while (got := pool.reserve_span(group, [(chunk, hidden)] * len(group),
+                                                torch.float32)) is None:
+                    assert time.monotonic() < deadline, "the ring was never freed"
+                    pool.end_step()  # sends what is queued, so the child can free it
+                    time.sleep(0.01)
+                dst, parts = got
+                assert dst.shape == staging.shape and len(parts) == len(group)
+                dst.copy_(staging)  # the GPU's one copy
+                staging.fill_(float("nan"))
+                for i, (cid, part) in enumerate(zip(group, parts, strict=True)):
+                    assert part.rows.data_ptr() == dst[i * chunk].data_ptr()
+                    writes.append((part, cid, hook, layer, np.arange(lo, lo + chunk)))
+        for write in writes:
+            pool.write_reserved(*write)
+        pool.end_step()
+    for cid in cids:
+        pool.close(CaptureEnd(cid, tuple(range(1000, 1000 + prompt)), finish_reason="length"))
+    assert pool.flush(60)
+    assert_published(root, refs)
+    stats = pool.stats()
+    assert stats["device_writes"] == len(cids) * len(keys) * (prompt // chunk)
 
 
 def test_merge_row_copies_joins_only_copies_that_continue_each_other():
