@@ -174,8 +174,9 @@ class ProcessWriterPool:
         return writer.reserve_span(capture_ids, shapes, dtype)
 
     def write_reserved(self, reserved: DeviceRows, capture_id: str, hook: str, layer: int,
-                       positions: np.ndarray) -> None:
-        reserved.writer.write_reserved(reserved, capture_id, hook, layer, positions)
+                       positions: np.ndarray, *, frees: bool = True) -> None:
+        reserved.writer.write_reserved(reserved, capture_id, hook, layer, positions,
+                                       frees=frees)
 
     def close(self, end: CaptureEnd) -> None:
         writer = self._route.pop(end.capture_id, None)

@@ -368,8 +368,7 @@ class ProcessCaptureWriter:
             return None
         phys, end = _place(self._dhead, size, self.ring_bytes)
         if end - struct.unpack_from("<Q", self._mm, 8)[0] > self.ring_bytes:
-            self.device_full += len(shapes)
-            return None
+            return None  # device_full counts the per-write tries the caller makes next
         self._dhead = end
         base, start = _HEADER + self.ring_bytes + phys, end - size
         parts, at = [], 0
@@ -381,10 +380,13 @@ class ProcessCaptureWriter:
         return self._dring[phys:phys + total].view(dtype).view(rows, *shapes[0][1:]), parts
 
     def write_reserved(self, reserved: DeviceRows, capture_id: str, hook: str, layer: int,
-                       positions: np.ndarray) -> None:
+                       positions: np.ndarray, *, frees: bool = True) -> None:
         """`write` of reserved rows the GPU copy has filled (the caller waited for it).
         Every reservation is handed over, in reservation order: the child advances the
-        device ring past it."""
+        device ring past it once it took the rows. Rows written under several (hook,
+        layer) keys are handed over once a key, and only the last (`frees`) may advance
+        the ring: else the engine could copy new rows over them before the child took
+        them for the next key."""
         pos = np.ascontiguousarray(positions, dtype=np.int64).reshape(-1)
         with self._send_lock:
             if self._fallback is not None:
@@ -392,7 +394,8 @@ class ProcessCaptureWriter:
                 return
             self.device_writes += 1
             self._queue_locked((capture_id, hook, int(layer), pos, reserved.dtype,
-                                reserved.shape, reserved.offset, -reserved.end))
+                                reserved.shape, reserved.offset,
+                                -reserved.end if frees else None))
 
     def close(self, end: CaptureEnd) -> None:
         if self._fallback is not None:
@@ -750,8 +753,9 @@ def _serve(sock_fd: int, ctl_fd: int, ring_fd: int, config: dict[str, Any]) -> N
                 except Exception as exc:  # the capture ends with an error, the step goes on
                     log.exception("capsteer writer process: write for %s failed", cid)
                     writer.abort(cid, f"rows could not be taken: {type(exc).__name__}: {exc}")
-                finally:  # a negative end is the device ring's (its counter at 8)
-                    struct.pack_into("<Q", mm, 8 if end < 0 else 0, abs(end))
+                finally:  # a negative end is the device ring's (its counter at 8); None:
+                    if end is not None:  # the same rows follow under another key
+                        struct.pack_into("<Q", mm, 8 if end < 0 else 0, abs(end))
         elif kind == "many":  # deferred sends: each in order, one failing alone
             for one in msg[1]:
                 try:

@@ -116,7 +116,7 @@ class ServerSettings(BaseSettings):
         "the budget is split among them, so more than one needs the block policy; none: "
         "2 under block on a host of 8 or more CPUs, else 1")
     capture_budget: int = Field(DEFAULT_BUDGET_BYTES, description="bytes of capture rows in flight "
-                                "(engine memory), e.g. 1GiB")
+                                "(engine memory), e.g. 8GiB")
     capture_ring: int = Field(DEFAULT_RING_BYTES, description="each capture writer process's "
                               "shared-memory ring (on a GPU one more of the same size, "
                               "page-locked): how large a burst of captured rows leaves the "

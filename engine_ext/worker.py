@@ -444,8 +444,10 @@ class EngineHooks:
                     hooks.tokens[p] = t
                 start += len(positions)
             for route, sink, reserved in direct:
-                for hook, layer in route.keys:
-                    sink.write_reserved(reserved, route.capture_id, hook, layer, route.positions)
+                last = len(route.keys) - 1  # only the last key's write frees the ring space
+                for i, (hook, layer) in enumerate(route.keys):
+                    sink.write_reserved(reserved, route.capture_id, hook, layer, route.positions,
+                                        frees=i == last)
             self._deliver(staged, sinks, lambda r: rows[_staging_span(plan, r)])
 
         self.harvester.submit_copy(self.runtime.staging,

@@ -6,10 +6,11 @@
   one call in flight, the rest queue behind it.
   The answer names the captures each worker opened; an aborted one no worker opened
   never reached an engine, and the server publishes its error outcome itself. A
-  request vLLM answered with an error status is reported the same way: if no worker
-  opened its capture there is nothing to publish and the server forgets it; if one did,
-  that worker publishes the aborted capture's error receipt, and the server keeps it
-  (and its reserved bytes) until then.
+  request vLLM refused with a 4xx never reached an engine (vLLM validates first): the
+  server forgets its capture at once. One that failed with a 5xx is reported like an
+  abort: if no worker opened its capture there is nothing to publish and the server
+  forgets it; if one did, that worker publishes the aborted capture's error receipt,
+  and the server keeps it (and its reserved bytes) until then.
 - Metrics: the writers run in the workers, so /metrics asks each worker for a
   snapshot of its capture metrics at scrape time (last good one on failure).
 
@@ -46,12 +47,16 @@ class EngineLink:
         self._last_metrics: list[dict] = []
 
     def report_end(self, capture_id: str, num_output_tokens: int | None, *,
-                   refused: bool = False) -> None:
+                   refused_status: int | None = None) -> None:
         """Queue a capture's final output length (None: the request was aborted;
-        `refused`: vLLM answered its request with an error status).
+        `refused_status`: the error status vLLM answered its request with).
 
         Synchronous so it also works from `finally` blocks of cancelled requests."""
-        if refused:
+        if refused_status is not None and refused_status < 500:
+            if self.on_refused is not None:  # refused before any engine saw it: nothing to
+                self.on_refused(capture_id)  # tell the workers, nothing to publish
+            return
+        if refused_status is not None:
             self._refused.add(capture_id)
         self._ends.append((capture_id, num_output_tokens))
         if self._flusher is None or self._flusher.done():

@@ -48,8 +48,8 @@ class CaptureResponder:
             headers = {k.lower(): v for k, v in message.get("headers", [])}
             ctype = headers.get(b"content-type", b"")
             if message["status"] != 200:  # vLLM refused it: no id to ask for, and no
-                self.mode = "pass"         # capture unless an engine had opened it
-                self._end(None, refused=True)
+                self.mode = "pass"         # capture unless an engine had opened it (5xx)
+                self._end(None, refused_status=int(message["status"]))
                 await self._send(message)
                 return
             # The id is known before the body: a client whose stream breaks can still ask
@@ -79,10 +79,10 @@ class CaptureResponder:
         self._end(None)
 
     # ---- internals ----
-    def _end(self, num_output: int | None, refused: bool = False) -> None:
+    def _end(self, num_output: int | None, refused_status: int | None = None) -> None:
         if not self.ended:
             self.ended = True
-            self._report(self.capture_id, num_output, refused=refused)
+            self._report(self.capture_id, num_output, refused_status=refused_status)
 
     async def _results(self) -> dict[str, Any]:
         started = time.monotonic()

@@ -475,6 +475,42 @@ def test_a_span_reservation_publishes_each_writes_rows_and_frees_the_ring_write_
     assert stats["device_writes"] == len(cids) * len(keys) * (prompt // chunk)
 
 
+def test_rows_written_under_two_keys_free_the_ring_only_with_the_last(proc_writer, root):
+    """One reservation's rows handed over under two (hook, layer) keys (resid_post at
+    layer l is resid_pre at l+1): the first write (`frees=False`) leaves the device ring's
+    consumed counter where it was, so the engine cannot copy new rows over them before
+    the child took them for the second key; the last write frees them."""
+    import struct
+
+    proc_writer._device_rows = True  # what pin_device_ring sets once CUDA pinned the ring
+    spec = make_spec(layers=[0, 1], positions="all")
+    proc_writer.open(make_request("two-keys", spec, 4, hidden=256))
+    ref = reference_rows("two-keys", ("resid_post", 0), 4, 256, torch.float32)
+    got = proc_writer.reserve_rows("two-keys", (4, 256), torch.float32)
+    got.rows.copy_(ref)
+
+    def consumed() -> int:
+        return struct.unpack_from("<Q", proc_writer._mm, 8)[0]
+
+    def handed(write_key: tuple[str, int], frees: bool) -> None:
+        taken = proc_writer.stats()["intake_messages"]
+        proc_writer.write_reserved(got, "two-keys", *write_key, np.arange(4), frees=frees)
+        proc_writer.end_step()
+        deadline = time.monotonic() + 30
+        while proc_writer.stats()["intake_messages"] == taken:  # the child handled it
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+
+    before = consumed()
+    handed(("resid_post", 0), frees=False)
+    assert consumed() == before < got.end
+    handed(("resid_post", 1), frees=True)
+    assert consumed() == got.end
+    proc_writer.close(CaptureEnd("two-keys", tuple(range(1000, 1004)), finish_reason="length"))
+    assert proc_writer.flush(60)
+    assert_published(root, {"two-keys": {("resid_post", 0): ref, ("resid_post", 1): ref}})
+
+
 def test_merge_row_copies_joins_only_copies_that_continue_each_other():
     from capsteer.engine_ext.worker import merge_row_copies
 

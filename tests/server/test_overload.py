@@ -56,9 +56,9 @@ def test_reject_policy_answers_429_and_stays_healthy(reject_server):
     assert too_big.status_code == 400 and "budget" in too_big.json()["error"]["message"]
     assert httpx.get(url + "/health", timeout=30).status_code == 200
     assert _post(url, SMALL).status_code == 200  # the budget was freed
-    # Requests vLLM itself refuses after admission reserved their bytes (three would hold
-    # more than the budget): no capture id reaches the client, and once the workers
-    # answer that none of them opened those captures, the reservations are freed.
+    # Requests vLLM itself refuses (400) after admission reserved their bytes (three would
+    # hold more than the budget): no capture id reaches the client, and the reservations
+    # are freed (vLLM validates before any engine sees a request).
     for _ in range(3):
         refused = httpx.post(url + "/v1/completions", timeout=60,
                              json={**_body(SMALL, 16), "temperature": -1.0})

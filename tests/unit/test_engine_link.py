@@ -70,7 +70,8 @@ class OpeningEngine:
 
 def _refusals(engine) -> tuple[list[str], list[str]]:
     """(captures forgotten as refused, captures settled as unreached) after reporting a
-    refused request opened by a worker, one no worker opened, and a plain abort."""
+    failed (5xx) request opened by a worker, one no worker opened, a plain abort and a
+    request vLLM refused (4xx)."""
     forgotten: list[str] = []
     unreached: list[str] = []
 
@@ -79,9 +80,11 @@ def _refusals(engine) -> tuple[list[str], list[str]]:
 
     async def run() -> None:
         link = EngineLink(engine, on_unreached, forgotten.append, rpc_timeout_s=5)
-        link.report_end("refused-opened", None, refused=True)
-        link.report_end("refused-unopened", None, refused=True)
+        link.report_end("failed-opened", None, refused_status=500)
+        link.report_end("failed-unopened", None, refused_status=503)
         link.report_end("aborted-unopened", None)
+        link.report_end("refused-400", None, refused_status=400)
+        assert forgotten == ["refused-400"]  # vLLM validates before any engine: at once
         await link.drain()
         assert link._refused == set()  # nothing kept once answered (or given up)
 
@@ -89,16 +92,17 @@ def _refusals(engine) -> tuple[list[str], list[str]]:
     return forgotten, unreached
 
 
-def test_a_refused_request_whose_capture_a_worker_opened_stays_tracked():
-    """vLLM answered with an error status: a capture no worker opened is forgotten (its
-    reservation freed, no error manifest written); one a worker opened is left to that
-    worker's error receipt, which frees it when it appears."""
-    forgotten, unreached = _refusals(OpeningEngine({"refused-opened"}))
-    assert forgotten == ["refused-unopened"]
+def test_a_failed_request_whose_capture_a_worker_opened_stays_tracked():
+    """vLLM answered with a 5xx: a capture no worker opened is forgotten (its reservation
+    freed, no error manifest written); one a worker opened is left to that worker's error
+    receipt, which frees it when it appears. A 4xx is forgotten at once."""
+    forgotten, unreached = _refusals(OpeningEngine({"failed-opened"}))
+    assert forgotten == ["refused-400", "failed-unopened"]
     assert unreached == ["aborted-unopened"]  # a plain abort still gets its error outcome
 
 
 def test_refusals_are_forgotten_when_the_workers_never_answer(monkeypatch):
     monkeypatch.setattr(engine_link, "REPORT_RETRY_S", 0.01)
     forgotten, unreached = _refusals(OpeningEngine(set(), fail=True))
-    assert forgotten == ["refused-opened", "refused-unopened"] and unreached == []
+    assert forgotten == ["refused-400", "failed-opened", "failed-unopened"]
+    assert unreached == []
