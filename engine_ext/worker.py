@@ -463,45 +463,37 @@ class EngineHooks:
         direct, rest, copies = [], [], []
         staging = self.runtime.staging
         hidden = tuple(staging.shape[1:])
-        run: list = []  # consecutive routes for one span: same sink, child and point
-        run_key: tuple | None = None
-        run_end = -1
-
-        def flush_run() -> None:
-            if not run:
-                return
-            sink = sinks[run[0].capture_id]
-            first = _staging_span(plan, run[0]).start
-            got = sink.reserve_span([r.capture_id for r in run],
-                                    [(len(r.positions), *hidden) for r in run], staging.dtype)
-            if got is not None:  # one GPU copy for the whole run
-                dst, parts = got
-                copies.append((parts[0].writer, dst, staging[first:first + dst.shape[0]]))
-                direct.extend((route, sink, part) for route, part in zip(run, parts, strict=True))
-                return
-            for route in run:  # a ring too full for the span: write by write, as space allows
-                _reserve_one(route, sink, staging[_staging_span(plan, route)], copies, direct,
-                             rest)
-
         # Point by point (stable: writer groups, then batch order, within a point): a
         # writer's rows of one point are one span of staging, and reserving them together
         # makes them one span of its ring. Routes come request by request (a request's
-        # points together), which would interleave the points.
+        # points together), which would interleave the points. A run is [key, staging end,
+        # routes]: consecutive routes of one sink, child and point (key None: a sink
+        # without spans, one route a run).
+        runs: list[list] = []
         for route in sorted(plan.routes, key=lambda r: r.point):
             sink = sinks[route.capture_id]
             span = _staging_span(plan, route)
-            if getattr(sink, "reserve_span", None) is None:
-                flush_run()
-                run, run_key = [], None
-                _reserve_one(route, sink, staging[span], copies, direct, rest)
+            key = None if getattr(sink, "reserve_span", None) is None else (
+                route.point, id(sink), sink.group_of(route.capture_id))
+            if key is not None and runs and runs[-1][0] == key and runs[-1][1] == span.start:
+                runs[-1][1] = span.stop
+                runs[-1][2].append(route)
+            else:
+                runs.append([key, span.stop, [route]])
+        for key, _, run in runs:
+            sink = sinks[run[0].capture_id]
+            got = None if key is None else sink.reserve_span(
+                [r.capture_id for r in run], [(len(r.positions), *hidden) for r in run],
+                staging.dtype)
+            if got is not None:  # one GPU copy for the whole run
+                dst, parts = got
+                first = _staging_span(plan, run[0]).start
+                copies.append((parts[0].writer, dst, staging[first:first + dst.shape[0]]))
+                direct.extend((route, sink, part) for route, part in zip(run, parts, strict=True))
                 continue
-            key = (route.point, id(sink), sink.group_of(route.capture_id))
-            if key != run_key or span.start != run_end:
-                flush_run()
-                run, run_key = [], key
-            run.append(route)
-            run_end = span.stop
-        flush_run()
+            for route in run:  # no spans, or a ring too full for one: write by write
+                _reserve_one(route, sink, staging[_staging_span(plan, route)], copies, direct,
+                             rest)
         merged = merge_row_copies(copies)
         for dst, src in merged:
             dst.copy_(src, non_blocking=True)
