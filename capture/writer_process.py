@@ -338,12 +338,21 @@ class ProcessCaptureWriter:
         size = _align(nbytes)
         if 2 * size > self.ring_bytes or not nbytes:
             return None
-        phys, end = _place(self._dhead, size, self.ring_bytes)
-        if end - struct.unpack_from("<Q", self._mm, 8)[0] > self.ring_bytes:
+        taken = self._take_device(size)
+        if taken is None:
             self.device_full += 1
             return None
-        self._dhead = end
+        phys, end = taken
         return DeviceRows(self, tuple(shape), dtype, _HEADER + self.ring_bytes + phys, end)
+
+    def _take_device(self, size: int) -> tuple[int, int] | None:
+        """(physical offset, logical end) of `size` device-ring bytes, taken; None while
+        the child has not yet freed that much."""
+        phys, end = _place(self._dhead, size, self.ring_bytes)
+        if end - struct.unpack_from("<Q", self._mm, 8)[0] > self.ring_bytes:
+            return None
+        self._dhead = end
+        return phys, end
 
     def group_of(self, capture_id: str) -> int:
         """One child: every capture's rows go to this ring (as `ProcessWriterPool.group_of`)."""
@@ -366,10 +375,10 @@ class ProcessCaptureWriter:
         size = _align(total)
         if 2 * size > self.ring_bytes or not total:
             return None
-        phys, end = _place(self._dhead, size, self.ring_bytes)
-        if end - struct.unpack_from("<Q", self._mm, 8)[0] > self.ring_bytes:
+        taken = self._take_device(size)
+        if taken is None:
             return None  # device_full counts the per-write tries the caller makes next
-        self._dhead = end
+        phys, end = taken
         base, start = _HEADER + self.ring_bytes + phys, end - size
         parts, at = [], 0
         for shape, nbytes in zip(shapes, sizes, strict=True):
