@@ -41,8 +41,7 @@ class EngineLink:
         self.rpc_timeout_s = rpc_timeout_s
         self.on_unreached = on_unreached  # an aborted capture no worker opened
         self.on_refused = on_refused  # a refused request's capture no worker opened
-        self._refused: set[str] = set()  # reported ends of requests vLLM refused
-        self._ends: list[tuple[str, int | None]] = []
+        self._ends: list[tuple[str, int | None, bool]] = []  # (id, output length, 5xx)
         self._flusher: asyncio.Task | None = None
         self._last_metrics: list[dict] = []
 
@@ -56,19 +55,15 @@ class EngineLink:
             if self.on_refused is not None:  # refused before any engine saw it: nothing to
                 self.on_refused(capture_id)  # tell the workers, nothing to publish
             return
-        if refused_status is not None:
-            self._refused.add(capture_id)
-        self._ends.append((capture_id, num_output_tokens))
+        self._ends.append((capture_id, num_output_tokens, refused_status is not None))
         if self._flusher is None or self._flusher.done():
             self._flusher = asyncio.get_running_loop().create_task(self._flush())
 
     async def _flush(self) -> None:
         while self._ends:
             batch, self._ends = self._ends, []
-            answers = await self._send_ends(batch)
-            if answers is not None:
-                await self._settle_unreached(batch, answers)
-            self._forget_refused(batch, answers)
+            answers = await self._send_ends([(cid, n) for cid, n, _ in batch])
+            await self._settle(batch, answers)
 
     async def _send_ends(self, batch: list[tuple[str, int | None]]) -> list | None:
         """The workers' answers, trying REPORT_ATTEMPTS times: a lost report would leave
@@ -89,32 +84,28 @@ class EngineLink:
                     await asyncio.sleep(REPORT_RETRY_S * 2 ** attempt)
         return None
 
-    async def _settle_unreached(self, batch: list[tuple[str, int | None]],
-                                answers: list) -> None:
-        """Aborted captures no worker of any engine opened: the request was aborted before
-        it reached an engine (vLLM sends the abort ahead of this report, on the same
-        channel), so no writer will ever publish them."""
-        opened = {cid for answer in answers for cid in (answer or ())}
-        for capture_id, num_output in batch:
-            if num_output is None and capture_id not in opened \
-                    and capture_id not in self._refused:
+    async def _settle(self, batch: list[tuple[str, int | None, bool]],
+                      answers: list | None) -> None:
+        """Captures no worker of any engine opened (`answers` names those they did):
+        - an aborted one never reached an engine (vLLM sends the abort ahead of this
+          report, on the same channel), so no writer will ever publish it: the server
+          publishes its error outcome;
+        - a failed one (5xx) is forgotten: nothing will be published. Without an answer
+          the server cannot tell, and forgets it too: a capture held for a manifest that
+          never comes would hold its reserved bytes for good."""
+        opened = None if answers is None else {cid for a in answers for cid in (a or ())}
+        for capture_id, num_output, failed in batch:
+            if opened is not None and capture_id in opened:
+                continue
+            if failed:
+                if self.on_refused is not None:
+                    self.on_refused(capture_id)
+            elif opened is not None and num_output is None:
                 try:
                     await self.on_unreached(capture_id)
                 except Exception:
                     log.exception("capsteer: publishing the outcome of capture %s, aborted "
                                   "before it reached the engine, failed", capture_id)
-
-    def _forget_refused(self, batch: list[tuple[str, int | None]], answers: list | None) -> None:
-        """Refused requests whose capture no worker opened are forgotten (nothing will be
-        published). Without an answer the server cannot tell, and forgets them too: a
-        refusal almost always comes before the engine, and a capture held for a manifest
-        that never comes would hold its reserved bytes for good."""
-        opened = {cid for answer in (answers or ()) for cid in (answer or ())}
-        for capture_id, _ in batch:
-            if capture_id in self._refused:
-                self._refused.discard(capture_id)
-                if capture_id not in opened and self.on_refused is not None:
-                    self.on_refused(capture_id)
 
     async def drain(self) -> None:
         """Wait until every queued report was sent (tests, shutdown)."""

@@ -86,7 +86,7 @@ def _refusals(engine) -> tuple[list[str], list[str]]:
         link.report_end("refused-400", None, refused_status=400)
         assert forgotten == ["refused-400"]  # vLLM validates before any engine: at once
         await link.drain()
-        assert link._refused == set()  # nothing kept once answered (or given up)
+        assert link._ends == []  # nothing kept once answered (or given up)
 
     asyncio.run(run())
     return forgotten, unreached
