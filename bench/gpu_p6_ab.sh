@@ -48,7 +48,9 @@ for round in $(seq 1 "$rounds"); do
         # Its own process group, so a process past its limit goes with its engine and
         # writer children (an orphaned engine would hold the GPU for the next one).
         # shellcheck disable=SC2086  # args are several flags
-        setsid python bench/throughput.py --device cuda --p6 --shape "$shape" $args \
+        pp=$PYTHONPATH
+        [[ $label == old* ]] && pp=${P6_OLD_PYTHONPATH:?a variant labelled old* needs P6_OLD_PYTHONPATH}
+        PYTHONPATH=$pp setsid python bench/throughput.py --device cuda --p6 --shape "$shape" $args \
             --out "$work" > "$work/log" 2>&1 &
         pid=$!
         (sleep "$limit"; kill -9 -- "-$pid") > /dev/null 2>&1 &

@@ -166,13 +166,20 @@ def main() -> None:
                                                for k, v in mem.captures.tensors.items())
         dur_rows.append(row)
     # the batch once more in memory: how far two runs of it differ on their own (a second
-    # run's scheduling can differ, and bf16 kernels are batch-variant)
+    # run's scheduling can differ, and bf16 kernels are batch-variant); the durable run is
+    # compared with it too, so a durable run that took the other schedule shows as 0 there
     again = engine.generate(requests)
-    for row, mem, mem2 in zip(dur_rows, [r for r in batched if r.captures is not None],
-                              [r for r in again if r.captures is not None], strict=True):
+    captured = [(m, d) for m, d in zip(batched, durable, strict=True) if m.captures is not None]
+    for row, (mem, dur), mem2 in zip(dur_rows, captured,
+                                     [r for r in again if r.captures is not None], strict=True):
         row["memory_rerun_same_tokens"] = mem.token_ids == mem2.token_ids
         row["memory_rerun_max_rel_err"] = max(rel_err(mem2.captures.tensors[k], v)
                                               for k, v in mem.captures.tensors.items())
+        rec = dur.receipt
+        if rec is not None and rec.status == "ok" and dur.token_ids == mem2.token_ids:
+            cap = read(capture_root / rec.dir)
+            row["durable_vs_rerun_max_rel_err"] = max(rel_err(cap.tensor(*k), v)
+                                                      for k, v in mem2.captures.tensors.items())
     report["durable_vs_memory"] = dur_rows
     report["writer_stats"] = [{k: v for k, v in (s or {}).items() if k != "processes"}
                               for s in engine.writer_stats()]

@@ -5,6 +5,7 @@ child, and no capture left pending or silently lost when the child dies."""
 from __future__ import annotations
 
 import os
+import platform
 import signal
 import socket
 import time
@@ -167,6 +168,41 @@ def test_the_child_freezes_its_imports_out_of_the_collectors_walks(proc_writer, 
     # the open, the rows and the close crossed in messages the main thread handled
     assert stats["intake_messages"] >= 1
     assert 0 < stats["intake_cpu_s"] and 0 < stats["intake_s"]
+
+
+def anon_kib(pid: int) -> int:
+    """A process's anonymous resident memory (its heap; not the shared rings)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no RssAnon for {pid}")
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt and malloc_trim are glibc's")
+def test_the_child_keeps_freed_row_memory_while_busy_and_returns_it_when_idle(root):
+    """Rows taken out of the ring go into reused heap pages, not freshly faulted ones: the
+    child keeps what publishing freed, and hands it back once idle for idle_trim_s."""
+    w = ProcessCaptureWriter(root, budget_bytes=256 << 20, workers=2, ring_bytes=64 << 20,
+                             idle_trim_s=1.0)
+    try:
+        assert w.ready.wait(60), "the writer process never said it was ready"
+        spec = make_spec(layers=[0, 1, 2, 3])
+        req = make_request("heap-0", spec, 256, hidden=16384)  # 4 keys x 16 MiB of rows
+        end, refs = feed(w, req, 1, prefill_chunk=64)
+        w.close(end)
+        assert w.flush(60)
+        assert_published(root, {"heap-0": refs})
+        held = anon_kib(w.child_pid)
+        stats = w.stats()
+        assert stats is not None and stats["heap_kept"]
+        assert stats["heap_trims"] == 0  # published and freed, but kept for the next rows
+        deadline = time.monotonic() + 20
+        while w.stats()["heap_trims"] == 0:
+            assert time.monotonic() < deadline, "the idle child never trimmed its heap"
+            time.sleep(0.1)
+        assert anon_kib(w.child_pid) < held - (32 << 10), held
+    finally:
+        w.shutdown(timeout=30)
 
 
 def test_metrics_come_from_the_child(proc_writer, root):
