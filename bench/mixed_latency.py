@@ -69,6 +69,8 @@ def server_argv(config: str, model: Path, shape: str, args: argparse.Namespace, 
             "--gpu-memory-utilization", "0.85" if args.device == "cuda" else "0.3"]
     if "load_format" in kw:
         argv += ["--load-format", kw["load_format"]]
+    if args.burst_priority is not None:  # vLLM's own policy, in both configurations
+        argv += ["--scheduling-policy", "priority"]
     if config == "vanilla":
         return [*argv, "--vanilla"]
     # A step of burst prompts captures every layer of up to max-num-batched-tokens tokens:
@@ -131,6 +133,8 @@ class Traffic:
 
     async def burst(self, record: bool = True) -> dict[str, Any]:
         extra: dict[str, Any] = {"ignore_eos": True}
+        if self.args.burst_priority is not None:  # plain requests keep vLLM's default, 0
+            extra["priority"] = self.args.burst_priority
         if self.capture:
             extra.update({"capture": {"hooks": ["resid_post"], "layers": "all",
                                       "positions": "prompt", "layout": "packed"},
@@ -312,6 +316,10 @@ def main() -> None:
     ap.add_argument("--burst-prompt", type=int, default=128)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--capsteer-flags", default="", help="more capsteer serve flags, one string")
+    ap.add_argument("--burst-priority", type=int, default=None,
+                    help="serve both configurations with vLLM's --scheduling-policy priority "
+                    "and send bursts with this priority (plain requests keep 0; higher is "
+                    "served later): plain requests then jump a burst's queue")
     ap.add_argument("--start-timeout", type=float, default=600.0)
     ap.add_argument("--deadline", type=float, default=0.0,
                     help="epoch seconds: start no process after it")
@@ -418,9 +426,9 @@ def report(args: argparse.Namespace, processes: list[dict]) -> dict:
         ratios["medians of processes"] = ratio(medians["capsteer"], medians["vanilla"])
     return {"date": dt.date.today().isoformat(), "command": " ".join(sys.argv),
             "device": args.device_name,
-            "shape": args.shape, "workload": {k: getattr(args, k) for k in (
+            "shape": args.shape, "workload": {k: getattr(args, k, None) for k in (
                 "clients", "prompt", "gen", "quiet_s", "bursts", "burst_every",
-                "burst_requests", "burst_prompt", "max_num_batched_tokens")},
+                "burst_requests", "burst_prompt", "max_num_batched_tokens", "burst_priority")},
             "capsteer_flags": args.capsteer_flags, "processes": processes,
             "medians": medians, "ratios": ratios}
 

@@ -755,8 +755,8 @@ def _serve(sock_fd: int, ctl_fd: int, ring_fd: int, config: dict[str, Any]) -> N
     ring_bytes = int(config.pop("ring_bytes"))
     idle_trim_s = float(config.pop("idle_trim_s"))
     if not _keep_freed_heap():
-        log.info("capsteer writer process: no glibc mallopt; freed rows go back to the "
-                 "system at each free")
+        log.info("capsteer writer process: no glibc mallopt; the C library's heap "
+                 "policy decides whether rows reuse freed memory")
     mm = mmap.mmap(ring_fd, _HEADER + 2 * ring_bytes)
     rings = torch.frombuffer(mm, dtype=torch.uint8)  # both rings, addressed from the header
     writer = CaptureWriter(config.pop("root"), **config)
@@ -840,12 +840,13 @@ def _serve(sock_fd: int, ctl_fd: int, ring_fd: int, config: dict[str, Any]) -> N
                 send(("reply", n, None, f"{type(exc).__name__}: {exc}"))
 
     shutdown_timeout: float | None = None
-    handled_since_trim = False  # messages came in since the last trim
+    handled_since_trim = False  # messages came in (or rows were held) at the last trim
     while True:
         try:
             if handled_since_trim and not conn.poll(idle_trim_s):
                 _trim_heap()
-                handled_since_trim = False
+                # rows still held free their memory when published: trim again then
+                handled_since_trim = writer.budget.inflight > 0
                 continue
             msg = pickle.loads(conn.recv_bytes())
         except (EOFError, OSError):
