@@ -19,6 +19,12 @@ if [ $# -lt 3 ]; then
 fi
 out=$1 rounds=$2
 shift 2
+for variant in "$@"; do
+    if [[ $variant == old* ]] && [ -z "${P6_OLD_PYTHONPATH:-}" ]; then
+        echo "$0: variant ${variant%%:*} needs P6_OLD_PYTHONPATH (an older commit's packages)" >&2
+        exit 2
+    fi
+done
 mkdir -p "$out"
 log="$out/p6-ab.log"
 : > "$log"
@@ -45,11 +51,11 @@ for round in $(seq 1 "$rounds"); do
         work=/tmp/capsteer-p6-ab/$n
         rm -rf "$work"
         mkdir -p "$work"
+        pp=${PYTHONPATH:-}
+        [[ $label == old* ]] && pp=$P6_OLD_PYTHONPATH  # old packages, this checkout's bench/
         # Its own process group, so a process past its limit goes with its engine and
         # writer children (an orphaned engine would hold the GPU for the next one).
         # shellcheck disable=SC2086  # args are several flags
-        pp=$PYTHONPATH
-        [[ $label == old* ]] && pp=${P6_OLD_PYTHONPATH:?a variant labelled old* needs P6_OLD_PYTHONPATH}
         PYTHONPATH=$pp setsid python bench/throughput.py --device cuda --p6 --shape "$shape" $args \
             --out "$work" > "$work/log" 2>&1 &
         pid=$!

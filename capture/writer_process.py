@@ -148,6 +148,8 @@ class ProcessCaptureWriter:
 
         check_budget(budget_bytes, policy)  # here, not as a failover when the child starts
         check_digest(digest)
+        if not 0 < idle_trim_s < 86400:
+            raise ValueError(f"idle_trim_s must be above 0 and below a day, not {idle_trim_s}")
         self.root = Path(root).resolve()
         self._writer_kwargs: dict[str, Any] = {"budget_bytes": budget_bytes, "policy": policy,
                                                "workers": workers, "digest": digest,
@@ -667,11 +669,22 @@ _MMAP_THRESHOLD_MAX = 32 << 20
 _HEAP = {"heap_kept": False, "heap_trims": 0}
 
 
+_LIBC: list[Any] = []  # the C library this process runs on, once loaded (None: none)
+
+
 def _libc() -> Any:
-    try:
-        return ctypes.CDLL(None)  # the C library this process runs on
-    except OSError:
-        return None
+    if not _LIBC:
+        try:
+            libc = ctypes.CDLL(None)
+        except OSError:
+            libc = None
+        for name, argtypes in (("mallopt", [ctypes.c_int, ctypes.c_int]),
+                               ("malloc_trim", [ctypes.c_size_t])):
+            fn = getattr(libc, name, None)
+            if fn is not None:
+                fn.argtypes, fn.restype = argtypes, ctypes.c_int
+        _LIBC.append(libc)
+    return _LIBC[0]
 
 
 def _keep_freed_heap() -> bool:
@@ -681,9 +694,9 @@ def _keep_freed_heap() -> bool:
     zeroed by the kernel: 550-1,300 us a 1 MiB copy against 93-160 us into reused pages
     (bench/heap_reuse.py, 2-core CPU machine). Rows up to 32 MiB (glibc's ceiling) then come
     from the heap; the heap is trimmed when the child goes idle (`_trim_heap`). False
-    where the C library has no mallopt (not glibc): the defaults stay."""
-    libc = _libc()
-    mallopt = getattr(libc, "mallopt", None)
+    where the C library has no mallopt (not glibc) or refuses these values: its defaults
+    stay."""
+    mallopt = getattr(_libc(), "mallopt", None)
     if mallopt is None:
         return False
     kept = (mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX) == 1
@@ -755,8 +768,9 @@ def _serve(sock_fd: int, ctl_fd: int, ring_fd: int, config: dict[str, Any]) -> N
     ring_bytes = int(config.pop("ring_bytes"))
     idle_trim_s = float(config.pop("idle_trim_s"))
     if not _keep_freed_heap():
-        log.info("capsteer writer process: no glibc mallopt; the C library's heap "
-                 "policy decides whether rows reuse freed memory")
+        log.info("capsteer writer process: the C library's malloc could not be set to keep "
+                 "freed memory (not glibc's mallopt, or it refused); its own policy decides "
+                 "whether rows reuse freed memory")
     mm = mmap.mmap(ring_fd, _HEADER + 2 * ring_bytes)
     rings = torch.frombuffer(mm, dtype=torch.uint8)  # both rings, addressed from the header
     writer = CaptureWriter(config.pop("root"), **config)
