@@ -61,20 +61,21 @@ _DIRECT_ALIGN = 4096
 _DIRECT_REFUSED_LOGGED = False
 
 
-def _load_sync_file_range() -> Any:
-    """libc's sync_file_range, or None where there is none (non-Linux): Python's os
-    module does not expose it."""
+def libc_function(name: str, argtypes: list[Any]) -> Any:
+    """The C library's function `name` (returning int), or None where it has none: for
+    calls Python's os module does not expose (sync_file_range; glibc's mallopt)."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        fn = libc.sync_file_range
+        fn = getattr(libc, name)
     except (OSError, AttributeError):
         return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.argtypes = argtypes
     fn.restype = ctypes.c_int
     return fn
 
 
-_SYNC_FILE_RANGE = _load_sync_file_range()
+_SYNC_FILE_RANGE = libc_function(
+    "sync_file_range", [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint])
 
 
 class DigestError(ValueError):

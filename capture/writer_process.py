@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import collections
 import ctypes
+import functools
 import gc
 import json
 import logging
@@ -669,22 +670,13 @@ _MMAP_THRESHOLD_MAX = 32 << 20
 _HEAP = {"heap_kept": False, "heap_trims": 0}
 
 
-_LIBC: list[Any] = []  # the C library this process runs on, once loaded (None: none)
+@functools.cache
+def _malloc_calls() -> tuple[Any, Any]:
+    """glibc's mallopt and malloc_trim (each None where the C library has none)."""
+    from capsteer.capture.publish import libc_function
 
-
-def _libc() -> Any:
-    if not _LIBC:
-        try:
-            libc = ctypes.CDLL(None)
-        except OSError:
-            libc = None
-        for name, argtypes in (("mallopt", [ctypes.c_int, ctypes.c_int]),
-                               ("malloc_trim", [ctypes.c_size_t])):
-            fn = getattr(libc, name, None)
-            if fn is not None:
-                fn.argtypes, fn.restype = argtypes, ctypes.c_int
-        _LIBC.append(libc)
-    return _LIBC[0]
+    return (libc_function("mallopt", [ctypes.c_int, ctypes.c_int]),
+            libc_function("malloc_trim", [ctypes.c_size_t]))
 
 
 def _keep_freed_heap() -> bool:
@@ -696,7 +688,7 @@ def _keep_freed_heap() -> bool:
     from the heap; the heap is trimmed when the child goes idle (`_trim_heap`). False
     where the C library has no mallopt (not glibc) or refuses these values: its defaults
     stay."""
-    mallopt = getattr(_libc(), "mallopt", None)
+    mallopt = _malloc_calls()[0]
     if mallopt is None:
         return False
     kept = (mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX) == 1
@@ -708,7 +700,7 @@ def _keep_freed_heap() -> bool:
 def _trim_heap() -> None:
     """Give the heap's free pages back to the system: an idle writer holds no more
     memory than its open captures need."""
-    trim = getattr(_libc(), "malloc_trim", None)
+    trim = _malloc_calls()[1]
     if trim is not None:
         trim(0)
         _HEAP["heap_trims"] += 1
@@ -854,13 +846,13 @@ def _serve(sock_fd: int, ctl_fd: int, ring_fd: int, config: dict[str, Any]) -> N
                 send(("reply", n, None, f"{type(exc).__name__}: {exc}"))
 
     shutdown_timeout: float | None = None
-    handled_since_trim = False  # messages came in (or rows were held) at the last trim
+    trim_due = False  # a message came in since the last trim, or rows were held at it
     while True:
         try:
-            if handled_since_trim and not conn.poll(idle_trim_s):
+            if trim_due and not conn.poll(idle_trim_s):
                 _trim_heap()
                 # rows still held free their memory when published: trim again then
-                handled_since_trim = writer.budget.inflight > 0
+                trim_due = writer.budget.inflight > 0
                 continue
             msg = pickle.loads(conn.recv_bytes())
         except (EOFError, OSError):
@@ -876,7 +868,7 @@ def _serve(sock_fd: int, ctl_fd: int, ring_fd: int, config: dict[str, Any]) -> N
         except Exception:  # one bad message must not take every other capture down
             log.exception("capsteer writer process: handling %s failed", msg[0])
         finally:
-            handled_since_trim = True
+            trim_due = True
             if msg[0] != "flush":  # a flush waits for publishing by design
                 _INTAKE["intake_messages"] += 1
                 _INTAKE["intake_s"] += time.perf_counter() - started
