@@ -322,6 +322,30 @@ def delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def by_process(before: dict[str, Any], after: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    """Between two snapshots, per process of the tree: its threads' run and run-queue wait
+    (s), its busiest thread's run (s, with its name), and its engine-probe counters (steps,
+    tokens, GC; seconds where the field is in ns) where it has any."""
+    out: dict[int, dict[str, Any]] = {}
+    for (pid, _tid), (name, run, wait, _cpu, _moves) in after["threads"].items():
+        _, run0, wait0, *_ = before["threads"].get((pid, _tid), (name, 0, 0, 0, 0))
+        got = out.setdefault(pid, {"run_s": 0.0, "wait_s": 0.0, "top_run_s": 0.0,
+                                   "top_thread": ""})
+        got["run_s"] += (run - run0) / 1e9
+        got["wait_s"] += (wait - wait0) / 1e9
+        if (run - run0) / 1e9 > got["top_run_s"]:
+            got["top_run_s"], got["top_thread"] = (run - run0) / 1e9, name
+    fields = _engine_probe_fields() if after.get("engine") else ()
+    for pid, counters in after.get("engine", {}).items():
+        base = before.get("engine", {}).get(pid, (0,) * len(fields))
+        got = out.setdefault(pid, {"run_s": 0.0, "wait_s": 0.0, "top_run_s": 0.0,
+                                   "top_thread": ""})
+        for name, b, a in zip(fields, base, counters, strict=True):
+            got[name[:-3] + "_s" if name.endswith("_ns") else name] = (
+                (a - b) / 1e9 if name.endswith("_ns") else a - b)
+    return out
+
+
 def _siblings(cpu: int) -> frozenset[int]:
     """The logical CPUs sharing `cpu`'s physical core (itself alone where unknown)."""
     path = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")

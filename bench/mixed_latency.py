@@ -80,11 +80,102 @@ def server_argv(config: str, model: Path, shape: str, args: argparse.Namespace, 
             *args.capsteer_flags]
 
 
+def process_roles(server_pid: int) -> dict[int, str]:
+    """pid -> role in one server's process tree: api (the process launched), engine (vLLM's
+    EngineCore), worker (another vLLM process), writer (a Python child of the engine or a
+    worker: capsteer's writer processes), bench (this one)."""
+    import psutil
+
+    out = {os.getpid(): "bench"}
+    try:
+        tree = psutil.Process(server_pid).children(recursive=True)
+    except psutil.Error:
+        return out
+    out[server_pid] = "api"
+    named: dict[int, tuple[str, int]] = {}
+    for child in tree:
+        try:
+            named[child.pid] = (child.name(), child.ppid())
+        except psutil.Error:
+            continue
+    for pid, (name, _) in named.items():
+        if name.startswith("VLLM::"):
+            out[pid] = "engine" if name.startswith("VLLM::EngineCor") else "worker"
+    for pid, (name, ppid) in named.items():
+        if pid not in out:
+            out[pid] = ("writer" if name.startswith("python") and out.get(ppid) in
+                        ("engine", "worker") else "other")
+    return out
+
+
+class ServerProbe:
+    """Counters of one server's process tree (`--probe`) at the workload's phase
+    boundaries: each process's CPU (its threads' run time), its busiest thread, and the
+    engine probe's steps, step times and garbage collections (bench/engine_probe). Between
+    two marks they say which process spent what in that window, e.g. whether the engine's
+    steps took longer after a burst, or other processes took CPU then."""
+
+    def __init__(self, server_pid: int, probe_dir: Path) -> None:
+        self.server_pid, self.probe_dir = server_pid, probe_dir
+        self.marks: list[tuple[str, float, dict[str, Any]]] = []
+
+    def take(self, label: str, at: float) -> None:
+        """The window `label` starts now (and the previous one ends)."""
+        import host_counters
+
+        self.marks.append((label, at, {"counters": host_counters.snapshot(self.probe_dir),
+                                       "roles": process_roles(self.server_pid)}))
+
+    def windows(self) -> list[dict[str, Any]]:
+        import host_counters
+
+        out = []
+        for (label, t0, a), (_, t1, b) in zip(self.marks, self.marks[1:], strict=False):
+            wall = max(t1 - t0, 1e-9)
+            roles = {**a["roles"], **b["roles"]}
+            by_role: dict[str, dict[str, float]] = {}
+            for pid, got in host_counters.by_process(a["counters"], b["counters"]).items():
+                role = by_role.setdefault(roles.get(pid, "other"), {})
+                role["top_run_s"] = max(role.get("top_run_s", 0.0), got.pop("top_run_s"))
+                got.pop("top_thread")
+                for key, value in got.items():
+                    role[key] = role.get(key, 0.0) + value
+            out.append({"window": label, "start": t0, "wall_s": wall, "roles": by_role})
+        return out
+
+
+def probe_line(w: dict[str, Any]) -> str:
+    """One window: CPU per wall second by role, and the engine's steps."""
+    wall, roles = w["wall_s"], w["roles"]
+
+    def cpu(role: str) -> str:
+        got = roles.get(role)
+        return f"{got['run_s'] / wall:6.2f}" if got else "     -"
+
+    engine, worker = roles.get("engine", {}), roles.get("worker", {})
+    steps = engine.get("steps", 0)
+
+    def each(key: str) -> str:  # the model runner runs in a worker process where there is one
+        total = engine.get(key, 0.0) + (0.0 if key == "step_s" else worker.get(key, 0.0))
+        return f"{total / steps * 1e3:7.2f}" if steps else "      -"
+
+    gc_ms = sum(engine.get(f"gc{g}_s", 0.0) for g in range(3)) / wall * 1e3
+    return (f"    {w['window']:<10}{wall:6.1f}{cpu('api')}{cpu('engine')}"
+            f"{engine.get('top_run_s', 0.0) / wall:6.2f}{cpu('worker')}{cpu('writer')}"
+            f"{steps / wall:8.0f}{each('step_s')}{each('forward_s')}{each('sample_s')}"
+            f"{gc_ms:7.1f}")
+
+
+PROBE_HEAD = ("    window      wall   api engine  step worker writer steps/s step ms  fwd ms"
+              " smpl ms  gc ms/s   (CPU s per s by process; step: the EngineCore's busiest "
+              "thread; ms per engine step; engine GC)")
+
+
 class Traffic:
     """One server's plain clients and bursts; every request's times, from one clock."""
 
     def __init__(self, url: str, model: str, args: argparse.Namespace, capture: bool,
-                 capture_dir: Path) -> None:
+                 capture_dir: Path, probe: ServerProbe | None = None) -> None:
         import httpx
         from openai import AsyncOpenAI
 
@@ -100,6 +191,13 @@ class Traffic:
         self.t0 = time.monotonic()
         self.plain: list[dict[str, Any]] = []
         self.bursts: list[dict[str, Any]] = []
+        self.probe = probe
+
+    async def mark(self, label: str) -> None:
+        """Start the probe's window `label` (off the event loop: reading a process tree's
+        counters takes milliseconds)."""
+        if self.probe is not None:
+            await asyncio.to_thread(self.probe.take, label, self.now())
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -172,6 +270,7 @@ class Traffic:
         await asyncio.gather(*(self.one_plain("warm-up") for _ in range(a.clients)))
         self.clear_captures()
         quiet_done = asyncio.Event()
+        await self.mark("quiet")
         quiet = asyncio.create_task(self.clients("quiet", quiet_done))
         await asyncio.sleep(a.quiet_s)
         quiet_done.set()
@@ -180,9 +279,12 @@ class Traffic:
         beside = asyncio.create_task(self.clients("bursts", bursts_done))
         for i in range(a.bursts):
             started = self.now()
+            await self.mark(f"burst {i + 1}")
             await self.burst()
             if i + 1 < a.bursts:
+                await self.mark(f"after {i + 1}")  # until the next burst starts
                 await asyncio.sleep(max(0.0, a.burst_every - (self.now() - started)))
+        await self.mark("end")
         bursts_done.set()
         await beside
         await self.client.close()
@@ -225,6 +327,36 @@ def ttft_by_offset(plain: list[dict], bursts: list[dict]) -> dict[str, float]:
     return {f"{k * OFFSET_BIN_S:.1f}": statistics.median(v) for k, v in sorted(bins.items())}
 
 
+TPOT_BIN_S = 2.0
+
+
+def tpot_s(r: dict) -> float | None:
+    """Seconds per streamed token after the first: the decode steps a request saw."""
+    if r["first"] is None or r["chunks"] < 2:
+        return None
+    return (r["end"] - r["first"]) / (r["chunks"] - 1)
+
+
+def tpot_by_offset(plain: list[dict], bursts: list[dict]) -> dict[str, float]:
+    """Median time per output token: the quiet phase's, and the burst phase's by when a
+    request started after the latest burst start (2 s bins, over the whole period). A
+    decode step slowed by what a burst leaves behind shows here after the burst is durable,
+    where TTFT no longer waits for its prefill."""
+    bins: dict[str, list[float]] = {}
+    for r in plain:
+        t = tpot_s(r)
+        if t is None:
+            continue
+        if r["phase"] == "quiet":
+            bins.setdefault("quiet", []).append(t)
+            continue
+        since = [r["start"] - b["start"] for b in bursts if r["start"] >= b["start"]]
+        if r["phase"] == "bursts" and since:
+            bins.setdefault(f"{int(min(since) // TPOT_BIN_S) * TPOT_BIN_S:.0f}", []).append(t)
+    order = sorted(bins, key=lambda k: -1.0 if k == "quiet" else float(k))
+    return {k: statistics.median(bins[k]) for k in order}
+
+
 def figures(plain: list[dict], bursts: list[dict]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, rs in group(plain, bursts).items():
@@ -237,6 +369,7 @@ def figures(plain: list[dict], bursts: list[dict]) -> dict[str, Any]:
             out[name].update({"latency_median_s": statistics.median(lat),
                               "latency_p95_s": p95(lat)})
     out["ttft_by_offset"] = ttft_by_offset(plain, bursts)
+    out["tpot_by_offset"] = tpot_by_offset(plain, bursts)
     secs = [b["seconds"] for b in bursts]
     out["burst_s"] = secs
     out["burst_median_s"] = statistics.median(secs) if secs else None
@@ -250,13 +383,22 @@ def run_process(config: str, model: Path, args: argparse.Namespace, work: Path) 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = work / f"serve-{config}.log"
+    env = None
+    probe_dir = work / f"probe-{config}"
+    if args.probe:  # the same probe in both configurations' processes
+        import host_counters
+
+        shutil.rmtree(probe_dir, ignore_errors=True)
+        probe_dir.mkdir(parents=True)
+        env = os.environ | host_counters.engine_probe_env(probe_dir)
     with open(log, "wb") as fh:
         proc = subprocess.Popen(server_argv(config, model, args.shape, args, port, capture_dir),
                                 stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
-                                cwd=work)  # not the checkout: the installed capsteer
+                                cwd=work, env=env)  # not the checkout: the installed capsteer
     try:
         startup = wait_ready(proc, url, log, args.start_timeout)
-        traffic = Traffic(url, str(model), args, config == "capsteer", capture_dir)
+        probe = ServerProbe(proc.pid, probe_dir) if args.probe else None
+        traffic = Traffic(url, str(model), args, config == "capsteer", capture_dir, probe)
         asyncio.run(traffic.run())
     except BaseException:
         print(log.read_text(errors="replace")[-4000:], file=sys.stderr)
@@ -264,8 +406,11 @@ def run_process(config: str, model: Path, args: argparse.Namespace, work: Path) 
     finally:
         stop(proc)
         shutil.rmtree(capture_dir, ignore_errors=True)
-    return {"config": config, "startup_s": startup, "plain": traffic.plain,
-            "bursts": traffic.bursts, "figures": figures(traffic.plain, traffic.bursts)}
+    got = {"config": config, "startup_s": startup, "plain": traffic.plain,
+           "bursts": traffic.bursts, "figures": figures(traffic.plain, traffic.bursts)}
+    if probe is not None:
+        got["probe"] = probe.windows()
+    return got
 
 
 KEYS = [("quiet", "ttft_median_s"), ("quiet", "latency_median_s"),
@@ -298,6 +443,9 @@ def print_process(label: str, f: dict) -> None:
     print(row(label, f), flush=True)
     print("    TTFT ms by start after a burst's (s): "
           + " ".join(f"{k}:{v * 1000:.0f}" for k, v in list(got.items())[:12]), flush=True)
+    tpot = f.get("tpot_by_offset") or {}
+    print("    TPOT ms, quiet and by start after a burst's (s): "
+          + " ".join(f"{k}:{v * 1000:.2f}" for k, v in tpot.items()), flush=True)
 
 
 def main() -> None:
@@ -320,6 +468,10 @@ def main() -> None:
                     help="serve both configurations with vLLM's --scheduling-policy priority "
                     "and send bursts with this priority (plain requests keep 0; higher is "
                     "served later): plain requests then jump a burst's queue")
+    ap.add_argument("--probe", action="store_true",
+                    help="per window (quiet, each burst, after each): every server process's "
+                    "CPU and the engine's steps, step times and GC (bench/engine_probe, "
+                    "in both configurations)")
     ap.add_argument("--start-timeout", type=float, default=600.0)
     ap.add_argument("--deadline", type=float, default=0.0,
                     help="epoch seconds: start no process after it")
@@ -353,6 +505,10 @@ def main() -> None:
             got["round"] = r + 1
             processes.append(got)
             print_process(f"{config} round {r + 1}", got["figures"])
+            if got.get("probe"):
+                print(PROBE_HEAD, flush=True)
+                for w in got["probe"]:
+                    print(probe_line(w), flush=True)
             out.write_text(json.dumps(report(args, processes), indent=1))  # survives a timeout
     result = report(args, processes)
     out.write_text(json.dumps(result, indent=1))
