@@ -159,16 +159,18 @@ def probe_line(w: dict[str, Any]) -> str:
         total = engine.get(key, 0.0) + (0.0 if key == "step_s" else worker.get(key, 0.0))
         return f"{total / steps * 1e3:7.2f}" if steps else "      -"
 
-    gc_ms = sum(engine.get(f"gc{g}_s", 0.0) for g in range(3)) / wall * 1e3
+    def gc_ms(role: dict[str, float]) -> float:
+        return sum(role.get(f"gc{g}_s", 0.0) for g in range(3)) / wall * 1e3
+
     return (f"    {w['window']:<10}{wall:6.1f}{cpu('api')}{cpu('engine')}"
             f"{engine.get('top_run_s', 0.0) / wall:6.2f}{cpu('worker')}{cpu('writer')}"
             f"{steps / wall:8.0f}{each('step_s')}{each('forward_s')}{each('sample_s')}"
-            f"{gc_ms:7.1f}")
+            f"{gc_ms(engine):6.1f}/{gc_ms(roles.get('api', {})):<5.1f}")
 
 
 PROBE_HEAD = ("    window      wall   api engine  step worker writer steps/s step ms  fwd ms"
-              " smpl ms  gc ms/s   (CPU s per s by process; step: the EngineCore's busiest "
-              "thread; ms per engine step; engine GC)")
+              " smpl ms  GC ms/s   (CPU s per s by process; step: the EngineCore's busiest "
+              "thread; ms per engine step; GC: engine/api)")
 
 
 class Traffic:
