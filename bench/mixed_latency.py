@@ -19,7 +19,11 @@ them: the same schedule in both configurations); and, within it, those beside a 
 window is longer than vanilla's). For each group it prints the median and p95 of time to
 first token and of end-to-end latency, and each burst's time to its last response.
 Beside them: capsteer / vanilla ratios of the same figures, for each round and over the
-per-process medians of complete rounds (above 1 = slower than vanilla). Captures are
+per-process medians of complete rounds (above 1 = slower than vanilla). Per process it also
+prints TTFT by start time after a burst's start, and time per output token in the quiet
+phase and by start after a burst (decode slowed by what a burst leaves behind shows there
+once the burst is durable). `--probe` adds, per window (quiet, each burst, after each), the
+CPU of every server process and the engine's steps, step times and GC. Captures are
 deleted only between phases, never while requests are timed.
 
     python bench/mixed_latency.py --device cuda --shape llama3-8b-36l --rounds 2 --out $OUT/mixed
