@@ -11,6 +11,11 @@ step of `--sequence`:
 - memory:  R requests capturing resid_post at every layer over the prompt, returned in
            memory (the GPU copies and the harvester, no writer processes);
 - durable: the same to durable storage through the writer processes (P6's burst);
+- mixed:   a durable burst and one plain batch in the same `generate` call, so plain
+           requests share steps with captured ones (as beside a server's bursts);
+- delete:  no burst; the published captures are deleted (mixed_latency.py deletes them
+           before its quiet phase, where plain decode ran at vanilla's pace, and keeps
+           them between bursts, where it did not);
 - idle:    no burst; --idle-s seconds without requests (past the writer processes'
            30 s idle heap trim).
 
@@ -45,7 +50,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import perf_models  # bench/ is not a package
 
-KINDS = ("steer", "memory", "durable", "idle")
+KINDS = ("steer", "memory", "durable", "mixed", "delete", "idle")
+CAPTURED = ("memory", "durable", "mixed")
 
 
 def run_one(a: argparse.Namespace) -> dict[str, Any]:
@@ -71,9 +77,11 @@ def run_one(a: argparse.Namespace) -> dict[str, Any]:
 
         llm = LLM(model=model, **kw)
 
-        def generate(ps: list[list[int]], sampling: dict, kind: str | None = None) -> None:
-            llm.generate([{"prompt_token_ids": p} for p in ps], SamplingParams(**sampling),
-                         use_tqdm=False)
+        def generate(ps: list[list[int]], sampling: dict, kind: str | None = None,
+                     beside: list[list[int]] = ()) -> None:
+            llm.generate([{"prompt_token_ids": p} for p in [*ps, *beside]],
+                         [SamplingParams(**sampling)] * len(ps)
+                         + [SamplingParams(**plain_sampling)] * len(beside), use_tqdm=False)
     else:
         from capsteer.engine import Engine, Request
 
@@ -86,13 +94,16 @@ def run_one(a: argparse.Namespace) -> dict[str, Any]:
         steering = {"vectors": [{"hook": "resid_post", "layers": "all",
                                  "vector": [0.01] * hidden, "scale": 1.0}]}
 
-        def generate(ps: list[list[int]], sampling: dict, kind: str | None = None) -> None:
+        def generate(ps: list[list[int]], sampling: dict, kind: str | None = None,
+                     beside: list[list[int]] = ()) -> None:
             reqs = [Request(prompt_token_ids=p, sampling=sampling,
                             steering=steering if kind == "steer" else None,
-                            capture=capture if kind in ("memory", "durable") else None,
-                            durable=kind == "durable") for p in ps]
-            for r in engine.generate(reqs, timeout=600):
-                if kind == "durable" and (r.receipt is None or r.receipt.status != "ok"):
+                            capture=capture if kind in CAPTURED else None,
+                            durable=kind in ("durable", "mixed")) for p in ps]
+            reqs += [Request(prompt_token_ids=p, sampling=plain_sampling) for p in beside]
+            for r in engine.generate(reqs, timeout=600)[:len(ps)]:
+                if kind in ("durable", "mixed") and (r.receipt is None
+                                                     or r.receipt.status != "ok"):
                     raise RuntimeError(f"capture failed: {r.receipt}")
                 if kind == "memory" and r.captures is None:
                     raise RuntimeError("an in-memory capture came back empty")
@@ -130,9 +141,13 @@ def run_one(a: argparse.Namespace) -> dict[str, Any]:
         t = time.perf_counter()
         if kind == "idle":
             time.sleep(a.idle_s)
+        elif kind == "delete":  # vanilla has published nothing to delete
+            for child in capture_dir.iterdir() if capture_dir.exists() else ():
+                shutil.rmtree(child, ignore_errors=True)
         else:  # vanilla's burst: the same requests without hooks
             generate(prompts(a.burst_requests, a.burst_prompt),
-                     {"max_tokens": 1, "ignore_eos": True}, kind)
+                     {"max_tokens": 1, "ignore_eos": True}, kind,
+                     beside=prompts(a.plain_requests, a.prompt) if kind == "mixed" else [])
         burst_s = time.perf_counter() - t
         plain_phase(f"after {kind} ({i + 1})")
         phases[-1]["burst_s"] = burst_s
@@ -151,7 +166,7 @@ def main() -> None:
     ap.add_argument("--batches", type=int, default=10, help="plain batches a phase")
     ap.add_argument("--burst-requests", type=int, default=103)
     ap.add_argument("--burst-prompt", type=int, default=128)
-    ap.add_argument("--sequence", default="steer,memory,durable,durable,idle",
+    ap.add_argument("--sequence", default="steer,memory,durable,durable,mixed,delete,idle",
                     help=f"comma-separated burst kinds, in order, from {', '.join(KINDS)}")
     ap.add_argument("--idle-s", type=float, default=35.0)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
