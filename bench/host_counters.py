@@ -290,10 +290,15 @@ def _engine_probe_delta(before: dict[int, tuple[int, ...]],
         for pid in pids:
             base = before.get(pid, (0,) * len(fields))
             total = [t + b - a for t, a, b in zip(total, base, after[pid], strict=True)]
-        for name, v in zip(fields, total, strict=True):
-            key = f"{prefix}_{name[:-3]}_s" if name.endswith("_ns") else f"{prefix}_{name}"
-            out[key] = v / 1e9 if name.endswith("_ns") else v
+        out.update({f"{prefix}_{k}": v for k, v in _probe_named(total).items()})
     return out
+
+
+def _probe_named(values: list[int]) -> dict[str, float]:
+    """Probe counter deltas by field name, in seconds (`x_s`) where the field is in ns."""
+    return {(name[:-3] + "_s" if name.endswith("_ns") else name):
+            (v / 1e9 if name.endswith("_ns") else v)
+            for name, v in zip(_engine_probe_fields(), values, strict=True)}
 
 
 def snapshot(probe_dir: str | Path | None = None) -> dict[str, Any]:
@@ -322,27 +327,24 @@ def delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def by_process(before: dict[str, Any], after: dict[str, Any]) -> dict[int, dict[str, Any]]:
+def by_process(before: dict[str, Any], after: dict[str, Any]) -> dict[int, dict[str, float]]:
     """Between two snapshots, per process of the tree: its threads' run and run-queue wait
-    (s), its busiest thread's run (s, with its name), and its engine-probe counters (steps,
-    tokens, GC; seconds where the field is in ns) where it has any."""
-    out: dict[int, dict[str, Any]] = {}
-    for (pid, _tid), (name, run, wait, _cpu, _moves) in after["threads"].items():
-        _, run0, wait0, *_ = before["threads"].get((pid, _tid), (name, 0, 0, 0, 0))
-        got = out.setdefault(pid, {"run_s": 0.0, "wait_s": 0.0, "top_run_s": 0.0,
-                                   "top_thread": ""})
+    (s), its busiest thread's run (s), and its engine-probe counters (steps, tokens, GC;
+    seconds where the field is in ns) where it has any."""
+    out: dict[int, dict[str, float]] = {}
+
+    def process(pid: int) -> dict[str, float]:
+        return out.setdefault(pid, {"run_s": 0.0, "wait_s": 0.0, "top_run_s": 0.0})
+
+    for key, (_name, run, wait, _cpu, _moves) in after["threads"].items():
+        _, run0, wait0, *_ = before["threads"].get(key, ("", 0, 0, 0, 0))
+        got = process(key[0])
         got["run_s"] += (run - run0) / 1e9
         got["wait_s"] += (wait - wait0) / 1e9
-        if (run - run0) / 1e9 > got["top_run_s"]:
-            got["top_run_s"], got["top_thread"] = (run - run0) / 1e9, name
-    fields = _engine_probe_fields() if after.get("engine") else ()
+        got["top_run_s"] = max(got["top_run_s"], (run - run0) / 1e9)
     for pid, counters in after.get("engine", {}).items():
-        base = before.get("engine", {}).get(pid, (0,) * len(fields))
-        got = out.setdefault(pid, {"run_s": 0.0, "wait_s": 0.0, "top_run_s": 0.0,
-                                   "top_thread": ""})
-        for name, b, a in zip(fields, base, counters, strict=True):
-            got[name[:-3] + "_s" if name.endswith("_ns") else name] = (
-                (a - b) / 1e9 if name.endswith("_ns") else a - b)
+        base = before.get("engine", {}).get(pid, (0,) * len(counters))
+        process(pid).update(_probe_named([a - b for b, a in zip(base, counters, strict=True)]))
     return out
 
 

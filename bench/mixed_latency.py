@@ -141,7 +141,6 @@ class ServerProbe:
             for pid, got in host_counters.by_process(a["counters"], b["counters"]).items():
                 role = by_role.setdefault(roles.get(pid, "other"), {})
                 role["top_run_s"] = max(role.get("top_run_s", 0.0), got.pop("top_run_s"))
-                got.pop("top_thread")
                 for key, value in got.items():
                     role[key] = role.get(key, 0.0) + value
             out.append({"window": label, "start": t0, "wall_s": wall, "roles": by_role})
@@ -320,6 +319,12 @@ def p95(xs: list[float]) -> float:
 OFFSET_BIN_S = 0.5
 
 
+def since_burst(r: dict, bursts: list[dict]) -> float | None:
+    """Seconds from the latest burst start before request `r` started (None: before any)."""
+    since = [r["start"] - b["start"] for b in bursts if r["start"] >= b["start"]]
+    return min(since) if since else None
+
+
 def ttft_by_offset(plain: list[dict], bursts: list[dict]) -> dict[str, float]:
     """Median TTFT of the burst phase's plain requests by when they started after the
     latest burst start (0.5 s bins): where in a burst the plain requests wait."""
@@ -327,9 +332,9 @@ def ttft_by_offset(plain: list[dict], bursts: list[dict]) -> dict[str, float]:
     for r in plain:
         if r["phase"] != "bursts" or r["first"] is None:
             continue
-        since = [r["start"] - b["start"] for b in bursts if r["start"] >= b["start"]]
-        if since:
-            bins.setdefault(int(min(since) // OFFSET_BIN_S), []).append(r["first"] - r["start"])
+        since = since_burst(r, bursts)
+        if since is not None:
+            bins.setdefault(int(since // OFFSET_BIN_S), []).append(r["first"] - r["start"])
     return {f"{k * OFFSET_BIN_S:.1f}": statistics.median(v) for k, v in sorted(bins.items())}
 
 
@@ -356,9 +361,9 @@ def tpot_by_offset(plain: list[dict], bursts: list[dict]) -> dict[str, float]:
         if r["phase"] == "quiet":
             bins.setdefault("quiet", []).append(t)
             continue
-        since = [r["start"] - b["start"] for b in bursts if r["start"] >= b["start"]]
-        if r["phase"] == "bursts" and since:
-            bins.setdefault(f"{int(min(since) // TPOT_BIN_S) * TPOT_BIN_S:.0f}", []).append(t)
+        since = since_burst(r, bursts)
+        if r["phase"] == "bursts" and since is not None:
+            bins.setdefault(f"{int(since // TPOT_BIN_S) * TPOT_BIN_S:.0f}", []).append(t)
     order = sorted(bins, key=lambda k: -1.0 if k == "quiet" else float(k))
     return {k: statistics.median(bins[k]) for k in order}
 

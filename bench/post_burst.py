@@ -44,6 +44,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,8 @@ import perf_models  # bench/ is not a package
 
 KINDS = ("steer", "memory", "durable", "mixed", "delete", "idle")
 CAPTURED = ("memory", "durable", "mixed")
+DURABLE = ("durable", "mixed")
+BURST_SAMPLING = {"max_tokens": 1, "ignore_eos": True}
 
 
 def run_one(a: argparse.Namespace) -> dict[str, Any]:
@@ -71,7 +74,7 @@ def run_one(a: argparse.Namespace) -> dict[str, Any]:
     plain_sampling = {"max_tokens": a.gen, "temperature": 0.0, "ignore_eos": True}
     capture_dir = a.work / "captures"
     shutil.rmtree(capture_dir, ignore_errors=True)
-    stats = None
+    stats: Callable[[], dict[str, Any]] | None = None
     if a.config == "vanilla":
         from vllm import LLM, SamplingParams
 
@@ -99,26 +102,23 @@ def run_one(a: argparse.Namespace) -> dict[str, Any]:
             reqs = [Request(prompt_token_ids=p, sampling=sampling,
                             steering=steering if kind == "steer" else None,
                             capture=capture if kind in CAPTURED else None,
-                            durable=kind in ("durable", "mixed")) for p in ps]
+                            durable=kind in DURABLE) for p in ps]
             reqs += [Request(prompt_token_ids=p, sampling=plain_sampling) for p in beside]
             for r in engine.generate(reqs, timeout=600)[:len(ps)]:
-                if kind in ("durable", "mixed") and (r.receipt is None
-                                                     or r.receipt.status != "ok"):
+                if kind in DURABLE and (r.receipt is None or r.receipt.status != "ok"):
                     raise RuntimeError(f"capture failed: {r.receipt}")
                 if kind == "memory" and r.captures is None:
                     raise RuntimeError("an in-memory capture came back empty")
 
         def stats() -> dict[str, Any]:
-            got = engine.stats()[0]
-            return {"host_cpu_s": got["host_cpu_s"], "plan_builds": got["plan_builds"],
-                    "plan_reuses": got["plan_reuses"], "live_requests": got["live_requests"]}
+            return engine.stats()[0]
 
     generate(prompts(a.plain_requests, a.prompt), plain_sampling)  # warm-up, untimed
-    generate(prompts(a.burst_requests, a.burst_prompt), {"max_tokens": 1, "ignore_eos": True})
+    generate(prompts(a.burst_requests, a.burst_prompt), BURST_SAMPLING)
     phases: list[dict[str, Any]] = []
 
     def plain_phase(label: str) -> None:
-        before = stats() if stats else None
+        before = stats() if stats is not None else None
         times = []
         for _ in range(a.batches):
             t = time.perf_counter()
@@ -126,7 +126,7 @@ def run_one(a: argparse.Namespace) -> dict[str, Any]:
             times.append(time.perf_counter() - t)
         phase: dict[str, Any] = {"phase": label, "batch_s": times,
                                  "median_s": statistics.median(times)}
-        if stats and before:
+        if stats is not None and before is not None:
             after = stats()
             phase["hook_host_cpu_ms"] = {k: round((after["host_cpu_s"][k] - v) * 1e3, 3)
                                          for k, v in before["host_cpu_s"].items()}
@@ -145,8 +145,7 @@ def run_one(a: argparse.Namespace) -> dict[str, Any]:
             for child in capture_dir.iterdir() if capture_dir.exists() else ():
                 shutil.rmtree(child, ignore_errors=True)
         else:  # vanilla's burst: the same requests without hooks
-            generate(prompts(a.burst_requests, a.burst_prompt),
-                     {"max_tokens": 1, "ignore_eos": True}, kind,
+            generate(prompts(a.burst_requests, a.burst_prompt), BURST_SAMPLING, kind,
                      beside=prompts(a.plain_requests, a.prompt) if kind == "mixed" else [])
         burst_s = time.perf_counter() - t
         plain_phase(f"after {kind} ({i + 1})")
