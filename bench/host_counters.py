@@ -248,15 +248,19 @@ def engine_probe_env(directory: str | Path) -> dict[str, str]:
 
 
 @functools.cache
-def _engine_probe_fields() -> tuple[str, ...]:
-    """The probe's field list, from its file (loaded under its own name: this process may
-    have imported another sitecustomize)."""
+def _engine_probe_module() -> Any:
+    """The probe's file as a module of its own name (this process may have imported another
+    sitecustomize): its field lists."""
     spec = importlib.util.spec_from_file_location("capsteer_engine_probe",
                                                   ENGINE_PROBE / "sitecustomize.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return tuple(module.FIELDS)
+    return module
+
+
+def _engine_probe_fields() -> tuple[str, ...]:
+    return tuple(_engine_probe_module().FIELDS)
 
 
 def engine_probe_read(directory: str | Path | None) -> dict[int, tuple[int, ...]]:
@@ -273,6 +277,19 @@ def engine_probe_read(directory: str | Path | None) -> dict[int, tuple[int, ...]
             continue
         if len(raw) == 8 * len(fields):
             out[pid] = struct.unpack(f"<{len(fields)}q", raw)
+    return out
+
+
+def engine_probe_trace(directory: str | Path) -> dict[int, list[tuple[int, ...]]]:
+    """pid -> the engine probe's step rows (CAPSTEER_ENGINE_PROBE_TRACE=1; TRACE_FIELDS),
+    for every trace file in `directory`, whether its process still runs or not."""
+    width = len(_engine_probe_module().TRACE_FIELDS)
+    out = {}
+    for path in Path(directory).glob("trace-*.bin"):
+        with open(path, "rb") as fh:  # the file is sized for every row it may ever hold
+            (n,) = struct.unpack("<q", fh.read(8))
+            rows = struct.unpack(f"<{n * width}q", fh.read(8 * n * width))
+        out[int(path.stem.split("-")[1])] = [rows[i: i + width] for i in range(0, len(rows), width)]
     return out
 
 

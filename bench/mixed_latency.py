@@ -23,8 +23,10 @@ per-process medians of complete rounds (above 1 = slower than vanilla). Per proc
 prints TTFT by start time after a burst's start, and time per output token in the quiet
 phase and by start after a burst (decode slowed by what a burst leaves behind shows there
 once the burst is durable). `--probe` adds, per window (quiet, each burst, after each), the
-CPU of every server process and the engine's steps, step times and GC. Captures are
-deleted only between phases, never while requests are timed.
+CPU of every server process and the engine's steps, step times and GC, and the median time
+of the engine's decode-only steps by batch size (from a trace of every step, kept in the
+JSON as each process's `steps`). Captures are deleted only between phases, never while
+requests are timed.
 
     python bench/mixed_latency.py --device cuda --shape llama3-8b-36l --rounds 2 --out $OUT/mixed
     python bench/mixed_latency.py --device cpu --shape llama-tiny --rounds 1 --quiet-s 10 \
@@ -401,7 +403,8 @@ def run_process(config: str, model: Path, args: argparse.Namespace, work: Path) 
 
         shutil.rmtree(probe_dir, ignore_errors=True)
         probe_dir.mkdir(parents=True)
-        env = os.environ | host_counters.engine_probe_env(probe_dir)
+        env = os.environ | host_counters.engine_probe_env(probe_dir) | {
+            "CAPSTEER_ENGINE_PROBE_TRACE": "1"}
     with open(log, "wb") as fh:
         proc = subprocess.Popen(server_argv(config, model, args.shape, args, port, capture_dir),
                                 stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
@@ -421,7 +424,35 @@ def run_process(config: str, model: Path, args: argparse.Namespace, work: Path) 
            "bursts": traffic.bursts, "figures": figures(traffic.plain, traffic.bursts)}
     if probe is not None:
         got["probe"] = probe.windows()
+        got["steps"] = engine_steps(probe_dir, traffic.t0)
+        for w in got["probe"]:
+            w["decode_steps"] = decode_steps(got["steps"], w["start"], w["start"] + w["wall_s"])
     return got
+
+
+def engine_steps(probe_dir: Path, t0: float) -> list[list[float]]:
+    """The EngineCore's step rows (the process with the most), on the traffic's clock:
+    [end s, step ms, tokens, requests, prefills, execute_model ms, sample_tokens ms]."""
+    import host_counters
+
+    traces = host_counters.engine_probe_trace(probe_dir)
+    if not traces:
+        return []
+    rows = max(traces.values(), key=len)
+    return [[round(end / 1e9 - t0, 4), round(step / 1e6, 3), tokens, requests, prefills,
+             round(fwd / 1e6, 3), round(smpl / 1e6, 3)]
+            for end, step, tokens, requests, prefills, fwd, smpl in rows]
+
+
+def decode_steps(steps: list[list[float]], t0: float, t1: float) -> dict[str, Any]:
+    """Median ms of the window's steps that only decoded (no prefill chunk), by batch size:
+    the window's step time, like for like (a window's mean step mixes in prefills)."""
+    by_size: dict[int, list[float]] = {}
+    for end, ms, _tokens, requests, prefills, _fwd, _smpl in steps:
+        if t0 <= end < t1 and not prefills:
+            by_size.setdefault(int(requests), []).append(ms)
+    return {str(n): {"n": len(v), "median_ms": statistics.median(v)}
+            for n, v in sorted(by_size.items())}
 
 
 KEYS = [("quiet", "ttft_median_s"), ("quiet", "latency_median_s"),
@@ -520,10 +551,20 @@ def main() -> None:
                 print(PROBE_HEAD, flush=True)
                 for w in got["probe"]:
                     print(probe_line(w), flush=True)
+                print_decode_steps(got["probe"], args.clients)
             out.write_text(json.dumps(report(args, processes), indent=1))  # survives a timeout
     result = report(args, processes)
     out.write_text(json.dumps(result, indent=1))
     print_ratios(result)
+
+
+def print_decode_steps(windows: list[dict[str, Any]], clients: int) -> None:
+    """Each window's decode-only steps at the clients' full batch and one short of it."""
+    sizes = [str(clients), str(clients - 1)]
+    print(f"    decode-only steps, median ms (n) at {' and '.join(sizes)} requests: " + "; ".join(
+        f"{w['window']} " + " ".join(
+            f"{got['median_ms']:.2f}({got['n']})" if (got := w["decode_steps"].get(k)) else "-"
+            for k in sizes) for w in windows), flush=True)
 
 
 def print_ratios(result: dict) -> None:

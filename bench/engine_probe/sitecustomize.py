@@ -17,6 +17,11 @@ Per process it keeps int64 counters in a small shared file `<dir>/probe-<pid>.bi
 - nanoseconds in the model runner's execute_model() (input preparation and the forward's
   launch; with synchronous scheduling the wait for the GPU lands in sample_tokens()) and
   sample_tokens().
+
+With CAPSTEER_ENGINE_PROBE_TRACE=1 it also keeps one row per engine step that scheduled
+tokens in `<dir>/trace-<pid>.bin` (TRACE_FIELDS; `host_counters.engine_probe_trace` reads
+it): window counters average a step that decodes with one that also prefills, and a trace
+can compare like with like (decode-only steps of the same batch size).
 vLLM's modules are wrapped after their import (a meta-path hook), never imported here.
 """
 
@@ -34,6 +39,13 @@ from typing import Any
 FIELDS = ("gc0_n", "gc0_ns", "gc1_n", "gc1_ns", "gc2_n", "gc2_ns", "steps", "tokens",
           "schedule_ns", "update_ns", "step_ns", "idle_steps", "forward_ns", "sample_ns")
 _DIR = os.environ.get("CAPSTEER_ENGINE_PROBE_DIR")
+# A step's row: when it ended (CLOCK_MONOTONIC, the clock of every process here), its
+# nanoseconds, scheduled tokens and requests, how many of those were fed more than one
+# token (a prefill chunk), and its execute_model() and sample_tokens() nanoseconds.
+TRACE_FIELDS = ("end_ns", "step_ns", "tokens", "requests", "prefills", "forward_ns",
+                "sample_ns")
+TRACE_ROWS = 1 << 18  # ~25 minutes of steps at 160 a second; later steps are not kept
+_TRACE = _DIR is not None and os.environ.get("CAPSTEER_ENGINE_PROBE_TRACE") == "1"
 
 
 class _Counters:
@@ -54,7 +66,43 @@ class _Counters:
         return self.view
 
 
+class _Trace:
+    """This process's step rows in a shared file: [count, rows...] as int64."""
+
+    def __init__(self) -> None:
+        self.pid = -1
+        self.view: Any = None
+        self.pending = [0] * len(TRACE_FIELDS)  # the step in progress
+
+    def get(self) -> Any:
+        if self.pid != os.getpid():
+            self.pid = os.getpid()
+            size = 8 * (1 + TRACE_ROWS * len(TRACE_FIELDS))
+            path = os.path.join(_DIR or ".", f"trace-{self.pid}.bin")
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.ftruncate(fd, size)  # sparse: pages appear as rows are written
+            self.view = memoryview(mmap.mmap(fd, size)).cast("q")
+            os.close(fd)
+        return self.view
+
+    def end_step(self, step_ns: int) -> None:
+        """Append the step in progress (if it scheduled tokens) and start the next."""
+        row, self.pending = self.pending, [0] * len(TRACE_FIELDS)
+        if not row[2]:
+            return
+        v = self.get()
+        n = v[0]
+        if n >= TRACE_ROWS:
+            return
+        row[0], row[1] = time.monotonic_ns(), step_ns
+        at = 1 + n * len(TRACE_FIELDS)
+        for i, value in enumerate(row):
+            v[at + i] = value
+        v[0] = n + 1
+
+
 _COUNTERS = _Counters()
+_STEP_TRACE = _Trace() if _TRACE else None
 _gc_start = [0]
 
 
@@ -74,10 +122,11 @@ def _timed(fn: Any, field: str, after: Any = None) -> Any:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         t0 = time.perf_counter_ns()
         result = fn(*args, **kwargs)
+        elapsed = time.perf_counter_ns() - t0
         v = _COUNTERS.get()
-        v[index] += time.perf_counter_ns() - t0
+        v[index] += elapsed
         if after is not None:
-            after(v, result)
+            after(v, result, elapsed)
         return result
 
     wrapper.__wrapped__ = fn  # type: ignore[attr-defined]
@@ -87,13 +136,35 @@ def _timed(fn: Any, field: str, after: Any = None) -> Any:
 _STEPS, _TOKENS, _IDLE_STEPS = (FIELDS.index(f) for f in ("steps", "tokens", "idle_steps"))
 
 
-def _count_schedule(v: Any, output: Any) -> None:
+def _count_schedule(v: Any, output: Any, _elapsed: int) -> None:
     tokens = int(getattr(output, "total_num_scheduled_tokens", 0) or 0)
     if tokens:
         v[_STEPS] += 1
         v[_TOKENS] += tokens
     else:
         v[_IDLE_STEPS] += 1
+    if _STEP_TRACE is not None:
+        per_request = getattr(output, "num_scheduled_tokens", None) or {}
+        pending = _STEP_TRACE.pending
+        pending[2] += tokens
+        pending[3] += len(per_request)
+        pending[4] += sum(1 for n in per_request.values() if n > 1)
+
+
+def _trace_add(field: str) -> Any:
+    """An `after` for _timed: the call's nanoseconds also go to the traced step's `field`."""
+    column = TRACE_FIELDS.index(field)
+
+    def add(_v: Any, _result: Any, elapsed: int) -> None:
+        if _STEP_TRACE is not None:
+            _STEP_TRACE.pending[column] += elapsed
+
+    return add
+
+
+def _trace_step(_v: Any, _result: Any, elapsed: int) -> None:
+    if _STEP_TRACE is not None:
+        _STEP_TRACE.end_step(elapsed)
 
 
 def _patch_scheduler(module: Any) -> None:
@@ -104,13 +175,13 @@ def _patch_scheduler(module: Any) -> None:
 
 def _patch_core(module: Any) -> None:
     cls = module.EngineCoreProc  # the engine process's busy loop calls this once a step
-    cls._process_engine_step = _timed(cls._process_engine_step, "step_ns")
+    cls._process_engine_step = _timed(cls._process_engine_step, "step_ns", _trace_step)
 
 
 def _patch_runner(module: Any) -> None:
     cls = module.GPUModelRunner  # vLLM's CPU runner inherits both
-    cls.execute_model = _timed(cls.execute_model, "forward_ns")
-    cls.sample_tokens = _timed(cls.sample_tokens, "sample_ns")
+    cls.execute_model = _timed(cls.execute_model, "forward_ns", _trace_add("forward_ns"))
+    cls.sample_tokens = _timed(cls.sample_tokens, "sample_ns", _trace_add("sample_ns"))
 
 
 _PATCHES = {"vllm.v1.core.sched.scheduler": _patch_scheduler,
