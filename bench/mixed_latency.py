@@ -24,8 +24,8 @@ prints TTFT by start time after a burst's start, and time per output token in th
 phase and by start after a burst (decode slowed by what a burst leaves behind shows there
 once the burst is durable). `--probe` adds, per window (quiet, each burst, after each), the
 CPU of every server process and the engine's steps, step times and GC, and the median time
-of the engine's decode-only steps by batch size (from a trace of every step, kept in the
-JSON as each process's `steps`). Captures are deleted only between phases, never while
+of the engine's decode-only steps by batch size and of the steps that carried a prompt
+chunk, by size (from a trace of every step, kept in the JSON as each process's `steps`). Captures are deleted only between phases, never while
 requests are timed.
 
     python bench/mixed_latency.py --device cuda --shape llama3-8b-36l --rounds 2 --out $OUT/mixed
@@ -427,6 +427,7 @@ def run_process(config: str, model: Path, args: argparse.Namespace, work: Path) 
         got["steps"] = engine_steps(probe_dir, traffic.t0)
         for w in got["probe"]:
             w["decode_steps"] = decode_steps(got["steps"], w["start"], w["start"] + w["wall_s"])
+        got["chunk_steps"] = chunk_steps(got["steps"], got["probe"])
     return got
 
 
@@ -552,10 +553,32 @@ def main() -> None:
                 for w in got["probe"]:
                     print(probe_line(w), flush=True)
                 print_decode_steps(got["probe"], args.clients)
+                print("    steps with a prompt chunk outside bursts, median ms (n) by tokens: "
+                      + "; ".join(f"{k} {v['median_ms']:.2f}({v['n']})"
+                                  for k, v in got["chunk_steps"].items()), flush=True)
             out.write_text(json.dumps(report(args, processes), indent=1))  # survives a timeout
     result = report(args, processes)
     out.write_text(json.dumps(result, indent=1))
     print_ratios(result)
+
+
+CHUNK_BINS = ((1, 512), (513, 1024), (1025, 1 << 30))  # scheduled tokens of a step
+
+
+def chunk_steps(steps: list[list[float]], windows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Median ms of the steps that carried a prompt chunk, outside bursts (the quiet and
+    after windows: plain traffic only), by scheduled tokens: up to vLLM's largest piecewise
+    CUDA graph by default (512), and beyond it."""
+    spans = [(w["start"], w["start"] + w["wall_s"]) for w in windows
+             if not w["window"].startswith("burst")]
+    out = {}
+    for lo, hi in CHUNK_BINS:
+        got = [ms for end, ms, tokens, _r, prefills, _f, _s in steps
+               if prefills and lo <= tokens <= hi and any(a <= end < b for a, b in spans)]
+        if got:
+            out[f"{lo}-{hi if hi < 1 << 30 else ''}"] = {"n": len(got),
+                                                          "median_ms": statistics.median(got)}
+    return out
 
 
 def print_decode_steps(windows: list[dict[str, Any]], clients: int) -> None:

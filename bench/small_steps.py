@@ -15,6 +15,8 @@ profile at the first T: host ops by self CPU time and the count of each, so what
 adds to such a step (its tap op calls, graph launches, copies) shows by name.
 
     python bench/small_steps.py --device cuda --out $OUT/small
+    python bench/small_steps.py --device cuda --configs capsteer --out $OUT/small-c   (one
+        configuration a call where a call's time limit is short)
     python bench/small_steps.py --device cpu --reps 5 --tokens 64,200     (smoke)
 
 Writes <out>/small-steps.json (every timing, each profile's top rows).
@@ -56,6 +58,12 @@ def run_one(a: argparse.Namespace) -> dict[str, Any]:
         from capsteer.engine import Engine
 
         llm = Engine(model, capsteer_config={"capture_dir": str(a.work / "captures")}, **kw).llm
+    config = llm.llm_engine.vllm_config
+    cc = config.compilation_config
+    out: dict[str, Any] = {"config": a.config, "steps": {}, "engine": {
+        "cudagraph_mode": str(cc.cudagraph_mode),
+        "cudagraph_capture_sizes": list(cc.cudagraph_capture_sizes or []),
+        "async_scheduling": getattr(config.scheduler_config, "async_scheduling", None)}}
     rng = random.Random(5)
     one_token = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
@@ -66,7 +74,6 @@ def run_one(a: argparse.Namespace) -> dict[str, Any]:
         llm.generate([prompt], one_token, use_tqdm=False)
         return time.perf_counter() - t
 
-    out: dict[str, Any] = {"config": a.config, "steps": {}}
     for tokens in a.tokens:
         for _ in range(3):
             step(tokens)  # warm (a first step of a size may compile or capture)
@@ -87,6 +94,11 @@ def run_one(a: argparse.Namespace) -> dict[str, Any]:
     out["op_counts"] = {e.key: e.count for e in events if e.key.startswith(
         ("capsteer", "cudaGraphLaunch", "cudaLaunchKernel", "cudaMemcpyAsync", "aten::copy_",
          "aten::index", "cuLaunchKernel"))}
+    if a.device == "cuda":  # the GPU's side of the same steps: kernels and their time
+        kernels = [e for e in events if str(getattr(e, "device_type", "")).endswith("CUDA")]
+        out["gpu"] = {"kernels": sum(e.count for e in kernels),
+                      "kernel_ms": round(sum(getattr(e, "self_device_time_total", 0.0)
+                                             for e in kernels) / 1e3, 3)}
     return out
 
 
@@ -139,6 +151,7 @@ def main() -> None:
                   flush=True)
         print("    counts: " + ", ".join(f"{k} {v}" for k, v in sorted(r["op_counts"].items())),
               flush=True)
+        print(f"    engine: {r['engine']}; GPU: {r.get('gpu')}", flush=True)
     a.out.mkdir(parents=True, exist_ok=True)
     path = a.out / "small-steps.json"
     path.write_text(json.dumps({"command": " ".join(sys.argv), "shape": a.shape,
