@@ -41,7 +41,6 @@ import os
 import random
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -49,7 +48,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import perf_models  # bench/ is not a package
+import config_children  # bench/ is not a package
+import perf_models
 
 KINDS = ("steer", "memory", "durable", "mixed", "delete", "idle")
 CAPTURED = ("memory", "durable", "mixed")
@@ -181,26 +181,12 @@ def main() -> None:
         ap.error(f"--sequence: unknown kind(s) {bad}; choose from {', '.join(KINDS)}")
     a.work.mkdir(parents=True, exist_ok=True)
     if a.config:  # a child: one configuration, its result as JSON on the last line
-        print("RESULT " + json.dumps(run_one(a)), flush=True)
+        print(config_children.result_line(run_one(a)), flush=True)
         return
     configs = [c.strip() for c in a.configs.split(",") if c.strip()]
     print(perf_models.describe(a.shape), flush=True)
     print(f"  {'config':<9}{'phase':<20}{'median s':>9}{'/ first':>9}", flush=True)
-    results = []
-    for config in configs:
-        argv = [sys.executable, __file__, *sys.argv[1:], "--config", config]
-        log = a.work / f"post-burst-{config}.log"
-        with open(log, "w") as fh:
-            proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=fh, text=True)
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                if line.startswith("RESULT "):
-                    results.append(json.loads(line[len("RESULT "):]))
-                else:
-                    print(line, end="", flush=True)
-        if proc.wait() != 0:
-            print(log.read_text(errors="replace")[-3000:], file=sys.stderr)
-            raise SystemExit(f"{config}: the process failed (log {log})")
+    results = config_children.run_configs(__file__, sys.argv[1:], configs, a.work, "post-burst")
     by = {r["config"]: r for r in results}
     if "vanilla" in by and "capsteer" in by:
         print("capsteer / vanilla, each phase's median over its first phase's:", flush=True)

@@ -29,14 +29,14 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import perf_models  # bench/ is not a package
+import config_children  # bench/ is not a package
+import perf_models
 
 
 def run_one(a: argparse.Namespace) -> dict[str, Any]:
@@ -120,24 +120,12 @@ def main() -> None:
     a.tokens = [int(t) for t in a.tokens.split(",") if t.strip()]
     a.work.mkdir(parents=True, exist_ok=True)
     if a.config:  # a child: one configuration, its result as JSON on the last line
-        print("RESULT " + json.dumps(run_one(a)), flush=True)
+        print(config_children.result_line(run_one(a)), flush=True)
         return
     print(perf_models.describe(a.shape), flush=True)
     print(f"  {'config':<9}{'tokens':>7}{'step ms':>10}", flush=True)
-    results = []
-    for config in [c.strip() for c in a.configs.split(",") if c.strip()]:
-        log = a.work / f"small-steps-{config}.log"
-        with open(log, "w") as fh:
-            proc = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--config", config],
-                                  stdout=subprocess.PIPE, stderr=fh, text=True, check=False)
-        for line in proc.stdout.splitlines():
-            if line.startswith("RESULT "):
-                results.append(json.loads(line[len("RESULT "):]))
-            else:
-                print(line, flush=True)
-        if proc.returncode != 0:
-            print(log.read_text(errors="replace")[-3000:], file=sys.stderr)
-            raise SystemExit(f"{config}: the process failed (log {log})")
+    configs = [c.strip() for c in a.configs.split(",") if c.strip()]
+    results = config_children.run_configs(__file__, sys.argv[1:], configs, a.work, "small-steps")
     by = {r["config"]: r for r in results}
     if "vanilla" in by and "capsteer" in by:
         print("capsteer / vanilla, median step time:", "  ".join(

@@ -1,0 +1,43 @@
+"""Run a benchmark's configurations each in a process of its own (an engine per process).
+
+The parent runs the same script again with `--config NAME` per configuration; the child
+prints progress lines and, last, `RESULT <json>`. Progress is echoed as it comes, so a
+long run shows where it is; a failed child's log tail is printed and the run stops.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+RESULT = "RESULT "
+
+
+def result_line(result: dict[str, Any]) -> str:
+    """What a child prints last: its result for the parent."""
+    return RESULT + json.dumps(result)
+
+
+def run_configs(script: str, argv: list[str], configs: list[str], logs: Path,
+                name: str) -> list[dict[str, Any]]:
+    """Each configuration's result, in order: `script argv --config C` in a child process,
+    its stderr in `logs/<name>-<C>.log`."""
+    results = []
+    for config in configs:
+        log = logs / f"{name}-{config}.log"
+        with open(log, "w") as fh:
+            proc = subprocess.Popen([sys.executable, script, *argv, "--config", config],
+                                    stdout=subprocess.PIPE, stderr=fh, text=True)
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                if line.startswith(RESULT):
+                    results.append(json.loads(line[len(RESULT):]))
+                else:
+                    print(line, end="", flush=True)
+        if proc.wait() != 0:
+            print(log.read_text(errors="replace")[-3000:], file=sys.stderr)
+            raise SystemExit(f"{config}: the process failed (log {log})")
+    return results
