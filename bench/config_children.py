@@ -7,13 +7,24 @@ long run shows where it is; a failed child's log tail is printed and the run sto
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 RESULT = "RESULT "
+
+
+def add_config_args(ap: argparse.ArgumentParser, work: str) -> None:
+    """`--configs` (which, in order), the child's hidden `--config`, `--work` (models, logs)
+    and `--out` (the results; $OUT on the lent GPU machine)."""
+    ap.add_argument("--configs", default="vanilla,capsteer")
+    ap.add_argument("--config", default=None, help=argparse.SUPPRESS)  # a child's one
+    ap.add_argument("--work", type=Path, default=Path(work))
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "bench/results"))
 
 
 def result_line(result: dict[str, Any]) -> str:

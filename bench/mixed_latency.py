@@ -493,9 +493,7 @@ def print_process(label: str, f: dict) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    ap.add_argument("--shape", default=None, help="a bench/perf_models.py geometry "
-                    "(default llama3-8b-36l on cuda, llama-tiny on cpu)")
+    perf_models.add_device_and_shape(ap, "llama3-8b-36l")
     ap.add_argument("--rounds", type=int, default=2, help="processes per configuration")
     ap.add_argument("--clients", type=int, default=8, help="closed-loop plain clients")
     ap.add_argument("--prompt", type=int, default=256, help="plain requests' prompt tokens")
@@ -527,7 +525,7 @@ def main() -> None:
     if args.merge:
         merge(args.merge, args.out / "mixed-latency.json")
         return
-    args.shape = args.shape or ("llama3-8b-36l" if args.device == "cuda" else "llama-tiny")
+    args.shape = perf_models.shape_for(args)
     args.capsteer_flags = args.capsteer_flags.split()
     args.work.mkdir(parents=True, exist_ok=True)
     model = perf_models.write_model(args.work / f"model-{args.shape}", args.shape, args.device)

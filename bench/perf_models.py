@@ -15,6 +15,7 @@ config: an 8B checkpoint is then neither written (16-18 GB) nor read by every pr
 
 from __future__ import annotations
 
+import argparse
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -149,6 +150,22 @@ def engine_kwargs(name: str) -> dict:
     if shape.weights == "dummy":
         kw["load_format"] = "dummy"
     return kw
+
+
+def add_device_and_shape(ap: argparse.ArgumentParser, cuda_shape: str, cpu_shape: str = "llama-tiny") -> None:
+    """`--device` (cuda, the default, or cpu) and `--shape`, whose default follows the device;
+    `shape_for(args)` reads it after parsing."""
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default=None,
+                    help=f"a bench/perf_models.py geometry (default {cuda_shape} on cuda, "
+                    f"{cpu_shape} on cpu)")
+    ap.set_defaults(shape_defaults=(cuda_shape, cpu_shape))
+
+
+def shape_for(args: argparse.Namespace) -> str:
+    """The parsed `--shape`, or the device's default from add_device_and_shape."""
+    cuda_shape, cpu_shape = args.shape_defaults
+    return args.shape or (cuda_shape if args.device == "cuda" else cpu_shape)
 
 
 def describe(name: str) -> str:

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import shutil
 import statistics
@@ -156,9 +155,7 @@ def run_one(a: argparse.Namespace) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    ap.add_argument("--shape", default=None, help="a bench/perf_models.py geometry "
-                    "(default llama3-8b-36l on cuda, llama-tiny on cpu)")
+    perf_models.add_device_and_shape(ap, "llama3-8b-36l")
     ap.add_argument("--plain-requests", type=int, default=8)
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--gen", type=int, default=64)
@@ -169,12 +166,9 @@ def main() -> None:
                     help=f"comma-separated burst kinds, in order, from {', '.join(KINDS)}")
     ap.add_argument("--idle-s", type=float, default=35.0)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    ap.add_argument("--configs", default="vanilla,capsteer")
-    ap.add_argument("--config", default=None, help=argparse.SUPPRESS)  # one process's
-    ap.add_argument("--work", type=Path, default=Path("/tmp/capsteer-post-burst"))
-    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "bench/results"))
+    config_children.add_config_args(ap, "/tmp/capsteer-post-burst")
     a = ap.parse_args()
-    a.shape = a.shape or ("llama3-8b-36l" if a.device == "cuda" else "llama-tiny")
+    a.shape = perf_models.shape_for(a)
     a.sequence = [k.strip() for k in a.sequence.split(",") if k.strip()]
     bad = [k for k in a.sequence if k not in KINDS]
     if bad:

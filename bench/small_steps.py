@@ -105,18 +105,13 @@ def run_one(a: argparse.Namespace) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    ap.add_argument("--shape", default=None, help="a bench/perf_models.py geometry "
-                    "(default qwen3-0.6b on cuda, llama-tiny on cpu)")
+    perf_models.add_device_and_shape(ap, "qwen3-0.6b")
     ap.add_argument("--tokens", default="263,518,1028",
                     help="comma-separated step sizes (prompt tokens of each request)")
     ap.add_argument("--reps", type=int, default=20, help="timed steps per size")
-    ap.add_argument("--configs", default="vanilla,capsteer")
-    ap.add_argument("--config", default=None, help=argparse.SUPPRESS)  # one process's
-    ap.add_argument("--work", type=Path, default=Path("/tmp/capsteer-small-steps"))
-    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "bench/results"))
+    config_children.add_config_args(ap, "/tmp/capsteer-small-steps")
     a = ap.parse_args()
-    a.shape = a.shape or ("qwen3-0.6b" if a.device == "cuda" else "llama-tiny")
+    a.shape = perf_models.shape_for(a)
     a.tokens = [int(t) for t in a.tokens.split(",") if t.strip()]
     a.work.mkdir(parents=True, exist_ok=True)
     if a.config:  # a child: one configuration, its result as JSON on the last line
