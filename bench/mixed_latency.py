@@ -25,8 +25,8 @@ phase and by start after a burst (decode slowed by what a burst leaves behind sh
 once the burst is durable). `--probe` adds, per window (quiet, each burst, after each), the
 CPU of every server process and the engine's steps, step times and GC, and the median time
 of the engine's decode-only steps by batch size and of the steps that carried a prompt
-chunk, by size (from a trace of every step, kept in the JSON as each process's `steps`). Captures are deleted only between phases, never while
-requests are timed.
+chunk, by size (from a trace of every step, kept in the JSON as each process's `steps`).
+Captures are deleted only between phases, never while requests are timed.
 
     python bench/mixed_latency.py --device cuda --shape llama3-8b-36l --rounds 2 --out $OUT/mixed
     python bench/mixed_latency.py --device cpu --shape llama-tiny --rounds 1 --quiet-s 10 \
@@ -456,6 +456,25 @@ def decode_steps(steps: list[list[float]], t0: float, t1: float) -> dict[str, An
             for n, v in sorted(by_size.items())}
 
 
+CHUNK_BINS = ((1, 512), (513, 1024), (1025, 1 << 30))  # scheduled tokens of a step
+
+
+def chunk_steps(steps: list[list[float]], windows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Median ms of the steps that carried a prompt chunk, outside bursts (the quiet and
+    after windows: plain traffic only), by scheduled tokens: up to vLLM's largest piecewise
+    CUDA graph by default (512), and beyond it."""
+    spans = [(w["start"], w["start"] + w["wall_s"]) for w in windows
+             if not w["window"].startswith("burst")]
+    out = {}
+    for lo, hi in CHUNK_BINS:
+        got = [ms for end, ms, tokens, _r, prefills, _f, _s in steps
+               if prefills and lo <= tokens <= hi and any(a <= end < b for a, b in spans)]
+        if got:
+            out[f"{lo}-{hi if hi < 1 << 30 else ''}"] = {"n": len(got),
+                                                          "median_ms": statistics.median(got)}
+    return out
+
+
 KEYS = [("quiet", "ttft_median_s"), ("quiet", "latency_median_s"),
         ("bursts", "ttft_median_s"), ("bursts", "ttft_p95_s"),
         ("bursts", "latency_median_s"), ("bursts", "latency_p95_s"),
@@ -550,42 +569,24 @@ def main() -> None:
                 print(PROBE_HEAD, flush=True)
                 for w in got["probe"]:
                     print(probe_line(w), flush=True)
-                print_decode_steps(got["probe"], args.clients)
-                print("    steps with a prompt chunk outside bursts, median ms (n) by tokens: "
-                      + "; ".join(f"{k} {v['median_ms']:.2f}({v['n']})"
-                                  for k, v in got["chunk_steps"].items()), flush=True)
+                print_step_times(got, args.clients)
             out.write_text(json.dumps(report(args, processes), indent=1))  # survives a timeout
     result = report(args, processes)
     out.write_text(json.dumps(result, indent=1))
     print_ratios(result)
 
 
-CHUNK_BINS = ((1, 512), (513, 1024), (1025, 1 << 30))  # scheduled tokens of a step
-
-
-def chunk_steps(steps: list[list[float]], windows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Median ms of the steps that carried a prompt chunk, outside bursts (the quiet and
-    after windows: plain traffic only), by scheduled tokens: up to vLLM's largest piecewise
-    CUDA graph by default (512), and beyond it."""
-    spans = [(w["start"], w["start"] + w["wall_s"]) for w in windows
-             if not w["window"].startswith("burst")]
-    out = {}
-    for lo, hi in CHUNK_BINS:
-        got = [ms for end, ms, tokens, _r, prefills, _f, _s in steps
-               if prefills and lo <= tokens <= hi and any(a <= end < b for a, b in spans)]
-        if got:
-            out[f"{lo}-{hi if hi < 1 << 30 else ''}"] = {"n": len(got),
-                                                          "median_ms": statistics.median(got)}
-    return out
-
-
-def print_decode_steps(windows: list[dict[str, Any]], clients: int) -> None:
-    """Each window's decode-only steps at the clients' full batch and one short of it."""
+def print_step_times(got: dict[str, Any], clients: int) -> None:
+    """A probed process's traced steps: each window's decode-only steps at the clients' full
+    batch and one short of it; outside bursts, the steps that carried a prompt chunk."""
     sizes = [str(clients), str(clients - 1)]
     print(f"    decode-only steps, median ms (n) at {' and '.join(sizes)} requests: " + "; ".join(
         f"{w['window']} " + " ".join(
-            f"{got['median_ms']:.2f}({got['n']})" if (got := w["decode_steps"].get(k)) else "-"
-            for k in sizes) for w in windows), flush=True)
+            f"{d['median_ms']:.2f}({d['n']})" if (d := w["decode_steps"].get(k)) else "-"
+            for k in sizes) for w in got["probe"]), flush=True)
+    print("    steps with a prompt chunk outside bursts, median ms (n) by tokens: " + "; ".join(
+        f"{k} {v['median_ms']:.2f}({v['n']})" for k, v in got["chunk_steps"].items()),
+        flush=True)
 
 
 def print_ratios(result: dict) -> None:

@@ -17,12 +17,12 @@ Per process it keeps int64 counters in a small shared file `<dir>/probe-<pid>.bi
 - nanoseconds in the model runner's execute_model() (input preparation and the forward's
   launch; with synchronous scheduling the wait for the GPU lands in sample_tokens()) and
   sample_tokens().
+vLLM's modules are wrapped after their import (a meta-path hook), never imported here.
 
 With CAPSTEER_ENGINE_PROBE_TRACE=1 it also keeps one row per engine step that scheduled
 tokens in `<dir>/trace-<pid>.bin` (TRACE_FIELDS; `host_counters.engine_probe_trace` reads
 it): window counters average a step that decodes with one that also prefills, and a trace
 can compare like with like (decode-only steps of the same batch size).
-vLLM's modules are wrapped after their import (a meta-path hook), never imported here.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ TRACE_FIELDS = ("end_ns", "step_ns", "tokens", "requests", "prefills", "forward_
                 "sample_ns")
 TRACE_ROWS = 1 << 18  # ~25 minutes of steps at 160 a second; later steps are not kept
 _TRACE = _DIR is not None and os.environ.get("CAPSTEER_ENGINE_PROBE_TRACE") == "1"
+_END, _STEP, _T_TOKENS, _T_REQUESTS, _T_PREFILLS = range(5)  # TRACE_FIELDS' first five
 
 
 class _Counters:
@@ -88,13 +89,13 @@ class _Trace:
     def end_step(self, step_ns: int) -> None:
         """Append the step in progress (if it scheduled tokens) and start the next."""
         row, self.pending = self.pending, [0] * len(TRACE_FIELDS)
-        if not row[2]:
+        if not row[_T_TOKENS]:
             return
         v = self.get()
         n = v[0]
         if n >= TRACE_ROWS:
             return
-        row[0], row[1] = time.monotonic_ns(), step_ns
+        row[_END], row[_STEP] = time.monotonic_ns(), step_ns
         at = 1 + n * len(TRACE_FIELDS)
         for i, value in enumerate(row):
             v[at + i] = value
@@ -146,9 +147,9 @@ def _count_schedule(v: Any, output: Any, _elapsed: int) -> None:
     if _STEP_TRACE is not None:
         per_request = getattr(output, "num_scheduled_tokens", None) or {}
         pending = _STEP_TRACE.pending
-        pending[2] += tokens
-        pending[3] += len(per_request)
-        pending[4] += sum(1 for n in per_request.values() if n > 1)
+        pending[_T_TOKENS] += tokens
+        pending[_T_REQUESTS] += len(per_request)
+        pending[_T_PREFILLS] += sum(1 for n in per_request.values() if n > 1)
 
 
 def _trace_add(field: str) -> Any:
