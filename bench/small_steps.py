@@ -6,12 +6,16 @@ vLLM runs them as piecewise graphs (up to its largest capture size) or without g
 and the host's time for the step shows in it. In bench/mixed_latency.py's trace (H200,
 session 50) such steps of plain requests took longer in capsteer than in vanilla (263
 tokens: 10.8 against 7.0 ms), while decode-only steps matched within 3%. P1 never ran
-them: its prefill steps are 2048 tokens, where the GPU's time hides the host's.
+them: its prefill steps are 8192 tokens, where the GPU's time hides the host's.
 
 One process per configuration, each in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0, so
-torch.profiler sees the step): for each --tokens T, --reps requests of one T-token
-prompt and one output token (one step of T tokens each), timed one by one. Then one
-profile at the first T: host ops by self CPU time and the count of each, so what capsteer
+torch.profiler sees the step), driven step by step (vLLM's LLMEngine.add_request and
+step) as a server's engine runs: --decoders requests keep decoding throughout. For each
+--tokens T, --reps times, one request of a T-token prompt (and one output token) joins
+them, and the engine steps until it has finished: that time is the chunk step's (plus,
+with async scheduling, the step it overlaps). Between those, --decode-steps steps of the
+decoders alone are timed one by one. Then one profile of the first T's chunk steps: host
+ops by self CPU time and the count of each, CUDA kernels and their time, so what capsteer
 adds to such a step (its tap op calls, graph launches, copies) shows by name.
 
     python bench/small_steps.py --device cuda --out $OUT/small
@@ -46,8 +50,11 @@ def run_one(a: argparse.Namespace) -> dict[str, Any]:
     from vllm import SamplingParams
 
     model = str(perf_models.write_model(a.work / f"model-{a.shape}", a.shape, a.device))
+    # The decoders outlive the run: more tokens each than the run has steps (a chunk step
+    # and the one it may overlap, then the decode steps, each rep; warm-up and profile too).
+    decoder_tokens = len(a.tokens) * (a.reps + 3) * (a.decode_steps + 2) + 5 * 2 + 64
     kw: dict[str, Any] = {**perf_models.engine_kwargs(a.shape), "seed": 0,
-                          "max_model_len": max(a.tokens) + 16,
+                          "max_model_len": max(max(a.tokens), 16 + decoder_tokens) + 16,
                           "gpu_memory_utilization": 0.6 if a.device == "cuda" else 0.3,
                           "max_num_batched_tokens": max(2048, max(a.tokens))}
     if a.config == "vanilla":
@@ -65,27 +72,56 @@ def run_one(a: argparse.Namespace) -> dict[str, Any]:
         "cudagraph_capture_sizes": list(cc.cudagraph_capture_sizes or []),
         "async_scheduling": getattr(config.scheduler_config, "async_scheduling", None)}}
     rng = random.Random(5)
-    one_token = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    engine = llm.llm_engine
+    ids = iter(range(1 << 30))
 
-    def step(tokens: int) -> float:
-        """One request of `tokens` fresh prompt ids (no prefix-cache hit): one step."""
-        prompt = {"prompt_token_ids": [rng.randrange(10, 500) for _ in range(tokens)]}
+    def add(tokens: int, max_tokens: int) -> str:
+        """A request of `tokens` fresh prompt ids (no prefix-cache hit)."""
+        rid = f"r{next(ids)}"
+        engine.add_request(rid, {"prompt_token_ids": [rng.randrange(10, 500)
+                                                      for _ in range(tokens)]},
+                           SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                          ignore_eos=True))
+        return rid
+
+    def chunk_step(tokens: int) -> float:
+        """Seconds from a T-token request's arrival beside the decoders to its end."""
+        rid = add(tokens, 1)
         t = time.perf_counter()
-        llm.generate([prompt], one_token, use_tqdm=False)
+        while not any(o.request_id == rid and o.finished for o in engine.step()):
+            pass
         return time.perf_counter() - t
 
+    def decode_steps(n: int) -> list[float]:
+        times = []
+        for _ in range(n):
+            t = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t)
+        return times
+
+    for _ in range(a.decoders):
+        add(16, decoder_tokens)
+    decode_steps(3)  # their prompts, then decoding
+    decode_ms: list[float] = []
     for tokens in a.tokens:
         for _ in range(3):
-            step(tokens)  # warm (a first step of a size may compile or capture)
-        times = [step(tokens) for _ in range(a.reps)]
+            chunk_step(tokens)  # warm (a first step of a size may compile or capture)
+        times = []
+        for _ in range(a.reps):
+            times.append(chunk_step(tokens))
+            decode_ms += [t * 1e3 for t in decode_steps(a.decode_steps)]
         out["steps"][str(tokens)] = {"times_s": times, "median_ms": statistics.median(times) * 1e3}
         print(f"  {a.config:<9}{tokens:7d}{out['steps'][str(tokens)]['median_ms']:10.3f}",
               flush=True)
+    out["decode_ms"] = {"n": len(decode_ms), "median": statistics.median(decode_ms)}
+    print(f"  {a.config:<9}{'decode':>7}{out['decode_ms']['median']:10.3f}   ({a.decoders} "
+          "requests, no prompt chunk)", flush=True)
     activities = [torch.profiler.ProfilerActivity.CPU] + (
         [torch.profiler.ProfilerActivity.CUDA] if a.device == "cuda" else [])
     with torch.profiler.profile(activities=activities) as prof:
         for _ in range(5):
-            step(a.tokens[0])
+            chunk_step(a.tokens[0])
     events = prof.key_averages()
     rows = sorted(events, key=lambda e: -e.self_cpu_time_total)[:40]
     out["profile_tokens"] = a.tokens[0]
@@ -108,7 +144,11 @@ def main() -> None:
     perf_models.add_device_and_shape(ap, "qwen3-0.6b")
     ap.add_argument("--tokens", default="263,518,1028",
                     help="comma-separated step sizes (prompt tokens of each request)")
-    ap.add_argument("--reps", type=int, default=20, help="timed steps per size")
+    ap.add_argument("--reps", type=int, default=20, help="timed chunk steps per size")
+    ap.add_argument("--decoders", type=int, default=7,
+                    help="requests decoding throughout, beside each chunk (0: none)")
+    ap.add_argument("--decode-steps", type=int, default=5,
+                    help="decode-only steps timed after each chunk step")
     config_children.add_config_args(ap, "/tmp/capsteer-small-steps")
     a = ap.parse_args()
     a.shape = perf_models.shape_for(a)
@@ -118,14 +158,17 @@ def main() -> None:
         print(config_children.result_line(run_one(a)), flush=True)
         return
     print(perf_models.describe(a.shape), flush=True)
-    print(f"  {'config':<9}{'tokens':>7}{'step ms':>10}", flush=True)
+    print(f"  {'config':<9}{'tokens':>7}{'ms':>10}   (a chunk's arrival to its end, beside "
+          f"{a.decoders} decoding requests)", flush=True)
     configs = [c.strip() for c in a.configs.split(",") if c.strip()]
     results = config_children.run_configs(__file__, sys.argv[1:], configs, a.work, "small-steps")
     by = {r["config"]: r for r in results}
     if "vanilla" in by and "capsteer" in by:
-        print("capsteer / vanilla, median step time:", "  ".join(
+        print("capsteer / vanilla, medians:", "  ".join(
             f"{t}: {by['capsteer']['steps'][t]['median_ms'] / v['median_ms']:.3f}"
-            for t, v in by["vanilla"]["steps"].items()), flush=True)
+            for t, v in by["vanilla"]["steps"].items()), f"  decode: "
+            f"{by['capsteer']['decode_ms']['median'] / by['vanilla']['decode_ms']['median']:.3f}",
+            flush=True)
     for r in results:
         print(f"{r['config']}: host ops of {r['profile_tokens']}-token steps (5 steps), by self "
               "CPU ms:", flush=True)
