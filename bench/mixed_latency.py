@@ -530,8 +530,9 @@ def main() -> None:
                     "served later): plain requests then jump a burst's queue")
     ap.add_argument("--probe", action="store_true",
                     help="per window (quiet, each burst, after each): every server process's "
-                    "CPU and the engine's steps, step times and GC (bench/engine_probe, "
-                    "in both configurations)")
+                    "CPU and the engine's steps, step times and GC, and from a trace of every "
+                    "engine step the decode-only and prompt-chunk step times (bench/"
+                    "engine_probe, in both configurations)")
     ap.add_argument("--start-timeout", type=float, default=600.0)
     ap.add_argument("--deadline", type=float, default=0.0,
                     help="epoch seconds: start no process after it")

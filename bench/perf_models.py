@@ -152,7 +152,8 @@ def engine_kwargs(name: str) -> dict:
     return kw
 
 
-def add_device_and_shape(ap: argparse.ArgumentParser, cuda_shape: str, cpu_shape: str = "llama-tiny") -> None:
+def add_device_and_shape(ap: argparse.ArgumentParser, cuda_shape: str,
+                         cpu_shape: str = "llama-tiny") -> None:
     """`--device` (cuda, the default, or cpu) and `--shape`, whose default follows the device;
     `shape_for(args)` reads it after parsing."""
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")

@@ -29,6 +29,7 @@ Writes <out>/small-steps.json (every timing, each profile's top rows).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -42,6 +43,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import config_children  # bench/ is not a package
 import perf_models
 
+WARM_CHUNKS = 3  # untimed chunk steps of each size first (a size may compile or capture)
+PROFILED_CHUNKS = 5
+
 
 def run_one(a: argparse.Namespace) -> dict[str, Any]:
     """One configuration in this process (the engine in-process)."""
@@ -52,7 +56,8 @@ def run_one(a: argparse.Namespace) -> dict[str, Any]:
     model = str(perf_models.write_model(a.work / f"model-{a.shape}", a.shape, a.device))
     # The decoders outlive the run: more tokens each than the run has steps (a chunk step
     # and the one it may overlap, then the decode steps, each rep; warm-up and profile too).
-    decoder_tokens = len(a.tokens) * (a.reps + 3) * (a.decode_steps + 2) + 5 * 2 + 64
+    decoder_tokens = (len(a.tokens) * (a.reps + WARM_CHUNKS) * (a.decode_steps + 2)
+                      + PROFILED_CHUNKS * 2 + 64)
     kw: dict[str, Any] = {**perf_models.engine_kwargs(a.shape), "seed": 0,
                           "max_model_len": max(max(a.tokens), 16 + decoder_tokens) + 16,
                           "gpu_memory_utilization": 0.6 if a.device == "cuda" else 0.3,
@@ -73,7 +78,7 @@ def run_one(a: argparse.Namespace) -> dict[str, Any]:
         "async_scheduling": getattr(config.scheduler_config, "async_scheduling", None)}}
     rng = random.Random(5)
     engine = llm.llm_engine
-    ids = iter(range(1 << 30))
+    ids = itertools.count()
 
     def add(tokens: int, max_tokens: int) -> str:
         """A request of `tokens` fresh prompt ids (no prefix-cache hit)."""
@@ -105,8 +110,8 @@ def run_one(a: argparse.Namespace) -> dict[str, Any]:
     decode_steps(3)  # their prompts, then decoding
     decode_ms: list[float] = []
     for tokens in a.tokens:
-        for _ in range(3):
-            chunk_step(tokens)  # warm (a first step of a size may compile or capture)
+        for _ in range(WARM_CHUNKS):
+            chunk_step(tokens)
         times = []
         for _ in range(a.reps):
             times.append(chunk_step(tokens))
@@ -120,7 +125,7 @@ def run_one(a: argparse.Namespace) -> dict[str, Any]:
     activities = [torch.profiler.ProfilerActivity.CPU] + (
         [torch.profiler.ProfilerActivity.CUDA] if a.device == "cuda" else [])
     with torch.profiler.profile(activities=activities) as prof:
-        for _ in range(5):
+        for _ in range(PROFILED_CHUNKS):
             chunk_step(a.tokens[0])
     events = prof.key_averages()
     rows = sorted(events, key=lambda e: -e.self_cpu_time_total)[:40]
@@ -170,8 +175,8 @@ def main() -> None:
             f"{by['capsteer']['decode_ms']['median'] / by['vanilla']['decode_ms']['median']:.3f}",
             flush=True)
     for r in results:
-        print(f"{r['config']}: host ops of {r['profile_tokens']}-token steps (5 steps), by self "
-              "CPU ms:", flush=True)
+        print(f"{r['config']}: host ops of {PROFILED_CHUNKS} {r['profile_tokens']}-token "
+              "chunk steps, by self CPU ms:", flush=True)
         for row in r["host_ops"][:15]:
             print(f"    {row['self_cpu_ms']:9.3f} {row['count']:6d}  {row['name'][:70]}",
                   flush=True)

@@ -153,19 +153,25 @@ def _count_schedule(v: Any, output: Any, _elapsed: int) -> None:
 
 
 def _trace_add(field: str) -> Any:
-    """An `after` for _timed: the call's nanoseconds also go to the traced step's `field`."""
+    """An `after` for _timed when tracing (None otherwise: nothing added to the call): the
+    call's nanoseconds also go to the traced step's `field`."""
+    trace = _STEP_TRACE
+    if trace is None:
+        return None
     column = TRACE_FIELDS.index(field)
 
     def add(_v: Any, _result: Any, elapsed: int) -> None:
-        if _STEP_TRACE is not None:
-            _STEP_TRACE.pending[column] += elapsed
+        trace.pending[column] += elapsed
 
     return add
 
 
-def _trace_step(_v: Any, _result: Any, elapsed: int) -> None:
-    if _STEP_TRACE is not None:
-        _STEP_TRACE.end_step(elapsed)
+def _trace_step() -> Any:
+    """An `after` for the engine step when tracing (None otherwise): the step's row."""
+    trace = _STEP_TRACE
+    if trace is None:
+        return None
+    return lambda _v, _result, elapsed: trace.end_step(elapsed)
 
 
 def _patch_scheduler(module: Any) -> None:
@@ -176,7 +182,7 @@ def _patch_scheduler(module: Any) -> None:
 
 def _patch_core(module: Any) -> None:
     cls = module.EngineCoreProc  # the engine process's busy loop calls this once a step
-    cls._process_engine_step = _timed(cls._process_engine_step, "step_ns", _trace_step)
+    cls._process_engine_step = _timed(cls._process_engine_step, "step_ns", _trace_step())
 
 
 def _patch_runner(module: Any) -> None:
