@@ -35,10 +35,15 @@ def result_line(result: dict[str, Any]) -> str:
 def run_configs(script: str, argv: list[str], configs: list[str], logs: Path,
                 name: str) -> list[dict[str, Any]]:
     """Each configuration's result, in order: `script argv --config C` in a child process,
-    its stderr in `logs/<name>-<C>.log`."""
+    its stderr in `logs/<name>-<C>.log` (`-<C>-<k>` for a configuration's k-th run where
+    `configs` repeats it, as interleaved rounds do)."""
     results = []
+    repeated = {c for c in configs if configs.count(c) > 1}
+    runs: dict[str, int] = {}
     for config in configs:
-        log = logs / f"{name}-{config}.log"
+        runs[config] = runs.get(config, 0) + 1
+        log = logs / (f"{name}-{config}-{runs[config]}.log" if config in repeated
+                      else f"{name}-{config}.log")
         with open(log, "w") as fh:
             proc = subprocess.Popen([sys.executable, script, *argv, "--config", config],
                                     stdout=subprocess.PIPE, stderr=fh, text=True)

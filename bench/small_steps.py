@@ -21,6 +21,10 @@ adds to such a step (its tap op calls, graph launches, copies) shows by name.
     python bench/small_steps.py --device cuda --out $OUT/small
     python bench/small_steps.py --device cuda --configs capsteer --out $OUT/small-c   (one
         configuration a call where a call's time limit is short)
+    python bench/small_steps.py --device cuda --rounds 3 --tokens 518,263 --reps 8 --out $OUT/s
+        (configurations interleaved, 3 processes each: the lent host's speed differs
+        between processes by up to 2x, so compare medians over processes, each process's
+        host speed beside its figures)
     python bench/small_steps.py --device cpu --reps 5 --tokens 64,200     (smoke)
 
 Writes <out>/small-steps.json (every timing, each profile's top rows).
@@ -45,6 +49,102 @@ import perf_models
 
 WARM_CHUNKS = 3  # untimed chunk steps of each size first (a size may compile or capture)
 PROFILED_CHUNKS = 5
+
+
+def host_snapshot() -> dict[str, Any]:
+    """CPU seconds so far of each thread of this process (by name), of its descendant
+    processes, and of each core; the main thread's CPU and wall clock. Two of these around
+    a timed section say whether the step thread waited or computed slowly, and whether
+    another thread, a child process or a core was busy beside it."""
+    import psutil
+
+    tick = os.sysconf("SC_CLK_TCK")
+    threads: dict[str, float] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            stat = Path(f"/proc/self/task/{tid}/stat").read_text()
+        except OSError:
+            continue
+        name = stat[stat.index("(") + 1: stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2:].split()
+        key = "main" if int(tid) == os.getpid() else name
+        threads[key] = threads.get(key, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    children: dict[str, float] = {}
+    for child in psutil.Process().children(recursive=True):
+        try:
+            t = child.cpu_times()
+            name = " ".join(child.cmdline()[-2:])[-60:] or child.name()
+            children[f"{child.pid} {name}"] = t.user + t.system
+        except psutil.Error:
+            continue
+    return {"wall": time.perf_counter(), "main_cpu": time.thread_time(), "threads": threads,
+            "children": children, "cores": [c.user + c.system for c in
+                                            psutil.cpu_times(percpu=True)],
+            "main_core": psutil.Process().cpu_num()}
+
+
+def host_speed(device: str) -> dict[str, float]:
+    """This process's host speed, for reading its step times beside another process's: on
+    the lent GPU host one process's step thread ran up to 1.5x slower than the next one's
+    through the whole run, vanilla's as much as capsteer's (session 51). Best of 5 of: a
+    pure Python loop, 2,000 small torch ops (dispatch), 2,000 kernel launches."""
+    import torch
+
+    def best(fn: Any) -> float:
+        times = []
+        for _ in range(5):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return round(min(times) * 1e3, 3)
+
+    x = torch.zeros(16, device=device)
+
+    def launches() -> None:
+        for _ in range(2000):
+            x.add_(1)
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    return {"python_ms": best(lambda: sum(i * i for i in range(200_000))),
+            "torch_ops_ms": best(lambda: [torch.empty(0) for _ in range(2000)]),
+            "launches_ms": best(launches), **interpreter_state()}
+
+
+def interpreter_state() -> dict[str, Any]:
+    """What could slow this interpreter's own code beside the machine: a trace or profile
+    hook, sys.monitoring tools, the collector's state; and the step thread's core's clock."""
+    import gc
+
+    import psutil
+
+    tools = [t for t in range(6) if sys.monitoring.get_tool(t)] if hasattr(sys, "monitoring") else []
+    core = psutil.Process().cpu_num()
+    mhz = None
+    try:
+        per_core = psutil.cpu_freq(percpu=True)
+        mhz = round(per_core[core].current) if core < len(per_core) else None
+    except (AttributeError, NotImplementedError, OSError):
+        pass
+    return {"trace_hook": sys.gettrace() is not None, "profile_hook": sys.getprofile() is not None,
+            "monitoring_tools": tools, "gc_enabled": gc.isenabled(),
+            "gc_frozen": gc.get_freeze_count(), "core": core, "core_mhz": mhz}
+
+
+def host_activity(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """What ran between two snapshots: the busiest threads, child processes and cores."""
+    def busiest(b: dict[str, float], e: dict[str, float]) -> dict[str, float]:
+        delta = {k: round(v - b.get(k, 0.0), 3) for k, v in e.items()}
+        return dict(sorted(((k, v) for k, v in delta.items() if v > 0),
+                           key=lambda kv: -kv[1])[:6])
+
+    cores = [round(e - b, 2) for b, e in zip(before["cores"], after["cores"], strict=True)]
+    return {"wall_s": round(after["wall"] - before["wall"], 3),
+            "main_cpu_s": round(after["main_cpu"] - before["main_cpu"], 3),
+            "threads_cpu_s": busiest(before["threads"], after["threads"]),
+            "children_cpu_s": busiest(before["children"], after["children"]),
+            "cores_busy_s": cores, "main_core": [before["main_core"], after["main_core"]],
+            "affinity": len(os.sched_getaffinity(0))}
 
 
 def run_one(a: argparse.Namespace) -> dict[str, Any]:
@@ -105,6 +205,8 @@ def run_one(a: argparse.Namespace) -> dict[str, Any]:
             times.append(time.perf_counter() - t)
         return times
 
+    out["host_speed"] = host_speed(a.device)
+    print(f"  {a.config:<9} host speed {out['host_speed']}", flush=True)
     for _ in range(a.decoders):
         add(16, decoder_tokens)
     decode_steps(3)  # their prompts, then decoding
@@ -113,12 +215,20 @@ def run_one(a: argparse.Namespace) -> dict[str, Any]:
         for _ in range(WARM_CHUNKS):
             chunk_step(tokens)
         times = []
+        before = host_snapshot()
         for _ in range(a.reps):
             times.append(chunk_step(tokens))
             decode_ms += [t * 1e3 for t in decode_steps(a.decode_steps)]
-        out["steps"][str(tokens)] = {"times_s": times, "median_ms": statistics.median(times) * 1e3}
+        activity = host_activity(before, host_snapshot())
+        out["steps"][str(tokens)] = {"times_s": times, "median_ms": statistics.median(times) * 1e3,
+                                     "host": activity}
         print(f"  {a.config:<9}{tokens:7d}{out['steps'][str(tokens)]['median_ms']:10.3f}",
               flush=True)
+        print(f"    host: wall {activity['wall_s']} s, step thread CPU {activity['main_cpu_s']} "
+              f"s; threads {activity['threads_cpu_s']}; children "
+              f"{activity['children_cpu_s']}; busiest cores "
+              f"{sorted(activity['cores_busy_s'], reverse=True)[:6]} of "
+              f"{activity['affinity']}", flush=True)
     out["decode_ms"] = {"n": len(decode_ms), "median": statistics.median(decode_ms)}
     print(f"  {a.config:<9}{'decode':>7}{out['decode_ms']['median']:10.3f}   ({a.decoders} "
           "requests, no prompt chunk)", flush=True)
@@ -143,6 +253,33 @@ def run_one(a: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def summarize(results: list[dict[str, Any]]) -> None:
+    """Each process's medians and host speed, then each configuration's median over its
+    processes with their range, and capsteer / vanilla of those: the lent host's speed
+    differs between processes (up to 2x in a pure Python loop, session 51), so one process
+    of each says little; the ranges show whether a ratio stands out of that spread."""
+    sizes = list(results[0]["steps"])
+    print("  per process (ms): " + "  ".join(f"{t:>7}" for t in sizes)
+          + "   decode   python_ms", flush=True)
+    for r in results:
+        print(f"    {r['config']:<9}" + "  ".join(f"{r['steps'][t]['median_ms']:7.2f}" for t in sizes)
+              + f"  {r['decode_ms']['median']:7.3f}  {r['host_speed']['python_ms']:8.2f}",
+              flush=True)
+    medians: dict[str, dict[str, float]] = {}
+    for config in dict.fromkeys(r["config"] for r in results):
+        mine = [r for r in results if r["config"] == config]
+        per = {t: [r["steps"][t]["median_ms"] for r in mine] for t in sizes}
+        per["decode"] = [r["decode_ms"]["median"] for r in mine]
+        medians[config] = {t: statistics.median(v) for t, v in per.items()}
+        print(f"  {config}: median over {len(mine)} processes (range) " + "  ".join(
+            f"{t}: {medians[config][t]:.2f} ({min(v):.2f}-{max(v):.2f})" for t, v in per.items()),
+            flush=True)
+    if "vanilla" in medians and "capsteer" in medians:
+        print("  capsteer / vanilla, medians over processes: " + "  ".join(
+            f"{t}: {medians['capsteer'][t] / v:.3f}" for t, v in medians["vanilla"].items()),
+            flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -154,6 +291,9 @@ def main() -> None:
                     help="requests decoding throughout, beside each chunk (0: none)")
     ap.add_argument("--decode-steps", type=int, default=5,
                     help="decode-only steps timed after each chunk step")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the configurations this many times, interleaved (one process "
+                         "each): the host's speed differs between processes")
     config_children.add_config_args(ap, "/tmp/capsteer-small-steps")
     a = ap.parse_args()
     a.shape = perf_models.shape_for(a)
@@ -165,16 +305,14 @@ def main() -> None:
     print(perf_models.describe(a.shape), flush=True)
     print(f"  {'config':<9}{'tokens':>7}{'ms':>10}   (a chunk's arrival to its end, beside "
           f"{a.decoders} decoding requests)", flush=True)
-    configs = [c.strip() for c in a.configs.split(",") if c.strip()]
+    configs = [c.strip() for c in a.configs.split(",") if c.strip()] * a.rounds
     results = config_children.run_configs(__file__, sys.argv[1:], configs, a.work, "small-steps")
-    by = {r["config"]: r for r in results}
-    if "vanilla" in by and "capsteer" in by:
-        print("capsteer / vanilla, medians:", "  ".join(
-            f"{t}: {by['capsteer']['steps'][t]['median_ms'] / v['median_ms']:.3f}"
-            for t, v in by["vanilla"]["steps"].items()), f"  decode: "
-            f"{by['capsteer']['decode_ms']['median'] / by['vanilla']['decode_ms']['median']:.3f}",
-            flush=True)
+    summarize(results)
+    shown: set[str] = set()
     for r in results:
+        if r["config"] in shown:  # one profile per configuration is enough to read
+            continue
+        shown.add(r["config"])
         print(f"{r['config']}: host ops of {PROFILED_CHUNKS} {r['profile_tokens']}-token "
               "chunk steps, by self CPU ms:", flush=True)
         for row in r["host_ops"][:15]:
