@@ -167,15 +167,18 @@ def probe_line(w: dict[str, Any]) -> str:
     def gc_ms(role: dict[str, float]) -> float:
         return sum(role.get(f"gc{g}_s", 0.0) for g in range(3)) / wall * 1e3
 
+    samples = engine.get("speed_n", 0)
+    loop = f"{engine['speed_s'] / samples * 1e3:7.2f}" if samples else "      -"
     return (f"    {w['window']:<10}{wall:6.1f}{cpu('api')}{cpu('engine')}"
             f"{engine.get('top_run_s', 0.0) / wall:6.2f}{cpu('worker')}{cpu('writer')}"
             f"{steps / wall:8.0f}{each('step_s')}{each('forward_s')}{each('sample_s')}"
-            f"{gc_ms(engine):6.1f}/{gc_ms(roles.get('api', {})):<5.1f}")
+            f"{gc_ms(engine):6.1f}/{gc_ms(roles.get('api', {})):<5.1f}{loop}")
 
 
 PROBE_HEAD = ("    window      wall   api engine  step worker writer steps/s step ms  fwd ms"
-              " smpl ms  GC ms/s   (CPU s per s by process; step: the EngineCore's busiest "
-              "thread; ms per engine step; GC: engine/api)")
+              " smpl ms  GC ms/s    loop ms   (CPU s per s by process; step: the EngineCore's"
+              " busiest thread; ms per engine step; GC: engine/api; loop: the host's speed, a"
+              " fixed Python loop timed on the step thread every 1,000 steps, lower is faster)")
 
 
 class Traffic:

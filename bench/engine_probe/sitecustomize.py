@@ -16,7 +16,8 @@ Per process it keeps int64 counters in a small shared file `<dir>/probe-<pid>.bi
   (EngineCoreProc._process_engine_step: schedule, forward, sampling, output processing);
 - nanoseconds in the model runner's execute_model() (input preparation and the forward's
   launch; with synchronous scheduling the wait for the GPU lands in sample_tokens()) and
-  sample_tokens().
+  sample_tokens();
+- the host's speed on the step thread: a fixed loop's samples and their nanoseconds.
 vLLM's modules are wrapped after their import (a meta-path hook), never imported here.
 
 With CAPSTEER_ENGINE_PROBE_TRACE=1 it also keeps one row per engine step that scheduled
@@ -37,7 +38,14 @@ import time
 from typing import Any
 
 FIELDS = ("gc0_n", "gc0_ns", "gc1_n", "gc1_ns", "gc2_n", "gc2_ns", "steps", "tokens",
-          "schedule_ns", "update_ns", "step_ns", "idle_steps", "forward_ns", "sample_ns")
+          "schedule_ns", "update_ns", "step_ns", "idle_steps", "forward_ns", "sample_ns",
+          "speed_n", "speed_ns")
+# The host's speed, sampled on the step thread itself: every SPEED_EVERY engine steps a
+# fixed pure Python loop (about 1 ms) is timed after the step, into speed_n / speed_ns.
+# The lent hosts run one process's Python up to 2x slower than the next one's, steadily
+# (session 51), so a window's step times say little without the speed they ran at.
+SPEED_EVERY = 1000
+SPEED_LOOP = 20_000
 _DIR = os.environ.get("CAPSTEER_ENGINE_PROBE_DIR")
 # A step's row: when it ended (CLOCK_MONOTONIC, the clock of every process here), its
 # nanoseconds, scheduled tokens and requests, how many of those were fed more than one
@@ -166,12 +174,31 @@ def _trace_add(field: str) -> Any:
     return add
 
 
-def _trace_step() -> Any:
-    """An `after` for the engine step when tracing (None otherwise): the step's row."""
+_SPEED_N, _SPEED_NS = FIELDS.index("speed_n"), FIELDS.index("speed_ns")
+
+
+def speed_loop() -> int:
+    """Nanoseconds of the fixed loop on the calling thread."""
+    t0 = time.perf_counter_ns()
+    sum(i * i for i in range(SPEED_LOOP))
+    return time.perf_counter_ns() - t0
+
+
+def _after_step() -> Any:
+    """The engine step's `after`: the step's row when tracing, and every SPEED_EVERY calls
+    a host speed sample (outside the step's own time)."""
     trace = _STEP_TRACE
-    if trace is None:
-        return None
-    return lambda _v, _result, elapsed: trace.end_step(elapsed)
+    calls = [0]
+
+    def after(v: Any, _result: Any, elapsed: int) -> None:
+        if trace is not None:
+            trace.end_step(elapsed)
+        calls[0] += 1
+        if calls[0] % SPEED_EVERY == 1:  # the first step too: a speed for short windows
+            v[_SPEED_NS] += speed_loop()
+            v[_SPEED_N] += 1
+
+    return after
 
 
 def _patch_scheduler(module: Any) -> None:
@@ -182,7 +209,7 @@ def _patch_scheduler(module: Any) -> None:
 
 def _patch_core(module: Any) -> None:
     cls = module.EngineCoreProc  # the engine process's busy loop calls this once a step
-    cls._process_engine_step = _timed(cls._process_engine_step, "step_ns", _trace_step())
+    cls._process_engine_step = _timed(cls._process_engine_step, "step_ns", _after_step())
 
 
 def _patch_runner(module: Any) -> None:
