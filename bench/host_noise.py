@@ -28,7 +28,9 @@ COUNTERS = {"top_run_s": "s", "top_wait_s": "s", "steal_s": "s", "pressure_s": "
             "engine_schedule_s": "s", "engine_update_s": "s", "engine_forward_s": "s",
             "engine_sample_s": "s", "engine_gc0_s": "s",
             "engine_gc1_s": "s", "engine_gc2_s": "s", "front_gc0_s": "s", "front_gc1_s": "s",
-            "front_gc2_s": "s", "top_migrations": "moves"}
+            "front_gc2_s": "s", "top_migrations": "moves",
+            # the probe's fixed loop on the step thread (session 51): the host's own speed
+            "engine_loop_ms": "ms"}
 
 
 def rows(procs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -41,6 +43,7 @@ def rows(procs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     out.append({"slot": p["slot"], "config": p["config"], "workload": wl,
                                 "batch": i, "batch_s": t, "top_name": top.get("name"),
                                 **{c: h.get(c) for c in COUNTERS},  # the batch's own counters
+                                "engine_loop_ms": _loop_ms(h),
                                 "top_run_s": top.get("run_s"), "top_wait_s": top.get("wait_s"),
                                 "top_cpu": top.get("last_cpu"),
                                 "top_migrations": (float(top["migrations"])
@@ -55,6 +58,12 @@ def rows(procs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             for r in mine:
                 r["process_cv"] = cv
     return out
+
+
+def _loop_ms(h: dict[str, Any]) -> float | None:
+    """The engine probe's fixed loop, mean ms over the batch's samples (None without any)."""
+    n, s = h.get("engine_speed_n"), h.get("engine_speed_s")
+    return s / n * 1e3 if n and s is not None else None
 
 
 def _gc_s(r: dict[str, Any]) -> float | None:
@@ -116,7 +125,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(f"{'slot':>4} {'config':9}{'workload':9}{'b':>3}{'batch_s':>9}{'top run':>9}"
           f"{'top wait':>9}{'steal':>8}{'pressure':>9}{'loop ms':>8}{'copy ms':>8}{'gpu %':>7}"
-          f"{'sm MHz':>8}{'steps':>6}{'step s':>8}{'gc s':>7}{'cpu':>4}{'moves':>6}  top thread")
+          f"{'sm MHz':>8}{'steps':>6}{'step s':>8}{'gc s':>7}{'eloop':>7}{'cpu':>4}{'moves':>6}"
+          "  top thread   (loop ms: the side process's loop; eloop: the engine probe's, "
+          "on the step thread)")
     fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else "-"  # noqa: E731
     fmt1 = lambda v: f"{v:.1f}" if isinstance(v, float) else "-"  # noqa: E731
     for r in table:
@@ -125,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{fmt(r['pressure_s']):>9}{fmt(r['probe_loop_ms']):>8}{fmt(r['probe_copy_ms']):>8}"
               f"{fmt1(r['gpu_util_pct']):>7}{fmt1(r['sm_clock_mhz']):>8}"
               f"{r['engine_steps'] if r['engine_steps'] is not None else '-':>6}"
-              f"{fmt(r['engine_step_s']):>8}{fmt(_gc_s(r)):>7}"
+              f"{fmt(r['engine_step_s']):>8}{fmt(_gc_s(r)):>7}{fmt(r['engine_loop_ms']):>7}"
               f"{r['top_cpu'] if r['top_cpu'] is not None else '-':>4}"
               f"{int(r['top_migrations']) if r['top_migrations'] is not None else '-':>6}"
               f"  {r['top_name']}")

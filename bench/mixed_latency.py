@@ -167,8 +167,10 @@ def probe_line(w: dict[str, Any]) -> str:
     def gc_ms(role: dict[str, float]) -> float:
         return sum(role.get(f"gc{g}_s", 0.0) for g in range(3)) / wall * 1e3
 
-    samples = engine.get("speed_n", 0)
-    loop = f"{engine['speed_s'] / samples * 1e3:7.2f}" if samples else "      -"
+    # the process that runs the forward: a worker where there is one (vLLM's CPU backend)
+    sampled = worker if worker.get("speed_n") else engine
+    samples = sampled.get("speed_n", 0)
+    loop = f"{sampled['speed_s'] / samples * 1e3:7.2f}" if samples else "      -"
     return (f"    {w['window']:<10}{wall:6.1f}{cpu('api')}{cpu('engine')}"
             f"{engine.get('top_run_s', 0.0) / wall:6.2f}{cpu('worker')}{cpu('writer')}"
             f"{steps / wall:8.0f}{each('step_s')}{each('forward_s')}{each('sample_s')}"
@@ -178,7 +180,8 @@ def probe_line(w: dict[str, Any]) -> str:
 PROBE_HEAD = ("    window      wall   api engine  step worker writer steps/s step ms  fwd ms"
               " smpl ms  GC ms/s    loop ms   (CPU s per s by process; step: the EngineCore's"
               " busiest thread; ms per engine step; GC: engine/api; loop: the host's speed, a"
-              " fixed Python loop timed on the step thread every 1,000 steps, lower is faster)")
+              " fixed Python loop timed every 0.5 s on the thread that runs the forward, lower is"
+              " faster)")
 
 
 class Traffic:

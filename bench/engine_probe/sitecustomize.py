@@ -17,7 +17,8 @@ Per process it keeps int64 counters in a small shared file `<dir>/probe-<pid>.bi
 - nanoseconds in the model runner's execute_model() (input preparation and the forward's
   launch; with synchronous scheduling the wait for the GPU lands in sample_tokens()) and
   sample_tokens();
-- the host's speed on the step thread: a fixed loop's samples and their nanoseconds.
+- the host's speed on the step thread: a fixed loop's samples and their nanoseconds
+  (SPEED_EVERY_S).
 vLLM's modules are wrapped after their import (a meta-path hook), never imported here.
 
 With CAPSTEER_ENGINE_PROBE_TRACE=1 it also keeps one row per engine step that scheduled
@@ -40,11 +41,12 @@ from typing import Any
 FIELDS = ("gc0_n", "gc0_ns", "gc1_n", "gc1_ns", "gc2_n", "gc2_ns", "steps", "tokens",
           "schedule_ns", "update_ns", "step_ns", "idle_steps", "forward_ns", "sample_ns",
           "speed_n", "speed_ns")
-# The host's speed, sampled on the step thread itself: every SPEED_EVERY engine steps a
-# fixed pure Python loop (about 1 ms) is timed after the step, into speed_n / speed_ns.
-# The lent hosts run one process's Python up to 2x slower than the next one's, steadily
-# (session 51), so a window's step times say little without the speed they ran at.
-SPEED_EVERY = 1000
+# The host's speed, sampled on the step thread itself: after the first engine step and
+# then after a step that ends SPEED_EVERY_S or more after the last sample, a fixed pure
+# Python loop (about 1 ms: 0.2% of the thread) is timed, into speed_n / speed_ns. The lent
+# hosts run one process's Python up to 2x slower than the next one's (session 51), and
+# vary between batches too, so a window's or a batch's step times come with its speed.
+SPEED_EVERY_S = 0.5
 SPEED_LOOP = 20_000
 _DIR = os.environ.get("CAPSTEER_ENGINE_PROBE_DIR")
 # A step's row: when it ended (CLOCK_MONOTONIC, the clock of every process here), its
@@ -184,19 +186,41 @@ def speed_loop() -> int:
     return time.perf_counter_ns() - t0
 
 
+_last_sample = [-int(SPEED_EVERY_S * 1e9)]  # this process's last speed sample (monotonic ns)
+
+
+def _maybe_sample(v: Any) -> None:
+    """A host speed sample on the calling thread, at most every SPEED_EVERY_S a process:
+    after an engine step, and after execute_model where the model runner runs in a worker
+    process of its own (vLLM's CPU backend), so both threads that run steps are sampled."""
+    now = time.monotonic_ns()
+    if now - _last_sample[0] >= int(SPEED_EVERY_S * 1e9):
+        _last_sample[0] = now
+        v[_SPEED_NS] += speed_loop()
+        v[_SPEED_N] += 1
+
+
 def _after_step() -> Any:
-    """The engine step's `after`: the step's row when tracing, and every SPEED_EVERY calls
-    a host speed sample (outside the step's own time)."""
+    """The engine step's `after`: the step's row when tracing, and a host speed sample
+    (outside the step's own time)."""
     trace = _STEP_TRACE
-    calls = [0]
 
     def after(v: Any, _result: Any, elapsed: int) -> None:
         if trace is not None:
             trace.end_step(elapsed)
-        calls[0] += 1
-        if calls[0] % SPEED_EVERY == 1:  # the first step too: a speed for short windows
-            v[_SPEED_NS] += speed_loop()
-            v[_SPEED_N] += 1
+        _maybe_sample(v)
+
+    return after
+
+
+def _after_forward() -> Any:
+    """execute_model's `after`: its time into the traced step, and a host speed sample."""
+    add = _trace_add("forward_ns")
+
+    def after(v: Any, result: Any, elapsed: int) -> None:
+        if add is not None:
+            add(v, result, elapsed)
+        _maybe_sample(v)
 
     return after
 
@@ -214,7 +238,7 @@ def _patch_core(module: Any) -> None:
 
 def _patch_runner(module: Any) -> None:
     cls = module.GPUModelRunner  # vLLM's CPU runner inherits both
-    cls.execute_model = _timed(cls.execute_model, "forward_ns", _trace_add("forward_ns"))
+    cls.execute_model = _timed(cls.execute_model, "forward_ns", _after_forward())
     cls.sample_tokens = _timed(cls.sample_tokens, "sample_ns", _trace_add("sample_ns"))
 
 
