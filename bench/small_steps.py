@@ -85,7 +85,7 @@ def host_snapshot() -> dict[str, Any]:
 
 def host_speed(device: str) -> dict[str, float]:
     """This process's host speed, for reading its step times beside another process's: on
-    the lent GPU host one process's step thread ran up to 1.5x slower than the next one's
+    the lent GPU host one process's step thread ran up to 2x slower than the next one's
     through the whole run, vanilla's as much as capsteer's (session 51). Best of 5 of: a
     pure Python loop, 2,000 small torch ops (dispatch), 2,000 kernel launches."""
     import torch
