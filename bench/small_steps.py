@@ -45,6 +45,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import config_children  # bench/ is not a package
+import host_counters
 import perf_models
 
 WARM_CHUNKS = 3  # untimed chunk steps of each size first (a size may compile or capture)
@@ -52,35 +53,14 @@ PROFILED_CHUNKS = 5
 
 
 def host_snapshot() -> dict[str, Any]:
-    """CPU seconds so far of each thread of this process (by name), of its descendant
-    processes, and of each core; the main thread's CPU and wall clock. Two of these around
-    a timed section say whether the step thread waited or computed slowly, and whether
-    another thread, a child process or a core was busy beside it."""
+    """host_counters' snapshot of this process tree's threads (run ns, last CPU), with each
+    core's CPU seconds and the wall clock. Two of these around a timed section say whether
+    the step thread waited or computed slowly, and whether another thread, a child process
+    or a core was busy beside it."""
     import psutil
 
-    tick = os.sysconf("SC_CLK_TCK")
-    threads: dict[str, float] = {}
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            stat = Path(f"/proc/self/task/{tid}/stat").read_text()
-        except OSError:
-            continue
-        name = stat[stat.index("(") + 1: stat.rindex(")")]
-        fields = stat[stat.rindex(")") + 2:].split()
-        key = "main" if int(tid) == os.getpid() else name
-        threads[key] = threads.get(key, 0.0) + (int(fields[11]) + int(fields[12])) / tick
-    children: dict[str, float] = {}
-    for child in psutil.Process().children(recursive=True):
-        try:
-            t = child.cpu_times()
-            name = " ".join(child.cmdline()[-2:])[-60:] or child.name()
-            children[f"{child.pid} {name}"] = t.user + t.system
-        except psutil.Error:
-            continue
-    return {"wall": time.perf_counter(), "main_cpu": time.thread_time(), "threads": threads,
-            "children": children, "cores": [c.user + c.system for c in
-                                            psutil.cpu_times(percpu=True)],
-            "main_core": psutil.Process().cpu_num()}
+    return {"wall": time.perf_counter(), "threads": host_counters.snapshot()["threads"],
+            "cores": [c.user + c.system for c in psutil.cpu_times(percpu=True)]}
 
 
 def host_speed(device: str) -> dict[str, float]:
@@ -132,18 +112,36 @@ def interpreter_state() -> dict[str, Any]:
 
 
 def host_activity(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
-    """What ran between two snapshots: the busiest threads, child processes and cores."""
-    def busiest(b: dict[str, float], e: dict[str, float]) -> dict[str, float]:
-        delta = {k: round(v - b.get(k, 0.0), 3) for k, v in e.items()}
-        return dict(sorted(((k, v) for k, v in delta.items() if v > 0),
-                           key=lambda kv: -kv[1])[:6])
+    """What ran between two snapshots: the step thread's CPU seconds and core, and the
+    busiest other threads of this process (by name), child processes and cores."""
+    me = os.getpid()
+    main_cpu = 0.0
+    threads: dict[str, float] = {}  # this process's other threads, by name
+    children: dict[int, float] = {}  # child processes, by pid
+    names = {pid: name for (pid, tid), (name, *_rest) in after["threads"].items() if pid == tid}
+    for (pid, tid), (name, run, *_rest) in after["threads"].items():
+        run_s = (run - before["threads"].get((pid, tid), (name, 0))[1]) / 1e9
+        if (pid, tid) == (me, me):
+            main_cpu = run_s
+        elif pid == me:
+            threads[name] = threads.get(name, 0.0) + run_s
+        else:
+            children[pid] = children.get(pid, 0.0) + run_s
+
+    def busiest(delta: dict[str, float]) -> dict[str, float]:
+        return {k: round(v, 3) for k, v in sorted(delta.items(), key=lambda kv: -kv[1])[:6]
+                if v > 0}
+
+    def main_core(snap: dict[str, Any]) -> int | None:
+        thread = snap["threads"].get((me, me))
+        return thread[3] if thread else None
 
     cores = [round(e - b, 2) for b, e in zip(before["cores"], after["cores"], strict=True)]
-    return {"wall_s": round(after["wall"] - before["wall"], 3),
-            "main_cpu_s": round(after["main_cpu"] - before["main_cpu"], 3),
-            "threads_cpu_s": busiest(before["threads"], after["threads"]),
-            "children_cpu_s": busiest(before["children"], after["children"]),
-            "cores_busy_s": cores, "main_core": [before["main_core"], after["main_core"]],
+    return {"wall_s": round(after["wall"] - before["wall"], 3), "main_cpu_s": round(main_cpu, 3),
+            "threads_cpu_s": busiest(threads),
+            "children_cpu_s": busiest({f"{pid} {names.get(pid, '?')}": v
+                                       for pid, v in children.items()}),
+            "cores_busy_s": cores, "main_core": [main_core(before), main_core(after)],
             "affinity": len(os.sched_getaffinity(0))}
 
 

@@ -186,43 +186,34 @@ def speed_loop() -> int:
     return time.perf_counter_ns() - t0
 
 
-_last_sample = [-int(SPEED_EVERY_S * 1e9)]  # this process's last speed sample (monotonic ns)
+_SPEED_EVERY_NS = int(SPEED_EVERY_S * 1e9)
+_last_sample = [-_SPEED_EVERY_NS]  # this process's last speed sample (monotonic ns)
 
 
-def _maybe_sample(v: Any) -> None:
-    """A host speed sample on the calling thread, at most every SPEED_EVERY_S a process:
-    after an engine step, and after execute_model where the model runner runs in a worker
-    process of its own (vLLM's CPU backend), so both threads that run steps are sampled."""
-    now = time.monotonic_ns()
-    if now - _last_sample[0] >= int(SPEED_EVERY_S * 1e9):
-        _last_sample[0] = now
-        v[_SPEED_NS] += speed_loop()
-        v[_SPEED_N] += 1
+def _then_sample(after: Any) -> Any:
+    """An `after` for _timed: `after` (if any), then a host speed sample on the calling
+    thread, at most every SPEED_EVERY_S a process. Both the engine step and execute_model
+    carry it, so where the model runner runs in a worker process of its own (vLLM's CPU
+    backend) that thread is sampled too; where both run on one thread it is sampled once."""
+
+    def sampled(v: Any, result: Any, elapsed: int) -> None:
+        if after is not None:
+            after(v, result, elapsed)
+        now = time.monotonic_ns()
+        if now - _last_sample[0] >= _SPEED_EVERY_NS:
+            _last_sample[0] = now
+            v[_SPEED_NS] += speed_loop()
+            v[_SPEED_N] += 1
+
+    return sampled
 
 
-def _after_step() -> Any:
-    """The engine step's `after`: the step's row when tracing, and a host speed sample
-    (outside the step's own time)."""
+def _trace_step() -> Any:
+    """An `after` for the engine step when tracing (None otherwise): the step's row."""
     trace = _STEP_TRACE
-
-    def after(v: Any, _result: Any, elapsed: int) -> None:
-        if trace is not None:
-            trace.end_step(elapsed)
-        _maybe_sample(v)
-
-    return after
-
-
-def _after_forward() -> Any:
-    """execute_model's `after`: its time into the traced step, and a host speed sample."""
-    add = _trace_add("forward_ns")
-
-    def after(v: Any, result: Any, elapsed: int) -> None:
-        if add is not None:
-            add(v, result, elapsed)
-        _maybe_sample(v)
-
-    return after
+    if trace is None:
+        return None
+    return lambda _v, _result, elapsed: trace.end_step(elapsed)
 
 
 def _patch_scheduler(module: Any) -> None:
@@ -233,12 +224,14 @@ def _patch_scheduler(module: Any) -> None:
 
 def _patch_core(module: Any) -> None:
     cls = module.EngineCoreProc  # the engine process's busy loop calls this once a step
-    cls._process_engine_step = _timed(cls._process_engine_step, "step_ns", _after_step())
+    cls._process_engine_step = _timed(cls._process_engine_step, "step_ns",
+                                       _then_sample(_trace_step()))
 
 
 def _patch_runner(module: Any) -> None:
     cls = module.GPUModelRunner  # vLLM's CPU runner inherits both
-    cls.execute_model = _timed(cls.execute_model, "forward_ns", _after_forward())
+    cls.execute_model = _timed(cls.execute_model, "forward_ns",
+                                 _then_sample(_trace_add("forward_ns")))
     cls.sample_tokens = _timed(cls.sample_tokens, "sample_ns", _trace_add("sample_ns"))
 
 
