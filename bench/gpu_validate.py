@@ -26,6 +26,16 @@ def rel_err(a, b) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-6))
 
 
+def _use_plain_graphs(worker, on: bool) -> bool | None:
+    """Runs in the worker (collective_rpc): plain steps replay the plain graphs (on) or
+    the hooked ones (off); None where the engine recorded one set."""
+    graphs = worker.capsteer.plain_graphs
+    if graphs is None:
+        return None
+    graphs.ready = on
+    return on
+
+
 def main() -> None:
     import torch
 
@@ -215,6 +225,15 @@ def main() -> None:
     }
     plain = [Request(prompt_token_ids=p, sampling=greedy(24)) for p in prompts]
     capsteer_plain = [r.token_ids for r in engine.generate(plain)]
+    # 4a. plain steps replay the tap-free graphs (--plain-graphs): the same requests on the
+    # hooked graphs, as every step ran before, must give the same tokens
+    if engine.llm.collective_rpc(_use_plain_graphs, args=(False,))[0] is not None:
+        on_hooked = [r.token_ids for r in engine.generate(plain)]
+        engine.llm.collective_rpc(_use_plain_graphs, args=(True,))
+        report["plain_graphs_same_tokens_as_hooked_graphs"] = [
+            a == b for a, b in zip(capsteer_plain, on_hooked, strict=True)]
+    else:
+        report["plain_graphs_same_tokens_as_hooked_graphs"] = "this engine has no plain graphs"
 
     # 4. sync debug + harvest stats
     report["worker_stats"] = engine.llm.collective_rpc("capsteer_stats")

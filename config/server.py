@@ -128,6 +128,11 @@ class ServerSettings(BaseSettings):
         "GPU worker; CPU engines stage no rows). A step whose captures need more fails its "
         "largest captures with an error receipt naming the rows it needed; none: 4 x "
         "--max-num-batched-tokens")
+    plain_graphs: bool = Field(True, description="on a GPU, record each CUDA graph twice: "
+                               "with capsteer's tap kernels and without, so engine steps "
+                               "whose requests carry no capture or steering replay what "
+                               "vanilla vLLM replays (off: one set; start-up records half "
+                               "as many graphs, plain steps run the taps' empty kernels)")
     capture_wait_timeout: float = Field(60.0, description="seconds a capture_wait response "
                                         "may be held (then status pending)")
     steering_dir: str = Field("steering-vectors", description="named steering vectors")
@@ -267,6 +272,8 @@ class ServerSettings(BaseSettings):
             config["capture_ring_bytes"] = self.capture_ring
         if self.capture_staging_rows is not None:
             config["staging_rows"] = self.capture_staging_rows
+        if not self.plain_graphs:
+            config["plain_graphs"] = False
         return config
 
 

@@ -372,6 +372,126 @@ def install_pre_forward(runner: object, before: Callable[[BatchLayout], None],
     runner.prepare_inputs = prepare_inputs
 
 
+HOOKED, PLAIN = 0, 1  # the two graph sets of PlainGraphs
+
+
+class PlainGraphs:
+    """Two sets of CUDA graphs for one V2 model runner, swapped before each replay.
+
+    A hooked graph records every site's tap kernel: which rows steer or copy is data the
+    kernel reads, so one graph serves any mix of requests. In a step without hooks each
+    kernel returns at once, yet each still costs a launch inside the graph: 57 of them in
+    a Qwen3-0.6B step, about 3 us each on an H200 (bench/results/h200-2026-11-29-session51.md).
+    The plain set is recorded with the taps skipped, so a step whose requests carry no
+    fields replays what vanilla vLLM replays. The choice is host data the step thread
+    already has (`needs_taps`: the step's plan), made before the replay, as vLLM picks a
+    graph by batch size: never a read of a device value.
+    """
+
+    def __init__(self, manager: object, needs_taps: Callable[[], bool],
+                 all_wrappers: Callable[[], list]) -> None:
+        self.manager = manager
+        self.needs_taps = needs_taps
+        self.all_wrappers = all_wrappers  # every piecewise CUDAGraphWrapper of the process
+        self.full: list[dict] = [{}, {}]  # FULL graphs per set: BatchExecutionDescriptor -> graph
+        self.wrappers: list[object] = []  # piecewise CUDAGraphWrappers of this model
+        self.pieces: list[list[dict]] = [[], []]  # their entries per set, in wrapper order
+        self.current = HOOKED
+        self.ready = False  # both sets recorded: until then every replay is hooked
+        self.capturing = False  # vLLM's capture runs its forwards through run_pw_graph too
+        self.replays = [0, 0]  # graph replays per set (capsteer_stats)
+
+    def use(self, which: int) -> None:
+        self.manager.graphs = self.full[which]
+        for wrapper, entries in zip(self.wrappers, self.pieces[which], strict=True):
+            wrapper.concrete_cudagraph_entries = entries
+        self.current = which
+
+    def select(self) -> None:
+        """Point the runner at the set this step needs (a no-op while it stays the same)."""
+        if self.capturing:
+            return
+        which = PLAIN if self.ready and not self.needs_taps() else HOOKED
+        if which != self.current:
+            self.use(which)
+        self.replays[which] += 1
+
+    def capture(self, original: Callable, runtime: object, *args, **kwargs) -> None:
+        """vLLM's capture twice: hooked, then plain (taps skipped) into separate sets."""
+        self.capturing = True
+        try:
+            self._capture_both(original, runtime, *args, **kwargs)
+        finally:
+            self.capturing = False
+
+    def _capture_both(self, original: Callable, runtime: object, *args, **kwargs) -> None:
+        self.ready = False
+        self.current = HOOKED
+        self.manager.graphs = self.full[HOOKED] = {}
+        for wrapper in self.wrappers:  # a capture after a clear starts both sets afresh
+            wrapper.concrete_cudagraph_entries = {}
+        before = {id(w): len(w.concrete_cudagraph_entries) for w in self.all_wrappers()}
+        original(*args, **kwargs)
+        # This model's pieces: the wrappers the hooked pass filled
+        self.wrappers = [w for w in self.all_wrappers()
+                         if len(w.concrete_cudagraph_entries) > before.get(id(w), 0)]
+        self.full[HOOKED] = self.manager.graphs
+        self.pieces = [[w.concrete_cudagraph_entries for w in self.wrappers],
+                       [{} for _ in self.wrappers]]
+        self.full[PLAIN] = {}
+        self.use(PLAIN)
+        runtime.graph_taps = False
+        try:
+            original(*args, **kwargs)
+        finally:
+            runtime.graph_taps = True
+        self.ready = True
+
+
+def install_plain_graphs(runner: object, runtime: object) -> PlainGraphs | str:
+    """Record a second, tap-free set of the runner's CUDA graphs for steps without hooks
+    (PlainGraphs); call before vLLM captures. Returns the PlainGraphs, or why not (then
+    every step replays the hooked graphs: slower for plain requests, never wrong)."""
+    if runner_kind(runner) != "v2":
+        return "only vLLM's V2 model runner keeps its FULL graphs where capsteer can swap them"
+    manager = getattr(runner, "cudagraph_manager", None)
+    if manager is None or not manager.needs_capture():
+        return "this engine records no CUDA graphs"
+    if getattr(manager, "use_breakable_cg", False):
+        return "breakable CUDA graphs are recorded by a wrapper capsteer does not swap"
+    try:
+        from vllm.compilation.cuda_graph import CUDAGraphWrapper
+    except ImportError:
+        return "vLLM's CUDAGraphWrapper is not where vLLM 0.26 keeps it"
+    if not isinstance(getattr(manager, "graphs", None), dict) or not hasattr(
+            CUDAGraphWrapper, "_all_instances"):
+        return "vLLM's CUDA-graph manager does not keep its graphs as vLLM 0.26 does"
+    return wire_plain_graphs(manager, runtime, lambda: list(CUDAGraphWrapper._all_instances))
+
+
+def wire_plain_graphs(manager: object, runtime: object,
+                      all_wrappers: Callable[[], list]) -> PlainGraphs:
+    """Route a V2 CUDA-graph manager's capture and replays through a PlainGraphs."""
+    graphs = PlainGraphs(manager, runtime.step_needs_taps, all_wrappers)
+    capture, run_fullgraph, run_pw_graph = (manager.capture, manager.run_fullgraph,
+                                            manager.run_pw_graph)
+
+    def capture_both(*args, **kwargs):
+        graphs.capture(capture, runtime, *args, **kwargs)
+
+    def replay_full(*args, **kwargs):
+        graphs.select()
+        return run_fullgraph(*args, **kwargs)
+
+    def replay_pieces(*args, **kwargs):
+        graphs.select()
+        return run_pw_graph(*args, **kwargs)
+
+    manager.capture, manager.run_fullgraph, manager.run_pw_graph = (
+        capture_both, replay_full, replay_pieces)
+    return graphs
+
+
 def new_requests(scheduler_output: object) -> list[tuple[str, Sequence[int], dict | None]]:
     """(req_id, prompt token ids, sampling extra_args) for requests new this step. The
     ids are vLLM's own sequence, not a copy (hundreds of requests arrive in one step;
@@ -423,7 +543,7 @@ def model_name(worker: object) -> str:
 RUNTIME_KEYS = frozenset({
     "capture_dir", "capture_budget", "capture_overload", "capture_workers", "capture_digest",
     "capture_io", "capture_writer", "capture_writer_processes", "capture_ring_bytes",
-    "sharded", "end_wait_s", "frontend", "canary"})
+    "sharded", "end_wait_s", "frontend", "canary", "plain_graphs"})
 
 
 def capsteer_config(worker: object) -> dict:

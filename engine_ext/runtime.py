@@ -146,6 +146,9 @@ class HookRuntime:
         # Specs no live request uses, oldest first: their entries stay until needed.
         self.idle: OrderedDict[str, dict] = OrderedDict()
         self.plan = StepPlan(active_sites=frozenset())
+        # Whether a CUDA graph recorded now holds the tap kernels (False while the plain
+        # graphs, for steps without hooks, are recorded).
+        self.graph_taps = True
         self.captured: dict[tuple[int, int], torch.Tensor] = {}
         self.fired = [0] * self.num_sites  # host mode: sites reached this step (canary)
         # Slot 0 means "no hooks": its steering entries are the identity, it captures nothing.
@@ -462,16 +465,29 @@ class HookRuntime:
     def tap(self, x: torch.Tensor, residual: torch.Tensor | None, site: int,
             kinds: int = BOTH) -> None:
         if self.device_driven:
-            active = self.plan.active_sites
-            if active is not None and site not in active and not self._capturing():
-                return  # no request uses this site this step (a graph records it anyway)
+            if self._capturing():
+                if not self.graph_taps:
+                    return  # the plain graphs: replayed only in steps without hooks
+            else:
+                active = self.plan.active_sites
+                if active is not None and site not in active:
+                    return  # no request uses this site this step
             self._tap_dense(x, residual, site, kinds)
         else:
             self._tap_host(x, residual, site, kinds)
 
     def _capturing(self) -> bool:
-        """Whether a CUDA graph is being recorded (it must hold every site's kernel)."""
+        """Whether a CUDA graph is being recorded (a hooked graph holds every site's kernel:
+        which sites a later replay's requests use is data, read by the kernel)."""
         return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+    def step_needs_taps(self) -> bool:
+        """Whether this step's forward must run the tap kernels: some request of the batch
+        steers or copies at a site (`active_sites` None means every site may). Read by the
+        CUDA-graph choice before each replay (adapter.install_plain_graphs): a step of plain
+        requests replays graphs recorded without taps, as vanilla vLLM's."""
+        active = self.plan.active_sites
+        return active is None or bool(active)
 
     def _tap_host(self, x: torch.Tensor, residual: torch.Tensor | None, site: int,
                   kinds: int) -> None:

@@ -114,6 +114,7 @@ class EngineHooks:
         # spent off its CPU in them (waiting for the GIL, blocked in a call).
         self.host_cpu_s = dict.fromkeys(self.host_s, 0.0)
         self.pinned_plan = False  # the canary sets its own plan; real steps must not replace it
+        self.plain_graphs: adapter.PlainGraphs | None = None  # see install_plain_graphs
         self.num_tokens_gathered = 0
         self.harvester = Harvester(self.runtime.staging.shape[0], self.sites.hidden_size, dtype) \
             if self.device_driven else None
@@ -152,6 +153,28 @@ class EngineHooks:
                     "materialized" if self.sites.materialized else "deferred",
                     len(self.sites.local_sites), self.runtime.num_sites, self.stage,
                     self.num_stages, "device" if self.device_driven else "host")
+
+    def install_plain_graphs(self) -> None:
+        """A tap-free set of CUDA graphs for steps without hooks (adapter.PlainGraphs).
+
+        On by default where a server serves plain traffic beside hooked requests; off
+        (`plain_graphs: false`) in extraction jobs, whose every request has hooks, and
+        wherever recording every graph twice at start-up is not worth it."""
+        if not self.device_driven or not self.config.get(
+                "plain_graphs", not self.config.get("sharded")):
+            return
+        result = adapter.install_plain_graphs(self.worker.model_runner, self.runtime)
+        if isinstance(result, str):
+            logger.info("capsteer: plain requests replay the hooked CUDA graphs: %s", result)
+            return
+        self.plain_graphs = result
+
+    def graph_replays(self) -> dict | None:
+        """CUDA-graph replays per set since start-up (None: one set, the hooked graphs)."""
+        graphs = self.plain_graphs
+        if graphs is None:
+            return None
+        return {"hooked": graphs.replays[0], "plain": graphs.replays[1], "ready": graphs.ready}
 
     def _stop_forward(self, model, asked: object) -> int | None:
         """Stop the forward after layer `asked` - 1 where the model allows it; the
@@ -774,6 +797,7 @@ class CapsteerWorker(adapter.platform_worker_base()):  # type: ignore[misc]
         logger.info("capsteer: hooks installed in %.3f s", time.perf_counter() - started)
 
     def compile_or_warm_up_model(self, *args, **kwargs):
+        self.capsteer.install_plain_graphs()  # before vLLM records its CUDA graphs
         out = super().compile_or_warm_up_model(*args, **kwargs)
         started = time.perf_counter()
         try:
@@ -868,5 +892,6 @@ class CapsteerWorker(adapter.platform_worker_base()):  # type: ignore[misc]
                 "forward_layers": adapter.forward_layers(adapter.model_of(self)),
                 "host_s": {k: round(v, 6) for k, v in hooks.host_s.items()},
                 "host_cpu_s": {k: round(v, 6) for k, v in hooks.host_cpu_s.items()},
-                "harvest": hooks.harvester.stats() if hooks.harvester else None}
+                "harvest": hooks.harvester.stats() if hooks.harvester else None,
+                "graph_replays": hooks.graph_replays()}
 

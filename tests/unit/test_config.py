@@ -115,7 +115,8 @@ def test_precedence_flag_env_file_default(tmp_path: Path,
                          "capture_writer": "default", "capture_writer_processes": "default",
                          "capture_io": "default", "capture_budget": "default",
                          "capture_ring": "default", "capture_staging_rows": "default",
-                         "capture_wait_timeout": "file", "steering_dir": "file",
+                         "capture_wait_timeout": "file", "plain_graphs": "default",
+                         "steering_dir": "file",
                          "admin_key": "env", "capture_default": "default",
                          "global_capture": "default"}
     assert r.config_file == path
@@ -378,14 +379,24 @@ def test_server_flags_shared_definition() -> None:
                            "--capture-digest", "--capture-writer", "--capture-writer-processes",
                            "--capture-io",
                            "--capture-budget", "--capture-ring", "--capture-staging-rows",
-                           "--capture-wait-timeout", "--steering-dir",
+                           "--capture-wait-timeout", "--plain-graphs", "--steering-dir",
                            "--admin-key", "--global-capture"]
     assert flags["--capture-layout"].choices == ("packed", "per_file")
     assert flags["--capture-overload"].choices == OVERLOAD_POLICIES
     assert flags["--capture-digest"].choices == ("sha256", "blake3")
+    assert flags["--plain-graphs"].choices == ("on", "off")
     assert flags["--config"].field is None
     assert all(f.field in ServerSettings.model_fields for f in cli.SERVER_FLAGS if f.field)
     assert all(f.help for f in cli.SERVER_FLAGS)
+
+
+def test_plain_graphs_flag_reaches_the_worker_config() -> None:
+    p = argparse.ArgumentParser()
+    cli.add_server_flags(p)
+    off = load_settings(cli.overrides_from_args(p.parse_args(["--plain-graphs", "off"])))
+    assert off.plain_graphs is False and off.worker_config()["plain_graphs"] is False
+    on = load_settings(cli.overrides_from_args(p.parse_args(["--plain-graphs", "on"])))
+    assert on.plain_graphs is True and "plain_graphs" not in on.worker_config()  # the default
 
 
 def test_flags_default_to_none_and_become_overrides() -> None:
