@@ -12,8 +12,9 @@ kernels a step and their time (the GPU's side, whatever the host's speed). Greed
 of the same requests must be equal on both sets: the compiled code is the same, and the
 taps change nothing in rows without hooks.
 
-`--config vanilla` runs stock vLLM the same way (one set; its blocks are all "vanilla"),
-for the kernel counts and times beside capsteer's.
+`--config vanilla` runs stock vLLM through the same schedule (its one set of graphs in two
+labels, "vanilla" and "vanilla-b"), so its steps see the same context lengths as
+capsteer's: kernel counts and times beside capsteer's, and its own block-to-block spread.
 
     python bench/plain_graphs.py --device cuda --out $OUT/pg
     python bench/plain_graphs.py --device cuda --config vanilla --out $OUT/pg
@@ -58,7 +59,10 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     steps_total = 2 * (a.blocks * a.steps + a.profile_steps + a.warm) + 64
     kw: dict[str, Any] = {**perf_models.engine_kwargs(shape), "seed": 0,
                           "max_model_len": a.prompt + steps_total + 16,
-                          "gpu_memory_utilization": 0.6 if a.device == "cuda" else 0.3}
+                          "gpu_memory_utilization": 0.6 if a.device == "cuda" else 0.3,
+                          # the token check runs the same prompts again: no cache hit may
+                          # give the later run other batch shapes (bf16 is batch-variant)
+                          "enable_prefix_caching": False}
     started = time.perf_counter()
     if a.config == "vanilla":
         from vllm import LLM
@@ -73,16 +77,19 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                            "start_s": round(time.perf_counter() - started, 1)}
     engine = llm.llm_engine
     rng = random.Random(7)
-    sets = ["vanilla"]
+    # Vanilla runs the same schedule in two labels (the same graphs): its steps then see
+    # the same context lengths as capsteer's sets (attention's time grows with them), and
+    # its two labels show how far one set differs from itself between blocks.
+    sets = ["vanilla", "vanilla-b"]
     if a.config == "capsteer":
         if llm.collective_rpc(_use_plain_graphs, args=(True,))[0] is not None:
             sets = ["plain", "hooked"]
         else:  # a CPU engine (no CUDA graphs), or see the engine's log
-            print("  this engine has no plain graphs: one set, the hooked", flush=True)
-            sets = ["hooked"]
+            print("  this engine has no plain graphs: the hooked set, in two labels", flush=True)
+            sets = ["hooked", "hooked-b"]
 
     def use(which: str) -> None:
-        if len(sets) == 2:
+        if sets[0] == "plain":
             llm.collective_rpc(_use_plain_graphs, args=(which == "plain",))
 
     def step_times(n: int) -> list[float]:
@@ -119,14 +126,20 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             step_times(a.profile_steps)
         kernels = [e for e in prof.key_averages()
                    if str(getattr(e, "device_type", "")).endswith("CUDA")]
-        taps = [e for e in kernels if "_tap" in e.key]
+        # capsteer's Triton kernel is named `_tap`; Inductor's kernels that only fuse code
+        # around the op carry its name too (…_fused_add_rms_norm_tap_0), and are not taps
+        taps = [e for e in kernels if e.key == "_tap"]
         profile[which] = {
             "kernels_a_step": round(sum(e.count for e in kernels) / a.profile_steps, 1),
             "kernel_ms_a_step": round(sum(e.self_device_time_total for e in kernels)
                                       / a.profile_steps / 1e3, 4),
             "tap_kernels_a_step": round(sum(e.count for e in taps) / a.profile_steps, 1),
             "tap_kernel_ms_a_step": round(sum(e.self_device_time_total for e in taps)
-                                          / a.profile_steps / 1e3, 4)}
+                                          / a.profile_steps / 1e3, 4),
+            # every kernel by name: where capsteer's compiled code differs from vanilla's
+            "kernels": sorted(([e.key[:120], round(e.count / a.profile_steps, 2),
+                                round(e.self_device_time_total / a.profile_steps, 2)]
+                               for e in kernels), key=lambda k: -k[2])}
     out["profile"] = profile
     use(sets[0])
     # Greedy tokens of fresh requests on each set (capsteer): must be the same.
@@ -135,23 +148,25 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                for _ in range(a.decoders)]
     engine.abort_request([f"d{i}" for i in range(a.decoders)])
 
-    def greedy(which: str) -> list[list[int]]:
+    def greedy(tag: str) -> list[list[int]]:
         for i, prompt in enumerate(prompts):
-            engine.add_request(f"{which}{i}", prompt, params)
+            engine.add_request(f"{tag}-{i}", prompt, params)
         done: dict[str, list[int]] = {}
         while len(done) < len(prompts):
             for o in engine.step():
-                if o.finished and o.request_id.startswith(which):
+                if o.finished and o.request_id.startswith(f"{tag}-"):
                     done[o.request_id] = list(o.outputs[0].token_ids)
-        return [done[f"{which}{i}"] for i in range(len(prompts))]
+        return [done[f"{tag}-{i}"] for i in range(len(prompts))]
 
     tokens = {}
     for which in sets:
         use(which)
         tokens[which] = greedy(which)
-    if len(sets) == 2:
-        out["same_tokens_on_both_sets"] = tokens["plain"] == tokens["hooked"]
+    if sets[0] == "plain":
         use("plain")
+        again = greedy("plain-again")  # how far two runs on one set differ on their own
+        out["same_tokens"] = {"plain_vs_hooked": tokens["plain"] == tokens["hooked"],
+                              "plain_vs_plain_again": tokens["plain"] == again}
     if a.config == "capsteer":
         out["stats"] = llm.collective_rpc("capsteer_stats")[0].get("graph_replays")
     return out

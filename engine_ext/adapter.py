@@ -386,6 +386,11 @@ class PlainGraphs:
     fields replays what vanilla vLLM replays. The choice is host data the step thread
     already has (`needs_taps`: the step's plan), made before the replay, as vLLM picks a
     graph by batch size: never a read of a device value.
+
+    Under tensor parallelism every rank must replay the same set: a graph's all-reduce
+    reads its peers' buffers of the same recording. The plan's sites come from each
+    request's payload, the same on every rank (rank 0 alone keeps a capture, but the
+    others keep its sites: EngineHooks.before_step), so the ranks choose alike.
     """
 
     def __init__(self, manager: object, needs_taps: Callable[[], bool],

@@ -6,6 +6,7 @@ its steering a no-op), and vLLM's capture must fill both sets."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -148,3 +149,28 @@ def test_the_runtime_needs_taps_only_for_planned_sites():
     assert not runtime.step_needs_taps()
     runtime.set_plan(StepPlan(active_sites=None), 0)
     assert runtime.step_needs_taps()
+
+
+def test_tensor_parallel_ranks_choose_the_same_set():
+    """A graph's all-reduce reads its peers' buffers of the same recording, so every TP rank
+    must replay the same set. Only rank 0 keeps a capture (EngineHooks.before_step drops
+    it on the others); the choice must not change with that."""
+    from capsteer.capture.spec import parse_capture_spec
+    from capsteer.engine_ext.plan import RequestHooks, build_step_plan
+
+    choices = []
+    for capture_rank in (True, False):
+        runtime = HookRuntime(2, 32, torch.float32, torch.device("cpu"), max_tokens=16,
+                              device_driven=True)
+        payload = {"capsteer": {"capture": parse_capture_spec(
+            {"hooks": ["resid_post"], "layers": [1]}, num_layers=2).to_dict(),
+            "capture_id": "cap-a"}}
+        hooks = RequestHooks.from_extra_args("a", payload, 4, runtime)
+        if not capture_rank:  # as before_step does on TP ranks that do not write
+            hooks.capture = None
+            hooks.points = {}
+        plan = build_step_plan(["plain", "a"], np.array([0, 1, 5]), np.array([9, 0]),
+                               {"a": hooks}, None, host_steering=False)
+        runtime.plan = plan
+        choices.append(runtime.step_needs_taps())
+    assert choices == [True, True]
