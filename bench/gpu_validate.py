@@ -32,7 +32,7 @@ def _use_plain_graphs(worker, on: bool) -> bool | None:
     graphs = worker.capsteer.plain_graphs
     if graphs is None:
         return None
-    graphs.ready = on
+    graphs.force_hooked = not on
     return on
 
 

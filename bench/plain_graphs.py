@@ -45,7 +45,7 @@ def _use_plain_graphs(worker, on: bool) -> dict | None:
     graphs = worker.capsteer.plain_graphs
     if graphs is None:
         return None
-    graphs.ready = on
+    graphs.force_hooked = not on
     return {"hooked": graphs.replays[0], "plain": graphs.replays[1]}
 
 

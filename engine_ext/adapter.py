@@ -12,6 +12,8 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -372,7 +374,19 @@ def install_pre_forward(runner: object, before: Callable[[BatchLayout], None],
     runner.prepare_inputs = prepare_inputs
 
 
-HOOKED, PLAIN = 0, 1  # the two graph sets of PlainGraphs
+class GraphSet(IntEnum):
+    """The two sets of PlainGraphs (indices into its per-set lists)."""
+
+    HOOKED = 0
+    PLAIN = 1
+
+
+class TapSwitch(Protocol):
+    """What PlainGraphs needs of the hook runtime (engine_ext.runtime.HookRuntime)."""
+
+    graph_taps: bool
+
+    def step_needs_taps(self) -> bool: ...
 
 
 class PlainGraphs:
@@ -380,33 +394,31 @@ class PlainGraphs:
 
     A hooked graph records every site's tap kernel: which rows steer or copy is data the
     kernel reads, so one graph serves any mix of requests. In a step without hooks each
-    kernel returns at once, yet each still costs a launch inside the graph: 57 of them in
-    a Qwen3-0.6B step, about 3 us each on an H200 (bench/results/h200-2026-11-29-session51.md).
-    The plain set is recorded with the taps skipped, so a step whose requests carry no
-    fields replays what vanilla vLLM replays. The choice is host data the step thread
-    already has (`needs_taps`: the step's plan), made before the replay, as vLLM picks a
-    graph by batch size: never a read of a device value.
-
-    Under tensor parallelism every rank must replay the same set: a graph's all-reduce
-    reads its peers' buffers of the same recording. The plan's sites come from each
-    request's payload, the same on every rank (rank 0 alone keeps a capture, but the
-    others keep its sites: EngineHooks.before_step), so the ranks choose alike.
+    kernel returns at once, yet each is still a node of the graph: about 1 us each on an
+    H200, 69 us a decode step for the 73 of the 8B shape
+    (bench/results/h200-2026-11-29-session52.md). The plain set is recorded with the taps
+    skipped, so a step whose requests carry no fields replays what vanilla vLLM replays.
+    The choice is host data the step thread already has (the step's plan), made before
+    the replay, as vLLM picks a graph by batch size: never a read of a device value.
     """
 
-    def __init__(self, manager: object, needs_taps: Callable[[], bool],
-                 all_wrappers: Callable[[], list]) -> None:
+    def __init__(self, manager: Any, runtime: TapSwitch,
+                 all_wrappers: Callable[[], list[Any]]) -> None:
         self.manager = manager
-        self.needs_taps = needs_taps
+        self.runtime = runtime
         self.all_wrappers = all_wrappers  # every piecewise CUDAGraphWrapper of the process
-        self.full: list[dict] = [{}, {}]  # FULL graphs per set: BatchExecutionDescriptor -> graph
-        self.wrappers: list[object] = []  # piecewise CUDAGraphWrappers of this model
-        self.pieces: list[list[dict]] = [[], []]  # their entries per set, in wrapper order
-        self.current = HOOKED
+        # FULL graphs per set: BatchExecutionDescriptor -> torch.cuda.CUDAGraph
+        self.full: list[dict[Any, Any]] = [{}, {}]
+        self.wrappers: list[Any] = []  # piecewise CUDAGraphWrappers of this model
+        self.pieces: list[list[dict[Any, Any]]] = [[], []]  # their entries per set
+        self.current = GraphSet.HOOKED
         self.ready = False  # both sets recorded: until then every replay is hooked
         self.capturing = False  # vLLM's capture runs its forwards through run_pw_graph too
+        self.force_hooked = False  # benches: every step on the hooked set, as before
         self.replays = [0, 0]  # graph replays per set (capsteer_stats)
+        self.plain_bytes = 0  # GPU memory the plain set took when recorded
 
-    def use(self, which: int) -> None:
+    def use(self, which: GraphSet) -> None:
         self.manager.graphs = self.full[which]
         for wrapper, entries in zip(self.wrappers, self.pieces[which], strict=True):
             wrapper.concrete_cudagraph_entries = entries
@@ -416,23 +428,24 @@ class PlainGraphs:
         """Point the runner at the set this step needs (a no-op while it stays the same)."""
         if self.capturing:
             return
-        which = PLAIN if self.ready and not self.needs_taps() else HOOKED
+        plain = self.ready and not self.force_hooked and not self.runtime.step_needs_taps()
+        which = GraphSet.PLAIN if plain else GraphSet.HOOKED
         if which != self.current:
             self.use(which)
         self.replays[which] += 1
 
-    def capture(self, original: Callable, runtime: object, *args, **kwargs) -> None:
+    def capture(self, original: Callable[..., None], *args: Any, **kwargs: Any) -> None:
         """vLLM's capture twice: hooked, then plain (taps skipped) into separate sets."""
         self.capturing = True
         try:
-            self._capture_both(original, runtime, *args, **kwargs)
+            self._capture_both(original, *args, **kwargs)
         finally:
             self.capturing = False
 
-    def _capture_both(self, original: Callable, runtime: object, *args, **kwargs) -> None:
+    def _capture_both(self, original: Callable[..., None], *args: Any, **kwargs: Any) -> None:
         self.ready = False
-        self.current = HOOKED
-        self.manager.graphs = self.full[HOOKED] = {}
+        self.current = GraphSet.HOOKED
+        self.manager.graphs = self.full[GraphSet.HOOKED] = {}
         for wrapper in self.wrappers:  # a capture after a clear starts both sets afresh
             wrapper.concrete_cudagraph_entries = {}
         before = {id(w): len(w.concrete_cudagraph_entries) for w in self.all_wrappers()}
@@ -440,25 +453,38 @@ class PlainGraphs:
         # This model's pieces: the wrappers the hooked pass filled
         self.wrappers = [w for w in self.all_wrappers()
                          if len(w.concrete_cudagraph_entries) > before.get(id(w), 0)]
-        self.full[HOOKED] = self.manager.graphs
+        self.full[GraphSet.HOOKED] = self.manager.graphs
         self.pieces = [[w.concrete_cudagraph_entries for w in self.wrappers],
                        [{} for _ in self.wrappers]]
-        self.full[PLAIN] = {}
-        self.use(PLAIN)
-        runtime.graph_taps = False
+        self.full[GraphSet.PLAIN] = {}
+        self.use(GraphSet.PLAIN)
+        if "progress_bar_desc" in inspect.signature(original).parameters:
+            kwargs = {**kwargs, "progress_bar_desc": "Capturing CUDA graphs without "
+                      "capsteer's taps, for steps without hooks"}
+        free_before = torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else 0
+        self.runtime.graph_taps = False
         try:
             original(*args, **kwargs)
         finally:
-            runtime.graph_taps = True
+            self.runtime.graph_taps = True
+        if torch.cuda.is_available():
+            self.plain_bytes = max(0, free_before - torch.cuda.mem_get_info()[0])
         self.ready = True
 
 
-def install_plain_graphs(runner: object, runtime: object) -> PlainGraphs | str:
+def install_plain_graphs(runner: Any, runtime: TapSwitch) -> PlainGraphs | str:
     """Record a second, tap-free set of the runner's CUDA graphs for steps without hooks
     (PlainGraphs); call before vLLM captures. Returns the PlainGraphs, or why not (then
     every step replays the hooked graphs: slower for plain requests, never wrong)."""
     if runner_kind(runner) != "v2":
         return "only vLLM's V2 model runner keeps its FULL graphs where capsteer can swap them"
+    parallel = runner.vllm_config.parallel_config
+    if int(getattr(parallel, "tensor_parallel_size", 1) or 1) > 1:
+        # A graph's all-reduce works on buffers its peers recorded in the same pass, so
+        # every rank must replay the same set, and their plans can differ: rank 0 alone
+        # closes a prompt-only capture early (EngineHooks._close_complete_captures).
+        return ("tensor-parallel ranks could choose different sets, and their graphs' "
+                "all-reduces must match")
     manager = getattr(runner, "cudagraph_manager", None)
     if manager is None or not manager.needs_capture():
         return "this engine records no CUDA graphs"
@@ -474,21 +500,21 @@ def install_plain_graphs(runner: object, runtime: object) -> PlainGraphs | str:
     return wire_plain_graphs(manager, runtime, lambda: list(CUDAGraphWrapper._all_instances))
 
 
-def wire_plain_graphs(manager: object, runtime: object,
-                      all_wrappers: Callable[[], list]) -> PlainGraphs:
+def wire_plain_graphs(manager: Any, runtime: TapSwitch,
+                      all_wrappers: Callable[[], list[Any]]) -> PlainGraphs:
     """Route a V2 CUDA-graph manager's capture and replays through a PlainGraphs."""
-    graphs = PlainGraphs(manager, runtime.step_needs_taps, all_wrappers)
+    graphs = PlainGraphs(manager, runtime, all_wrappers)
     capture, run_fullgraph, run_pw_graph = (manager.capture, manager.run_fullgraph,
                                             manager.run_pw_graph)
 
-    def capture_both(*args, **kwargs):
-        graphs.capture(capture, runtime, *args, **kwargs)
+    def capture_both(*args: Any, **kwargs: Any) -> None:
+        graphs.capture(capture, *args, **kwargs)
 
-    def replay_full(*args, **kwargs):
+    def replay_full(*args: Any, **kwargs: Any) -> Any:
         graphs.select()
         return run_fullgraph(*args, **kwargs)
 
-    def replay_pieces(*args, **kwargs):
+    def replay_pieces(*args: Any, **kwargs: Any) -> Any:
         graphs.select()
         return run_pw_graph(*args, **kwargs)
 

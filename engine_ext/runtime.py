@@ -465,13 +465,12 @@ class HookRuntime:
     def tap(self, x: torch.Tensor, residual: torch.Tensor | None, site: int,
             kinds: int = BOTH) -> None:
         if self.device_driven:
-            if self._capturing():
-                if not self.graph_taps:
-                    return  # the plain graphs: replayed only in steps without hooks
-            else:
-                active = self.plan.active_sites
-                if active is not None and site not in active:
-                    return  # no request uses this site this step
+            active = self.plan.active_sites
+            if active is not None and site not in active:
+                if not (self.graph_taps and self._capturing()):
+                    return  # no request uses this site this step (a hooked graph records it)
+            elif not self.graph_taps and self._capturing():
+                return  # the plain graphs: replayed only in steps without hooks
             self._tap_dense(x, residual, site, kinds)
         else:
             self._tap_host(x, residual, site, kinds)

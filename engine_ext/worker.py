@@ -165,16 +165,27 @@ class EngineHooks:
             return
         result = adapter.install_plain_graphs(self.worker.model_runner, self.runtime)
         if isinstance(result, str):
-            logger.info("capsteer: plain requests replay the hooked CUDA graphs: %s", result)
+            logger.info("capsteer: one set of CUDA graphs (steps without hooks run the taps' "
+                        "empty kernels too): %s", result)
             return
         self.plain_graphs = result
+
+    def log_plain_graphs(self) -> None:
+        graphs = self.plain_graphs
+        if graphs is not None and graphs.ready:
+            logger.info("capsteer: CUDA graphs recorded twice, with the taps and without (for "
+                        "steps without hooks); the set without took %.2f GiB of GPU memory "
+                        "beyond vLLM's KV-cache budget (--plain-graphs off records one set)",
+                        graphs.plain_bytes / (1 << 30))
 
     def graph_replays(self) -> dict | None:
         """CUDA-graph replays per set since start-up (None: one set, the hooked graphs)."""
         graphs = self.plain_graphs
         if graphs is None:
             return None
-        return {"hooked": graphs.replays[0], "plain": graphs.replays[1], "ready": graphs.ready}
+        return {"hooked": graphs.replays[adapter.GraphSet.HOOKED],
+                "plain": graphs.replays[adapter.GraphSet.PLAIN], "ready": graphs.ready,
+                "force_hooked": graphs.force_hooked}
 
     def _stop_forward(self, model, asked: object) -> int | None:
         """Stop the forward after layer `asked` - 1 where the model allows it; the
@@ -799,6 +810,7 @@ class CapsteerWorker(adapter.platform_worker_base()):  # type: ignore[misc]
     def compile_or_warm_up_model(self, *args, **kwargs):
         self.capsteer.install_plain_graphs()  # before vLLM records its CUDA graphs
         out = super().compile_or_warm_up_model(*args, **kwargs)
+        self.capsteer.log_plain_graphs()
         started = time.perf_counter()
         try:
             run_canary(self.capsteer)

@@ -6,7 +6,8 @@ its steering a no-op), and vLLM's capture must fill both sets."""
 
 from __future__ import annotations
 
-import numpy as np
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -79,9 +80,9 @@ def test_capture_records_a_hooked_and_a_plain_set(engine):
     hooked, plain = graphs.full
     assert hooked == {s: f"full-{s}-taps" for s in SIZES}
     assert plain == {s: f"full-{s}-no-taps" for s in SIZES}
-    for entries in graphs.pieces[adapter.HOOKED]:
+    for entries in graphs.pieces[adapter.GraphSet.HOOKED]:
         assert entries == {s: f"piece-{s}-taps" for s in SIZES}
-    for entries in graphs.pieces[adapter.PLAIN]:
+    for entries in graphs.pieces[adapter.GraphSet.PLAIN]:
         assert entries == {s: f"piece-{s}-no-taps" for s in SIZES}
     assert manager.replayed == []  # capturing replayed nothing and switched nothing
 
@@ -132,8 +133,8 @@ def test_a_second_capture_records_both_sets_afresh(engine):
     _plan(runtime, frozenset())
     manager.run_fullgraph(2)  # now on the plain set
     manager.capture()  # e.g. after vLLM cleared its graphs
-    assert graphs.full[adapter.HOOKED] == {s: f"full-{s}-taps" for s in SIZES}
-    assert graphs.full[adapter.PLAIN] == {s: f"full-{s}-no-taps" for s in SIZES}
+    assert graphs.full[adapter.GraphSet.HOOKED] == {s: f"full-{s}-taps" for s in SIZES}
+    assert graphs.full[adapter.GraphSet.PLAIN] == {s: f"full-{s}-no-taps" for s in SIZES}
     _plan(runtime, frozenset({1}))
     manager.run_fullgraph(2)
     assert manager.replayed[-1] == ("full", "full-2-taps")
@@ -151,26 +152,71 @@ def test_the_runtime_needs_taps_only_for_planned_sites():
     assert runtime.step_needs_taps()
 
 
-def test_tensor_parallel_ranks_choose_the_same_set():
-    """A graph's all-reduce reads its peers' buffers of the same recording, so every TP rank
-    must replay the same set. Only rank 0 keeps a capture (EngineHooks.before_step drops
-    it on the others); the choice must not change with that."""
-    from capsteer.capture.spec import parse_capture_spec
-    from capsteer.engine_ext.plan import RequestHooks, build_step_plan
+class _V2Runner:
+    """A stand-in whose module says "vLLM's V2 GPU runner" (adapter.runner_kind)."""
 
-    choices = []
-    for capture_rank in (True, False):
-        runtime = HookRuntime(2, 32, torch.float32, torch.device("cpu"), max_tokens=16,
-                              device_driven=True)
-        payload = {"capsteer": {"capture": parse_capture_spec(
-            {"hooks": ["resid_post"], "layers": [1]}, num_layers=2).to_dict(),
-            "capture_id": "cap-a"}}
-        hooks = RequestHooks.from_extra_args("a", payload, 4, runtime)
-        if not capture_rank:  # as before_step does on TP ranks that do not write
-            hooks.capture = None
-            hooks.points = {}
-        plan = build_step_plan(["plain", "a"], np.array([0, 1, 5]), np.array([9, 0]),
-                               {"a": hooks}, None, host_steering=False)
-        runtime.plan = plan
-        choices.append(runtime.step_needs_taps())
-    assert choices == [True, True]
+    def __init__(self, tp: int = 1, manager: object | None = None) -> None:
+        self.vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(
+            tensor_parallel_size=tp))
+        self.cudagraph_manager = manager
+
+
+_V2Runner.__module__ = "vllm.v1.worker.gpu.model_runner"
+
+
+@pytest.mark.parametrize(("runner", "why"), [
+    (SimpleNamespace(), "V2 model runner"),
+    (_V2Runner(tp=2), "tensor-parallel"),
+    (_V2Runner(manager=None), "no CUDA graphs"),
+    (_V2Runner(manager=SimpleNamespace(needs_capture=lambda: False)), "no CUDA graphs"),
+    (_V2Runner(manager=SimpleNamespace(needs_capture=lambda: True, use_breakable_cg=True)),
+     "breakable"),
+])
+def test_one_set_where_the_sets_cannot_be_swapped_safely(runner, why):
+    """Tensor-parallel ranks must replay the same set (a graph's all-reduce works on its
+    peers' buffers of the same recording), but only rank 0 closes a prompt-only capture
+    early, so their plans can differ: those engines keep one set."""
+    runtime = HookRuntime(2, 32, torch.float32, torch.device("cpu"), max_tokens=16)
+    result = adapter.install_plain_graphs(runner, runtime)
+    assert isinstance(result, str) and why in result
+
+
+def test_a_single_gpu_v2_runner_gets_both_sets():
+    runtime = HookRuntime(2, 32, torch.float32, torch.device("cpu"), max_tokens=16)
+    manager = StandInManager(runtime, [])
+    graphs = adapter.install_plain_graphs(_V2Runner(manager=manager), runtime)
+    assert isinstance(graphs, adapter.PlainGraphs)
+    manager.capture()
+    assert graphs.ready and set(graphs.full[adapter.GraphSet.PLAIN]) == set(SIZES)
+
+
+@pytest.mark.parametrize(("active", "graph_taps", "capturing", "runs"), [
+    (frozenset(), True, True, True),  # a hooked graph records every site
+    (frozenset(), False, True, False),  # the plain set records none
+    (frozenset({1}), False, True, False),
+    (frozenset({1}), True, False, True),  # a step without graphs: the sites in use
+    (frozenset({2}), True, False, False),  # ... and no other
+    (frozenset(), True, False, False),
+])
+def test_the_tap_runs_where_a_graph_or_a_step_needs_it(monkeypatch, active, graph_taps,
+                                                        capturing, runs):
+    runtime = HookRuntime(2, 32, torch.float32, torch.device("cpu"), max_tokens=16,
+                          device_driven=True)
+    ran = []
+    monkeypatch.setattr(runtime, "_capturing", lambda: capturing)
+    monkeypatch.setattr(runtime, "_tap_dense", lambda *args: ran.append(args[2]))
+    runtime.plan = StepPlan(active_sites=active)
+    runtime.graph_taps = graph_taps
+    runtime.tap(torch.zeros(4, 32), None, 1)
+    assert ran == ([1] if runs else [])
+
+
+def test_benches_can_hold_every_step_on_the_hooked_set(engine):
+    runtime, manager, graphs, _, _ = engine
+    manager.capture()
+    _plan(runtime, frozenset())
+    graphs.force_hooked = True
+    manager.run_fullgraph(4)
+    graphs.force_hooked = False
+    manager.run_fullgraph(4)
+    assert manager.replayed == [("full", "full-4-taps"), ("full", "full-4-no-taps")]
