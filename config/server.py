@@ -130,8 +130,8 @@ class ServerSettings(BaseSettings):
         "--max-num-batched-tokens")
     plain_graphs: bool = Field(True, description="on a GPU, record each CUDA graph twice: "
                                "with capsteer's tap kernels and without, so engine steps "
-                               "whose requests carry no capture or steering replay what "
-                               "vanilla vLLM replays (off: one set; start-up records half "
+                               "whose requests carry no capture or steering replay graphs "
+                               "without the taps (off: one set; start-up records half "
                                "as many graphs, plain steps run the taps' empty kernels)")
     capture_wait_timeout: float = Field(60.0, description="seconds a capture_wait response "
                                         "may be held (then status pending)")

@@ -397,7 +397,8 @@ class PlainGraphs:
     kernel returns at once, yet each is still a node of the graph: about 1 us each on an
     H200, 69 us a decode step for the 73 of the 8B shape
     (bench/results/h200-2026-11-29-session52.md). The plain set is recorded with the taps
-    skipped, so a step whose requests carry no fields replays what vanilla vLLM replays.
+    skipped, so a step whose requests carry no fields replays graphs without them (the
+    compiled code around them stays capsteer's: +14 us a step on the 8B shape).
     The choice is host data the step thread already has (the step's plan), made before
     the replay, as vLLM picks a graph by batch size: never a read of a device value.
     """
@@ -458,24 +459,48 @@ class PlainGraphs:
                        [{} for _ in self.wrappers]]
         self.full[GraphSet.PLAIN] = {}
         self.use(GraphSet.PLAIN)
-        if "progress_bar_desc" in inspect.signature(original).parameters:
+        if "progress_bar_desc" in _parameters(original):
             kwargs = {**kwargs, "progress_bar_desc": "Capturing CUDA graphs without "
                       "capsteer's taps, for steps without hooks"}
         free_before = torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else 0
         self.runtime.graph_taps = False
         try:
             original(*args, **kwargs)
+        except BaseException:
+            self.use(GraphSet.HOOKED)  # the hooked set is whole; start-up fails anyway
+            raise
         finally:
             self.runtime.graph_taps = True
+        # Approximate: the driver-level growth; pool blocks the first pass freed are reused
         if torch.cuda.is_available():
             self.plain_bytes = max(0, free_before - torch.cuda.mem_get_info()[0])
         self.ready = True
 
 
-def install_plain_graphs(runner: Any, runtime: TapSwitch) -> PlainGraphs | str:
+def _parameters(fn: Callable[..., Any]) -> Sequence[str]:
+    try:
+        return list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):  # not introspectable: pass nothing extra
+        return []
+
+
+PLAIN_GRAPHS_VLLM = "0.26."  # the graph manager PlainGraphs was written against
+
+
+def install_plain_graphs(runner: Any, runtime: TapSwitch,
+                         vllm_version: str | None = None) -> PlainGraphs | str:
     """Record a second, tap-free set of the runner's CUDA graphs for steps without hooks
     (PlainGraphs); call before vLLM captures. Returns the PlainGraphs, or why not (then
     every step replays the hooked graphs: slower for plain requests, never wrong)."""
+    if vllm_version is None:
+        import vllm
+
+        vllm_version = vllm.__version__
+    if not vllm_version.startswith(PLAIN_GRAPHS_VLLM):
+        # Later releases clear and record graphs in more places (release_graphs clears
+        # only the set in use): check them before swapping their sets.
+        return (f"written against vLLM {PLAIN_GRAPHS_VLLM}x's CUDA-graph manager; this is "
+                f"vLLM {vllm_version}")
     if runner_kind(runner) != "v2":
         return "only vLLM's V2 model runner keeps its FULL graphs where capsteer can swap them"
     parallel = runner.vllm_config.parallel_config

@@ -177,17 +177,66 @@ def test_one_set_where_the_sets_cannot_be_swapped_safely(runner, why):
     peers' buffers of the same recording), but only rank 0 closes a prompt-only capture
     early, so their plans can differ: those engines keep one set."""
     runtime = HookRuntime(2, 32, torch.float32, torch.device("cpu"), max_tokens=16)
-    result = adapter.install_plain_graphs(runner, runtime)
+    result = adapter.install_plain_graphs(runner, runtime, vllm_version="0.26.0")
     assert isinstance(result, str) and why in result
 
 
-def test_a_single_gpu_v2_runner_gets_both_sets():
+def test_a_single_gpu_v2_runner_gets_both_sets_on_the_vllm_it_was_written_for():
     runtime = HookRuntime(2, 32, torch.float32, torch.device("cpu"), max_tokens=16)
     manager = StandInManager(runtime, [])
-    graphs = adapter.install_plain_graphs(_V2Runner(manager=manager), runtime)
+    later = adapter.install_plain_graphs(_V2Runner(manager=manager), runtime,
+                                         vllm_version="0.32.0")
+    assert isinstance(later, str) and "0.32.0" in later
+    graphs = adapter.install_plain_graphs(_V2Runner(manager=manager), runtime,
+                                          vllm_version="0.26.0")
     assert isinstance(graphs, adapter.PlainGraphs)
     manager.capture()
     assert graphs.ready and set(graphs.full[adapter.GraphSet.PLAIN]) == set(SIZES)
+
+
+class LabelledManager(StandInManager):
+    """vLLM 0.26's capture takes a progress-bar label; the plain pass names itself."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.labels: list[str] = []
+
+    def capture(self, progress_bar_desc: str = "Capturing CUDA graphs") -> None:
+        self.labels.append(progress_bar_desc)
+        super().capture()
+
+
+def test_the_plain_pass_names_itself_in_the_progress_bar():
+    runtime = HookRuntime(2, 32, torch.float32, torch.device("cpu"), max_tokens=16)
+    manager = LabelledManager(runtime, [StandInWrapper()])
+    adapter.wire_plain_graphs(manager, runtime, lambda: manager.pieces)
+    manager.capture()
+    assert manager.labels[0] == "Capturing CUDA graphs"
+    assert "without capsteer's taps" in manager.labels[1]
+
+
+class FailingManager(StandInManager):
+    """A plain pass that fails halfway (e.g. out of GPU memory)."""
+
+    def capture(self) -> None:
+        if not self.runtime.graph_taps:
+            self.run_pw_graph(SIZES[0])
+            raise RuntimeError("out of memory")
+        super().capture()
+
+
+def test_a_failed_plain_pass_leaves_the_hooked_set_in_place():
+    runtime = HookRuntime(2, 32, torch.float32, torch.device("cpu"), max_tokens=16)
+    pieces = [StandInWrapper()]
+    manager = FailingManager(runtime, pieces)
+    graphs = adapter.wire_plain_graphs(manager, runtime, lambda: pieces)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        manager.capture()
+    assert runtime.graph_taps and not graphs.ready and not graphs.capturing
+    assert manager.graphs is graphs.full[adapter.GraphSet.HOOKED]
+    _plan(runtime, frozenset())
+    manager.run_fullgraph(4)
+    assert manager.replayed == [("full", "full-4-taps")]
 
 
 @pytest.mark.parametrize(("active", "graph_taps", "capturing", "runs"), [
@@ -197,6 +246,8 @@ def test_a_single_gpu_v2_runner_gets_both_sets():
     (frozenset({1}), True, False, True),  # a step without graphs: the sites in use
     (frozenset({2}), True, False, False),  # ... and no other
     (frozenset(), True, False, False),
+    (None, True, False, True),  # every site may be used
+    (frozenset({1}), False, False, True),  # graph_taps only matters while recording
 ])
 def test_the_tap_runs_where_a_graph_or_a_step_needs_it(monkeypatch, active, graph_taps,
                                                         capturing, runs):
