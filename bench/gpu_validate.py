@@ -26,21 +26,9 @@ def rel_err(a, b) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-6))
 
 
-def _use_plain_graphs(worker, on: bool) -> bool | None:
-    """Runs in the worker (collective_rpc): plain steps replay the plain graphs (on) or
-    the hooked ones (off); None where the engine recorded one set."""
-    graphs = worker.capsteer.plain_graphs
-    if graphs is None:
-        return None
-    graphs.force_hooked = not on
-    return on
-
-
 def main() -> None:
     import torch
 
-    # _use_plain_graphs travels to the engine process by pickle
-    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     from capsteer.demo_model import DemoShape, write_demo_model
     from capsteer.engine import Engine, Request
     from capsteer.hooks import HOOKS
@@ -230,9 +218,9 @@ def main() -> None:
     # 4a. plain steps replay the tap-free graphs (--plain-graphs): the same requests on the
     # hooked graphs, as every step ran before, must give the same tokens
     # (both after the run above, so both find its prompts in the prefix cache alike)
-    if engine.llm.collective_rpc(_use_plain_graphs, args=(False,))[0] is not None:
+    if engine.llm.collective_rpc("capsteer_plain_graphs", args=(False,))[0] is not None:
         on_hooked = [r.token_ids for r in engine.generate(plain)]
-        engine.llm.collective_rpc(_use_plain_graphs, args=(True,))
+        engine.llm.collective_rpc("capsteer_plain_graphs", args=(True,))
         on_plain = [r.token_ids for r in engine.generate(plain)]
         report["plain_graphs_same_tokens_as_hooked_graphs"] = [
             a == b for a, b in zip(on_plain, on_hooked, strict=True)]

@@ -6,8 +6,8 @@ replays the set without (engine_ext/adapter.PlainGraphs). This bench measures th
 one process, so the host's speed (which differs between processes on the lent host by
 up to 2x, session 51) is the same for both sets: --decoders requests decode throughout,
 and blocks of --steps engine steps alternate between the plain set and the hooked set
-(the hooked set forced through collective_rpc, as every step used it before). Per set:
-each block's median step, and one torch.profiler window of --profile-steps steps: CUDA
+(the hooked set forced through the worker's capsteer_plain_graphs, as every step used
+it before). Per set: each block's median step, and one torch.profiler window of --profile-steps steps: CUDA
 kernels a step and their time (the GPU's side, whatever the host's speed). Greedy tokens
 of the same requests must be equal on both sets: the compiled code is the same, and the
 taps change nothing in rows without hooks.
@@ -37,16 +37,6 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import perf_models  # bench/ is not a package
-
-
-def _use_plain_graphs(worker, on: bool) -> dict | None:
-    """Runs in the worker (collective_rpc): let plain steps replay the plain set (on) or
-    make every step replay the hooked set, as before plain graphs existed (off)."""
-    graphs = worker.capsteer.plain_graphs
-    if graphs is None:
-        return None
-    graphs.force_hooked = not on
-    return {"hooked": graphs.replays[0], "plain": graphs.replays[1]}
 
 
 def run(a: argparse.Namespace) -> dict[str, Any]:
@@ -82,7 +72,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     # its two labels show how far one set differs from itself between blocks.
     sets = ["vanilla", "vanilla-b"]
     if a.config == "capsteer":
-        if llm.collective_rpc(_use_plain_graphs, args=(True,))[0] is not None:
+        if llm.collective_rpc("capsteer_plain_graphs", args=(True,))[0] is not None:
             sets = ["plain", "hooked"]
         else:  # a CPU engine (no CUDA graphs), or see the engine's log
             print("  this engine has no plain graphs: the hooked set, in two labels", flush=True)
@@ -90,7 +80,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
 
     def use(which: str) -> None:
         if sets[0] == "plain":
-            llm.collective_rpc(_use_plain_graphs, args=(which == "plain",))
+            llm.collective_rpc("capsteer_plain_graphs", args=(which == "plain",))
 
     def step_times(n: int) -> list[float]:
         times = []

@@ -892,6 +892,16 @@ class CapsteerWorker(adapter.platform_worker_base()):  # type: ignore[misc]
         sort = "self_cuda_time_total" if self.capsteer.device_driven else "self_cpu_time_total"
         return out.getvalue() + "\n" + device.key_averages().table(sort_by=sort, row_limit=rows)
 
+    def capsteer_plain_graphs(self, on: bool) -> bool | None:
+        """Benches: let plain steps replay the plain CUDA graphs (on, the default) or hold
+        every step on the hooked ones, as before plain graphs existed (off). None where
+        this engine recorded one set."""
+        graphs = self.capsteer.plain_graphs
+        if graphs is None:
+            return None
+        graphs.force_hooked = not on
+        return on
+
     def capsteer_stats(self) -> dict:
         """Diagnostics: steps checked under sync debug mode, harvester errors, live requests."""
         hooks = self.capsteer
