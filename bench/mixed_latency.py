@@ -119,10 +119,12 @@ class ServerProbe:
     boundaries: each process's CPU (its threads' run time), its busiest thread, and the
     engine probe's steps, step times and garbage collections (bench/engine_probe). Between
     two marks they say which process spent what in that window, e.g. whether the engine's
-    steps took longer after a burst, or other processes took CPU then."""
+    steps took longer after a burst, or other processes took CPU then. From /metrics it
+    also takes capsteer's CUDA-graph replays by set (capsteer_graph_replays_total): whether
+    a window's plain steps ran on the graphs without taps."""
 
-    def __init__(self, server_pid: int, probe_dir: Path) -> None:
-        self.server_pid, self.probe_dir = server_pid, probe_dir
+    def __init__(self, server_pid: int, probe_dir: Path, url: str) -> None:
+        self.server_pid, self.probe_dir, self.url = server_pid, probe_dir, url
         self.marks: list[tuple[str, float, dict[str, Any]]] = []
 
     def take(self, label: str, at: float) -> None:
@@ -130,7 +132,8 @@ class ServerProbe:
         import host_counters
 
         self.marks.append((label, at, {"counters": host_counters.snapshot(self.probe_dir),
-                                       "roles": process_roles(self.server_pid)}))
+                                       "roles": process_roles(self.server_pid),
+                                       "replays": graph_replays(self.url)}))
 
     def windows(self) -> list[dict[str, Any]]:
         import host_counters
@@ -145,8 +148,24 @@ class ServerProbe:
                 role["top_run_s"] = max(role.get("top_run_s", 0.0), got.pop("top_run_s"))
                 for key, value in got.items():
                     role[key] = role.get(key, 0.0) + value
-            out.append({"window": label, "start": t0, "wall_s": wall, "roles": by_role})
+            replays = {k: v - a["replays"].get(k, 0.0) for k, v in b["replays"].items()}
+            out.append({"window": label, "start": t0, "wall_s": wall, "roles": by_role,
+                        "graph_replays": replays})
         return out
+
+
+def graph_replays(url: str) -> dict[str, float]:
+    """capsteer_graph_replays_total by set from the server's /metrics ({} where absent:
+    vanilla, or an engine that records one set)."""
+    import httpx
+
+    prefix = "capsteer_graph_replays_total{set=\""
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return {}
+    return {line[len(prefix):].split('"', 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line.startswith(prefix)}
 
 
 def probe_line(w: dict[str, Any]) -> str:
@@ -174,14 +193,20 @@ def probe_line(w: dict[str, Any]) -> str:
     return (f"    {w['window']:<10}{wall:6.1f}{cpu('api')}{cpu('engine')}"
             f"{engine.get('top_run_s', 0.0) / wall:6.2f}{cpu('worker')}{cpu('writer')}"
             f"{steps / wall:8.0f}{each('step_s')}{each('forward_s')}{each('sample_s')}"
-            f"{gc_ms(engine):6.1f}/{gc_ms(roles.get('api', {})):<5.1f}{loop}")
+            f"{gc_ms(engine):6.1f}/{gc_ms(roles.get('api', {})):<5.1f}{loop}"
+            f"{replays_cell(w.get('graph_replays') or {}):>14}")
+
+
+def replays_cell(replays: dict[str, float]) -> str:
+    return f"{replays.get('plain', 0):.0f}/{replays.get('hooked', 0):.0f}" if replays else "-"
 
 
 PROBE_HEAD = ("    window      wall   api engine  step worker writer steps/s step ms  fwd ms"
-              " smpl ms  GC ms/s    loop ms   (CPU s per s by process; step: the EngineCore's"
+              " smpl ms  GC ms/s    loop ms  graphs p/h   (CPU s per s by process; step: the EngineCore's"
               " busiest thread; ms per engine step; GC: engine/api; loop: the host's speed, a"
               " fixed Python loop timed every 0.5 s on the thread that runs the forward, lower is"
-              " faster)")
+              " faster; graphs: steps replayed from capsteer's CUDA graphs without taps / with"
+              " them)")
 
 
 class Traffic:
@@ -417,7 +442,7 @@ def run_process(config: str, model: Path, args: argparse.Namespace, work: Path) 
                                 cwd=work, env=env)  # not the checkout: the installed capsteer
     try:
         startup = wait_ready(proc, url, log, args.start_timeout)
-        probe = ServerProbe(proc.pid, probe_dir) if args.probe else None
+        probe = ServerProbe(proc.pid, probe_dir, url) if args.probe else None
         traffic = Traffic(url, str(model), args, config == "capsteer", capture_dir, probe)
         asyncio.run(traffic.run())
     except BaseException:

@@ -74,6 +74,34 @@ FSYNC_SECONDS = Histogram(
 )
 
 
+
+class GraphReplays:
+    """Engine steps replayed from CUDA graphs, by set (engine_ext.adapter.PlainGraphs).
+
+    The step thread counts replays in plain ints; they are read here only when metrics are
+    collected, so a step pays no lock and no call for them. The family is empty in a
+    process without two sets (the API server, CPU engines, --plain-graphs off).
+    """
+
+    NAME = "capsteer_graph_replays"
+    HELP = ("Engine steps replayed from CUDA graphs, by set: plain (recorded without "
+            "capsteer's taps, for steps whose requests carry no capture or steering) or "
+            "hooked. Counted by the first pipeline stage; empty where one set is recorded.")
+
+    def __init__(self) -> None:
+        self.source: Callable[[], dict[str, int]] | None = None
+
+    def collect(self) -> Iterable[Metric]:
+        family = CounterMetricFamily(self.NAME, self.HELP, labels=["set"])
+        for which, count in (self.source() if self.source is not None else {}).items():
+            family.add_metric([which], float(count))
+        yield family
+
+
+GRAPH_REPLAYS = GraphReplays()
+REGISTRY.register(GRAPH_REPLAYS)
+
+
 def render() -> bytes:
     """Prometheus text exposition of this process's capture metrics."""
     return generate_latest(REGISTRY)

@@ -169,6 +169,10 @@ class EngineHooks:
                         "empty kernels too): %s", result)
             return
         self.plain_graphs = result
+        if self.stage == 0:  # one count per engine step, however many stages replay
+            from capsteer.capture import metrics
+
+            metrics.GRAPH_REPLAYS.source = self.graph_replay_counts
 
     def log_plain_graphs(self) -> None:
         graphs = self.plain_graphs
@@ -177,6 +181,14 @@ class EngineHooks:
                         "steps without hooks); the set without took %.2f GiB of GPU memory "
                         "beyond vLLM's KV-cache budget (--plain-graphs off records one set)",
                         graphs.plain_bytes / (1 << 30))
+
+    def graph_replay_counts(self) -> dict[str, int]:
+        """Replays per set, for capsteer_graph_replays_total."""
+        graphs = self.plain_graphs
+        if graphs is None:
+            return {}
+        return {"plain": graphs.replays[adapter.GraphSet.PLAIN],
+                "hooked": graphs.replays[adapter.GraphSet.HOOKED]}
 
     def graph_replays(self) -> dict | None:
         """CUDA-graph replays per set since start-up (None: one set, the hooked graphs)."""

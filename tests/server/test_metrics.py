@@ -14,7 +14,7 @@ CAPTURE_METRICS = ("capsteer_capture_requests_total", "capsteer_capture_bytes_to
                    "capsteer_capture_inflight_bytes", "capsteer_capture_dropped_total",
                    "capsteer_capture_rejected_total", "capsteer_fsync_seconds",
                    "capsteer_steering_requests_total", "capsteer_steering_vectors",
-                   "capsteer_steering_refused_total")
+                   "capsteer_steering_refused_total", "capsteer_graph_replays_total")
 
 
 def test_metrics_follow_the_bytes_and_files_on_disk(server, client, http):

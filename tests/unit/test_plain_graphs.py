@@ -271,3 +271,30 @@ def test_benches_can_hold_every_step_on_the_hooked_set(engine):
     graphs.force_hooked = False
     manager.run_fullgraph(4)
     assert manager.replayed == [("full", "full-4-taps"), ("full", "full-4-no-taps")]
+
+
+def test_replays_per_set_reach_the_servers_metrics(engine, monkeypatch):
+    from capsteer.capture import metrics as capture_metrics
+    from capsteer.engine_ext.worker import EngineHooks
+    from capsteer.server import metrics as server_metrics
+
+    def replay_lines() -> list[str]:
+        text = server_metrics.render([capture_metrics.snapshot()], 0).decode()
+        assert "# TYPE capsteer_graph_replays_total counter" in text
+        return sorted(line for line in text.splitlines()
+                      if line.startswith("capsteer_graph_replays_total{"))
+
+    monkeypatch.setattr(capture_metrics.GRAPH_REPLAYS, "source", None)
+    assert replay_lines() == []  # one set recorded: the family is there, empty
+    runtime, manager, graphs, _, _ = engine
+    manager.capture()
+    hooks = SimpleNamespace(plain_graphs=graphs)
+    monkeypatch.setattr(capture_metrics.GRAPH_REPLAYS, "source",
+                        lambda: EngineHooks.graph_replay_counts(hooks))
+    _plan(runtime, frozenset())
+    for size in (4, 8, 2):
+        manager.run_fullgraph(size)
+    _plan(runtime, frozenset({1}))
+    manager.run_fullgraph(4)
+    assert replay_lines() == ['capsteer_graph_replays_total{set="hooked"} 1.0',
+                              'capsteer_graph_replays_total{set="plain"} 3.0']
