@@ -77,6 +77,11 @@ def server_argv(config: str, model: Path, shape: str, args: argparse.Namespace, 
         argv += ["--load-format", kw["load_format"]]
     if args.burst_priority is not None:  # vLLM's own policy, in both configurations
         argv += ["--scheduling-policy", "priority"]
+    if args.profile_s:  # vLLM's torch profiler, started only in the profile phase
+        argv += ["--profiler-config", json.dumps({
+            "profiler": "torch", "torch_profiler_dir": str(profile_dir(capture_dir, config)),
+            "torch_profiler_with_stack": False, "ignore_frontend": True,
+            "torch_profiler_dump_cuda_time_total": False})]
     if config == "vanilla":
         return [*argv, "--vanilla"]
     # A step of burst prompts captures every layer of up to max-num-batched-tokens tokens:
@@ -84,6 +89,10 @@ def server_argv(config: str, model: Path, shape: str, args: argparse.Namespace, 
     staging = args.max_num_batched_tokens * perf_models.SHAPES[shape].layers
     return [*argv, "--capture-dir", str(capture_dir), "--capture-staging-rows", str(staging),
             *args.capsteer_flags]
+
+
+def profile_dir(capture_dir: Path, config: str) -> Path:
+    return capture_dir.parent / f"profile-{config}"
 
 
 def process_roles(server_pid: int) -> dict[int, str]:
@@ -225,6 +234,7 @@ class Traffic:
         self.client = AsyncOpenAI(base_url=url + "/v1", api_key="none", timeout=900,
                                   max_retries=0, http_client=http)
         self.model, self.args, self.capture, self.capture_dir = model, args, capture, capture_dir
+        self.url = url
         self.rng = random.Random(7)
         self.t0 = time.monotonic()
         self.plain: list[dict[str, Any]] = []
@@ -295,6 +305,22 @@ class Traffic:
             self.bursts.append(out)
         return out
 
+    async def profile_phase(self) -> None:
+        """After the timed phases: the plain clients alone, with vLLM's torch profiler on for
+        profile_s seconds (writing its trace stalls the engine; no figure counts this
+        phase's requests)."""
+        import httpx
+
+        done = asyncio.Event()
+        clients = asyncio.create_task(self.clients("profile", done))
+        await asyncio.sleep(2.0)  # the clients spread out, as between bursts
+        async with httpx.AsyncClient(base_url=self.url, timeout=600) as http:
+            (await http.post("/start_profile")).raise_for_status()
+            await asyncio.sleep(self.args.profile_s)
+            (await http.post("/stop_profile")).raise_for_status()  # returns once written
+        done.set()
+        await clients
+
     def clear_captures(self) -> None:
         """Delete published captures, only while no request is timed (a deletion would
         compete with the server for the disk and this loop's thread)."""
@@ -325,6 +351,8 @@ class Traffic:
         await self.mark("end")
         bursts_done.set()
         await beside
+        if a.profile_s:
+            await self.profile_phase()
         await self.client.close()
         self.clear_captures()
 
@@ -424,6 +452,7 @@ def run_process(config: str, model: Path, args: argparse.Namespace, work: Path) 
     capture_dir = work / "captures"
     shutil.rmtree(capture_dir, ignore_errors=True)
     capture_dir.mkdir(parents=True)
+    shutil.rmtree(profile_dir(capture_dir, config), ignore_errors=True)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = work / f"serve-{config}.log"
@@ -453,6 +482,14 @@ def run_process(config: str, model: Path, args: argparse.Namespace, work: Path) 
         shutil.rmtree(capture_dir, ignore_errors=True)
     got = {"config": config, "startup_s": startup, "plain": traffic.plain,
            "bursts": traffic.bursts, "figures": figures(traffic.plain, traffic.bursts)}
+    if args.profile_s:
+        import step_profile
+
+        trace = step_profile.trace_in(profile_dir(capture_dir, config))
+        if trace is None:
+            raise RuntimeError(f"{config}: vLLM wrote no profiler trace")
+        got["step_profile"] = step_profile.summarize(step_profile.load_events(trace))
+        shutil.rmtree(trace.parent, ignore_errors=True)
     if probe is not None:
         got["probe"] = probe.windows()
         got["steps"] = engine_steps(probe_dir, traffic.t0)
@@ -564,6 +601,11 @@ def main() -> None:
                     "CPU and the engine's steps, step times and GC, and from a trace of every "
                     "engine step the decode-only and prompt-chunk step times (bench/"
                     "engine_probe, in both configurations)")
+    ap.add_argument("--profile-s", type=float, default=0.0,
+                    help="after the timed phases, profile the engine for this many seconds "
+                    "of plain traffic in both configurations (vLLM's torch profiler) and "
+                    "compare their steps kind by kind: host ops and calls a step "
+                    "(bench/step_profile.py)")
     ap.add_argument("--start-timeout", type=float, default=600.0)
     ap.add_argument("--deadline", type=float, default=0.0,
                     help="epoch seconds: start no process after it")
@@ -603,6 +645,7 @@ def main() -> None:
                     print(probe_line(w), flush=True)
                 print_step_times(got, args.clients)
             out.write_text(json.dumps(report(args, processes), indent=1))  # survives a timeout
+        print_step_profiles([p for p in processes if p["round"] == r + 1])
     result = report(args, processes)
     out.write_text(json.dumps(result, indent=1))
     print_ratios(result)
@@ -619,6 +662,18 @@ def print_step_times(got: dict[str, Any], clients: int) -> None:
     print("    steps with a prompt chunk outside bursts, median ms (n) by tokens: " + "; ".join(
         f"{k} {v['median_ms']:.2f}({v['n']})" for k, v in got["chunk_steps"].items()),
         flush=True)
+
+
+def print_step_profiles(pair: list[dict[str, Any]]) -> None:
+    """A round's two profiles, step kind by step kind (vanilla/capsteer)."""
+    import step_profile
+
+    got = {p["config"]: p["step_profile"] for p in pair if p.get("step_profile")}
+    if len(got) == 2:
+        print("  profiled steps, vanilla/capsteer:", flush=True)
+        for line in step_profile.compare_lines(got["vanilla"], got["capsteer"],
+                                               ("vanilla", "capsteer")):
+            print(line, flush=True)
 
 
 def print_ratios(result: dict) -> None:
