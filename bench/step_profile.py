@@ -2,10 +2,12 @@
 
 vLLM names each step it profiles after its batch: `execute_context_C(T)_generation_G(N)`
 (C requests feeding T prompt tokens, G requests decoding N tokens), a user annotation
-around the worker's execute_model on the step thread. This groups the host events inside
-those annotations (torch ops and CUDA runtime calls) by step kind, so two servers' steps
-of the same kind compare op by op: which calls one of them makes that the other does not,
-and how long its steps take. bench/mixed_latency.py `--profile-s` records the traces
+around the model runner's execute_model on the step thread: input preparation and the
+forward's launches (capsteer's pre-forward hook included; its before_step and after_step,
+and the sampling step, are outside it). This groups the host events inside those
+annotations (torch ops and CUDA runtime calls) by step kind, so two servers' steps of the
+same kind compare op by op: which calls one of them makes that the other does not, and
+how long the runner takes. bench/mixed_latency.py `--profile-s` records the traces
 (vLLM's /start_profile and /stop_profile, the same in vanilla and capsteer).
 
     python bench/step_profile.py VANILLA_TRACE.json.gz CAPSTEER_TRACE.json.gz

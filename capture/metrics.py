@@ -8,6 +8,7 @@ in other processes from the server's registry.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -74,26 +75,32 @@ FSYNC_SECONDS = Histogram(
 )
 
 
-
 class GraphReplays:
-    """Engine steps replayed from CUDA graphs, by set (engine_ext.adapter.PlainGraphs).
+    """Forwards replayed from CUDA graphs, by set (engine_ext.adapter.PlainGraphs).
 
     The step thread counts replays in plain ints; they are read here only when metrics are
     collected, so a step pays no lock and no call for them. The family is empty in a
-    process without two sets (the API server, CPU engines, --plain-graphs off).
+    process without two sets (the API server, CPU engines, --plain-graphs off). The source
+    is held weakly: a closed engine's graphs are not kept alive by its metrics.
     """
 
     NAME = "capsteer_graph_replays"
-    HELP = ("Engine steps replayed from CUDA graphs, by set: plain (recorded without "
-            "capsteer's taps, for steps whose requests carry no capture or steering) or "
-            "hooked. Counted by the first pipeline stage; empty where one set is recorded.")
+    HELP = ("Forwards replayed from CUDA graphs, by set: plain (recorded without capsteer's "
+            "taps, for steps whose requests carry no capture or steering) or hooked. One a "
+            "step run from graphs, start-up and dummy forwards included; counted by the "
+            "first pipeline stage; empty where one set is recorded.")
 
     def __init__(self) -> None:
-        self.source: Callable[[], dict[str, int]] | None = None
+        self._source: weakref.WeakMethod | None = None
+
+    def set_source(self, source: Callable[[], dict[str, int]] | None) -> None:
+        """A bound method returning replays per set (None: no source, an empty family)."""
+        self._source = None if source is None else weakref.WeakMethod(source)
 
     def collect(self) -> Iterable[Metric]:
         family = CounterMetricFamily(self.NAME, self.HELP, labels=["set"])
-        for which, count in (self.source() if self.source is not None else {}).items():
+        source = self._source() if self._source is not None else None
+        for which, count in (source() if source is not None else {}).items():
             family.add_metric([which], float(count))
         yield family
 

@@ -172,7 +172,7 @@ class EngineHooks:
         if self.stage == 0:  # one count per engine step, however many stages replay
             from capsteer.capture import metrics
 
-            metrics.GRAPH_REPLAYS.source = self.graph_replay_counts
+            metrics.GRAPH_REPLAYS.set_source(self.graph_replay_counts)
 
     def log_plain_graphs(self) -> None:
         graphs = self.plain_graphs
@@ -183,7 +183,7 @@ class EngineHooks:
                         graphs.plain_bytes / (1 << 30))
 
     def graph_replay_counts(self) -> dict[str, int]:
-        """Replays per set, for capsteer_graph_replays_total."""
+        """Replays per set, for capsteer_graph_replays_total ({}: one set)."""
         graphs = self.plain_graphs
         if graphs is None:
             return {}
@@ -195,8 +195,7 @@ class EngineHooks:
         graphs = self.plain_graphs
         if graphs is None:
             return None
-        return {"hooked": graphs.replays[adapter.GraphSet.HOOKED],
-                "plain": graphs.replays[adapter.GraphSet.PLAIN], "ready": graphs.ready,
+        return {**self.graph_replay_counts(), "ready": graphs.ready,
                 "force_hooked": graphs.force_hooked}
 
     def _stop_forward(self, model, asked: object) -> int | None:

@@ -163,8 +163,8 @@ def test_captures_from_both_ranks_once_each_equal_hf(dp_server, hf_models):
         names = _families(after)
         capsteer = [f for f in names if f.startswith("capsteer_")]
         assert len(names) == len(set(names)), sorted(f for f in names if names.count(f) > 1)
-        assert len(capsteer) == 11, capsteer
-        assert len(re.findall(r"^# TYPE capsteer_", after, re.M)) == 11
+        assert len(capsteer) == 12, capsteer  # graph replays: an empty family on CPU
+        assert len(re.findall(r"^# TYPE capsteer_", after, re.M)) == 12
 
         def delta(name: str, text: str = after, **labels: str) -> float:
             return _sample(text, name, **labels) - _sample(before, name, **labels)

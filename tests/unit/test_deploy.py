@@ -30,8 +30,9 @@ K8S = DEPLOY / "k8s" / "capsteer.yaml"
 NFS_PV = DEPLOY / "k8s" / "nfs-pv.yaml"
 OPS_DOC = ROOT / "docs" / "operations-deploy.md"
 
-# api.md §6 (and capsteer_graph_replays_total, which extends it) plus the vLLM metrics checked on a live server: the only names the
-# dashboard may use, and all of them must be on it.
+# api.md §6 (and capsteer_graph_replays_total, which extends it) plus the vLLM
+# metrics checked on a live server: the only names the dashboard may use, and all of
+# them must be on it.
 CAPSTEER_METRICS = {
     "capsteer_capture_requests_total",
     "capsteer_capture_bytes_total",

@@ -273,9 +273,23 @@ def test_benches_can_hold_every_step_on_the_hooked_set(engine):
     assert manager.replayed == [("full", "full-4-taps"), ("full", "full-4-no-taps")]
 
 
-def test_replays_per_set_reach_the_servers_metrics(engine, monkeypatch):
-    from capsteer.capture import metrics as capture_metrics
+def _hooks_with(graphs: adapter.PlainGraphs, stage: int, monkeypatch):
+    """An EngineHooks with only what install_plain_graphs reads, wired to `graphs`."""
     from capsteer.engine_ext.worker import EngineHooks
+
+    monkeypatch.setattr(adapter, "install_plain_graphs", lambda runner, runtime: graphs)
+    hooks = EngineHooks.__new__(EngineHooks)  # no engine: only the fields used here
+    hooks.device_driven, hooks.config, hooks.stage = True, {}, stage
+    hooks.worker, hooks.runtime, hooks.plain_graphs = SimpleNamespace(model_runner=None), None, None
+    hooks.install_plain_graphs()
+    assert hooks.plain_graphs is graphs
+    return hooks
+
+
+def test_replays_per_set_reach_the_servers_metrics(engine, monkeypatch):
+    import gc
+
+    from capsteer.capture import metrics as capture_metrics
     from capsteer.server import metrics as server_metrics
 
     def replay_lines() -> list[str]:
@@ -284,13 +298,14 @@ def test_replays_per_set_reach_the_servers_metrics(engine, monkeypatch):
         return sorted(line for line in text.splitlines()
                       if line.startswith("capsteer_graph_replays_total{"))
 
-    monkeypatch.setattr(capture_metrics.GRAPH_REPLAYS, "source", None)
+    replays = capture_metrics.GRAPH_REPLAYS
+    monkeypatch.setattr(replays, "_source", None)
     assert replay_lines() == []  # one set recorded: the family is there, empty
     runtime, manager, graphs, _, _ = engine
+    later_stage = _hooks_with(graphs, 1, monkeypatch)  # one count per step: stage 0's
+    assert replays._source is None
+    hooks = _hooks_with(graphs, 0, monkeypatch)
     manager.capture()
-    hooks = SimpleNamespace(plain_graphs=graphs)
-    monkeypatch.setattr(capture_metrics.GRAPH_REPLAYS, "source",
-                        lambda: EngineHooks.graph_replay_counts(hooks))
     _plan(runtime, frozenset())
     for size in (4, 8, 2):
         manager.run_fullgraph(size)
@@ -298,3 +313,6 @@ def test_replays_per_set_reach_the_servers_metrics(engine, monkeypatch):
     manager.run_fullgraph(4)
     assert replay_lines() == ['capsteer_graph_replays_total{set="hooked"} 1.0',
                               'capsteer_graph_replays_total{set="plain"} 3.0']
+    del hooks, later_stage  # a closed engine's metrics hold nothing of it
+    gc.collect()
+    assert replay_lines() == []
