@@ -170,14 +170,14 @@ def graph_replays(url: str) -> dict[str, float]:
     for its metrics (one RPC between engine steps), which vanilla's does not: a few per
     process, at the window marks only."""
     import httpx
+    from prometheus_client.parser import text_string_to_metric_families
 
-    prefix = "capsteer_graph_replays_total{set=\""
     try:
         text = httpx.get(f"{url}/metrics", timeout=10).text
     except httpx.HTTPError:
         return {}
-    return {line[len(prefix):].split('"', 1)[0]: float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines() if line.startswith(prefix)}
+    return {s.labels["set"]: s.value for family in text_string_to_metric_families(text)
+            for s in family.samples if s.name == "capsteer_graph_replays_total"}
 
 
 def probe_line(w: dict[str, Any]) -> str:
@@ -215,8 +215,9 @@ def replays_cell(replays: dict[str, float]) -> str:
 
 PROBE_HEAD = ("    window      wall   api engine  step worker writer steps/s step ms  fwd ms"
               " smpl ms  GC ms/s    loop ms  graphs p/h   (CPU s per s by process; step: the"
-              " EngineCore's busiest thread; ms per engine step; GC: engine/api; loop: the host's speed, a"
-              " fixed Python loop timed every 0.5 s on the thread that runs the forward, lower is"
+              " EngineCore's busiest thread; ms per engine step; GC: engine/api; loop: the"
+              " host's speed, a fixed Python loop timed every 0.5 s on the thread that runs"
+              " the forward, lower is"
               " faster; graphs: steps replayed from capsteer's CUDA graphs without taps / with"
               " them)")
 
