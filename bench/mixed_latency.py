@@ -507,7 +507,8 @@ def run_process(config: str, model: Path, args: argparse.Namespace, work: Path) 
 
 def engine_steps(probe_dir: Path, t0: float) -> list[list[float]]:
     """The EngineCore's step rows (the process with the most), on the traffic's clock:
-    [end s, step ms, tokens, requests, prefills, execute_model ms, sample_tokens ms]."""
+    [end s, step ms, tokens, requests, prefills, execute_model ms, sample_tokens ms,
+    the step thread's CPU ms in the step, and in execute_model]."""
     import host_counters
 
     traces = host_counters.engine_probe_trace(probe_dir)
@@ -515,15 +516,16 @@ def engine_steps(probe_dir: Path, t0: float) -> list[list[float]]:
         return []
     rows = max(traces.values(), key=len)
     return [[round(end / 1e9 - t0, 4), round(step / 1e6, 3), tokens, requests, prefills,
-             round(fwd / 1e6, 3), round(smpl / 1e6, 3)]
-            for end, step, tokens, requests, prefills, fwd, smpl in rows]
+             round(fwd / 1e6, 3), round(smpl / 1e6, 3), round(step_cpu / 1e6, 3),
+             round(fwd_cpu / 1e6, 3)]
+            for end, step, tokens, requests, prefills, fwd, smpl, step_cpu, fwd_cpu in rows]
 
 
 def decode_steps(steps: list[list[float]], t0: float, t1: float) -> dict[str, Any]:
     """Median ms of the window's steps that only decoded (no prefill chunk), by batch size:
     the window's step time, like for like (a window's mean step mixes in prefills)."""
     by_size: dict[int, list[float]] = {}
-    for end, ms, _tokens, requests, prefills, _fwd, _smpl in steps:
+    for end, ms, _tokens, requests, prefills, *_times in steps:
         if t0 <= end < t1 and not prefills:
             by_size.setdefault(int(requests), []).append(ms)
     return {str(n): {"n": len(v), "median_ms": statistics.median(v)}
@@ -536,16 +538,21 @@ CHUNK_BINS = ((1, 512), (513, 1024), (1025, 1 << 30))  # scheduled tokens of a s
 def chunk_steps(steps: list[list[float]], windows: list[dict[str, Any]]) -> dict[str, Any]:
     """Median ms of the steps that carried a prompt chunk, outside bursts (the quiet and
     after windows: plain traffic only), by scheduled tokens: up to vLLM's largest piecewise
-    CUDA graph by default (512), and beyond it."""
+    CUDA graph by default (512), and beyond it. Beside the step's wall time: its
+    execute_model's, and the step thread's CPU time in each (the wall time a step spent
+    waiting is the difference)."""
     spans = [(w["start"], w["start"] + w["wall_s"]) for w in windows
              if not w["window"].startswith("burst")]
     out = {}
     for lo, hi in CHUNK_BINS:
-        got = [ms for end, ms, tokens, _r, prefills, _f, _s in steps
-               if prefills and lo <= tokens <= hi and any(a <= end < b for a, b in spans)]
+        got = [row for row in steps if row[4] and lo <= row[2] <= hi
+               and any(a <= row[0] < b for a, b in spans)]
         if got:
-            out[f"{lo}-{hi if hi < 1 << 30 else ''}"] = {"n": len(got),
-                                                          "median_ms": statistics.median(got)}
+            out[f"{lo}-{hi if hi < 1 << 30 else ''}"] = {
+                "n": len(got), "median_ms": statistics.median(r[1] for r in got),
+                "cpu_median_ms": statistics.median(r[7] for r in got),
+                "forward_median_ms": statistics.median(r[5] for r in got),
+                "forward_cpu_median_ms": statistics.median(r[8] for r in got)}
     return out
 
 
@@ -665,9 +672,11 @@ def print_step_times(got: dict[str, Any], clients: int) -> None:
         f"{w['window']} " + " ".join(
             f"{d['median_ms']:.2f}({d['n']})" if (d := w["decode_steps"].get(k)) else "-"
             for k in sizes) for w in got["probe"]), flush=True)
-    print("    steps with a prompt chunk outside bursts, median ms (n) by tokens: " + "; ".join(
-        f"{k} {v['median_ms']:.2f}({v['n']})" for k, v in got["chunk_steps"].items()),
-        flush=True)
+    print("    steps with a prompt chunk outside bursts, median ms (n) by tokens, then CPU ms"
+          " in the step, execute_model ms and its CPU ms: " + "; ".join(
+              f"{k} {v['median_ms']:.2f}({v['n']}) cpu {v.get('cpu_median_ms', 0):.2f} fwd "
+              f"{v.get('forward_median_ms', 0):.2f} cpu {v.get('forward_cpu_median_ms', 0):.2f}"
+              for k, v in got["chunk_steps"].items()), flush=True)
 
 
 def print_step_profiles(pair: list[dict[str, Any]]) -> None:

@@ -25,8 +25,10 @@ from pathlib import Path
 from typing import Any
 
 HOST_CATEGORIES = ("cpu_op", "cuda_runtime", "cuda_driver")
+DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 STEP_PREFIX = "execute_"
 TOP_OPS = 40  # per step kind, by host time
+SLOWER_US = 100.0  # an op whose host time a step differs by this much is named
 
 
 def load_events(path: Path) -> list[dict[str, Any]]:
@@ -39,8 +41,13 @@ def load_events(path: Path) -> list[dict[str, Any]]:
 def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
     """Per step kind: how many steps, their median and range of wall time on the host, and
     per step the host events inside them by name (calls, microseconds; nested ops count in
-    their parents' time too, the same way in every trace)."""
+    their parents' time too, the same way in every trace). Two medians say where a slow
+    step's time goes: `gap_us`, the step's host time outside every host event (Python: the
+    runner's and capsteer's own code, invisible to the profiler without stacks), and
+    `device_us`, the GPU time of the kernels and copies its calls launched (matched by
+    correlation id, CUDA graphs' kernels included)."""
     by_thread: dict[tuple[Any, Any], list[dict[str, Any]]] = {}
+    device_us: Counter = Counter()
     steps = []
     for e in events:
         if e.get("ph") != "X" or "dur" not in e:
@@ -50,6 +57,8 @@ def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
             steps.append(e)
         elif cat in HOST_CATEGORIES:
             by_thread.setdefault((e.get("pid"), e.get("tid")), []).append(e)
+        elif cat in DEVICE_CATEGORIES and "correlation" in e.get("args", {}):
+            device_us[e["args"]["correlation"]] += e["dur"]
     starts = {}
     for key, evs in by_thread.items():
         evs.sort(key=lambda e: e["ts"])
@@ -59,12 +68,24 @@ def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
         key = (step.get("pid"), step.get("tid"))
         evs, ts = by_thread.get(key, []), starts.get(key, [])
         t0, t1 = step["ts"], step["ts"] + step["dur"]
-        kind = kinds.setdefault(step["name"], {"durs": [], "calls": Counter(), "us": Counter()})
+        kind = kinds.setdefault(step["name"], {"durs": [], "gaps": [], "device": [],
+                                               "calls": Counter(), "us": Counter()})
         kind["durs"].append(step["dur"])
+        covered_to, covered, gpu = t0, 0.0, 0.0
         for e in evs[bisect.bisect_left(ts, t0):bisect.bisect_right(ts, t1)]:
-            if e["ts"] + e["dur"] <= t1:
-                kind["calls"][e["name"]] += 1
-                kind["us"][e["name"]] += e["dur"]
+            end = e["ts"] + e["dur"]
+            if end > t1:
+                continue
+            kind["calls"][e["name"]] += 1
+            kind["us"][e["name"]] += e["dur"]
+            if end > covered_to:  # the union of the events' intervals, in ts order
+                covered += end - max(e["ts"], covered_to)
+                covered_to = end
+            correlation = e.get("args", {}).get("correlation")
+            if correlation is not None:
+                gpu += device_us.get(correlation, 0.0)
+        kind["gaps"].append(step["dur"] - covered)
+        kind["device"].append(gpu)
     out = {}
     for name, k in sorted(kinds.items(), key=lambda kv: -len(kv[1]["durs"])):
         n = len(k["durs"])
@@ -72,6 +93,7 @@ def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
         out[name] = {
             "n": n, "median_us": statistics.median(k["durs"]),
             "min_us": min(k["durs"]), "max_us": max(k["durs"]),
+            "gap_us": statistics.median(k["gaps"]), "device_us": statistics.median(k["device"]),
             "host_events_a_step": sum(k["calls"].values()) / n,
             "calls_a_step": {op: k["calls"][op] / n for op in sorted(k["calls"])},
             "top_us_a_step": {op: round(k["us"][op] / n, 1) for op in top},
@@ -90,11 +112,21 @@ def compare_lines(base: dict[str, Any], other: dict[str, Any], names: tuple[str,
         lines.append(f"  {kind}: n {a['n']}/{b['n']}, median host ms {a['median_us'] / 1e3:.2f}"
                      f"/{b['median_us'] / 1e3:.2f} ({names[0]}/{names[1]}), host events a step "
                      f"{a['host_events_a_step']:.0f}/{b['host_events_a_step']:.0f}")
+        if "gap_us" in a and "gap_us" in b:
+            lines.append(f"      outside host events (Python) ms {a['gap_us'] / 1e3:.2f}/"
+                         f"{b['gap_us'] / 1e3:.2f}, GPU time launched ms "
+                         f"{a['device_us'] / 1e3:.2f}/{b['device_us'] / 1e3:.2f}")
         ops = sorted(set(a["calls_a_step"]) | set(b["calls_a_step"]))
         for op in ops:
             ca, cb = a["calls_a_step"].get(op, 0.0), b["calls_a_step"].get(op, 0.0)
             if abs(ca - cb) >= 0.5:
                 lines.append(f"      {op}: {ca:.1f}/{cb:.1f} calls a step")
+        ta, tb = a.get("top_us_a_step", {}), b.get("top_us_a_step", {})
+        for op in sorted(set(ta) | set(tb), key=lambda o: -abs(ta.get(o, 0) - tb.get(o, 0))):
+            if abs(ta.get(op, 0.0) - tb.get(op, 0.0)) < SLOWER_US:
+                break
+            lines.append(f"      {op}: {ta.get(op, 0.0) / 1e3:.2f}/{tb.get(op, 0.0) / 1e3:.2f}"
+                         " ms a step")
     if not shared:
         lines.append(f"  no step kind with {min_steps}+ steps in both traces")
     return lines

@@ -51,12 +51,16 @@ SPEED_LOOP = 20_000
 _DIR = os.environ.get("CAPSTEER_ENGINE_PROBE_DIR")
 # A step's row: when it ended (CLOCK_MONOTONIC, the clock of every process here), its
 # nanoseconds, scheduled tokens and requests, how many of those were fed more than one
-# token (a prefill chunk), and its execute_model() and sample_tokens() nanoseconds.
+# token (a prefill chunk), and its execute_model() and sample_tokens() nanoseconds; then the
+# CPU time its thread ran in the step and in execute_model(): a step slower on the wall
+# but not in CPU time waited (a device sync, the GIL, a CPU), one slower in both ran more
+# or slower code.
 TRACE_FIELDS = ("end_ns", "step_ns", "tokens", "requests", "prefills", "forward_ns",
-                "sample_ns")
+                "sample_ns", "step_cpu_ns", "forward_cpu_ns")
 TRACE_ROWS = 1 << 18  # ~25 minutes of steps at 160 a second; later steps are not kept
 _TRACE = _DIR is not None and os.environ.get("CAPSTEER_ENGINE_PROBE_TRACE") == "1"
 _END, _STEP, _T_TOKENS, _T_REQUESTS, _T_PREFILLS = range(5)  # TRACE_FIELDS' first five
+_STEP_CPU = TRACE_FIELDS.index("step_cpu_ns")
 
 
 class _Counters:
@@ -96,7 +100,7 @@ class _Trace:
             os.close(fd)
         return self.view
 
-    def end_step(self, step_ns: int) -> None:
+    def end_step(self, step_ns: int, step_cpu_ns: int) -> None:
         """Append the step in progress (if it scheduled tokens) and start the next."""
         row, self.pending = self.pending, [0] * len(TRACE_FIELDS)
         if not row[_T_TOKENS]:
@@ -105,7 +109,7 @@ class _Trace:
         n = v[0]
         if n >= TRACE_ROWS:
             return
-        row[_END], row[_STEP] = time.monotonic_ns(), step_ns
+        row[_END], row[_STEP], row[_STEP_CPU] = time.monotonic_ns(), step_ns, step_cpu_ns
         at = 1 + n * len(TRACE_FIELDS)
         for i, value in enumerate(row):
             v[at + i] = value
@@ -128,26 +132,34 @@ def _on_gc(phase: str, info: dict[str, int]) -> None:
 
 
 def _timed(fn: Any, field: str, after: Any = None) -> Any:
+    """`fn` with its nanoseconds added to `field`; `after(counters, result, elapsed,
+    cpu)` then runs (cpu: the thread's CPU nanoseconds in the call, when tracing, else 0)."""
     index = FIELDS.index(field)
+    cpu_clock = time.thread_time_ns if _TRACE else _zero
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter_ns()
+        c0, t0 = cpu_clock(), time.perf_counter_ns()
         result = fn(*args, **kwargs)
         elapsed = time.perf_counter_ns() - t0
+        cpu = cpu_clock() - c0
         v = _COUNTERS.get()
         v[index] += elapsed
         if after is not None:
-            after(v, result, elapsed)
+            after(v, result, elapsed, cpu)
         return result
 
     wrapper.__wrapped__ = fn  # type: ignore[attr-defined]
     return wrapper
 
 
+def _zero() -> int:
+    return 0
+
+
 _STEPS, _TOKENS, _IDLE_STEPS = (FIELDS.index(f) for f in ("steps", "tokens", "idle_steps"))
 
 
-def _count_schedule(v: Any, output: Any, _elapsed: int) -> None:
+def _count_schedule(v: Any, output: Any, _elapsed: int, _cpu: int) -> None:
     tokens = int(getattr(output, "total_num_scheduled_tokens", 0) or 0)
     if tokens:
         v[_STEPS] += 1
@@ -162,16 +174,19 @@ def _count_schedule(v: Any, output: Any, _elapsed: int) -> None:
         pending[_T_PREFILLS] += sum(1 for n in per_request.values() if n > 1)
 
 
-def _trace_add(field: str) -> Any:
+def _trace_add(field: str, cpu_field: str | None = None) -> Any:
     """An `after` for _timed when tracing (None otherwise: nothing added to the call): the
-    call's nanoseconds also go to the traced step's `field`."""
+    call's nanoseconds also go to the traced step's `field`, its CPU time to `cpu_field`."""
     trace = _STEP_TRACE
     if trace is None:
         return None
     column = TRACE_FIELDS.index(field)
+    cpu_column = TRACE_FIELDS.index(cpu_field) if cpu_field else None
 
-    def add(_v: Any, _result: Any, elapsed: int) -> None:
+    def add(_v: Any, _result: Any, elapsed: int, cpu: int) -> None:
         trace.pending[column] += elapsed
+        if cpu_column is not None:
+            trace.pending[cpu_column] += cpu
 
     return add
 
@@ -196,9 +211,9 @@ def _then_sample(after: Any) -> Any:
     carry it, so where the model runner runs in a worker process of its own (vLLM's CPU
     backend) that thread is sampled too; where both run on one thread it is sampled once."""
 
-    def sampled(v: Any, result: Any, elapsed: int) -> None:
+    def sampled(v: Any, result: Any, elapsed: int, cpu: int) -> None:
         if after is not None:
-            after(v, result, elapsed)
+            after(v, result, elapsed, cpu)
         now = time.monotonic_ns()
         if now - _last_sample[0] >= _SPEED_EVERY_NS:
             _last_sample[0] = now
@@ -213,7 +228,7 @@ def _trace_step() -> Any:
     trace = _STEP_TRACE
     if trace is None:
         return None
-    return lambda _v, _result, elapsed: trace.end_step(elapsed)
+    return lambda _v, _result, elapsed, cpu: trace.end_step(elapsed, cpu)
 
 
 def _patch_scheduler(module: Any) -> None:
@@ -231,7 +246,7 @@ def _patch_core(module: Any) -> None:
 def _patch_runner(module: Any) -> None:
     cls = module.GPUModelRunner  # vLLM's CPU runner inherits both
     cls.execute_model = _timed(cls.execute_model, "forward_ns",
-                                 _then_sample(_trace_add("forward_ns")))
+                                 _then_sample(_trace_add("forward_ns", "forward_cpu_ns")))
     cls.sample_tokens = _timed(cls.sample_tokens, "sample_ns", _trace_add("sample_ns"))
 
 
