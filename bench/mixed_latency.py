@@ -619,6 +619,9 @@ def main() -> None:
                     "of plain traffic in both configurations (vLLM's torch profiler) and "
                     "compare their steps kind by kind: host ops and calls a step "
                     "(bench/step_profile.py)")
+    ap.add_argument("--capsteer-first", action="store_true",
+                    help="start capsteer's process before vanilla's in each round (a control "
+                    "for the order: the second server on a host may run differently)")
     ap.add_argument("--start-timeout", type=float, default=600.0)
     ap.add_argument("--deadline", type=float, default=0.0,
                     help="epoch seconds: start no process after it")
@@ -644,7 +647,7 @@ def main() -> None:
           "   (seconds; q: quiet phase; p: the burst phase, every plain request; b: those "
           "overlapping a burst)", flush=True)
     for r in range(args.rounds):
-        for config in CONFIGS:
+        for config in reversed(CONFIGS) if args.capsteer_first else CONFIGS:
             if args.deadline and time.time() > args.deadline:
                 print(f"--deadline: not starting {config} round {r + 1}", flush=True)
                 break
