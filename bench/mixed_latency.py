@@ -622,6 +622,9 @@ def main() -> None:
     ap.add_argument("--capsteer-first", action="store_true",
                     help="start capsteer's process before vanilla's in each round (a control "
                     "for the order: the second server on a host may run differently)")
+    ap.add_argument("--alternate", action="store_true",
+                    help="reverse the order every other round (vanilla, capsteer, capsteer, "
+                    "vanilla, ...): session 54 found the second server slower in small steps")
     ap.add_argument("--start-timeout", type=float, default=600.0)
     ap.add_argument("--deadline", type=float, default=0.0,
                     help="epoch seconds: start no process after it")
@@ -647,7 +650,8 @@ def main() -> None:
           "   (seconds; q: quiet phase; p: the burst phase, every plain request; b: those "
           "overlapping a burst)", flush=True)
     for r in range(args.rounds):
-        for config in reversed(CONFIGS) if args.capsteer_first else CONFIGS:
+        flip = args.capsteer_first != (args.alternate and r % 2 == 1)
+        for config in reversed(CONFIGS) if flip else CONFIGS:
             if args.deadline and time.time() > args.deadline:
                 print(f"--deadline: not starting {config} round {r + 1}", flush=True)
                 break
