@@ -333,8 +333,11 @@ class Traffic:
 
     async def run(self) -> None:
         a = self.args
-        # Warm-up (untimed): a burst and a round of plain requests.
-        await self.burst(record=False)
+        # Warm-up (untimed): a burst (where bursts are timed) and a round of plain requests.
+        # Without bursts no capture runs, so a flag that shrinks capture buffers (staging
+        # rows too few for a burst) can be tried on plain traffic alone.
+        if a.bursts:
+            await self.burst(record=False)
         await asyncio.gather(*(self.one_plain("warm-up") for _ in range(a.clients)))
         self.clear_captures()
         quiet_done = asyncio.Event()
