@@ -683,9 +683,11 @@ def print_step_times(got: dict[str, Any], clients: int) -> None:
             f"{d['median_ms']:.2f}({d['n']})" if (d := w["decode_steps"].get(k)) else "-"
             for k in sizes) for w in got["probe"]), flush=True)
     print("    steps with a prompt chunk outside bursts, median ms (n) by tokens, then CPU ms"
-          " in the step, execute_model ms and its CPU ms: " + "; ".join(
-              f"{k} {v['median_ms']:.2f}({v['n']}) cpu {v.get('cpu_median_ms', 0):.2f} fwd "
-              f"{v.get('forward_median_ms', 0):.2f} cpu {v.get('forward_cpu_median_ms', 0):.2f}"
+          " in the step, execute_model ms and its CPU ms (- where the model runner has a "
+          "process of its own, as on CPU): " + "; ".join(
+              f"{k} {v['median_ms']:.2f}({v['n']}) cpu {v['cpu_median_ms']:.2f} fwd "
+              + (f"{v['forward_median_ms']:.2f} cpu {v['forward_cpu_median_ms']:.2f}"
+                 if v["forward_median_ms"] else "- cpu -")
               for k, v in got["chunk_steps"].items()), flush=True)
 
 
