@@ -548,14 +548,14 @@ def chunk_steps(steps: list[list[float]], windows: list[dict[str, Any]]) -> dict
              if not w["window"].startswith("burst")]
     out = {}
     for lo, hi in CHUNK_BINS:
-        got = [row for row in steps if row[4] and lo <= row[2] <= hi
-               and any(a <= row[0] < b for a, b in spans)]
+        got = [(ms, cpu, fwd, fwd_cpu)
+               for end, ms, tokens, _r, prefills, fwd, _smpl, cpu, fwd_cpu in steps
+               if prefills and lo <= tokens <= hi and any(a <= end < b for a, b in spans)]
         if got:
+            ms, cpu, fwd, fwd_cpu = (statistics.median(column) for column in zip(*got, strict=True))
             out[f"{lo}-{hi if hi < 1 << 30 else ''}"] = {
-                "n": len(got), "median_ms": statistics.median(r[1] for r in got),
-                "cpu_median_ms": statistics.median(r[7] for r in got),
-                "forward_median_ms": statistics.median(r[5] for r in got),
-                "forward_cpu_median_ms": statistics.median(r[8] for r in got)}
+                "n": len(got), "median_ms": ms, "cpu_median_ms": cpu,
+                "forward_median_ms": fwd, "forward_cpu_median_ms": fwd_cpu}
     return out
 
 

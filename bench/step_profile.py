@@ -104,7 +104,8 @@ def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
 def compare_lines(base: dict[str, Any], other: dict[str, Any], names: tuple[str, str],
                   min_steps: int = 3) -> list[str]:
     """Step kinds both traces have (at least min_steps each): median host wall time side by
-    side, host events a step, and every call whose count a step differs."""
+    side, host events a step, the time outside them and the GPU time launched, every call
+    whose count a step differs, and every op whose host time a step differs by SLOWER_US."""
     lines = []
     shared = [k for k in base if k in other and min(base[k]["n"], other[k]["n"]) >= min_steps]
     for kind in shared:
@@ -112,16 +113,15 @@ def compare_lines(base: dict[str, Any], other: dict[str, Any], names: tuple[str,
         lines.append(f"  {kind}: n {a['n']}/{b['n']}, median host ms {a['median_us'] / 1e3:.2f}"
                      f"/{b['median_us'] / 1e3:.2f} ({names[0]}/{names[1]}), host events a step "
                      f"{a['host_events_a_step']:.0f}/{b['host_events_a_step']:.0f}")
-        if "gap_us" in a and "gap_us" in b:
-            lines.append(f"      outside host events (Python) ms {a['gap_us'] / 1e3:.2f}/"
-                         f"{b['gap_us'] / 1e3:.2f}, GPU time launched ms "
-                         f"{a['device_us'] / 1e3:.2f}/{b['device_us'] / 1e3:.2f}")
+        lines.append(f"      outside host events (Python) ms {a['gap_us'] / 1e3:.2f}/"
+                     f"{b['gap_us'] / 1e3:.2f}, GPU time launched ms "
+                     f"{a['device_us'] / 1e3:.2f}/{b['device_us'] / 1e3:.2f}")
         ops = sorted(set(a["calls_a_step"]) | set(b["calls_a_step"]))
         for op in ops:
             ca, cb = a["calls_a_step"].get(op, 0.0), b["calls_a_step"].get(op, 0.0)
             if abs(ca - cb) >= 0.5:
                 lines.append(f"      {op}: {ca:.1f}/{cb:.1f} calls a step")
-        ta, tb = a.get("top_us_a_step", {}), b.get("top_us_a_step", {})
+        ta, tb = a["top_us_a_step"], b["top_us_a_step"]
         for op in sorted(set(ta) | set(tb), key=lambda o: -abs(ta.get(o, 0) - tb.get(o, 0))):
             if abs(ta.get(op, 0.0) - tb.get(op, 0.0)) < SLOWER_US:
                 break
