@@ -238,6 +238,7 @@ class Traffic:
         self.client = AsyncOpenAI(base_url=url + "/v1", api_key="none", timeout=900,
                                   max_retries=0, http_client=http)
         self.model, self.args, self.capture, self.capture_dir = model, args, capture, capture_dir
+        self.spy_to: tuple[int, Path] | None = None  # (server pid, raw profile) for spy_phase
         self.url = url
         self.rng = random.Random(7)
         self.t0 = time.monotonic()
@@ -325,6 +326,29 @@ class Traffic:
         done.set()
         await clients
 
+    async def spy_phase(self, server_pid: int, path: Path) -> None:
+        """After the timed phases: the plain clients alone while py-spy samples the
+        EngineCore, native frames included, for pyspy_s seconds (py-spy pauses the process
+        for each sample, more so where it has more threads: no figure counts this phase)."""
+        done = asyncio.Event()
+        clients = asyncio.create_task(self.clients("pyspy", done))
+        await asyncio.sleep(2.0)  # the clients spread out, as between bursts
+        try:
+            engine = [pid for pid, role in process_roles(server_pid).items() if role == "engine"]
+            if not engine:
+                raise RuntimeError("no EngineCore process to sample")
+            spy = await asyncio.create_subprocess_exec(
+                str(self.args.pyspy), "record", "--native", "--threads", "-r", "200",
+                "-d", f"{self.args.pyspy_s:g}", "-f", "raw", "-o", str(path), "--pid",
+                str(engine[0]), stdout=asyncio.subprocess.DEVNULL,
+                stderr=asyncio.subprocess.PIPE)
+            _, err = await spy.communicate()
+            if spy.returncode:
+                raise RuntimeError(f"py-spy exited {spy.returncode}: {err.decode()[-400:]}")
+        finally:
+            done.set()
+            await clients
+
     def clear_captures(self) -> None:
         """Delete published captures, only while no request is timed (a deletion would
         compete with the server for the disk and this loop's thread)."""
@@ -360,6 +384,8 @@ class Traffic:
         await beside
         if a.profile_s:
             await self.profile_phase()
+        if a.pyspy_s and self.spy_to is not None:
+            await self.spy_phase(*self.spy_to)
         await self.client.close()
         self.clear_captures()
 
@@ -455,7 +481,9 @@ def figures(plain: list[dict], bursts: list[dict]) -> dict[str, Any]:
     return out
 
 
-def run_process(config: str, model: Path, args: argparse.Namespace, work: Path) -> dict:
+def run_process(config: str, model: Path, args: argparse.Namespace, work: Path,
+                spy_path: Path | None = None) -> dict:
+    """One server's run; with `--pyspy-s`, its EngineCore's py-spy samples go to spy_path."""
     capture_dir = work / "captures"
     shutil.rmtree(capture_dir, ignore_errors=True)
     capture_dir.mkdir(parents=True)
@@ -480,6 +508,8 @@ def run_process(config: str, model: Path, args: argparse.Namespace, work: Path) 
         startup = wait_ready(proc, url, log, args.start_timeout)
         probe = ServerProbe(proc.pid, probe_dir, url) if args.probe else None
         traffic = Traffic(url, str(model), args, config == "capsteer", capture_dir, probe)
+        if spy_path is not None:
+            traffic.spy_to = (proc.pid, spy_path)
         asyncio.run(traffic.run())
     except BaseException:
         print(log.read_text(errors="replace")[-4000:], file=sys.stderr)
@@ -499,6 +529,11 @@ def run_process(config: str, model: Path, args: argparse.Namespace, work: Path) 
         else:
             got["step_profile"] = step_profile.summarize(step_profile.load_events(trace))
             shutil.rmtree(trace.parent, ignore_errors=True)
+    if args.pyspy_s and spy_path is not None:
+        import pyspy_native
+
+        got["pyspy"] = pyspy_native.summarize(spy_path)
+        subprocess.run(["gzip", "-f", str(spy_path)], check=False)
     if probe is not None:
         got["probe"] = probe.windows()
         got["steps"] = engine_steps(probe_dir, traffic.t0)
@@ -511,7 +546,8 @@ def run_process(config: str, model: Path, args: argparse.Namespace, work: Path) 
 def engine_steps(probe_dir: Path, t0: float) -> list[list[float]]:
     """The EngineCore's step rows (the process with the most), on the traffic's clock:
     [end s, step ms, tokens, requests, prefills, execute_model ms, sample_tokens ms,
-    the step thread's CPU ms in the step, and in execute_model]."""
+    the step thread's CPU ms in the step, and in execute_model, its kernel CPU ms in the
+    step, minor page faults and involuntary context switches]."""
     import host_counters
 
     traces = host_counters.engine_probe_trace(probe_dir)
@@ -520,8 +556,9 @@ def engine_steps(probe_dir: Path, t0: float) -> list[list[float]]:
     rows = max(traces.values(), key=len)
     return [[round(end / 1e9 - t0, 4), round(step / 1e6, 3), tokens, requests, prefills,
              round(fwd / 1e6, 3), round(smpl / 1e6, 3), round(step_cpu / 1e6, 3),
-             round(fwd_cpu / 1e6, 3)]
-            for end, step, tokens, requests, prefills, fwd, smpl, step_cpu, fwd_cpu in rows]
+             round(fwd_cpu / 1e6, 3), round(sys_ns / 1e6, 3), minflt, nivcsw]
+            for (end, step, tokens, requests, prefills, fwd, smpl, step_cpu, fwd_cpu, sys_ns,
+                 minflt, nivcsw) in rows]
 
 
 def decode_steps(steps: list[list[float]], t0: float, t1: float) -> dict[str, Any]:
@@ -543,19 +580,24 @@ def chunk_steps(steps: list[list[float]], windows: list[dict[str, Any]]) -> dict
     after windows: plain traffic only), by scheduled tokens: up to vLLM's largest piecewise
     CUDA graph by default (512), and beyond it. Beside the step's wall time: its
     execute_model's, and the step thread's CPU time in each (the wall time a step spent
-    waiting is the difference)."""
+    waiting is the difference); then the thread's kernel CPU time in the step, its minor
+    page faults and involuntary context switches (rows of an older trace lack them)."""
     spans = [(w["start"], w["start"] + w["wall_s"]) for w in windows
              if not w["window"].startswith("burst")]
     out = {}
     for lo, hi in CHUNK_BINS:
-        got = [(ms, cpu, fwd, fwd_cpu)
-               for end, ms, tokens, _r, prefills, fwd, _smpl, cpu, fwd_cpu in steps
+        got = [(ms, cpu, fwd, fwd_cpu, *usage)
+               for end, ms, tokens, _r, prefills, fwd, _smpl, cpu, fwd_cpu, *usage in steps
                if prefills and lo <= tokens <= hi and any(a <= end < b for a, b in spans)]
         if got:
-            ms, cpu, fwd, fwd_cpu = (statistics.median(column) for column in zip(*got, strict=True))
-            out[f"{lo}-{hi if hi < 1 << 30 else ''}"] = {
-                "n": len(got), "median_ms": ms, "cpu_median_ms": cpu,
-                "forward_median_ms": fwd, "forward_cpu_median_ms": fwd_cpu}
+            ms, cpu, fwd, fwd_cpu, *usage = (statistics.median(column)
+                                             for column in zip(*got, strict=True))
+            key = f"{lo}-{hi if hi < 1 << 30 else ''}"
+            out[key] = {"n": len(got), "median_ms": ms, "cpu_median_ms": cpu,
+                        "forward_median_ms": fwd, "forward_cpu_median_ms": fwd_cpu}
+            if usage:
+                out[key].update(zip(("sys_median_ms", "minflt_median", "nivcsw_median"),
+                                    usage, strict=True))
     return out
 
 
@@ -622,6 +664,13 @@ def main() -> None:
                     "of plain traffic in both configurations (vLLM's torch profiler) and "
                     "compare their steps kind by kind: host ops and calls a step "
                     "(bench/step_profile.py)")
+    ap.add_argument("--pyspy-s", type=float, default=0.0,
+                    help="after the timed phases (and any profile), sample the EngineCore with "
+                    "py-spy --native for this many seconds of plain traffic in both "
+                    "configurations; <out>/spy-CONFIG-rROUND.txt.gz and a comparison by "
+                    "library and frame (bench/pyspy_native.py)")
+    ap.add_argument("--pyspy", type=Path, default=Path("/tmp/pyspy/bin/py-spy"),
+                    help="the py-spy binary (pip install --target /tmp/pyspy py-spy)")
     ap.add_argument("--capsteer-first", action="store_true",
                     help="start capsteer's process before vanilla's in each round (a control "
                     "for the order: the second server on a host may run differently)")
@@ -658,7 +707,8 @@ def main() -> None:
             if args.deadline and time.time() > args.deadline:
                 print(f"--deadline: not starting {config} round {r + 1}", flush=True)
                 break
-            got = run_process(config, model, args, args.work)
+            spy = args.out / f"spy-{config}-r{r + 1}.txt" if args.pyspy_s else None
+            got = run_process(config, model, args, args.work, spy)
             got["round"] = r + 1
             processes.append(got)
             print_process(f"{config} round {r + 1}", got["figures"])
@@ -669,6 +719,7 @@ def main() -> None:
                 print_step_times(got, args.clients)
             out.write_text(json.dumps(report(args, processes), indent=1))  # survives a timeout
         print_step_profiles([p for p in processes if p["round"] == r + 1])
+        print_spy_profiles([p for p in processes if p["round"] == r + 1])
     result = report(args, processes)
     out.write_text(json.dumps(result, indent=1))
     print_ratios(result)
@@ -684,10 +735,13 @@ def print_step_times(got: dict[str, Any], clients: int) -> None:
             for k in sizes) for w in got["probe"]), flush=True)
     print("    steps with a prompt chunk outside bursts, median ms (n) by tokens, then CPU ms"
           " in the step, execute_model ms and its CPU ms (- where the model runner has a "
-          "process of its own, as on CPU): " + "; ".join(
+          "process of its own, as on CPU), the step thread's kernel CPU ms, minor page faults"
+          " and involuntary context switches in the step: " + "; ".join(
               f"{k} {v['median_ms']:.2f}({v['n']}) cpu {v['cpu_median_ms']:.2f} fwd "
               + (f"{v['forward_median_ms']:.2f} cpu {v['forward_cpu_median_ms']:.2f}"
                  if v["forward_median_ms"] else "- cpu -")
+              + (f" sys {v['sys_median_ms']:.2f} minflt {v['minflt_median']:.0f} nivcsw "
+                 f"{v['nivcsw_median']:.0f}" if "sys_median_ms" in v else "")
               for k, v in got["chunk_steps"].items()), flush=True)
 
 
@@ -699,6 +753,17 @@ def print_step_profiles(pair: list[dict[str, Any]]) -> None:
     if len(got) == 2:
         print("  profiled steps, vanilla/capsteer:", flush=True)
         for line in step_profile.compare_lines(got["vanilla"], got["capsteer"],
+                                               ("vanilla", "capsteer")):
+            print(line, flush=True)
+
+
+def print_spy_profiles(pair: list[dict[str, Any]]) -> None:
+    """A round's two py-spy summaries: where the EngineCore's step thread differs."""
+    import pyspy_native
+
+    got = {p["config"]: p["pyspy"] for p in pair if p.get("pyspy")}
+    if len(got) == 2:
+        for line in pyspy_native.compare_lines(got["vanilla"], got["capsteer"],
                                                ("vanilla", "capsteer")):
             print(line, flush=True)
 

@@ -34,6 +34,7 @@ import importlib.abc
 import importlib.util
 import mmap
 import os
+import resource
 import sys
 import time
 from typing import Any
@@ -54,13 +55,18 @@ _DIR = os.environ.get("CAPSTEER_ENGINE_PROBE_DIR")
 # token (a prefill chunk), and its execute_model() and sample_tokens() nanoseconds; then the
 # CPU time its thread ran in the step and in execute_model(): a step slower on the wall
 # but not in CPU time waited (a device sync, the GIL, a CPU), one slower in both ran more
-# or slower code.
+# or slower code. Then, from the step thread's getrusage over the step: its CPU time in
+# the kernel (system calls, page faults), its minor page faults, and the times it was
+# taken off the CPU while runnable (involuntary context switches): CPU time that grew
+# with any of them is the kernel's or another thread's, not slower Python.
 TRACE_FIELDS = ("end_ns", "step_ns", "tokens", "requests", "prefills", "forward_ns",
-                "sample_ns", "step_cpu_ns", "forward_cpu_ns")
+                "sample_ns", "step_cpu_ns", "forward_cpu_ns", "step_sys_ns", "step_minflt",
+                "step_nivcsw")
 TRACE_ROWS = 1 << 18  # ~25 minutes of steps at 160 a second; later steps are not kept
 _TRACE = _DIR is not None and os.environ.get("CAPSTEER_ENGINE_PROBE_TRACE") == "1"
 _END, _STEP, _T_TOKENS, _T_REQUESTS, _T_PREFILLS = range(5)  # TRACE_FIELDS' first five
 _STEP_CPU = TRACE_FIELDS.index("step_cpu_ns")
+_STEP_SYS = TRACE_FIELDS.index("step_sys_ns")
 
 
 class _Counters:
@@ -100,8 +106,9 @@ class _Trace:
             os.close(fd)
         return self.view
 
-    def end_step(self, step_ns: int, step_cpu_ns: int) -> None:
-        """Append the step in progress (if it scheduled tokens) and start the next."""
+    def end_step(self, step_ns: int, step_cpu_ns: int, usage: tuple[int, int, int]) -> None:
+        """Append the step in progress (if it scheduled tokens) and start the next;
+        `usage`: the step's (kernel CPU ns, minor faults, involuntary switches)."""
         row, self.pending = self.pending, [0] * len(TRACE_FIELDS)
         if not row[_T_TOKENS]:
             return
@@ -110,6 +117,7 @@ class _Trace:
         if n >= TRACE_ROWS:
             return
         row[_END], row[_STEP], row[_STEP_CPU] = time.monotonic_ns(), step_ns, step_cpu_ns
+        row[_STEP_SYS:_STEP_SYS + 3] = usage
         at = 1 + n * len(TRACE_FIELDS)
         for i, value in enumerate(row):
             v[at + i] = value
@@ -223,12 +231,33 @@ def _then_sample(after: Any) -> Any:
     return sampled
 
 
+def _thread_usage() -> tuple[int, int, int]:
+    """The calling thread's kernel CPU ns, minor faults and involuntary switches so far."""
+    got = resource.getrusage(resource.RUSAGE_THREAD)
+    return int(got.ru_stime * 1e9), got.ru_minflt, got.ru_nivcsw
+
+
 def _trace_step() -> Any:
     """An `after` for the engine step when tracing (None otherwise): the step's row."""
     trace = _STEP_TRACE
     if trace is None:
         return None
-    return lambda _v, _result, elapsed, cpu: trace.end_step(elapsed, cpu)
+    return lambda _v, _result, elapsed, cpu: trace.end_step(
+        elapsed, cpu, tuple(b - a for a, b in zip(_step_usage[0], _thread_usage(), strict=True)))
+
+
+_step_usage = [(0, 0, 0)]  # the step thread's usage when its step in progress began
+
+
+def _usage_at_start(fn: Any) -> Any:
+    """`fn` with the step thread's usage taken before each call (for its trace row)."""
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        _step_usage[0] = _thread_usage()
+        return fn(*args, **kwargs)
+
+    wrapper.__wrapped__ = fn  # type: ignore[attr-defined]
+    return wrapper
 
 
 def _patch_scheduler(module: Any) -> None:
@@ -239,8 +268,8 @@ def _patch_scheduler(module: Any) -> None:
 
 def _patch_core(module: Any) -> None:
     cls = module.EngineCoreProc  # the engine process's busy loop calls this once a step
-    cls._process_engine_step = _timed(cls._process_engine_step, "step_ns",
-                                       _then_sample(_trace_step()))
+    step = _timed(cls._process_engine_step, "step_ns", _then_sample(_trace_step()))
+    cls._process_engine_step = _usage_at_start(step) if _STEP_TRACE is not None else step
 
 
 def _patch_runner(module: Any) -> None:
