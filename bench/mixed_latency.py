@@ -329,7 +329,8 @@ class Traffic:
     async def spy_phase(self, server_pid: int, path: Path) -> None:
         """After the timed phases: the plain clients alone while py-spy samples the
         EngineCore, native frames included, for pyspy_s seconds (py-spy pauses the process
-        for each sample, more so where it has more threads: no figure counts this phase)."""
+        for each sample, more so where it has more threads: no figure counts this phase);
+        then each `--attach` command, one after another, on the same traffic."""
         done = asyncio.Event()
         clients = asyncio.create_task(self.clients("pyspy", done))
         await asyncio.sleep(2.0)  # the clients spread out, as between bursts
@@ -337,14 +338,19 @@ class Traffic:
             engine = [pid for pid, role in process_roles(server_pid).items() if role == "engine"]
             if not engine:
                 raise RuntimeError("no EngineCore process to sample")
-            spy = await asyncio.create_subprocess_exec(
-                str(self.args.pyspy), "record", "--native", "--threads", "-r", "200",
-                "-d", f"{self.args.pyspy_s:g}", "-f", "raw", "-o", str(path), "--pid",
-                str(engine[0]), stdout=asyncio.subprocess.DEVNULL,
-                stderr=asyncio.subprocess.PIPE)
-            _, err = await spy.communicate()
-            if spy.returncode:
-                raise RuntimeError(f"py-spy exited {spy.returncode}: {err.decode()[-400:]}")
+            commands = [[str(self.args.pyspy), "record", "--native", "--threads", "-r", "200",
+                         "-d", f"{self.args.pyspy_s:g}", "-f", "raw", "-o", str(path), "--pid",
+                         str(engine[0])]] if self.args.pyspy_s else []
+            for i, template in enumerate(self.args.attach):
+                out = path.with_name(f"{path.name.removesuffix('.txt')}-attach{i + 1}.txt")
+                commands.append(["bash", "-c", template.format(pid=engine[0], out=out)])
+            for argv in commands:
+                run = await asyncio.create_subprocess_exec(
+                    *argv, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+                _, err = await run.communicate()
+                if run.returncode:
+                    print(f"{argv[0]} exited {run.returncode}: {err.decode()[-400:]}",
+                          file=sys.stderr, flush=True)
         finally:
             done.set()
             await clients
@@ -384,7 +390,7 @@ class Traffic:
         await beside
         if a.profile_s:
             await self.profile_phase()
-        if a.pyspy_s and self.spy_to is not None:
+        if (a.pyspy_s or a.attach) and self.spy_to is not None:
             await self.spy_phase(*self.spy_to)
         await self.client.close()
         self.clear_captures()
@@ -529,7 +535,7 @@ def run_process(config: str, model: Path, args: argparse.Namespace, work: Path,
         else:
             got["step_profile"] = step_profile.summarize(step_profile.load_events(trace))
             shutil.rmtree(trace.parent, ignore_errors=True)
-    if args.pyspy_s and spy_path is not None:
+    if args.pyspy_s and spy_path is not None and spy_path.exists():
         import pyspy_native
 
         got["pyspy"] = pyspy_native.summarize(spy_path)
@@ -671,6 +677,10 @@ def main() -> None:
                     "library and frame (bench/pyspy_native.py)")
     ap.add_argument("--pyspy", type=Path, default=Path("/tmp/pyspy/bin/py-spy"),
                     help="the py-spy binary (pip install --target /tmp/pyspy py-spy)")
+    ap.add_argument("--attach", action="append", default=[], metavar="CMD",
+                    help="after any py-spy, run this bash command on the same plain traffic, "
+                    "{pid} the EngineCore's, {out} a file beside the py-spy one (e.g. "
+                    "\"timeout -s INT 5 strace -c -o {out} -p {pid}\"); repeatable")
     ap.add_argument("--capsteer-first", action="store_true",
                     help="start capsteer's process before vanilla's in each round (a control "
                     "for the order: the second server on a host may run differently)")
@@ -707,7 +717,8 @@ def main() -> None:
             if args.deadline and time.time() > args.deadline:
                 print(f"--deadline: not starting {config} round {r + 1}", flush=True)
                 break
-            spy = args.out / f"spy-{config}-r{r + 1}.txt" if args.pyspy_s else None
+            spy = (args.out / f"spy-{config}-r{r + 1}.txt" if args.pyspy_s or args.attach
+                   else None)
             got = run_process(config, model, args, args.work, spy)
             got["round"] = r + 1
             processes.append(got)
