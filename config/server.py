@@ -133,6 +133,10 @@ class ServerSettings(BaseSettings):
                                "whose requests carry no capture or steering replay graphs "
                                "without the taps (off: one set; start-up records half "
                                "as many graphs, plain steps run the taps' empty kernels)")
+    stack_room: bool = Field(True, description="run each engine process's step loop with "
+                             "128 KiB of fresh Python frame stack under it, so the model's "
+                             "per-layer calls never map and unmap CPython's stack chunks "
+                             "(off: the loop runs as vLLM starts it)")
     capture_wait_timeout: float = Field(60.0, description="seconds a capture_wait response "
                                         "may be held (then status pending)")
     steering_dir: str = Field("steering-vectors", description="named steering vectors")
@@ -274,6 +278,8 @@ class ServerSettings(BaseSettings):
             config["staging_rows"] = self.capture_staging_rows
         if not self.plain_graphs:
             config["plain_graphs"] = False
+        if not self.stack_room:
+            config["stack_room"] = False
         return config
 
 

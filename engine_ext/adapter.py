@@ -599,7 +599,7 @@ def model_name(worker: object) -> str:
 RUNTIME_KEYS = frozenset({
     "capture_dir", "capture_budget", "capture_overload", "capture_workers", "capture_digest",
     "capture_io", "capture_writer", "capture_writer_processes", "capture_ring_bytes",
-    "sharded", "end_wait_s", "frontend", "canary", "plain_graphs"})
+    "sharded", "end_wait_s", "frontend", "canary", "plain_graphs", "stack_room"})
 
 
 def capsteer_config(worker: object) -> dict:
@@ -664,6 +664,45 @@ def eager_embedding(runner: object, num_tokens: int, multiplier: float = 1.0) ->
         embed = getattr(model, "embed_input_ids", None)
         out = embed(ids) if embed is not None else model.model.embed_tokens(ids)
         return out * multiplier if multiplier != 1.0 else out
+
+
+# The loops that run an engine process's steps on one thread for the process's life:
+# vLLM's engine core (which runs the model itself with one GPU) and its multiprocessing
+# workers (tensor/pipeline parallel, the CPU backend), as (module, class, method).
+STEP_LOOPS = (("vllm.v1.engine.core", "EngineCoreProc", "run_busy_loop"),
+              ("vllm.v1.executor.multiproc_executor", "WorkerProc", "worker_busy_loop"))
+
+
+def give_step_loops_stack_room() -> list[str]:
+    """Run vLLM's step loops with room on CPython's frame stack (engine_ext.stack_room), so
+    the per-layer calls of a step never map and unmap stack chunks. Called in an engine
+    process before its loop starts (the worker's construction); wraps the loop of each
+    class already imported here, and each subclass's override. Returns what it wrapped: none
+    where the model runs from no such loop (the in-process engine, Ray's workers)."""
+    import sys
+
+    from capsteer.engine_ext import stack_room
+
+    wrapped = []
+    for module_name, class_name, method in STEP_LOOPS:
+        base = getattr(sys.modules.get(module_name), class_name, None)
+        if base is None:  # not this process's loop (its module is not even imported)
+            continue
+        for cls in (base, *_subclasses(base)):
+            loop = cls.__dict__.get(method)
+            if loop is None or getattr(loop, "__capsteer_stack_room__", False):
+                continue
+            name = f"{cls.__name__}.{method}"
+            setattr(cls, method, stack_room.with_room(loop, name))
+            wrapped.append(name)
+    return wrapped
+
+
+def _subclasses(cls: type) -> list[type]:
+    out = []
+    for sub in cls.__subclasses__():
+        out += [sub, *_subclasses(sub)]
+    return out
 
 
 def wrap_forward_calls(runner: object, around: Callable[[Callable], Callable]) -> None:

@@ -21,7 +21,7 @@ import torch
 
 from capsteer.capture.publish import IO_MODES
 from capsteer.capture.sink import CaptureEnd, CaptureRequest, CaptureSink, MemorySink
-from capsteer.engine_ext import adapter
+from capsteer.engine_ext import adapter, stack_room
 from capsteer.engine_ext.canary import CanaryFailed, faulty_site, run_canary
 from capsteer.engine_ext.harvest import Harvester
 from capsteer.engine_ext.lifeline import watch_launcher
@@ -809,8 +809,13 @@ class CapsteerWorker(adapter.platform_worker_base()):  # type: ignore[misc]
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         # Before the model first runs, which is when vLLM keys its compile cache.
-        adapter.take_runtime_config(self)
+        config = adapter.take_runtime_config(self)
         watch_launcher()  # an orphaned engine exits instead of holding the GPU for nobody
+        if config.get("stack_room", True):  # before this process's step loop starts
+            loops = adapter.give_step_loops_stack_room()
+            logger.info("capsteer: step loop%s with %d KiB of frame stack room: %s",
+                        "s" if len(loops) != 1 else "", stack_room.ROOM_WORDS * 8 // 1024,
+                        ", ".join(loops) or "none here (no vLLM step loop in this process)")
 
     def load_model(self, *args, **kwargs) -> None:
         super().load_model(*args, **kwargs)
@@ -926,5 +931,6 @@ class CapsteerWorker(adapter.platform_worker_base()):  # type: ignore[misc]
                 "host_s": {k: round(v, 6) for k, v in hooks.host_s.items()},
                 "host_cpu_s": {k: round(v, 6) for k, v in hooks.host_cpu_s.items()},
                 "harvest": hooks.harvester.stats() if hooks.harvester else None,
-                "graph_replays": hooks.graph_replays()}
+                "graph_replays": hooks.graph_replays(),
+                "stack_room": stack_room.loops_with_room()}
 

@@ -229,6 +229,10 @@ def test_a_job_stops_the_forward_after_its_deepest_layer_and_equals_hf(stopped_j
     its start-up canary with the final norm reading resid_pre(2), and every hook at
     layer 1 still equals HF transformers' full forward."""
     family, out, records, stats, _, result = stopped_job
+    # The CPU backend's worker process runs its steps from vLLM's worker loop, which capsteer
+    # started with room on the frame stack (engine_ext/stack_room.py): the captures below
+    # come from that loop.
+    assert stats["stack_room"] == ["WorkerProc.worker_busy_loop"]
     assert stats["stop_at_layer"] == 2
     assert stats["forward_layers"] == 2
     assert (result.forward_layers, result.model_layers) == (2, 4)

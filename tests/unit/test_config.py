@@ -116,7 +116,7 @@ def test_precedence_flag_env_file_default(tmp_path: Path,
                          "capture_io": "default", "capture_budget": "default",
                          "capture_ring": "default", "capture_staging_rows": "default",
                          "capture_wait_timeout": "file", "plain_graphs": "default",
-                         "steering_dir": "file",
+                         "stack_room": "default", "steering_dir": "file",
                          "admin_key": "env", "capture_default": "default",
                          "global_capture": "default"}
     assert r.config_file == path
@@ -379,7 +379,8 @@ def test_server_flags_shared_definition() -> None:
                            "--capture-digest", "--capture-writer", "--capture-writer-processes",
                            "--capture-io",
                            "--capture-budget", "--capture-ring", "--capture-staging-rows",
-                           "--capture-wait-timeout", "--plain-graphs", "--steering-dir",
+                           "--capture-wait-timeout", "--plain-graphs", "--stack-room",
+                           "--steering-dir",
                            "--admin-key", "--global-capture"]
     assert flags["--capture-layout"].choices == ("packed", "per_file")
     assert flags["--capture-overload"].choices == OVERLOAD_POLICIES
@@ -390,13 +391,15 @@ def test_server_flags_shared_definition() -> None:
     assert all(f.help for f in cli.SERVER_FLAGS)
 
 
-def test_plain_graphs_flag_reaches_the_worker_config() -> None:
+@pytest.mark.parametrize("field", ["plain_graphs", "stack_room"])
+def test_on_off_flags_reach_the_worker_config(field: str) -> None:
     p = argparse.ArgumentParser()
     cli.add_server_flags(p)
-    off = load_settings(cli.overrides_from_args(p.parse_args(["--plain-graphs", "off"])))
-    assert off.plain_graphs is False and off.worker_config()["plain_graphs"] is False
-    on = load_settings(cli.overrides_from_args(p.parse_args(["--plain-graphs", "on"])))
-    assert on.plain_graphs is True and "plain_graphs" not in on.worker_config()  # the default
+    flag = "--" + field.replace("_", "-")
+    off = load_settings(cli.overrides_from_args(p.parse_args([flag, "off"])))
+    assert getattr(off, field) is False and off.worker_config()[field] is False
+    on = load_settings(cli.overrides_from_args(p.parse_args([flag, "on"])))
+    assert getattr(on, field) is True and field not in on.worker_config()  # the default
 
 
 def test_flags_default_to_none_and_become_overrides() -> None:
