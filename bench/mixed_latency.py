@@ -586,8 +586,9 @@ def chunk_steps(steps: list[list[float]], windows: list[dict[str, Any]]) -> dict
     after windows: plain traffic only), by scheduled tokens: up to vLLM's largest piecewise
     CUDA graph by default (512), and beyond it. Beside the step's wall time: its
     execute_model's, and the step thread's CPU time in each (the wall time a step spent
-    waiting is the difference); then the thread's kernel CPU time in the step, its minor
-    page faults and involuntary context switches (rows of an older trace lack them)."""
+    waiting is the difference); then the means of the thread's kernel CPU time in the step
+    (a mean: the kernel counts it in whole ticks), its minor page faults and its involuntary
+    context switches (rows of an older trace lack them)."""
     spans = [(w["start"], w["start"] + w["wall_s"]) for w in windows
              if not w["window"].startswith("burst")]
     out = {}
@@ -596,14 +597,14 @@ def chunk_steps(steps: list[list[float]], windows: list[dict[str, Any]]) -> dict
                for end, ms, tokens, _r, prefills, fwd, _smpl, cpu, fwd_cpu, *usage in steps
                if prefills and lo <= tokens <= hi and any(a <= end < b for a, b in spans)]
         if got:
-            ms, cpu, fwd, fwd_cpu, *usage = (statistics.median(column)
-                                             for column in zip(*got, strict=True))
+            columns = list(zip(*got, strict=True))
+            ms, cpu, fwd, fwd_cpu = (statistics.median(column) for column in columns[:4])
             key = f"{lo}-{hi if hi < 1 << 30 else ''}"
             out[key] = {"n": len(got), "median_ms": ms, "cpu_median_ms": cpu,
                         "forward_median_ms": fwd, "forward_cpu_median_ms": fwd_cpu}
-            if usage:
-                out[key].update(zip(("sys_median_ms", "minflt_median", "nivcsw_median"),
-                                    usage, strict=True))
+            out[key].update(zip(("sys_mean_ms", "minflt_mean", "nivcsw_mean"),
+                                (statistics.fmean(column) for column in columns[4:]),
+                                strict=False))
     return out
 
 
@@ -746,13 +747,13 @@ def print_step_times(got: dict[str, Any], clients: int) -> None:
             for k in sizes) for w in got["probe"]), flush=True)
     print("    steps with a prompt chunk outside bursts, median ms (n) by tokens, then CPU ms"
           " in the step, execute_model ms and its CPU ms (- where the model runner has a "
-          "process of its own, as on CPU), the step thread's kernel CPU ms, minor page faults"
-          " and involuntary context switches in the step: " + "; ".join(
+          "process of its own, as on CPU), then means of the step thread's kernel CPU ms, "
+          "minor page faults and involuntary context switches in the step: " + "; ".join(
               f"{k} {v['median_ms']:.2f}({v['n']}) cpu {v['cpu_median_ms']:.2f} fwd "
               + (f"{v['forward_median_ms']:.2f} cpu {v['forward_cpu_median_ms']:.2f}"
                  if v["forward_median_ms"] else "- cpu -")
-              + (f" sys {v['sys_median_ms']:.2f} minflt {v['minflt_median']:.0f} nivcsw "
-                 f"{v['nivcsw_median']:.0f}" if "sys_median_ms" in v else "")
+              + (f" sys {v['sys_mean_ms']:.3f} minflt {v['minflt_mean']:.1f} nivcsw "
+                 f"{v['nivcsw_mean']:.2f}" if "sys_mean_ms" in v else "")
               for k, v in got["chunk_steps"].items()), flush=True)
 
 
