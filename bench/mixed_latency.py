@@ -730,8 +730,16 @@ def main() -> None:
                     print(probe_line(w), flush=True)
                 print_step_times(got, args.clients)
             out.write_text(json.dumps(report(args, processes), indent=1))  # survives a timeout
-        print_step_profiles([p for p in processes if p["round"] == r + 1])
-        print_spy_profiles([p for p in processes if p["round"] == r + 1])
+        pair = [p for p in processes if p["round"] == r + 1]
+        if args.profile_s:
+            import step_profile
+
+            print_round_comparison(pair, "step_profile", step_profile.compare_lines,
+                                   "  profiled steps, vanilla/capsteer:")
+        if args.pyspy_s:
+            import pyspy_native
+
+            print_round_comparison(pair, "pyspy", pyspy_native.compare_lines)
     result = report(args, processes)
     out.write_text(json.dumps(result, indent=1))
     print_ratios(result)
@@ -757,26 +765,15 @@ def print_step_times(got: dict[str, Any], clients: int) -> None:
               for k, v in got["chunk_steps"].items()), flush=True)
 
 
-def print_step_profiles(pair: list[dict[str, Any]]) -> None:
-    """A round's two profiles, step kind by step kind (vanilla/capsteer)."""
-    import step_profile
-
-    got = {p["config"]: p["step_profile"] for p in pair if p.get("step_profile")}
+def print_round_comparison(pair: list[dict[str, Any]], key: str, compare_lines: Any,
+                           heading: str | None = None) -> None:
+    """A round's two summaries under `key` (a step profile, py-spy samples), compared by
+    `compare_lines(vanilla's, capsteer's, names)`; nothing unless both processes have one."""
+    got = {p["config"]: p[key] for p in pair if p.get(key)}
     if len(got) == 2:
-        print("  profiled steps, vanilla/capsteer:", flush=True)
-        for line in step_profile.compare_lines(got["vanilla"], got["capsteer"],
-                                               ("vanilla", "capsteer")):
-            print(line, flush=True)
-
-
-def print_spy_profiles(pair: list[dict[str, Any]]) -> None:
-    """A round's two py-spy summaries: where the EngineCore's step thread differs."""
-    import pyspy_native
-
-    got = {p["config"]: p["pyspy"] for p in pair if p.get("pyspy")}
-    if len(got) == 2:
-        for line in pyspy_native.compare_lines(got["vanilla"], got["capsteer"],
-                                               ("vanilla", "capsteer")):
+        if heading:
+            print(heading, flush=True)
+        for line in compare_lines(got["vanilla"], got["capsteer"], ("vanilla", "capsteer")):
             print(line, flush=True)
 
 
