@@ -545,7 +545,10 @@ def run_process(config: str, model: Path, args: argparse.Namespace, work: Path,
         got["steps"] = engine_steps(probe_dir, traffic.t0)
         for w in got["probe"]:
             w["decode_steps"] = decode_steps(got["steps"], w["start"], w["start"] + w["wall_s"])
+            w["step_usage"] = step_usage(got["steps"], w["start"], w["start"] + w["wall_s"])
         got["chunk_steps"] = chunk_steps(got["steps"], got["probe"])
+        got["chunk_steps_by_phase"] = {phase: chunk_steps(got["steps"], got["probe"], (phase,))
+                                       for phase in ("quiet", "after")}
     return got
 
 
@@ -578,19 +581,33 @@ def decode_steps(steps: list[list[float]], t0: float, t1: float) -> dict[str, An
             for n, v in sorted(by_size.items())}
 
 
+def step_usage(steps: list[list[float]], t0: float, t1: float) -> dict[str, Any]:
+    """Means over every step of the window, of any kind (bursts' capture steps included), of
+    the step thread's kernel CPU ms, minor page faults and involuntary context switches, and
+    how many steps faulted at all: a per-step cost in the kernel shows in every window."""
+    got = [row[9:12] for row in steps if len(row) >= 12 and t0 <= row[0] < t1]
+    if not got:
+        return {"n": 0}
+    sys_ms, minflt, nivcsw = zip(*got, strict=True)
+    return {"n": len(got), "sys_mean_ms": statistics.fmean(sys_ms),
+            "minflt_mean": statistics.fmean(minflt), "nivcsw_mean": statistics.fmean(nivcsw),
+            "faulting_steps": sum(1 for f in minflt if f)}
+
+
 CHUNK_BINS = ((1, 512), (513, 1024), (1025, 1 << 30))  # scheduled tokens of a step
 
 
-def chunk_steps(steps: list[list[float]], windows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Median ms of the steps that carried a prompt chunk, outside bursts (the quiet and
-    after windows: plain traffic only), by scheduled tokens: up to vLLM's largest piecewise
-    CUDA graph by default (512), and beyond it. Beside the step's wall time: its
-    execute_model's, and the step thread's CPU time in each (the wall time a step spent
-    waiting is the difference); then the means of the thread's kernel CPU time in the step
-    (a mean: the kernel counts it in whole ticks), its minor page faults and its involuntary
-    context switches (rows of an older trace lack them)."""
+def chunk_steps(steps: list[list[float]], windows: list[dict[str, Any]],
+                phases: tuple[str, ...] = ("quiet", "after")) -> dict[str, Any]:
+    """Median ms of the steps that carried a prompt chunk in the windows of `phases` (by
+    default outside bursts, the quiet and after windows: plain traffic only), by scheduled
+    tokens: up to vLLM's largest piecewise CUDA graph by default (512), and beyond it.
+    Beside the step's wall time: its execute_model's, and the step thread's CPU time in each
+    (the wall time a step spent waiting is the difference); then the means of the thread's
+    kernel CPU time in the step (a mean: the kernel counts it in whole ticks), its minor page
+    faults and its involuntary context switches (rows of an older trace lack them)."""
     spans = [(w["start"], w["start"] + w["wall_s"]) for w in windows
-             if not w["window"].startswith("burst")]
+             if w["window"].split()[0] in phases]
     out = {}
     for lo, hi in CHUNK_BINS:
         got = [(ms, cpu, fwd, fwd_cpu, *usage)
@@ -747,7 +764,8 @@ def main() -> None:
 
 def print_step_times(got: dict[str, Any], clients: int) -> None:
     """A probed process's traced steps: each window's decode-only steps at the clients' full
-    batch and one short of it; outside bursts, the steps that carried a prompt chunk."""
+    batch and one short of it; outside bursts, the steps that carried a prompt chunk, all
+    together and then by phase; and each window's kernel time and faults per step."""
     sizes = [str(clients), str(clients - 1)]
     print(f"    decode-only steps, median ms (n) at {' and '.join(sizes)} requests: " + "; ".join(
         f"{w['window']} " + " ".join(
@@ -756,13 +774,28 @@ def print_step_times(got: dict[str, Any], clients: int) -> None:
     print("    steps with a prompt chunk outside bursts, median ms (n) by tokens, then CPU ms"
           " in the step, execute_model ms and its CPU ms (- where the model runner has a "
           "process of its own, as on CPU), then means of the step thread's kernel CPU ms, "
-          "minor page faults and involuntary context switches in the step: " + "; ".join(
-              f"{k} {v['median_ms']:.2f}({v['n']}) cpu {v['cpu_median_ms']:.2f} fwd "
-              + (f"{v['forward_median_ms']:.2f} cpu {v['forward_cpu_median_ms']:.2f}"
-                 if v["forward_median_ms"] else "- cpu -")
-              + (f" sys {v['sys_mean_ms']:.3f} minflt {v['minflt_mean']:.1f} nivcsw "
-                 f"{v['nivcsw_mean']:.2f}" if "sys_mean_ms" in v else "")
-              for k, v in got["chunk_steps"].items()), flush=True)
+          "minor page faults and involuntary context switches in the step: "
+          + chunk_cells(got["chunk_steps"]), flush=True)
+    for phase, cells in (got.get("chunk_steps_by_phase") or {}).items():
+        if cells:
+            print(f"      {phase} windows only: {chunk_cells(cells)}", flush=True)
+    usage = [(w["window"], u) for w in got["probe"] if (u := w.get("step_usage", {})).get("n")]
+    if usage:
+        print("    every step, by window: mean kernel CPU ms, minor faults, steps that "
+              "faulted / steps: " + "; ".join(
+                  f"{name} {u['sys_mean_ms']:.3f} {u['minflt_mean']:.1f} "
+                  f"{u['faulting_steps']}/{u['n']}" for name, u in usage), flush=True)
+
+
+def chunk_cells(cells: dict[str, Any]) -> str:
+    """chunk_steps' bins on one line."""
+    return "; ".join(
+        f"{k} {v['median_ms']:.2f}({v['n']}) cpu {v['cpu_median_ms']:.2f} fwd "
+        + (f"{v['forward_median_ms']:.2f} cpu {v['forward_cpu_median_ms']:.2f}"
+           if v["forward_median_ms"] else "- cpu -")
+        + (f" sys {v['sys_mean_ms']:.3f} minflt {v['minflt_mean']:.1f} nivcsw "
+           f"{v['nivcsw_mean']:.2f}" if "sys_mean_ms" in v else "")
+        for k, v in cells.items())
 
 
 def print_round_comparison(pair: list[dict[str, Any]], key: str, compare_lines: Any,
