@@ -439,6 +439,7 @@ def ttft_by_offset(plain: list[dict], bursts: list[dict]) -> dict[str, float]:
 
 
 TPOT_BIN_S = 2.0
+SETTLED_S = 4.0  # a burst is past its prefill by then: what it leaves behind, for decodes
 
 
 def tpot_s(r: dict) -> float | None:
@@ -479,6 +480,14 @@ def figures(plain: list[dict], bursts: list[dict]) -> dict[str, Any]:
         if lat:
             out[name].update({"latency_median_s": statistics.median(lat),
                               "latency_p95_s": p95(lat)})
+    tpot = [t for r in plain if r["phase"] == "quiet" and (t := tpot_s(r)) is not None]
+    if tpot:
+        out["quiet"]["tpot_median_s"] = statistics.median(tpot)
+    settled = [t for r in plain if r["phase"] == "bursts" and (t := tpot_s(r)) is not None
+               and (since := since_burst(r, bursts)) is not None and since >= SETTLED_S]
+    out["settled"] = {"n": len(settled)}
+    if settled:
+        out["settled"]["tpot_median_s"] = statistics.median(settled)
     out["ttft_by_offset"] = ttft_by_offset(plain, bursts)
     out["tpot_by_offset"] = tpot_by_offset(plain, bursts)
     secs = [b["seconds"] for b in bursts]
@@ -625,11 +634,13 @@ def chunk_steps(steps: list[list[float]], windows: list[dict[str, Any]],
     return out
 
 
-KEYS = [("quiet", "ttft_median_s"), ("quiet", "latency_median_s"),
+KEYS = [("quiet", "ttft_median_s"), ("quiet", "latency_median_s"), ("quiet", "tpot_median_s"),
         ("bursts", "ttft_median_s"), ("bursts", "ttft_p95_s"),
         ("bursts", "latency_median_s"), ("bursts", "latency_p95_s"),
-        ("beside", "latency_median_s"), ("beside", "latency_p95_s")]
-HEADS = ["q ttft", "q lat", "p ttft", "p ttft95", "p lat", "p lat95", "b lat", "b lat95"]
+        ("beside", "latency_median_s"), ("beside", "latency_p95_s"),
+        ("settled", "tpot_median_s")]
+HEADS = ["q ttft", "q lat", "q tpot", "p ttft", "p ttft95", "p lat", "p lat95", "b lat",
+         "b lat95", "s tpot"]
 
 
 def device_name(device: str) -> str:
@@ -642,7 +653,8 @@ def device_name(device: str) -> str:
 
 
 def row(label: str, f: dict) -> str:
-    cells = [f"{f[g].get(k, float('nan')):9.3f}" for g, k in KEYS]
+    cells = [f"{f.get(g, {}).get(k, float('nan')) * (1000 if k.startswith('tpot') else 1):9.3f}"
+             for g, k in KEYS]  # seconds; time per output token in ms
     burst = f["burst_median_s"]
     return (f"{label:<22}" + "".join(cells) + f"{burst if burst is not None else float('nan'):9.3f}"
             + f"   n quiet {f['quiet']['n']}, burst phase {f['bursts']['n']}, "
@@ -727,8 +739,9 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     args.device_name = device_name(args.device)
     print(f"{'process':<22}" + "".join(f"{h:>9}" for h in HEADS) + f"{'burst s':>9}"
-          "   (seconds; q: quiet phase; p: the burst phase, every plain request; b: those "
-          "overlapping a burst)", flush=True)
+          "   (seconds, tpot ms; q: quiet phase; p: the burst phase, every plain request; b: those "
+          f"overlapping a burst; tpot: time per output token; s: burst-phase requests started "
+          f"{SETTLED_S:.0f} s or more after the latest burst's start)", flush=True)
     for r in range(args.rounds):
         flip = args.capsteer_first != (args.alternate and r % 2 == 1)
         for config in reversed(CONFIGS) if flip else CONFIGS:
@@ -849,7 +862,7 @@ def report(args: argparse.Namespace, processes: list[dict]) -> dict:
     def ratio(cap: dict, van: dict) -> dict[str, float | None]:
         got: dict[str, float | None] = {}
         for g, k in KEYS:
-            a, b = cap[g].get(k), van[g].get(k)
+            a, b = cap.get(g, {}).get(k), van.get(g, {}).get(k)
             got[f"{g}_{k}"] = a / b if a is not None and b else None
         a, b = cap["burst_median_s"], van["burst_median_s"]
         got["burst_median_s"] = a / b if a is not None and b else None
@@ -866,9 +879,9 @@ def report(args: argparse.Namespace, processes: list[dict]) -> dict:
         fs = [p["figures"] for p in processes if p["config"] == config and p["round"] in paired]
         if not fs:
             continue
-        med: dict[str, Any] = {g: {} for g in ("quiet", "bursts", "beside")}
+        med: dict[str, Any] = {g: {} for g, _k in KEYS}
         for g, k in KEYS:
-            vals = [f[g][k] for f in fs if k in f[g]]
+            vals = [f[g][k] for f in fs if k in f.get(g, {})]
             med[g][k] = statistics.median(vals) if vals else None
         bs = [f["burst_median_s"] for f in fs if f["burst_median_s"] is not None]
         med["burst_median_s"] = statistics.median(bs) if bs else None
