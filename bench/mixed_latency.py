@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
+import gzip
 import json
 import os
 import random
@@ -556,6 +557,7 @@ def run_process(config: str, model: Path, args: argparse.Namespace, work: Path,
             w["decode_steps"] = decode_steps(got["steps"], w["start"], w["start"] + w["wall_s"])
             w["step_usage"] = step_usage(got["steps"], w["start"], w["start"] + w["wall_s"])
         got["chunk_steps"] = chunk_steps(got["steps"], got["probe"])
+        got["host_loop_ms"] = host_loop_ms(got["probe"])
         got["chunk_steps_by_phase"] = {phase: chunk_steps(got["steps"], got["probe"], (phase,))
                                        for phase in ("quiet", "after")}
     return got
@@ -601,6 +603,32 @@ def step_usage(steps: list[list[float]], t0: float, t1: float) -> dict[str, Any]
     return {"n": len(got), "sys_mean_ms": statistics.fmean(sys_ms),
             "minflt_mean": statistics.fmean(minflt), "nivcsw_mean": statistics.fmean(nivcsw),
             "faulting_steps": sum(1 for f in minflt if f)}
+
+
+def host_loop_ms(windows: list[dict[str, Any]]) -> float | None:
+    """The probe's fixed Python loop on the thread that runs the forward (a worker's where
+    there is one, as on CPU), mean ms over the run: the host's speed for this process."""
+    roles = [w["roles"].get("worker", {}) for w in windows]
+    if not any(r.get("speed_n") for r in roles):
+        roles = [w["roles"].get("engine", {}) for w in windows]
+    n = sum(r.get("speed_n", 0.0) for r in roles)
+    return sum(r.get("speed_s", 0.0) for r in roles) / n * 1e3 if n else None
+
+
+def host_ratios(cap: dict[str, Any], van: dict[str, Any]) -> dict[str, float | None]:
+    """A probed round's host-bound figures: the steps of up to 512 tokens that carried a
+    prompt chunk outside bursts, the host loop, and the first divided by the second. The
+    host's speed differs between processes by up to 1.5x; the last ratio takes it out."""
+    def chunk(p: dict[str, Any]) -> float | None:
+        return (p.get("chunk_steps") or {}).get("1-512", {}).get("median_ms")
+
+    got: dict[str, float | None] = {}
+    for key, a, b in (("chunk_steps_512", chunk(cap), chunk(van)),
+                      ("host_loop", cap.get("host_loop_ms"), van.get("host_loop_ms"))):
+        got[key] = a / b if a is not None and b else None
+    steps, loop = got["chunk_steps_512"], got["host_loop"]
+    got["chunk_steps_512_per_host_loop"] = steps / loop if steps and loop else None
+    return got
 
 
 CHUNK_BINS = ((1, 512), (513, 1024), (1025, 1 << 30))  # scheduled tokens of a step
@@ -723,8 +751,8 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path("/tmp/capsteer-mixed"))
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "bench/results"))
     ap.add_argument("--merge", type=Path, nargs="+", default=None, metavar="JSON",
-                    help="run nothing: join these mixed-latency.json files (one GPU call "
-                    "each, in run order) into <out>/mixed-latency.json, rounds renumbered")
+                    help="run nothing: join these mixed-latency.json files (.gz too; one GPU "
+                    "call each, in run order) into <out>/mixed-latency.json, rounds renumbered")
     args = ap.parse_args()
     if args.merge:
         merge(args.merge, args.out / "mixed-latency.json")
@@ -831,7 +859,8 @@ def print_ratios(result: dict) -> None:
 
 def merge(files: list[Path], out: Path) -> None:
     """Rounds run in separate calls (a GPU call has a time limit) judged as one run."""
-    runs = [json.loads(f.read_text()) for f in files]
+    runs = [json.loads(gzip.decompress(f.read_bytes()) if f.suffix == ".gz" else f.read_text())
+            for f in files]  # results/ keeps them gzipped
     first = runs[0]
     for f, run in zip(files, runs, strict=True):
         if (run["shape"], run["workload"], run["capsteer_flags"]) != (
@@ -841,7 +870,9 @@ def merge(files: list[Path], out: Path) -> None:
     for run in runs:
         for p in run["processes"]:
             processes.append({**p, "round": offset + p["round"],  # figures of this code
-                              "figures": figures(p["plain"], p["bursts"])})
+                              "figures": figures(p["plain"], p["bursts"]),
+                              **({"host_loop_ms": host_loop_ms(p["probe"])}
+                                 if "probe" in p else {})})
         offset += max((p["round"] for p in run["processes"]), default=0)
     args = argparse.Namespace(device_name=first["device"], shape=first["shape"],
                               capsteer_flags=first["capsteer_flags"], **first["workload"])
@@ -870,10 +901,13 @@ def report(args: argparse.Namespace, processes: list[dict]) -> dict:
 
     by_round: dict[int, dict[str, dict]] = {}
     for p in processes:
-        by_round.setdefault(p["round"], {})[p["config"]] = p["figures"]
+        by_round.setdefault(p["round"], {})[p["config"]] = p
     paired = {r for r, both in by_round.items() if set(both) == set(CONFIGS)}
     for r in sorted(paired):
-        ratios[f"round {r}"] = ratio(by_round[r]["capsteer"], by_round[r]["vanilla"])
+        cap, van = by_round[r]["capsteer"], by_round[r]["vanilla"]
+        ratios[f"round {r}"] = ratio(cap["figures"], van["figures"])
+        if "probe" in cap and "probe" in van:
+            ratios[f"round {r}"].update(host_ratios(cap, van))
     medians = {}
     for config in CONFIGS:  # rounds with both configurations only (a deadline can cut one)
         fs = [p["figures"] for p in processes if p["config"] == config and p["round"] in paired]
