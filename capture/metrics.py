@@ -75,38 +75,48 @@ FSYNC_SECONDS = Histogram(
 )
 
 
-class GraphReplays:
-    """Forwards replayed from CUDA graphs, by set (engine_ext.adapter.PlainGraphs).
+class SourcedCounters:
+    """A counter family whose values an engine keeps in plain numbers, read only when
+    metrics are collected: a step pays no lock and no call for them.
 
-    The step thread counts replays in plain ints; they are read here only when metrics are
-    collected, so a step pays no lock and no call for them. The family is empty in a
-    process without two sets (the API server, CPU engines, --plain-graphs off). The source
-    is held weakly: a closed engine's graphs are not kept alive by its metrics.
+    The source is one bound method returning {label value: count}; it is held weakly, so
+    a closed engine is not kept alive by its metrics. Without a source (the API server,
+    an engine that does not count this) the family is exported empty.
     """
 
-    NAME = "capsteer_graph_replays"
-    HELP = ("Forwards replayed from CUDA graphs, by set: plain (recorded without capsteer's "
-            "taps, for steps whose requests carry no capture or steering) or hooked. One a "
-            "step run from graphs, start-up and dummy forwards included; counted by the "
-            "first pipeline stage; empty where one set is recorded.")
-
-    def __init__(self) -> None:
+    def __init__(self, name: str, help_text: str, label: str) -> None:
+        self.name, self.help, self.label = name, help_text, label
         self._source: weakref.WeakMethod | None = None
 
-    def set_source(self, source: Callable[[], dict[str, int]] | None) -> None:
-        """A bound method returning replays per set (None: no source, an empty family)."""
+    def set_source(self, source: Callable[[], dict[str, float]] | None) -> None:
+        """A bound method returning the count per label value (None: an empty family)."""
         self._source = None if source is None else weakref.WeakMethod(source)
 
     def collect(self) -> Iterable[Metric]:
-        family = CounterMetricFamily(self.NAME, self.HELP, labels=["set"])
+        family = CounterMetricFamily(self.name, self.help, labels=[self.label])
         source = self._source() if self._source is not None else None
-        for which, count in (source() if source is not None else {}).items():
-            family.add_metric([which], float(count))
+        for value, count in (source() if source is not None else {}).items():
+            family.add_metric([value], float(count))
         yield family
 
 
-GRAPH_REPLAYS = GraphReplays()
+GRAPH_REPLAYS = SourcedCounters(
+    "capsteer_graph_replays",
+    "Forwards replayed from CUDA graphs, by set: plain (recorded without capsteer's taps, "
+    "for steps whose requests carry no capture or steering) or hooked. One a step run from "
+    "graphs, start-up and dummy forwards included; counted by the first pipeline stage; "
+    "empty where one set is recorded.",
+    "set")  # source: engine_ext.worker's graph_replay_counts (adapter.PlainGraphs)
+ENGINE_WAITS = SourcedCounters(
+    "capsteer_capture_engine_wait_seconds",
+    "Seconds an engine worker's threads waited for captured rows to move on, by what they "
+    "waited for: harvest_slot (the step thread, for a pinned staging slot the harvester "
+    "thread had not emptied: the step, and every request batched in it, waits), "
+    "writer_ring (for a writer process to free ring space) and writer_budget (an "
+    "in-process writer's budget). Counted by each worker that writes captures.",
+    "wait")  # source: engine_ext.worker's capture_wait_seconds
 REGISTRY.register(GRAPH_REPLAYS)
+REGISTRY.register(ENGINE_WAITS)
 
 
 def render() -> bytes:

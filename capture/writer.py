@@ -455,6 +455,11 @@ class CaptureWriter:
             "budget_wait_s": round(b.wait_s, 6),
         }
 
+    def engine_wait_s(self) -> dict[str, float]:
+        """Seconds the callers (the engine's threads: this writer runs in its process) waited
+        for the budget, read without a lock (capsteer_capture_engine_wait_seconds_total)."""
+        return {"writer_budget": self.budget.wait_s}
+
     # ------------------------------------------------------------ overload paths
     def _drop(self, cap: _Capture, reason: str) -> None:
         with cap.lock:

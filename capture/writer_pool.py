@@ -201,6 +201,14 @@ class ProcessWriterPool:
                     "process": None, "processes": each})
         return out
 
+    def engine_wait_s(self) -> dict[str, float]:
+        """The children's links' engine_wait_s, summed by what was waited for."""
+        out: dict[str, float] = {}
+        for w in self.writers:
+            for wait, seconds in w.engine_wait_s().items():
+                out[wait] = out.get(wait, 0.0) + seconds
+        return out
+
     def metrics_snapshot(self) -> dict[str, Any]:
         return metrics.merge_snapshots([w.metrics_snapshot() for w in self.writers])
 

@@ -439,6 +439,13 @@ class ProcessCaptureWriter:
         got = self._control("stats", _CALL_TIMEOUT_S)
         return None if got is None else {**got, **own}
 
+    def engine_wait_s(self) -> dict[str, float]:
+        """Seconds the engine's threads waited for the child to free ring space (and for
+        the in-process writer's budget after the child died), read in this process only:
+        no call to the child (capsteer_capture_engine_wait_seconds_total)."""
+        fallback = self._fallback.engine_wait_s() if self._fallback is not None else {}
+        return {"writer_ring": self.ring_wait_s, **fallback}
+
     def metrics_snapshot(self) -> dict[str, Any]:
         """The child's capture metrics (metrics.snapshot shape); the last good one if it
         does not answer, so counters never go backwards on a slow scrape."""

@@ -130,6 +130,10 @@ class EngineHooks:
         if self.harvester is not None and defer is not None:
             defer()
             self.harvester.on_idle = self.writer.flush_sends
+        if self.capture_rank:
+            from capsteer.capture import metrics
+
+            metrics.ENGINE_WAITS.set_source(self.capture_wait_seconds)
         skipped = faulty_site()
         # The mid norm's residual (pair tap at offset 1) crossed the split at attention.
         split_residual = adapter.residual_crosses_split(worker)
@@ -181,6 +185,14 @@ class EngineHooks:
                         "steps without hooks); the set without took %.2f GiB of GPU memory "
                         "beyond vLLM's KV-cache budget (--plain-graphs off records one set)",
                         graphs.plain_bytes / (1 << 30))
+
+    def capture_wait_seconds(self) -> dict[str, float]:
+        """Seconds this worker's threads waited for captured rows to move on, by what they
+        waited for (capsteer_capture_engine_wait_seconds_total): plain numbers the waits
+        add to, read here only when metrics are collected."""
+        waits = {"harvest_slot": self.harvester.wait_s} if self.harvester is not None else {}
+        writer_waits = getattr(self.writer, "engine_wait_s", None)
+        return {**waits, **(writer_waits() if writer_waits is not None else {})}
 
     def graph_replay_counts(self) -> dict[str, int]:
         """Replays per set, for capsteer_graph_replays_total ({}: one set)."""
@@ -932,5 +944,6 @@ class CapsteerWorker(adapter.platform_worker_base()):  # type: ignore[misc]
                 "host_cpu_s": {k: round(v, 6) for k, v in hooks.host_cpu_s.items()},
                 "harvest": hooks.harvester.stats() if hooks.harvester else None,
                 "graph_replays": hooks.graph_replays(),
+                "engine_wait_s": {k: round(v, 6) for k, v in hooks.capture_wait_seconds().items()},
                 "stack_room": stack_room.loops_with_room()}
 

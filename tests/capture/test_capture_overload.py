@@ -96,6 +96,18 @@ def test_block_counts_the_rows_that_waited_for_publishing():
     assert 0.25 <= budget.wait_s < 5
 
 
+def test_an_in_process_writers_budget_waits_are_the_engines(root):
+    """An in-process writer blocks the engine's own thread: engine_wait_s reports its
+    budget's wait (capsteer_capture_engine_wait_seconds_total{wait="writer_budget"})."""
+    w = CaptureWriter(root, budget_bytes=MIB, policy="block")
+    try:
+        assert w.engine_wait_s() == {"writer_budget": 0.0}
+        w.budget.wait_s = 1.25  # what a blocked acquire adds (see the test above)
+        assert w.engine_wait_s() == {"writer_budget": 1.25}
+    finally:
+        w.shutdown()
+
+
 def test_drop_counts_exactly(root):
     dropped0 = _metric("capsteer_capture_dropped_total", reason="budget")
     status0 = _metric("capsteer_capture_requests_total", status="dropped")

@@ -86,7 +86,7 @@ def test_same_capture_as_the_in_process_writer(proc_writer, root, tmp_path, dtyp
     assert temp_files(root) == []
 
 
-def test_rows_wrap_the_ring_wait_for_it_and_go_inline_when_large(proc_writer, root):
+def test_rows_wrap_the_ring_wait_for_it_and_go_inline_when_large(proc_writer, root, monkeypatch):
     spec = make_spec(layers=[0, 1], positions="all")
     # 1 MiB ring: 64 captures of 2 keys x 40 rows x 1024 floats (160 KiB a write) wrap it
     # many times and make the parent wait for the child to consume.
@@ -110,6 +110,22 @@ def test_rows_wrap_the_ring_wait_for_it_and_go_inline_when_large(proc_writer, ro
     assert stats["ring_waits"] > 0
     assert stats["ring_wait_s"] > 0
     assert stats["open_captures"] == 0
+    # The same wait, read in the engine's process without asking the child (for
+    # capsteer_capture_engine_wait_seconds_total).
+    assert proc_writer.engine_wait_s() == {"writer_ring": pytest.approx(stats["ring_wait_s"],
+                                                                        abs=1e-5)}
+    # ... which /metrics renders as a counter by what was waited for.
+    from capsteer.capture import metrics
+    from capsteer.server import metrics as server_metrics
+
+    monkeypatch.setattr(metrics.ENGINE_WAITS, "_source", None)
+    metrics.ENGINE_WAITS.set_source(proc_writer.engine_wait_s)
+    text = server_metrics.render([metrics.snapshot()], 0).decode()
+    assert "# TYPE capsteer_capture_engine_wait_seconds_total counter" in text
+    (line,) = [ln for ln in text.splitlines()
+               if ln.startswith("capsteer_capture_engine_wait_seconds_total{")]
+    assert line.startswith('capsteer_capture_engine_wait_seconds_total{wait="writer_ring"} ')
+    assert float(line.split()[-1]) == pytest.approx(stats["ring_wait_s"], abs=1e-5)
 
 
 def _resident_bytes(address: int) -> int:

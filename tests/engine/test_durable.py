@@ -86,6 +86,10 @@ def test_prompt_capture_closes_once_the_prompt_is_fed(engine_pool, model_dirs, h
     assert writer is not None and writer["budget_bytes"] > 0, writer
     assert writer["peak_bytes"] > 0, writer
     assert writer["ring_waits"] >= writer_before["ring_waits"], (writer_before, writer)
+    # The worker's own count of those ring waits (capsteer_capture_engine_wait_seconds_total;
+    # a CPU engine has no harvester, so no harvest_slot).
+    assert after["engine_wait_s"] == {"writer_ring": pytest.approx(writer["ring_wait_s"],
+                                                                   abs=1e-5)}, (after, writer)
     # The hooks' own per-step host time is accounted for, phase by phase.
     assert all(after["host_s"][k] > before["host_s"][k]
                for k in ("before_step", "before_forward", "after_step")), (before, after)

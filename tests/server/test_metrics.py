@@ -14,7 +14,8 @@ CAPTURE_METRICS = ("capsteer_capture_requests_total", "capsteer_capture_bytes_to
                    "capsteer_capture_inflight_bytes", "capsteer_capture_dropped_total",
                    "capsteer_capture_rejected_total", "capsteer_fsync_seconds",
                    "capsteer_steering_requests_total", "capsteer_steering_vectors",
-                   "capsteer_steering_refused_total", "capsteer_graph_replays_total")
+                   "capsteer_steering_refused_total", "capsteer_graph_replays_total",
+                   "capsteer_capture_engine_wait_seconds_total")
 
 
 def test_metrics_follow_the_bytes_and_files_on_disk(server, client, http):
@@ -51,6 +52,10 @@ def test_metrics_follow_the_bytes_and_files_on_disk(server, client, http):
     assert delta("capsteer_fsync_seconds_count") >= 3
     assert delta("capsteer_steering_requests_total") == 2
     assert metric_value(after, "capsteer_capture_inflight_bytes") == 0
+    # The worker's waits for its writer processes' rings are counted, labelled by what
+    # was waited for (none of these small captures fills a 1 GiB ring).
+    assert 'capsteer_capture_engine_wait_seconds_total{wait="writer_ring"}' in after
+    assert delta("capsteer_capture_engine_wait_seconds_total", wait="writer_ring") >= 0
     vectors = len(http.get("/v1/steering/vectors").json()["data"])
     assert metric_value(after, "capsteer_steering_vectors") == vectors
 

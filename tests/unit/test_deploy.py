@@ -30,7 +30,8 @@ K8S = DEPLOY / "k8s" / "capsteer.yaml"
 NFS_PV = DEPLOY / "k8s" / "nfs-pv.yaml"
 OPS_DOC = ROOT / "docs" / "operations-deploy.md"
 
-# api.md §6 (and capsteer_graph_replays_total, which extends it) plus the vLLM
+# api.md §6 (and capsteer_graph_replays_total and capsteer_capture_engine_wait_seconds_total,
+# which extend it) plus the vLLM
 # metrics checked on a live server: the only names the dashboard may use, and all of
 # them must be on it.
 CAPSTEER_METRICS = {
@@ -46,6 +47,7 @@ CAPSTEER_METRICS = {
     "capsteer_steering_refused_total",
     "capsteer_steering_vectors",
     "capsteer_graph_replays_total",
+    "capsteer_capture_engine_wait_seconds_total",
 }
 VLLM_METRICS = {
     "vllm:generation_tokens_total",
