@@ -131,7 +131,9 @@ class ServerProbe:
     two marks they say which process spent what in that window, e.g. whether the engine's
     steps took longer after a burst, or other processes took CPU then. From /metrics it
     also takes capsteer's CUDA-graph replays by set (capsteer_graph_replays_total): whether
-    a window's plain steps ran on the graphs without taps."""
+    a window's plain steps ran on the graphs without taps; and its engine's waits on
+    captured rows (capsteer_capture_engine_wait_seconds_total): whether a burst held the
+    steps, and every plain request in them, for a harvest slot or writer ring space."""
 
     def __init__(self, server_pid: int, probe_dir: Path, url: str) -> None:
         self.server_pid, self.probe_dir, self.url = server_pid, probe_dir, url
@@ -143,7 +145,7 @@ class ServerProbe:
 
         self.marks.append((label, at, {"counters": host_counters.snapshot(self.probe_dir),
                                        "roles": process_roles(self.server_pid),
-                                       "replays": graph_replays(self.url)}))
+                                       "metrics": capsteer_counters(self.url)}))
 
     def windows(self) -> list[dict[str, Any]]:
         import host_counters
@@ -158,27 +160,40 @@ class ServerProbe:
                 role["top_run_s"] = max(role.get("top_run_s", 0.0), got.pop("top_run_s"))
                 for key, value in got.items():
                     role[key] = role.get(key, 0.0) + value
-            replays = ({k: v - a["replays"].get(k, 0.0) for k, v in b["replays"].items()}
-                       if a["replays"] and b["replays"] else {})  # a failed read: unknown
+            deltas = {family: ({k: v - a["metrics"][family].get(k, 0.0)
+                                for k, v in b["metrics"][family].items()}
+                               if a["metrics"].get(family) and b["metrics"].get(family) else {})
+                      for family in COUNTER_FAMILIES}  # {}: a failed read or no such family
             out.append({"window": label, "start": t0, "wall_s": wall, "roles": by_role,
-                        "graph_replays": replays})
+                        **deltas})
         return out
 
 
-def graph_replays(url: str) -> dict[str, float]:
-    """capsteer_graph_replays_total by set from the server's /metrics ({} where absent:
-    vanilla, or an engine that records one set). In capsteer a scrape also asks each worker
-    for its metrics (one RPC between engine steps), which vanilla's does not: a few per
-    process, at the window marks only."""
+COUNTER_FAMILIES = {"graph_replays": ("capsteer_graph_replays_total", "set"),
+                    "engine_waits": ("capsteer_capture_engine_wait_seconds_total", "wait")}
+
+
+def capsteer_counters(url: str) -> dict[str, dict[str, float]]:
+    """From the server's /metrics: capsteer_graph_replays_total by set and
+    capsteer_capture_engine_wait_seconds_total by wait ({} each where absent: vanilla, an
+    engine that records one set). In capsteer a scrape also asks each worker for its
+    metrics (one RPC between engine steps), which vanilla's does not: a few per process, at
+    the window marks only."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
+    out: dict[str, dict[str, float]] = {family: {} for family in COUNTER_FAMILIES}
     try:
         text = httpx.get(f"{url}/metrics", timeout=10).text
     except httpx.HTTPError:
-        return {}
-    return {s.labels["set"]: s.value for family in text_string_to_metric_families(text)
-            for s in family.samples if s.name == "capsteer_graph_replays_total"}
+        return out
+    by_sample = {name: (family, label) for family, (name, label) in COUNTER_FAMILIES.items()}
+    for metric in text_string_to_metric_families(text):
+        for s in metric.samples:
+            if s.name in by_sample:
+                family, label = by_sample[s.name]
+                out[family][s.labels[label]] = s.value
+    return out
 
 
 def probe_line(w: dict[str, Any]) -> str:
@@ -207,20 +222,28 @@ def probe_line(w: dict[str, Any]) -> str:
             f"{engine.get('top_run_s', 0.0) / wall:6.2f}{cpu('worker')}{cpu('writer')}"
             f"{steps / wall:8.0f}{each('step_s')}{each('forward_s')}{each('sample_s')}"
             f"{gc_ms(engine):6.1f}/{gc_ms(roles.get('api', {})):<5.1f}{loop}"
-            f"{replays_cell(w.get('graph_replays') or {}):>14}")
+            f"{replays_cell(w.get('graph_replays') or {}):>14}"
+            f"{waits_cell(w.get('engine_waits') or {}):>12}")
 
 
 def replays_cell(replays: dict[str, float]) -> str:
     return f"{replays.get('plain', 0):.0f}/{replays.get('hooked', 0):.0f}" if replays else "-"
 
 
+def waits_cell(waits: dict[str, float]) -> str:
+    """The engine's waits on captured rows in a window, ms: harvest slot / writer ring."""
+    return (f"{waits.get('harvest_slot', 0) * 1e3:.0f}/{waits.get('writer_ring', 0) * 1e3:.0f}"
+            if waits else "-")
+
+
 PROBE_HEAD = ("    window      wall   api engine  step worker writer steps/s step ms  fwd ms"
-              " smpl ms  GC ms/s    loop ms  graphs p/h   (CPU s per s by process; step: the"
+              " smpl ms  GC ms/s    loop ms  graphs p/h  waits h/r   (CPU s per s by process; step: the"
               " EngineCore's busiest thread; ms per engine step; GC: engine/api; loop: the"
               " host's speed, a fixed Python loop timed every 0.5 s on the thread that runs"
               " the forward, lower is"
               " faster; graphs: steps replayed from capsteer's CUDA graphs without taps / with"
-              " them)")
+              " them; waits: ms capsteer's engine waited for captured rows to move on, for a"
+              " harvest slot (the step thread) / for writer ring space)")
 
 
 class Traffic:
