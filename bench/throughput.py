@@ -173,7 +173,11 @@ def run_one(config: str, model: str, device: str, p6: bool, capture_dir: str,
         batch(prompts)
         times.append(time.perf_counter() - t)
         if before is not None:  # where a capture batch's time went past the GPU
-            waits.append(waits_between(before, _writer_counters(engine))
+            after = _writer_counters(engine)
+            slot = {"harvest_slot_wait_s": after["harvest_slot_wait_s"]
+                    - before.get("harvest_slot_wait_s", 0.0)} \
+                if "harvest_slot_wait_s" in after else {}
+            waits.append(waits_between(before, after) | slot
                          | {"phases": dict(engine.last_phases)})
         if config == "capture":
             shutil.rmtree(capture_dir, ignore_errors=True)  # every rep writes afresh
@@ -203,6 +207,11 @@ def _writer_counters(engine) -> dict:
         for k, v in (writer or {}).items():
             if k in WRITER_WAITS + WRITER_LEVELS and isinstance(v, (int, float)):
                 out[k] = out.get(k, 0) + v
+    # The step thread's own waits for a pinned staging slot (GPU engines: the harvester
+    # had not emptied the slot), from the workers' capture_wait_seconds.
+    slot = [s.get("engine_wait_s", {}).get("harvest_slot") for s in engine.stats()]
+    if any(v is not None for v in slot):
+        out["harvest_slot_wait_s"] = sum(v or 0.0 for v in slot)
     return out
 
 
@@ -282,7 +291,8 @@ def main() -> None:
                       f"{ph.get('captures', 0):.2f} s more; writer waited "
                       f"{w.get('budget_wait_s') or 0:.2f} s for budget "
                       f"({w.get('budget_waits') or 0} waits), the engine "
-                      f"{w.get('ring_wait_s') or 0:.2f} s for ring space (device ring "
+                      f"{w.get('ring_wait_s') or 0:.2f} s for ring space and "
+                      f"{w.get('harvest_slot_wait_s') or 0:.2f} s for a harvest slot (device ring "
                       f"full {full} of {full + (w.get('device_writes') or 0)} "
                       f"reservations); peak "
                       f"{(w.get('peak_bytes') or 0) / 2**20:.0f} of "
