@@ -174,10 +174,8 @@ def run_one(config: str, model: str, device: str, p6: bool, capture_dir: str,
         times.append(time.perf_counter() - t)
         if before is not None:  # where a capture batch's time went past the GPU
             after = _writer_counters(engine)
-            slot = {"harvest_slot_wait_s": after["harvest_slot_wait_s"]
-                    - before.get("harvest_slot_wait_s", 0.0)} \
-                if "harvest_slot_wait_s" in after else {}
-            waits.append(waits_between(before, after) | slot
+            engine_side = {k: after[k] - before.get(k, 0.0) for k in ENGINE_SIDE if k in after}
+            waits.append(waits_between(before, after) | engine_side
                          | {"phases": dict(engine.last_phases)})
         if config == "capture":
             shutil.rmtree(capture_dir, ignore_errors=True)  # every rep writes afresh
@@ -198,6 +196,12 @@ def run_one(config: str, model: str, device: str, p6: bool, capture_dir: str,
     return out
 
 
+# Where the engine's own threads spent a burst on captured rows, beside the writers' waits:
+# the step thread waiting for a harvest slot, the harvester thread delivering a step's
+# rows, and within that its host copies into writer rings and its sends to the children.
+ENGINE_SIDE = ("harvest_slot_wait_s", "harvest_deliver_s", "copy_s", "send_s")
+
+
 def _writer_counters(engine) -> dict:
     """The durable writers' wait counters and levels, summed over the engine's workers."""
     from storage import WRITER_LEVELS, WRITER_WAITS
@@ -205,13 +209,17 @@ def _writer_counters(engine) -> dict:
     out: dict = {}
     for writer in engine.writer_stats():
         for k, v in (writer or {}).items():
-            if k in WRITER_WAITS + WRITER_LEVELS and isinstance(v, (int, float)):
+            if k in WRITER_WAITS + WRITER_LEVELS + ENGINE_SIDE and isinstance(v, (int, float)):
                 out[k] = out.get(k, 0) + v
     # The step thread's own waits for a pinned staging slot (GPU engines: the harvester
     # had not emptied the slot), from the workers' capture_wait_seconds.
-    slot = [s.get("engine_wait_s", {}).get("harvest_slot") for s in engine.stats()]
+    stats = engine.stats()
+    slot = [s.get("engine_wait_s", {}).get("harvest_slot") for s in stats]
     if any(v is not None for v in slot):
         out["harvest_slot_wait_s"] = sum(v or 0.0 for v in slot)
+    deliver = [(s.get("harvest") or {}).get("deliver_s") for s in stats]
+    if any(v is not None for v in deliver):
+        out["harvest_deliver_s"] = sum(v or 0.0 for v in deliver)
     return out
 
 
@@ -292,7 +300,10 @@ def main() -> None:
                       f"{w.get('budget_wait_s') or 0:.2f} s for budget "
                       f"({w.get('budget_waits') or 0} waits), the engine "
                       f"{w.get('ring_wait_s') or 0:.2f} s for ring space and "
-                      f"{w.get('harvest_slot_wait_s') or 0:.2f} s for a harvest slot (device ring "
+                      f"{w.get('harvest_slot_wait_s') or 0:.2f} s for a harvest slot, whose "
+                      f"thread delivered rows for {w.get('harvest_deliver_s') or 0:.2f} s "
+                      f"(host copies {w.get('copy_s') or 0:.2f} s, sends to the writers "
+                      f"{w.get('send_s') or 0:.2f} s) (device ring "
                       f"full {full} of {full + (w.get('device_writes') or 0)} "
                       f"reservations); peak "
                       f"{(w.get('peak_bytes') or 0) / 2**20:.0f} of "
