@@ -196,6 +196,13 @@ def capsteer_counters(url: str) -> dict[str, dict[str, float]]:
     return out
 
 
+def loop_role(roles: dict[str, dict[str, float]]) -> dict[str, float]:
+    """A window's counters of the process that runs the forward, where the probe times its
+    host loop: a worker where there is one (vLLM's CPU backend), else the EngineCore."""
+    worker = roles.get("worker", {})
+    return worker if worker.get("speed_n") else roles.get("engine", {})
+
+
 def probe_line(w: dict[str, Any]) -> str:
     """One window: CPU per wall second by role, and the engine's steps."""
     wall, roles = w["wall_s"], w["roles"]
@@ -214,8 +221,7 @@ def probe_line(w: dict[str, Any]) -> str:
     def gc_ms(role: dict[str, float]) -> float:
         return sum(role.get(f"gc{g}_s", 0.0) for g in range(3)) / wall * 1e3
 
-    # the process that runs the forward: a worker where there is one (vLLM's CPU backend)
-    sampled = worker if worker.get("speed_n") else engine
+    sampled = loop_role(roles)
     samples = sampled.get("speed_n", 0)
     loop = f"{sampled['speed_s'] / samples * 1e3:7.2f}" if samples else "      -"
     return (f"    {w['window']:<10}{wall:6.1f}{cpu('api')}{cpu('engine')}"
@@ -631,9 +637,7 @@ def step_usage(steps: list[list[float]], t0: float, t1: float) -> dict[str, Any]
 def host_loop_ms(windows: list[dict[str, Any]]) -> float | None:
     """The probe's fixed Python loop on the thread that runs the forward (a worker's where
     there is one, as on CPU), mean ms over the run: the host's speed for this process."""
-    roles = [w["roles"].get("worker", {}) for w in windows]
-    if not any(r.get("speed_n") for r in roles):
-        roles = [w["roles"].get("engine", {}) for w in windows]
+    roles = [loop_role(w["roles"]) for w in windows]
     n = sum(r.get("speed_n", 0.0) for r in roles)
     return sum(r.get("speed_s", 0.0) for r in roles) / n * 1e3 if n else None
 
