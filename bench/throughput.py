@@ -211,15 +211,14 @@ def _writer_counters(engine) -> dict:
         for k, v in (writer or {}).items():
             if k in WRITER_WAITS + WRITER_LEVELS + ENGINE_SIDE and isinstance(v, (int, float)):
                 out[k] = out.get(k, 0) + v
-    # The step thread's own waits for a pinned staging slot (GPU engines: the harvester
-    # had not emptied the slot), from the workers' capture_wait_seconds.
-    stats = engine.stats()
-    slot = [s.get("engine_wait_s", {}).get("harvest_slot") for s in stats]
-    if any(v is not None for v in slot):
-        out["harvest_slot_wait_s"] = sum(v or 0.0 for v in slot)
-    deliver = [(s.get("harvest") or {}).get("deliver_s") for s in stats]
-    if any(v is not None for v in deliver):
-        out["harvest_deliver_s"] = sum(v or 0.0 for v in deliver)
+    # GPU engines' harvesters: the step thread's waits for a pinned staging slot (the
+    # harvest_slot of capsteer_capture_engine_wait_seconds_total) and the harvester
+    # thread's time delivering rows.
+    for stats in engine.stats():
+        harvest = stats.get("harvest")
+        if harvest is not None:
+            for key, field in (("harvest_slot_wait_s", "wait_s"), ("harvest_deliver_s", "deliver_s")):
+                out[key] = out.get(key, 0.0) + harvest[field]
     return out
 
 
