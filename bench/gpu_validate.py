@@ -42,6 +42,9 @@ def main() -> None:
     ap.add_argument("--eager", action="store_true", help="enforce_eager (no CUDA graphs)")
     ap.add_argument("--canary-warn", action="store_true", help="diagnose a failing canary")
     ap.add_argument("--vanilla", action="store_true", help="also compare plain requests with vLLM")
+    ap.add_argument("--capture-ring", default=None, metavar="SIZE",
+                    help="writer processes' ring (capture_ring_bytes, e.g. 1MiB): a small one "
+                         "sends routes past the device ring to the harvester's packed copy")
     args = ap.parse_args()
     report: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
     t0 = time.time()
@@ -54,7 +57,8 @@ def main() -> None:
     t0 = time.time()
     capture_root = Path(args.model_dir).parent / "capsteer-validate-captures"
     config = {"sync_debug": True, "capture_dir": str(capture_root),
-              **({"canary": "warn"} if args.canary_warn else {})}
+              **({"canary": "warn"} if args.canary_warn else {}),
+              **({"capture_ring_bytes": args.capture_ring} if args.capture_ring else {})}
     engine = Engine(args.model_dir, dtype="bfloat16", gpu_memory_utilization=0.5,
                     max_model_len=2048, seed=0, capsteer_config=config,
                     enforce_eager=args.eager)
@@ -183,6 +187,7 @@ def main() -> None:
     report["durable_vs_memory"] = dur_rows
     report["writer_stats"] = [{k: v for k, v in (s or {}).items() if k != "processes"}
                               for s in engine.writer_stats()]
+    report["harvest"] = [s.get("harvest") for s in engine.stats()]
 
     # 3. batch isolation. bf16 kernels are batch-variant, so tokens may diverge at a near
     # tie; captures are compared where both runs fed identical inputs (prompt + agreeing

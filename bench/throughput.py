@@ -199,7 +199,8 @@ def run_one(config: str, model: str, device: str, p6: bool, capture_dir: str,
 # Where the engine's own threads spent a burst on captured rows, beside the writers' waits:
 # the step thread waiting for a harvest slot, the harvester thread delivering a step's
 # rows, and within that its host copies into writer rings and its sends to the children.
-ENGINE_SIDE = ("harvest_slot_wait_s", "harvest_deliver_s", "copy_s", "send_s")
+ENGINE_SIDE = ("harvest_slot_wait_s", "harvest_deliver_s", "harvest_rows_copied", "copy_s",
+               "send_s")
 
 
 def _writer_counters(engine) -> dict:
@@ -217,8 +218,9 @@ def _writer_counters(engine) -> dict:
     for stats in engine.stats():
         harvest = stats.get("harvest")
         if harvest is not None:
-            for key, field in (("harvest_slot_wait_s", "wait_s"), ("harvest_deliver_s", "deliver_s")):
-                out[key] = out.get(key, 0.0) + harvest[field]
+            for key, field in (("harvest_slot_wait_s", "wait_s"), ("harvest_deliver_s", "deliver_s"),
+                               ("harvest_rows_copied", "rows_copied")):
+                out[key] = out.get(key, 0) + harvest.get(field, 0)
     return out
 
 
@@ -300,7 +302,8 @@ def main() -> None:
                       f"({w.get('budget_waits') or 0} waits), the engine "
                       f"{w.get('ring_wait_s') or 0:.2f} s for ring space and "
                       f"{w.get('harvest_slot_wait_s') or 0:.2f} s for a harvest slot, whose "
-                      f"thread delivered rows for {w.get('harvest_deliver_s') or 0:.2f} s "
+                      f"thread copied {w.get('harvest_rows_copied') or 0:,} staging rows and "
+                      f"delivered rows for {w.get('harvest_deliver_s') or 0:.2f} s "
                       f"(host copies {w.get('copy_s') or 0:.2f} s, sends to the writers "
                       f"{w.get('send_s') or 0:.2f} s) (device ring "
                       f"full {full} of {full + (w.get('device_writes') or 0)} "

@@ -55,6 +55,7 @@ class Harvester:
         self.wait_s = 0.0
         self.deliver_s = 0.0
         self.copies = 0
+        self.rows_copied = 0  # staging rows copied into slots (the rest went device-to-ring)
         self.queue: queue.Queue = queue.Queue()
         self.errors: list[BaseException] = []
         # Called on this thread whenever it runs out of work (before it blocks): a sink
@@ -64,11 +65,13 @@ class Harvester:
         self.thread.start()
 
     def submit_copy(
-        self, staging: torch.Tensor, rows: int, tokens: torch.Tensor, num_tokens: int,
-        deliver: Callable[[torch.Tensor, torch.Tensor], None],
+        self, staging: torch.Tensor, spans: list[tuple[int, int]], tokens: torch.Tensor,
+        num_tokens: int, deliver: Callable[[torch.Tensor, torch.Tensor], None],
     ) -> None:
-        """Enqueue staging[:rows] and tokens[:num_tokens] -> pinned on the current stream;
-        `deliver(rows, tokens)` gets host views it must copy from before returning."""
+        """Enqueue the staging row spans [start, stop) -> one pinned slot, packed in order,
+        and tokens[:num_tokens], on the current stream; `deliver(rows, tokens)` gets host
+        views it must copy from before returning. Only the spans the sinks still need
+        cross the bus: rows already copied into writers' device rings do not."""
         slot = self.slots[self.next]
         self.next = (self.next + 1) % len(self.slots)
         if not slot.free.is_set():
@@ -76,7 +79,11 @@ class Harvester:
             slot.free.wait()
             self.wait_s += time.perf_counter() - start
         slot.free.clear()
-        slot.rows[:rows].copy_(staging[:rows], non_blocking=True)
+        rows = 0
+        for begin, end in spans:
+            slot.rows[rows: rows + end - begin].copy_(staging[begin:end], non_blocking=True)
+            rows += end - begin
+        self.rows_copied += rows
         slot.tokens[:num_tokens].copy_(tokens[:num_tokens], non_blocking=True)
         slot.copied.record()
         self.queue.put((slot.copied, slot, (rows, num_tokens), deliver))
@@ -87,7 +94,7 @@ class Harvester:
 
     def stats(self) -> dict[str, float]:
         return {"wait_s": round(self.wait_s, 6), "deliver_s": round(self.deliver_s, 6),
-                "copies": self.copies}
+                "copies": self.copies, "rows_copied": self.rows_copied}
 
     def drain(self) -> None:
         done = threading.Event()

@@ -505,11 +505,11 @@ class EngineHooks:
                 for i, (hook, layer) in enumerate(route.keys):
                     sink.write_reserved(reserved, route.capture_id, hook, layer, route.positions,
                                         frees=i == last)
-            self._deliver(staged, sinks, lambda r: rows[_staging_span(plan, r)])
+            self._deliver(staged, sinks, lambda r: rows[packed[id(r)]])
 
-        self.harvester.submit_copy(self.runtime.staging,
-                                   plan.staging_rows if staged.routes else 0,
-                                   self.runtime.token_stage, self.num_tokens_gathered, deliver)
+        spans, packed = staged_row_spans(plan, staged.routes)
+        self.harvester.submit_copy(self.runtime.staging, spans, self.runtime.token_stage,
+                                   self.num_tokens_gathered, deliver)
         self._close_complete_captures()
 
     def _copy_to_sinks(self, plan: StepPlan, sinks: dict[str, CaptureSink]):
@@ -805,6 +805,28 @@ def _reserve_one(route, sink: CaptureSink, src: torch.Tensor, copies: list, dire
         return
     copies.append((reserved.writer, reserved.rows, src))
     direct.append((route, sink, reserved))
+
+
+def staged_row_spans(plan: StepPlan, routes) -> tuple[list[tuple[int, int]], dict[int, slice]]:
+    """The staging rows of `routes` (those the harvester carries) as merged [start, stop)
+    spans, and where each route's rows land once the spans are packed back to back in the
+    harvester's slot (keyed by id(route)). Routes that share or touch rows share a span."""
+    spans: list[list[int]] = []
+    placed: list[tuple[int, slice, int]] = []  # (id, staging span, index of its merged span)
+    for route in sorted(routes, key=lambda r: _staging_span(plan, r).start):
+        span = _staging_span(plan, route)
+        if spans and span.start <= spans[-1][1]:
+            spans[-1][1] = max(spans[-1][1], span.stop)
+        else:
+            spans.append([span.start, span.stop])
+        placed.append((id(route), span, len(spans) - 1))
+    packed_at, total = [], 0
+    for begin, end in spans:
+        packed_at.append(total - begin)  # slot row = staging row + this shift
+        total += end - begin
+    where = {rid: slice(span.start + packed_at[i], span.stop + packed_at[i])
+             for rid, span, i in placed}
+    return [(b, e) for b, e in spans], where
 
 
 def _staging_span(plan: StepPlan, route) -> slice:

@@ -880,6 +880,40 @@ def test_a_steps_copies_into_span_writers_are_one_reservation_per_writer_and_poi
         torch.testing.assert_close(reserved.rows, rt.staging[worker._staging_span(plan, route)])
 
 
+def test_the_harvester_carries_only_the_rows_of_routes_that_missed_the_rings():
+    """Routes whose rows went GPU -> a writer's ring stay off the harvester's copy: it
+    packs only the staged routes' spans (touching spans merged into one copy), and each
+    staged route reads its own rows back from the packed slot."""
+    from capsteer.engine_ext import worker
+
+    rt = HookRuntime(LAYERS, HIDDEN, torch.float32, torch.device("cpu"), max_tokens=32,
+                     max_requests=8, staging_rows=64, device_driven=True)
+    ids = [f"c{i}" for i in range(4)]
+    reqs = {r: hooks_for(r, 4, rt=rt, capture={"hooks": ["resid_post", "attn_out"],
+                                               "layers": [1, 2]}) for r in ids}
+    plan = build_step_plan(ids, np.array([0, 4, 8, 12, 16]), np.zeros(4, np.int64), reqs, None,
+                           host_steering=False)
+    rt.staging[: plan.staging_rows] = torch.arange(plan.staging_rows * HIDDEN,
+                                                   dtype=torch.float32).view(-1, HIDDEN)
+
+    def packed(routes):
+        spans, where = worker.staged_row_spans(plan, routes)
+        slot = torch.cat([rt.staging[b:e] for b, e in spans]) if spans else rt.staging[:0]
+        for route in routes:
+            torch.testing.assert_close(slot[where[id(route)]],
+                                       rt.staging[worker._staging_span(plan, route)])
+        return spans, slot.shape[0]
+
+    everything, rows = packed(plan.routes)
+    assert rows == plan.staging_rows  # every row once, adjacent routes' spans merged
+    assert len(everything) < len(plan.routes)
+    missed = [r for r in plan.routes if r.capture_id in ("cap-c1", "cap-c3")]
+    spans, rows = packed(missed)
+    assert rows == sum(len(r.positions) for r in missed) < plan.staging_rows
+    assert all(e - b > 0 for b, e in spans)
+    assert packed([]) == ([], 0)
+
+
 def test_a_capture_the_worker_cannot_serve_ends_with_an_error_receipt():
     """A payload whose hooks cannot be registered (here: the steering table is full) runs
     without hooks, and its capture still ends: an error naming why, never silence (the
