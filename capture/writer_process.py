@@ -89,6 +89,10 @@ _DONE_BATCH_S = 0.02  # the child reports finished captures at most this often
 _CALL_TIMEOUT_S = 30.0
 _MAX_BATCH = 256  # ring writes per message at most
 IDLE_TRIM_S = 30.0  # the child hands freed heap back to the system after this long idle
+# Messages the child has read off the link but not handled yet, at most (one larger
+# message still enters an empty inbox). Rows travel in the rings; messages carry their
+# offsets, so this holds many steps of them.
+INBOX_BYTES = 64 << 20
 
 
 def _align(n: int) -> int:
@@ -758,6 +762,51 @@ def _answer_control(ctl: Connection, writer: Any) -> None:
 _ONE_THREAD_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
+class _Inbox:
+    """The child's messages read off the link, in order, bounded by INBOX_BYTES.
+
+    A thread of the child reads the link into it as fast as the engine sends, so the
+    engine's send returns once its bytes are in, not once the child has handled every
+    earlier message (its harvester and step thread waited behind that before). What
+    holds the engine back is then the rings' space, counted where it waits (ring_wait_s),
+    or a full inbox, which blocks the reader and so the engine's send as before."""
+
+    IDLE = object()  # get: nothing came within the timeout
+    EOF = object()  # get: the link is closed
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.items: collections.deque[Any] = collections.deque()
+        self.bytes = 0
+        self.cond = threading.Condition()
+
+    def put(self, data: Any, size: int = 0) -> None:
+        with self.cond:
+            while self.items and self.bytes + size > self.limit:
+                self.cond.wait()
+            self.items.append((data, size))
+            self.bytes += size
+            self.cond.notify_all()
+
+    def get(self, timeout: float | None = None) -> Any:
+        with self.cond:
+            if not self.cond.wait_for(lambda: self.items, timeout):
+                return self.IDLE
+            data, size = self.items.popleft()
+            self.bytes -= size
+            self.cond.notify_all()
+            return data
+
+    def read_from(self, conn: Connection) -> None:
+        """Reader thread: every message off `conn`, then EOF (closed or broken link)."""
+        try:
+            while True:
+                data = conn.recv_bytes()
+                self.put(data, len(data))
+        except (EOFError, OSError):
+            self.put(self.EOF)
+
+
 def _serve(sock_fd: int, ctl_fd: int, ring_fd: int, config: dict[str, Any]) -> None:
     import mmap
 
@@ -852,18 +901,21 @@ def _serve(sock_fd: int, ctl_fd: int, ring_fd: int, config: dict[str, Any]) -> N
             except Exception as exc:
                 send(("reply", n, None, f"{type(exc).__name__}: {exc}"))
 
+    inbox = _Inbox(INBOX_BYTES)
+    threading.Thread(target=inbox.read_from, args=(conn,), name="capsteer-writer-inbox",
+                     daemon=True).start()
     shutdown_timeout: float | None = None
     trim_due = False  # a message came in since the last trim, or rows were held at it
     while True:
-        try:
-            if trim_due and not conn.poll(idle_trim_s):
-                _trim_heap()
-                # rows still held free their memory when published: trim again then
-                trim_due = writer.budget.inflight > 0
-                continue
-            msg = pickle.loads(conn.recv_bytes())
-        except (EOFError, OSError):
+        data = inbox.get(idle_trim_s if trim_due else None)
+        if data is _Inbox.IDLE:
+            _trim_heap()
+            # rows still held free their memory when published: trim again then
+            trim_due = writer.budget.inflight > 0
+            continue
+        if data is _Inbox.EOF:
             break  # the engine process is gone: publish what was closed, abort the rest
+        msg = pickle.loads(data)
         if msg[0] == "shutdown":
             shutdown_timeout = msg[1]
             break

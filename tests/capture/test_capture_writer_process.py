@@ -592,3 +592,40 @@ def test_merge_row_copies_joins_only_copies_that_continue_each_other():
         dst.copy_(src)
     for name in "ab":
         assert torch.equal(merged_rings[name], one_by_one[name])
+
+
+def test_the_childs_inbox_takes_messages_off_the_link_in_order_within_its_bound():
+    """The child reads the link on a thread of its own into a bounded inbox, so the
+    engine's sends return while the child is still handling earlier messages. Order is
+    kept; a full inbox holds the reader back (and with it the link, as before); one
+    message larger than the bound still enters an empty inbox; a closed link ends it."""
+    import threading
+    from multiprocessing import Pipe
+
+    from capsteer.capture.writer_process import _Inbox
+
+    inbox = _Inbox(limit=100)
+    assert inbox.get(timeout=0.01) is _Inbox.IDLE
+    inbox.put(b"a" * 60, 60)
+    held = threading.Thread(target=inbox.put, args=(b"b" * 60, 60), daemon=True)
+    held.start()
+    held.join(0.3)
+    assert held.is_alive()  # 60 + 60 > 100: waits for the handler
+    assert inbox.get() == b"a" * 60
+    held.join(5)
+    assert not held.is_alive() and inbox.get() == b"b" * 60
+    inbox.put(b"c" * 500, 500)  # larger than the bound, into an empty inbox
+    assert inbox.get() == b"c" * 500 and inbox.bytes == 0
+
+    reader_end, engine_end = Pipe(duplex=False)
+    inbox = _Inbox(limit=1 << 20)
+    reader = threading.Thread(target=inbox.read_from, args=(reader_end,), daemon=True)
+    reader.start()
+    sent = [bytes([i]) * (1000 * i + 1) for i in range(20)]
+    for msg in sent:  # none of these waits for a get: the reader drains the link
+        engine_end.send_bytes(msg)
+    engine_end.close()
+    assert [inbox.get(timeout=10) for _ in sent] == sent
+    assert inbox.get(timeout=10) is _Inbox.EOF
+    reader.join(5)
+    assert not reader.is_alive()
