@@ -807,10 +807,17 @@ def _reserve_one(route, sink: CaptureSink, src: torch.Tensor, copies: list, dire
     direct.append((route, sink, reserved))
 
 
+# Copies the step thread enqueues into a harvest slot, at most (each is a launch of a
+# few µs on that thread): past it, the staged routes' rows go as one copy of the staging
+# range around them, gaps included.
+MAX_SLOT_COPIES = 256
+
+
 def staged_row_spans(plan: StepPlan, routes) -> tuple[list[tuple[int, int]], dict[int, slice]]:
     """The staging rows of `routes` (those the harvester carries) as merged [start, stop)
     spans, and where each route's rows land once the spans are packed back to back in the
-    harvester's slot (keyed by id(route)). Routes that share or touch rows share a span."""
+    harvester's slot (keyed by id(route)). Routes that share or touch rows share a span;
+    more than MAX_SLOT_COPIES spans become one."""
     spans: list[list[int]] = []
     placed: list[tuple[int, slice, int]] = []  # (id, staging span, index of its merged span)
     for route in sorted(routes, key=lambda r: _staging_span(plan, r).start):
@@ -820,6 +827,9 @@ def staged_row_spans(plan: StepPlan, routes) -> tuple[list[tuple[int, int]], dic
         else:
             spans.append([span.start, span.stop])
         placed.append((id(route), span, len(spans) - 1))
+    if len(spans) > MAX_SLOT_COPIES:  # one copy over the gaps beats a launch per span
+        spans = [[spans[0][0], spans[-1][1]]]
+        placed = [(rid, span, 0) for rid, span, _ in placed]
     packed_at, total = [], 0
     for begin, end in spans:
         packed_at.append(total - begin)  # slot row = staging row + this shift

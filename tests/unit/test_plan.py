@@ -880,7 +880,7 @@ def test_a_steps_copies_into_span_writers_are_one_reservation_per_writer_and_poi
         torch.testing.assert_close(reserved.rows, rt.staging[worker._staging_span(plan, route)])
 
 
-def test_the_harvester_carries_only_the_rows_of_routes_that_missed_the_rings():
+def test_the_harvester_carries_only_the_rows_of_routes_that_missed_the_rings(monkeypatch):
     """Routes whose rows went GPU -> a writer's ring stay off the harvester's copy: it
     packs only the staged routes' spans (touching spans merged into one copy), and each
     staged route reads its own rows back from the packed slot."""
@@ -912,6 +912,13 @@ def test_the_harvester_carries_only_the_rows_of_routes_that_missed_the_rings():
     assert rows == sum(len(r.positions) for r in missed) < plan.staging_rows
     assert all(e - b > 0 for b, e in spans)
     assert packed([]) == ([], 0)
+    by_row = sorted(plan.routes, key=lambda r: worker._staging_span(plan, r).start)
+    scattered = by_row[::2]  # no two touching: a span each, unless too many
+    spans, _ = packed(scattered)
+    assert len(spans) == len(scattered) > 1
+    monkeypatch.setattr(worker, "MAX_SLOT_COPIES", 1)
+    spans, rows = packed(scattered)
+    assert len(spans) == 1 and rows == spans[0][1] - spans[0][0]
 
 
 def test_a_capture_the_worker_cannot_serve_ends_with_an_error_receipt():
