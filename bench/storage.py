@@ -75,7 +75,7 @@ _DIRECT_BLOCK = 8 * MIB
 # each P6 repetition with the same.
 WRITER_WAITS = ("ring_waits", "ring_wait_s", "budget_waits", "budget_wait_s", "spilled_bytes",
                 "intake_messages", "intake_s", "intake_cpu_s", "device_writes", "device_full")
-WRITER_LEVELS = ("peak_bytes", "budget_bytes", "ring_bytes")
+WRITER_LEVELS = ("peak_bytes", "budget_bytes", "ring_bytes", "inbox_peak_bytes")
 
 
 def waits_between(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:

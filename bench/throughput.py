@@ -309,7 +309,9 @@ def main() -> None:
                       f"full {full} of {full + (w.get('device_writes') or 0)} "
                       f"reservations); peak "
                       f"{(w.get('peak_bytes') or 0) / 2**20:.0f} of "
-                      f"{(w.get('budget_bytes') or 0) / 2**20:.0f} MiB", flush=True)
+                      f"{(w.get('budget_bytes') or 0) / 2**20:.0f} MiB; the children's "
+                      f"inboxes held up to {(w.get('inbox_peak_bytes') or 0) / 2**20:.1f} MiB "
+                      f"of messages", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
         if args.shape:

@@ -63,7 +63,8 @@ def one_round(captures: int, ring_mib: int, hidden: int, prompt: int, root: Path
     return {"bytes": captures * LAYERS * prompt * hidden * 2, "engine_side_s": round(engine_s, 3),
             "durable_s": round(durable_s, 3), "send_s": stats.get("send_s"),
             "copy_s": stats.get("copy_s"), "ring_wait_s": stats.get("ring_wait_s"),
-            "sends": stats.get("sends"), "intake_s": stats.get("intake_s")}
+            "sends": stats.get("sends"), "intake_s": stats.get("intake_s"),
+            "inbox_peak_bytes": stats.get("inbox_peak_bytes")}
 
 
 def main() -> None:
@@ -83,7 +84,8 @@ def main() -> None:
             shutil.rmtree(root, ignore_errors=True)
         print(f"round {n + 1}: {row['bytes'] / 1e6:,.0f} MB; engine side {row['engine_side_s']:.2f} s "
               f"(sends {row['send_s']:.2f} s, ring copies {row['copy_s']:.2f} s, ring waits "
-              f"{row['ring_wait_s']:.2f} s); durable after {row['durable_s']:.2f} s", flush=True)
+              f"{row['ring_wait_s']:.2f} s); durable after {row['durable_s']:.2f} s; the child's inbox "
+              f"held up to {(row['inbox_peak_bytes'] or 0) / 2**20:.1f} MiB", flush=True)
         print(json.dumps(row), flush=True)
 
 

@@ -70,7 +70,7 @@ _SUMMED = ("budget_bytes", "inflight_bytes", "open_bytes", "sealed_bytes", "peak
            "open_captures", "spilled_bytes", "ring_bytes", "ring_waits", "ring_wait_s",
            "inline_writes", "copy_s", "send_s", "sends", "device_writes",
            "device_full", "budget_waits", "budget_wait_s", "intake_messages", "intake_s",
-           "intake_cpu_s")
+           "intake_cpu_s", "inbox_peak_bytes")
 
 
 class ProcessWriterPool:

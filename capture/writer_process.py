@@ -720,7 +720,9 @@ def _trim_heap() -> None:
 # The main thread's handling of the engine's messages (taking rows out of the ring among
 # them): wall and thread CPU seconds. Wall well above CPU is time it waited for the GIL
 # or a capture's lock while the engine side may be waiting for ring space.
-_INTAKE = {"intake_messages": 0, "intake_s": 0.0, "intake_cpu_s": 0.0}
+# inbox_peak_bytes: the most message bytes the inbox held at once, read off the link but
+# not yet handled (how far ahead of the child the engine's sends got without waiting).
+_INTAKE = {"intake_messages": 0, "intake_s": 0.0, "intake_cpu_s": 0.0, "inbox_peak_bytes": 0}
 
 
 def _child_stats() -> dict[str, float]:
@@ -732,6 +734,7 @@ def _child_stats() -> dict[str, float]:
             "intake_messages": _INTAKE["intake_messages"],
             "intake_s": round(_INTAKE["intake_s"], 6),
             "intake_cpu_s": round(_INTAKE["intake_cpu_s"], 6),
+            "inbox_peak_bytes": _INTAKE["inbox_peak_bytes"],
             **_HEAP}
 
 
@@ -778,6 +781,7 @@ class _Inbox:
         self.limit = limit
         self.items: collections.deque[Any] = collections.deque()
         self.bytes = 0
+        self.peak = 0  # the most bytes held at once
         self.cond = threading.Condition()
 
     def put(self, data: Any, size: int = 0) -> None:
@@ -786,6 +790,7 @@ class _Inbox:
                 self.cond.wait()
             self.items.append((data, size))
             self.bytes += size
+            self.peak = max(self.peak, self.bytes)
             self.cond.notify_all()
 
     def get(self, timeout: float | None = None) -> Any:
@@ -915,6 +920,7 @@ def _serve(sock_fd: int, ctl_fd: int, ring_fd: int, config: dict[str, Any]) -> N
             continue
         if data is _Inbox.EOF:
             break  # the engine process is gone: publish what was closed, abort the rest
+        _INTAKE["inbox_peak_bytes"] = inbox.peak
         msg = pickle.loads(data)
         if msg[0] == "shutdown":
             shutdown_timeout = msg[1]

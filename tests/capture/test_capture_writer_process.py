@@ -184,6 +184,7 @@ def test_the_child_freezes_its_imports_out_of_the_collectors_walks(proc_writer, 
     # the open, the rows and the close crossed in messages the main thread handled
     assert stats["intake_messages"] >= 1
     assert 0 < stats["intake_cpu_s"] and 0 < stats["intake_s"]
+    assert stats["inbox_peak_bytes"] > 0  # each came through the inbox
 
 
 def anon_kib(pid: int) -> int:
@@ -615,7 +616,7 @@ def test_the_childs_inbox_takes_messages_off_the_link_in_order_within_its_bound(
     held.join(5)
     assert not held.is_alive() and inbox.get() == b"b" * 60
     inbox.put(b"c" * 500, 500)  # larger than the bound, into an empty inbox
-    assert inbox.get() == b"c" * 500 and inbox.bytes == 0
+    assert inbox.get() == b"c" * 500 and inbox.bytes == 0 and inbox.peak == 500
 
     reader_end, engine_end = Pipe(duplex=False)
     inbox = _Inbox(limit=1 << 20)
