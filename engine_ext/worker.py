@@ -492,6 +492,7 @@ class EngineHooks:
         self.dense_live = False
         owners = [(self.requests[rid], pos) for rid, pos in plan.token_owners]
         direct, staged = self._copy_to_sinks(plan, sinks) if self.device_rows else ([], plan)
+        spans, packed = staged_row_spans(plan, staged.routes)  # the harvester's share
 
         def deliver(rows: torch.Tensor, tokens: torch.Tensor) -> None:
             start = 0
@@ -507,7 +508,6 @@ class EngineHooks:
                                         frees=i == last)
             self._deliver(staged, sinks, lambda r: rows[packed[id(r)]])
 
-        spans, packed = staged_row_spans(plan, staged.routes)
         self.harvester.submit_copy(self.runtime.staging, spans, self.runtime.token_stage,
                                    self.num_tokens_gathered, deliver)
         self._close_complete_captures()
@@ -820,13 +820,13 @@ def staged_row_spans(plan: StepPlan, routes) -> tuple[list[tuple[int, int]], dic
     more than MAX_SLOT_COPIES spans become one."""
     spans: list[list[int]] = []
     placed: list[tuple[int, slice, int]] = []  # (id, staging span, index of its merged span)
-    for route in sorted(routes, key=lambda r: _staging_span(plan, r).start):
-        span = _staging_span(plan, route)
+    for span, rid in sorted(((_staging_span(plan, r), id(r)) for r in routes),
+                            key=lambda pair: pair[0].start):
         if spans and span.start <= spans[-1][1]:
             spans[-1][1] = max(spans[-1][1], span.stop)
         else:
             spans.append([span.start, span.stop])
-        placed.append((id(route), span, len(spans) - 1))
+        placed.append((rid, span, len(spans) - 1))
     if len(spans) > MAX_SLOT_COPIES:  # one copy over the gaps beats a launch per span
         spans = [[spans[0][0], spans[-1][1]]]
         placed = [(rid, span, 0) for rid, span, _ in placed]
