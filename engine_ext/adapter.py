@@ -54,6 +54,16 @@ def model_architecture(model: nn.Module) -> str:
     return names[0] if names else type(model).__name__
 
 
+def _marker_reason(multimodal: bool, hybrid: bool, pooling: bool) -> str | None:
+    if multimodal:
+        return families.MULTIMODAL_REASON
+    if hybrid:
+        return families.HYBRID_REASON
+    if pooling:
+        return families.POOLING_REASON
+    return None
+
+
 def _refusal(model: nn.Module, arch: str) -> str | None:
     reason = families.refusal_reason(arch)
     if reason is not None:
@@ -66,31 +76,79 @@ def _refusal(model: nn.Module, arch: str) -> str | None:
         from vllm.model_executor.models.interfaces_base import is_pooling_model
     except ImportError:
         return None
-    if supports_multimodal(model):
-        return families.MULTIMODAL_REASON
-    if is_hybrid(model):
-        return families.HYBRID_REASON
-    if is_pooling_model(model):
-        return families.POOLING_REASON
+    return _marker_reason(bool(supports_multimodal(model)), bool(is_hybrid(model)),
+                          bool(is_pooling_model(model)))
+
+
+def architecture_problem(arch: str, reason: str | None) -> str | None:
+    """The refusal message for `arch` (None where a family hooks it), given the reason
+    its name or vLLM's markers already gave: one wording for the engine's parent process,
+    which refuses before any worker starts, and the workers, which check the model built."""
+    reason = families.refusal_reason(arch) or reason  # the name's reason says more
+    if reason is not None:
+        return (f"capsteer cannot hook architecture {arch}: {reason}. Refusing to start rather "
+                "than serve capture/steering requests with hooks that would never fire.")
+    if families.family_for(arch) is None:
+        return (f"capsteer cannot hook architecture {arch}: no hook layout is known for it "
+                f"(supported families: {families.supported_names()}; see docs/engine.md). "
+                "Refusing to start rather than serve capture/steering requests with hooks "
+                "that would never fire.")
     return None
 
 
 def check_architecture(model: nn.Module) -> families.Family:
     """The family whose hook layout this model has, or UnsupportedError naming why not."""
     arch = model_architecture(model)
-    reason = _refusal(model, arch)
-    if reason is not None:
-        raise UnsupportedError(
-            f"capsteer cannot hook architecture {arch}: {reason}. Refusing to start rather "
-            "than serve capture/steering requests with hooks that would never fire.")
+    problem = architecture_problem(arch, _refusal(model, arch))
+    if problem is not None:
+        raise UnsupportedError(problem)
     family = families.family_for(arch)
-    if family is None:
-        raise UnsupportedError(
-            f"capsteer cannot hook architecture {arch}: no hook layout is known for it "
-            f"(supported families: {families.supported_names()}; see docs/engine.md). Refusing "
-            "to start rather than serve capture/steering requests with hooks that would "
-            "never fire.")
+    assert family is not None  # architecture_problem refused every other name
     return family
+
+
+def config_architecture_problem(model_config: object) -> str | None:
+    """`check_architecture`'s verdict from vLLM's resolved model config, before any
+    engine process starts or any weight loads: the same name (the HF config's first
+    architecture, which the built model's config carries) and the same markers (vLLM's
+    registry inspects the class it will build). None where it cannot tell; the workers
+    still check the model itself."""
+    hf = getattr(model_config, "hf_config", None)
+    names = list(getattr(hf, "architectures", None) or ())
+    if not names:
+        return None
+    info = getattr(model_config, "_model_info", None)
+    reason = None if info is None else _marker_reason(
+        bool(getattr(info, "supports_multimodal", False)),
+        bool(getattr(info, "is_hybrid", False)),
+        bool(getattr(info, "is_pooling_model", False)))
+    return architecture_problem(str(names[0]), reason)
+
+
+def refuse_unhookable_models_early(worker_cls: str) -> None:
+    """Make vLLM's config step (`EngineArgs.create_engine_config`, which `LLM` and
+    `vllm serve` both run in the launching process) refuse a model capsteer cannot hook,
+    for engines with capsteer's worker class. Without it the refusal came from the
+    workers after the engine processes started and the weights loaded: 40-50 s on the CPU
+    machine, minutes for a large checkpoint. Idempotent; other engines are untouched."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    original = EngineArgs.create_engine_config
+    if getattr(original, "__capsteer_refuses__", False):
+        return
+
+    def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
+        config = original(self, *args, **kwargs)
+        parallel = getattr(config, "parallel_config", None)
+        if getattr(parallel, "worker_cls", None) == worker_cls:
+            problem = config_architecture_problem(getattr(config, "model_config", None))
+            if problem is not None:
+                raise UnsupportedError(problem)
+        return config
+
+    create_engine_config.__capsteer_refuses__ = True  # type: ignore[attr-defined]
+    create_engine_config.__wrapped__ = original  # type: ignore[attr-defined]
+    EngineArgs.create_engine_config = create_engine_config  # type: ignore[method-assign]
 
 
 @dataclass(frozen=True)

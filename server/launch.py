@@ -243,7 +243,11 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace, passthrough: list[str] | None = None) -> int:
-    from capsteer.engine_ext.adapter import run_vllm_serve
+    from capsteer.engine_ext.adapter import (
+        UnsupportedError,
+        refuse_unhookable_models_early,
+        run_vllm_serve,
+    )
 
     # `--config` is vllm serve's config file; capsteer takes its own keys from it.
     # `--vllm-config` is an older spelling of the same.
@@ -288,8 +292,12 @@ def _run(args: argparse.Namespace, passthrough: list[str] | None = None) -> int:
     host = _flag_value(extra, ("--host",)) or "127.0.0.1"
     port = _flag_value(extra, ("--port",)) or "8000"
     served = _flag_value(extra, ("--served-model-name",)) or args.model
+    refuse_unhookable_models_early(WORKER_CLS)  # in vLLM's config step, before any engine
     print(ready_hint(served, host, port), flush=True)
-    run_vllm_serve(argv)
+    try:
+        run_vllm_serve(argv)
+    except UnsupportedError as exc:
+        raise SystemExit(f"capsteer serve: {exc}") from None
     return 0
 
 

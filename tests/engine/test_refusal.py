@@ -25,6 +25,11 @@ def start_engine(model_dir: str, env: dict | None = None) -> subprocess.Complete
                           env={**os.environ, **(env or {})})
 
 
+def engine_process_started(proc: subprocess.CompletedProcess) -> bool:
+    """vLLM prefixes every log line of its engine-core process with its name."""
+    return "(EngineCore" in proc.stdout + proc.stderr
+
+
 @pytest.fixture(scope="module")
 def gpt2_dir(tmp_path_factory, model_dirs) -> str:
     import transformers
@@ -43,6 +48,7 @@ def test_unsupported_architecture_is_refused(gpt2_dir):
     assert "ENGINE STARTED" not in proc.stdout
     assert proc.returncode != 0
     assert "capsteer cannot hook architecture GPT2LMHeadModel" in proc.stdout + proc.stderr
+    assert not engine_process_started(proc)  # refused at vLLM's config step, no weights loaded
 
 
 @pytest.mark.parametrize(("family", "architecture", "kind"), [
@@ -56,6 +62,7 @@ def test_hybrid_and_encoder_models_are_refused_by_name(tmp_path, family, archite
     assert "ENGINE STARTED" not in proc.stdout
     assert proc.returncode != 0
     assert f"capsteer cannot hook architecture {architecture}: {kind}" in proc.stdout + proc.stderr
+    assert not engine_process_started(proc)
 
 
 def test_canary_refuses_when_a_hook_does_not_fire(model_dirs):
@@ -63,3 +70,21 @@ def test_canary_refuses_when_a_hook_does_not_fire(model_dirs):
     assert "ENGINE STARTED" not in proc.stdout
     assert proc.returncode != 0
     assert "capsteer start-up canary failed, refusing to start" in proc.stdout + proc.stderr
+    assert engine_process_started(proc)  # the canary runs in the workers, after the load
+
+
+def test_serve_refuses_an_unhookable_model_before_its_engine_starts(tmp_path):
+    """`capsteer serve` names the architecture and exits at vLLM's config step, as the
+    offline engine does, instead of after its engine process loaded the weights."""
+    from capsteer.demo_model import write_demo_model
+
+    model = write_demo_model(tmp_path / "jamba", "jamba", seed=1)
+    proc = subprocess.run([sys.executable, "-m", "capsteer.cli", "serve", str(model),
+                           "--gpu-memory-utilization", "0.3", "--max-model-len", "256",
+                           "--port", "0"],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode != 0
+    assert ("capsteer serve: capsteer cannot hook architecture JambaForCausalLM: hybrid "
+            "state-space model") in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr  # one line that says why, not a stack
+    assert not engine_process_started(proc)

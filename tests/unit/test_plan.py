@@ -214,6 +214,34 @@ def test_version_and_architecture_refused():
         check_architecture(GPT2LMHeadModel())
 
 
+def test_the_launching_process_refuses_from_vllms_resolved_config():
+    """The verdict before any engine starts, from the HF config's architecture and vLLM's
+    registry markers, in the workers' words."""
+    from types import SimpleNamespace
+
+    from capsteer.engine_ext.adapter import config_architecture_problem
+
+    def config(arch: str | None, **markers: bool) -> SimpleNamespace:
+        info = SimpleNamespace(**{"supports_multimodal": False, "is_hybrid": False,
+                                  "is_pooling_model": False, **markers})
+        return SimpleNamespace(hf_config=SimpleNamespace(architectures=[arch] if arch else None),
+                               _model_info=info)
+
+    assert config_architecture_problem(config("LlamaForCausalLM")) is None
+    assert config_architecture_problem(config(None)) is None  # cannot tell: the workers check
+    assert config_architecture_problem(SimpleNamespace()) is None
+    assert "GPT2LMHeadModel: no hook layout" in config_architecture_problem(config("GPT2LMHeadModel"))
+    assert "LlamaForCausalLM: hybrid state-space model" in config_architecture_problem(
+        config("LlamaForCausalLM", is_hybrid=True))  # a marker refuses a known name too
+    assert "LlamaForCausalLM: multimodal model" in config_architecture_problem(
+        config("LlamaForCausalLM", supports_multimodal=True))
+    assert "LlamaForCausalLM: pooling model" in config_architecture_problem(
+        config("LlamaForCausalLM", is_pooling_model=True))
+    # the name's own reason comes first, as in the workers
+    assert "BertModel: encoder model" in config_architecture_problem(
+        config("BertModel", is_pooling_model=True))
+
+
 def test_device_mode_equals_host_mode():
     """The graph-safe dense path steers and captures exactly what the host path does."""
     torch.manual_seed(0)
