@@ -205,12 +205,12 @@ class Engine:
     ) -> None:
         from vllm import LLM
 
-        from capsteer.engine_ext.adapter import refuse_unhookable_models_early
+        from capsteer.engine_ext.adapter import refuse_at_vllm_config_step
 
         extra = dict(llm_kwargs.pop("additional_config", None) or {})
         extra["capsteer"] = {"hooks_code": hooks_code_hash(), **dict(capsteer_config or {})}
         mark_launcher()  # its engine processes exit if this process is killed
-        refuse_unhookable_models_early(WORKER_CLS)  # before the engine starts, not after
+        refuse_at_vllm_config_step(WORKER_CLS)  # before the engine starts, not after
         self.llm = LLM(model=model, worker_cls=WORKER_CLS, additional_config=extra, **llm_kwargs)
         hf = self.llm.llm_engine.model_config.hf_config
         self.num_layers = int(hf.num_hidden_layers)

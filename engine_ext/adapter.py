@@ -125,12 +125,50 @@ def config_architecture_problem(model_config: object) -> str | None:
     return architecture_problem(str(names[0]), reason)
 
 
-def refuse_unhookable_models_early(worker_cls: str) -> None:
+def _uses_transformers_backend(model_config: object) -> bool:
+    """vLLM will build the model through its Transformers backend (HF's module tree)."""
+    check = getattr(model_config, "using_transformers_backend", None)
+    if callable(check):
+        try:
+            return bool(check())
+        except Exception:  # an older config: read the class name instead
+            pass
+    info = getattr(model_config, "_model_info", None)
+    return str(getattr(info, "architecture", "")).startswith("Transformers")
+
+
+def engine_config_problem(config: object) -> str | None:
+    """What the workers would refuse, read from the engine's config before it starts: the
+    architecture, the engine features, and a family that cannot run under pipeline
+    parallelism. None where none of these is known to fail; the workers check again."""
+    model_config = getattr(config, "model_config", None)
+    problem = config_architecture_problem(model_config)
+    if problem is not None:
+        return problem
+    extra = getattr(config, "additional_config", None) or {}
+    section = extra.get("capsteer", {}) if isinstance(extra, dict) else {}
+    if getattr(config, "parallel_config", None) is not None:
+        problems = engine_feature_problems(config, section if isinstance(section, dict) else {})
+        if problems:
+            return engine_features_message(problems)
+        names = list(getattr(getattr(model_config, "hf_config", None), "architectures", None)
+                     or ())
+        family = families.family_for(str(names[0])) if names else None
+        if family is not None:
+            materialized = (family.deferred_mid_norm is None
+                            or _uses_transformers_backend(model_config))
+            stages = int(getattr(config.parallel_config, "pipeline_parallel_size", 1) or 1)
+            return pipeline_family_problem(family, materialized, stages)
+    return None
+
+
+def refuse_at_vllm_config_step(worker_cls: str) -> None:
     """Make vLLM's config step (`EngineArgs.create_engine_config`, which `LLM` and
-    `vllm serve` both run in the launching process) refuse a model capsteer cannot hook,
-    for engines with capsteer's worker class. Without it the refusal came from the
-    workers after the engine processes started and the weights loaded: 40-50 s on the CPU
-    machine, minutes for a large checkpoint. Idempotent; other engines are untouched."""
+    `vllm serve` both run in the launching process) refuse what the workers would
+    (`engine_config_problem`), for engines with capsteer's worker class. Without it the
+    refusal came from the workers after the engine processes started and the weights
+    loaded: 40-50 s on the CPU machine, minutes for a large checkpoint. Idempotent;
+    other engines are untouched."""
     from vllm.engine.arg_utils import EngineArgs
 
     original = EngineArgs.create_engine_config
@@ -141,7 +179,7 @@ def refuse_unhookable_models_early(worker_cls: str) -> None:
         config = original(self, *args, **kwargs)
         parallel = getattr(config, "parallel_config", None)
         if getattr(parallel, "worker_cls", None) == worker_cls:
-            problem = config_architecture_problem(getattr(config, "model_config", None))
+            problem = engine_config_problem(config)
             if problem is not None:
                 raise UnsupportedError(problem)
         return config
@@ -840,9 +878,9 @@ def pipeline_stage() -> tuple[int, int]:
         return 0, 1
 
 
-def check_engine_features(worker: object) -> None:
-    """Refuse batch layouts the hooks do not understand, rather than mislabel rows."""
-    cfg = worker.vllm_config
+def engine_feature_problems(cfg: object, section: dict) -> list[str]:
+    """Batch layouts the hooks do not understand, read from the engine's config alone (the
+    launching process checks them before any engine starts, the workers again)."""
     problems = []
     if getattr(cfg, "speculative_config", None) is not None:
         problems.append("speculative decoding (row positions are optimistic until verified)")
@@ -852,16 +890,24 @@ def check_engine_features(worker: object) -> None:
     for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
         if int(getattr(par, name, 1) or 1) > 1:
             problems.append(f"{name} > 1 (rows are sharded across ranks)")
+    if int(getattr(par, "pipeline_parallel_size", 1) or 1) > 1 and section.get("sharded"):
+        problems.append("pipeline parallelism with an extraction job's shards (each stage "
+                        "would write its own shards; run extraction with tensor parallelism)")
+    return problems
+
+
+def engine_features_message(problems: Sequence[str]) -> str:
+    return "capsteer cannot hook this engine configuration: " + "; ".join(problems)
+
+
+def check_engine_features(worker: object) -> None:
+    """Refuse batch layouts the hooks do not understand, rather than mislabel rows."""
+    problems = engine_feature_problems(worker.vllm_config, capsteer_config(worker))
     dp = _worker_data_parallel_problem(worker)
     if dp is not None:
         problems.append(dp)
-    if int(getattr(par, "pipeline_parallel_size", 1) or 1) > 1 and (
-            capsteer_config(worker).get("sharded")):
-        problems.append("pipeline parallelism with an extraction job's shards (each stage "
-                        "would write its own shards; run extraction with tensor parallelism)")
     if problems:
-        raise UnsupportedError("capsteer cannot hook this engine configuration: "
-                               + "; ".join(problems))
+        raise UnsupportedError(engine_features_message(problems))
 
 
 def data_parallel_problem(par: object) -> str | None:
@@ -920,14 +966,22 @@ def checkpoint_dtype(worker: object) -> torch.dtype | None:
     return declared if isinstance(declared, torch.dtype) else None
 
 
+def pipeline_family_problem(family: families.Family, materialized: bool,
+                            pipeline_parallel_size: int) -> str | None:
+    if materialized and pipeline_parallel_size > 1:
+        return (f"capsteer cannot hook the {family.name} family under pipeline parallelism: "
+                "its layers add the residual themselves, so a site's sublayer and stream "
+                "values can sit on different stages; use tensor parallelism")
+    return None
+
+
 def check_family_features(worker: object, sites: ModelSites) -> None:
     """Refuse what a family's layout cannot do yet, rather than mislabel rows."""
     par = worker.vllm_config.parallel_config
-    if sites.materialized and int(getattr(par, "pipeline_parallel_size", 1) or 1) > 1:
-        raise UnsupportedError(
-            f"capsteer cannot hook the {sites.family.name} family under pipeline parallelism: "
-            "its layers add the residual themselves, so a site's sublayer and stream values "
-            "can sit on different stages; use tensor parallelism")
+    problem = pipeline_family_problem(sites.family, sites.materialized,
+                                      int(getattr(par, "pipeline_parallel_size", 1) or 1))
+    if problem is not None:
+        raise UnsupportedError(problem)
 
 
 # ---- API server side (the capsteer middleware on vLLM's FastAPI app) ----

@@ -245,7 +245,7 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
 def _run(args: argparse.Namespace, passthrough: list[str] | None = None) -> int:
     from capsteer.engine_ext.adapter import (
         UnsupportedError,
-        refuse_unhookable_models_early,
+        refuse_at_vllm_config_step,
         run_vllm_serve,
     )
 
@@ -292,7 +292,7 @@ def _run(args: argparse.Namespace, passthrough: list[str] | None = None) -> int:
     host = _flag_value(extra, ("--host",)) or "127.0.0.1"
     port = _flag_value(extra, ("--port",)) or "8000"
     served = _flag_value(extra, ("--served-model-name",)) or args.model
-    refuse_unhookable_models_early(WORKER_CLS)  # in vLLM's config step, before any engine
+    refuse_at_vllm_config_step(WORKER_CLS)  # in vLLM's config step, before any engine
     print(ready_hint(served, host, port), flush=True)
     try:
         run_vllm_serve(argv)

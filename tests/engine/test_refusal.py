@@ -88,3 +88,34 @@ def test_serve_refuses_an_unhookable_model_before_its_engine_starts(tmp_path):
             "state-space model") in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr  # one line that says why, not a stack
     assert not engine_process_started(proc)
+
+
+ENGINE_WITH = textwrap.dedent("""
+    from capsteer.engine import Engine
+    if __name__ == "__main__":
+        Engine({model!r}, dtype="float32", gpu_memory_utilization=0.2, max_model_len=256,
+               {kwargs})
+        print("ENGINE STARTED")
+""")
+
+
+@pytest.mark.parametrize(("family", "kwargs", "named"), [
+    ("olmo2", "pipeline_parallel_size=2",
+     "capsteer cannot hook the olmo2 family under pipeline parallelism"),
+    ("qwen3", 'speculative_config={"method": "ngram", "num_speculative_tokens": 2, '
+              '"prompt_lookup_max": 2}',
+     "capsteer cannot hook this engine configuration: speculative decoding"),
+])
+def test_engine_features_the_hooks_cannot_serve_are_refused_before_start(
+        tmp_path, family, kwargs, named):
+    """What the workers would refuse after loading the model, read from vLLM's config."""
+    from capsteer.demo_model import write_demo_model
+
+    model = write_demo_model(tmp_path / family, family, seed=1)
+    proc = subprocess.run([sys.executable, "-c", ENGINE_WITH.format(model=str(model),
+                                                                    kwargs=kwargs)],
+                          capture_output=True, text=True, timeout=600)
+    assert "ENGINE STARTED" not in proc.stdout
+    assert proc.returncode != 0
+    assert named in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-2000:]
+    assert not engine_process_started(proc)

@@ -242,6 +242,40 @@ def test_the_launching_process_refuses_from_vllms_resolved_config():
         config("BertModel", is_pooling_model=True))
 
 
+def test_the_launching_process_refuses_engine_features_from_the_config():
+    """Speculative decoding, dual-batch overlap, context parallelism, an extraction's
+    shards under PP and a materialized family under PP: the workers' refusals, before
+    the engine starts."""
+    from types import SimpleNamespace
+
+    from capsteer.engine_ext.adapter import engine_config_problem
+
+    def config(arch: str = "LlamaForCausalLM", section: dict | None = None,
+               speculative: object = None, **parallel: object) -> SimpleNamespace:
+        info = SimpleNamespace(supports_multimodal=False, is_hybrid=False,
+                               is_pooling_model=False, architecture=arch)
+        model = SimpleNamespace(hf_config=SimpleNamespace(architectures=[arch]),
+                                _model_info=info)
+        par = SimpleNamespace(**{"pipeline_parallel_size": 1, "enable_dbo": False, **parallel})
+        return SimpleNamespace(model_config=model, parallel_config=par,
+                               speculative_config=speculative,
+                               additional_config={"capsteer": section or {}})
+
+    assert engine_config_problem(config()) is None
+    assert engine_config_problem(config(pipeline_parallel_size=2)) is None  # llama: fine
+    assert "speculative decoding" in engine_config_problem(config(speculative=object()))
+    assert "dual-batch overlap" in engine_config_problem(config(enable_dbo=True))
+    assert "decode_context_parallel_size > 1" in engine_config_problem(
+        config(decode_context_parallel_size=2))
+    assert "extraction job's shards" in engine_config_problem(
+        config(section={"sharded": True}, pipeline_parallel_size=2))
+    assert engine_config_problem(config(section={"sharded": True})) is None
+    assert "granite family under pipeline parallelism" in engine_config_problem(
+        config("GraniteForCausalLM", pipeline_parallel_size=2))
+    assert engine_config_problem(config("GraniteForCausalLM")) is None
+    assert "no hook layout" in engine_config_problem(config("GPT2LMHeadModel"))
+
+
 def test_device_mode_equals_host_mode():
     """The graph-safe dense path steers and captures exactly what the host path does."""
     torch.manual_seed(0)
