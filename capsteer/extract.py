@@ -491,6 +491,7 @@ def _split(text: str) -> object:
 def main(argv: list[str]) -> int:
     """`capsteer extract ARGV`."""
     from capsteer.config.sizes import parse_size
+    from capsteer.engine_ext.adapter import UnsupportedError
     from capsteer.extract_ray import RayMissing
 
     parser = build_parser()
@@ -520,8 +521,8 @@ def main(argv: list[str]) -> int:
         print(f"\ninterrupted: finished requests are in {args.output}; run the same command "
               "again to resume", flush=True)
         return 130
-    except (InputError, ValueError, RayMissing) as exc:
-        print(f"capsteer extract: {exc}", flush=True)
+    except (InputError, ValueError, RayMissing, UnsupportedError) as exc:
+        print(f"capsteer extract: {exc}", flush=True)  # one line, not a stack
         return 2
     print(f"{result.requests} requests extracted ({result.skipped} already done), "
           f"{result.tokens} tokens in {result.seconds:.1f} s ({result.tokens_per_s:,.0f} tok/s), "

@@ -10,6 +10,7 @@ message that says why: never served with hooks that silently do nothing.
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
@@ -23,6 +24,7 @@ from capsteer.engine_ext import families
 from capsteer.engine_ext.runtime import new_site_key
 
 SUPPORTED_VLLM = ("0.26.", "0.32.")
+log = logging.getLogger(__name__)
 
 
 class UnsupportedError(RuntimeError):
@@ -118,10 +120,13 @@ def config_architecture_problem(model_config: object) -> str | None:
     if not names:
         return None
     info = getattr(model_config, "_model_info", None)
-    reason = None if info is None else _marker_reason(
+    # a generative class run as a pooling model (`--runner pooling`, `--convert embed`)
+    # is inspected unconverted; the workers see the converted, pooling, model
+    pooling = getattr(model_config, "runner_type", None) == "pooling"
+    reason = _marker_reason(
         bool(getattr(info, "supports_multimodal", False)),
         bool(getattr(info, "is_hybrid", False)),
-        bool(getattr(info, "is_pooling_model", False)))
+        pooling or bool(getattr(info, "is_pooling_model", False)))
     return architecture_problem(str(names[0]), reason)
 
 
@@ -138,28 +143,31 @@ def _uses_transformers_backend(model_config: object) -> bool:
 
 
 def engine_config_problem(config: object) -> str | None:
-    """What the workers would refuse, read from the engine's config before it starts: the
-    architecture, the engine features, and a family that cannot run under pipeline
-    parallelism. None where none of these is known to fail; the workers check again."""
+    """What the workers would refuse, read from the engine's config before it starts, in
+    their order: the engine features, the architecture, a family that cannot run under
+    pipeline parallelism. None where none of these is known to fail; the workers check
+    again."""
     model_config = getattr(config, "model_config", None)
-    problem = config_architecture_problem(model_config)
-    if problem is not None:
-        return problem
+    parallel = getattr(config, "parallel_config", None)
     extra = getattr(config, "additional_config", None) or {}
     section = extra.get("capsteer", {}) if isinstance(extra, dict) else {}
-    if getattr(config, "parallel_config", None) is not None:
+    if parallel is not None:
         problems = engine_feature_problems(config, section if isinstance(section, dict) else {})
         if problems:
             return engine_features_message(problems)
-        names = list(getattr(getattr(model_config, "hf_config", None), "architectures", None)
-                     or ())
-        family = families.family_for(str(names[0])) if names else None
-        if family is not None:
-            materialized = (family.deferred_mid_norm is None
-                            or _uses_transformers_backend(model_config))
-            stages = int(getattr(config.parallel_config, "pipeline_parallel_size", 1) or 1)
-            return pipeline_family_problem(family, materialized, stages)
-    return None
+    problem = config_architecture_problem(model_config)
+    if problem is not None or parallel is None:
+        return problem
+    names = list(getattr(getattr(model_config, "hf_config", None), "architectures", None) or ())
+    family = families.family_for(str(names[0])) if names else None
+    if family is None:
+        return None
+    materialized = family.deferred_mid_norm is None or _uses_transformers_backend(model_config)
+    stages = int(getattr(parallel, "pipeline_parallel_size", 1) or 1)
+    return pipeline_family_problem(family, materialized, stages)
+
+
+_REFUSING_FOR: set[str] = set()  # worker classes whose engines refuse at the config step
 
 
 def refuse_at_vllm_config_step(worker_cls: str) -> None:
@@ -171,6 +179,7 @@ def refuse_at_vllm_config_step(worker_cls: str) -> None:
     other engines are untouched."""
     from vllm.engine.arg_utils import EngineArgs
 
+    _REFUSING_FOR.add(worker_cls)
     original = EngineArgs.create_engine_config
     if getattr(original, "__capsteer_refuses__", False):
         return
@@ -178,10 +187,16 @@ def refuse_at_vllm_config_step(worker_cls: str) -> None:
     def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
         config = original(self, *args, **kwargs)
         parallel = getattr(config, "parallel_config", None)
-        if getattr(parallel, "worker_cls", None) == worker_cls:
+        if getattr(parallel, "worker_cls", None) not in _REFUSING_FOR:
+            return config
+        try:
             problem = engine_config_problem(config)
-            if problem is not None:
-                raise UnsupportedError(problem)
+        except Exception:  # a config this check cannot read: the workers still decide
+            log.warning("capsteer: could not check the engine config before start-up; "
+                        "the workers will", exc_info=True)
+            return config
+        if problem is not None:
+            raise UnsupportedError(problem)
         return config
 
     create_engine_config.__capsteer_refuses__ = True  # type: ignore[attr-defined]

@@ -119,3 +119,19 @@ def test_engine_features_the_hooks_cannot_serve_are_refused_before_start(
     assert proc.returncode != 0
     assert named in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-2000:]
     assert not engine_process_started(proc)
+
+
+def test_extract_refuses_an_unhookable_model_in_one_line(tmp_path):
+    from capsteer.demo_model import write_demo_model
+
+    model = write_demo_model(tmp_path / "jamba", "jamba", seed=1)
+    (tmp_path / "in.jsonl").write_text('{"id": "a", "prompt": "hello"}\n')
+    proc = subprocess.run([sys.executable, "-m", "capsteer.cli", "extract", str(model),
+                           "--input", "in.jsonl", "--output", "job", "--no-progress",
+                           "--gpu-memory-utilization", "0.2", "--max-model-len", "256"],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 2, (proc.stdout + proc.stderr)[-2000:]
+    assert ("capsteer extract: capsteer cannot hook architecture JambaForCausalLM: hybrid "
+            "state-space model") in proc.stdout
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert not engine_process_started(proc)

@@ -274,6 +274,48 @@ def test_the_launching_process_refuses_engine_features_from_the_config():
         config("GraniteForCausalLM", pipeline_parallel_size=2))
     assert engine_config_problem(config("GraniteForCausalLM")) is None
     assert "no hook layout" in engine_config_problem(config("GPT2LMHeadModel"))
+    # the workers' order: a feature before the architecture
+    assert "speculative decoding" in engine_config_problem(
+        config("GPT2LMHeadModel", speculative=object()))
+    # vLLM's Transformers backend materializes every family, as in the workers
+    backend = config(pipeline_parallel_size=2)
+    backend.model_config._model_info.architecture = "TransformersForCausalLM"
+    assert "llama family under pipeline parallelism" in engine_config_problem(backend)
+    backend.model_config.using_transformers_backend = lambda: False  # vLLM's own answer wins
+    assert engine_config_problem(backend) is None
+    # a generative class run as a pooling model: the workers see the converted model
+    pooled = config()
+    pooled.model_config.runner_type = "pooling"
+    assert "LlamaForCausalLM: pooling model" in engine_config_problem(pooled)
+
+
+def test_vllms_config_step_refuses_only_capsteers_engines(tmp_path):
+    """vLLM's own EngineArgs on demo models: capsteer's worker class is refused an
+    unhookable model at create_engine_config, before an engine starts; another worker
+    class (stock vLLM) is untouched, and a hookable model passes."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from capsteer.demo_model import write_demo_model
+    from capsteer.engine import WORKER_CLS
+    from capsteer.engine_ext import adapter
+
+    original = EngineArgs.create_engine_config
+    try:
+        adapter.refuse_at_vllm_config_step(WORKER_CLS)
+        adapter.refuse_at_vllm_config_step(WORKER_CLS)  # twice: one wrapper
+        assert EngineArgs.create_engine_config.__wrapped__ is original
+        llama = str(write_demo_model(tmp_path / "llama", "llama", seed=1))
+        jamba = str(write_demo_model(tmp_path / "jamba", "jamba", seed=1))
+        kept = EngineArgs(model=llama, worker_cls=WORKER_CLS, max_model_len=256,
+                          additional_config={"capsteer": "not a section"}).create_engine_config()
+        assert kept.model_config.architecture == "LlamaForCausalLM"
+        with pytest.raises(adapter.UnsupportedError,
+                           match="cannot hook architecture JambaForCausalLM: hybrid"):
+            EngineArgs(model=jamba, worker_cls=WORKER_CLS, max_model_len=256).create_engine_config()
+        stock = EngineArgs(model=jamba, max_model_len=256).create_engine_config()
+        assert stock.model_config.architecture == "JambaForCausalLM"
+    finally:
+        EngineArgs.create_engine_config = original
 
 
 def test_device_mode_equals_host_mode():
