@@ -299,7 +299,8 @@ def test_vllms_config_step_refuses_only_capsteers_engines(tmp_path):
     from capsteer.engine import WORKER_CLS
     from capsteer.engine_ext import adapter
 
-    original = EngineArgs.create_engine_config
+    before = EngineArgs.create_engine_config  # an earlier test may have installed it
+    original = getattr(before, "__wrapped__", before)
     try:
         adapter.refuse_at_vllm_config_step(WORKER_CLS)
         adapter.refuse_at_vllm_config_step(WORKER_CLS)  # twice: one wrapper
@@ -315,7 +316,7 @@ def test_vllms_config_step_refuses_only_capsteers_engines(tmp_path):
         stock = EngineArgs(model=jamba, max_model_len=256).create_engine_config()
         assert stock.model_config.architecture == "JambaForCausalLM"
     finally:
-        EngineArgs.create_engine_config = original
+        EngineArgs.create_engine_config = before
 
 
 def test_device_mode_equals_host_mode():
