@@ -66,10 +66,7 @@ def _marker_reason(multimodal: bool, hybrid: bool, pooling: bool) -> str | None:
     return None
 
 
-def _refusal(model: nn.Module, arch: str) -> str | None:
-    reason = families.refusal_reason(arch)
-    if reason is not None:
-        return reason
+def _marker_refusal(model: nn.Module) -> str | None:
     try:  # vLLM's own interface markers catch what the name lists miss
         from vllm.model_executor.models.interfaces import (
             is_hybrid,
@@ -101,7 +98,7 @@ def architecture_problem(arch: str, reason: str | None) -> str | None:
 def check_architecture(model: nn.Module) -> families.Family:
     """The family whose hook layout this model has, or UnsupportedError naming why not."""
     arch = model_architecture(model)
-    problem = architecture_problem(arch, _refusal(model, arch))
+    problem = architecture_problem(arch, _marker_refusal(model))
     if problem is not None:
         raise UnsupportedError(problem)
     family = families.family_for(arch)
@@ -115,9 +112,8 @@ def config_architecture_problem(model_config: object) -> str | None:
     architecture, which the built model's config carries) and the same markers (vLLM's
     registry inspects the class it will build). None where it cannot tell; the workers
     still check the model itself."""
-    hf = getattr(model_config, "hf_config", None)
-    names = list(getattr(hf, "architectures", None) or ())
-    if not names:
+    arch = _config_architecture(model_config)
+    if arch is None:
         return None
     info = getattr(model_config, "_model_info", None)
     # a generative class run as a pooling model (`--runner pooling`, `--convert embed`)
@@ -127,7 +123,13 @@ def config_architecture_problem(model_config: object) -> str | None:
         bool(getattr(info, "supports_multimodal", False)),
         bool(getattr(info, "is_hybrid", False)),
         pooling or bool(getattr(info, "is_pooling_model", False)))
-    return architecture_problem(str(names[0]), reason)
+    return architecture_problem(arch, reason)
+
+
+def _config_architecture(model_config: object) -> str | None:
+    """The HF config's first architecture: the name the built model's config carries."""
+    names = list(getattr(getattr(model_config, "hf_config", None), "architectures", None) or ())
+    return str(names[0]) if names else None
 
 
 def _uses_transformers_backend(model_config: object) -> bool:
@@ -158,8 +160,7 @@ def engine_config_problem(config: object) -> str | None:
     problem = config_architecture_problem(model_config)
     if problem is not None or parallel is None:
         return problem
-    names = list(getattr(getattr(model_config, "hf_config", None), "architectures", None) or ())
-    family = families.family_for(str(names[0])) if names else None
+    family = families.family_for(_config_architecture(model_config) or "")
     if family is None:
         return None
     materialized = family.deferred_mid_norm is None or _uses_transformers_backend(model_config)

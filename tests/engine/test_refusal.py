@@ -14,13 +14,16 @@ pytestmark = [pytest.mark.engine, pytest.mark.uses_engine("other")]
 START = textwrap.dedent("""
     from capsteer.engine import Engine
     if __name__ == "__main__":
-        Engine({model!r}, dtype="float32", gpu_memory_utilization=0.2, max_model_len=256)
+        Engine({model!r}, dtype="float32", gpu_memory_utilization=0.2, max_model_len=256,
+               {kwargs})
         print("ENGINE STARTED")
 """)
 
 
-def start_engine(model_dir: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", START.format(model=model_dir)],
+def start_engine(model_dir: str, env: dict | None = None,
+                 kwargs: str = "") -> subprocess.CompletedProcess:
+    """`kwargs`: more Engine keyword arguments, as Python source."""
+    return subprocess.run([sys.executable, "-c", START.format(model=model_dir, kwargs=kwargs)],
                           capture_output=True, text=True, timeout=600,
                           env={**os.environ, **(env or {})})
 
@@ -90,15 +93,6 @@ def test_serve_refuses_an_unhookable_model_before_its_engine_starts(tmp_path):
     assert not engine_process_started(proc)
 
 
-ENGINE_WITH = textwrap.dedent("""
-    from capsteer.engine import Engine
-    if __name__ == "__main__":
-        Engine({model!r}, dtype="float32", gpu_memory_utilization=0.2, max_model_len=256,
-               {kwargs})
-        print("ENGINE STARTED")
-""")
-
-
 @pytest.mark.parametrize(("family", "kwargs", "named"), [
     ("olmo2", "pipeline_parallel_size=2",
      "capsteer cannot hook the olmo2 family under pipeline parallelism"),
@@ -112,9 +106,7 @@ def test_engine_features_the_hooks_cannot_serve_are_refused_before_start(
     from capsteer.demo_model import write_demo_model
 
     model = write_demo_model(tmp_path / family, family, seed=1)
-    proc = subprocess.run([sys.executable, "-c", ENGINE_WITH.format(model=str(model),
-                                                                    kwargs=kwargs)],
-                          capture_output=True, text=True, timeout=600)
+    proc = start_engine(str(model), kwargs=kwargs)
     assert "ENGINE STARTED" not in proc.stdout
     assert proc.returncode != 0
     assert named in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-2000:]
