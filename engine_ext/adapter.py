@@ -151,10 +151,8 @@ def engine_config_problem(config: object) -> str | None:
     again."""
     model_config = getattr(config, "model_config", None)
     parallel = getattr(config, "parallel_config", None)
-    extra = getattr(config, "additional_config", None) or {}
-    section = extra.get("capsteer", {}) if isinstance(extra, dict) else {}
     if parallel is not None:
-        problems = engine_feature_problems(config, section if isinstance(section, dict) else {})
+        problems = engine_feature_problems(config, config_section(config))
         if problems:
             return engine_features_message(problems)
     problem = config_architecture_problem(model_config)
@@ -169,18 +167,23 @@ def engine_config_problem(config: object) -> str | None:
 
 
 _REFUSING_FOR: set[str] = set()  # worker classes whose engines refuse at the config step
+_ON_ACCEPT: list[Callable[[], None]] = []  # run once each, after a config passes the check
 
 
-def refuse_at_vllm_config_step(worker_cls: str) -> None:
+def refuse_at_vllm_config_step(worker_cls: str,
+                               on_accept: Callable[[], None] | None = None) -> None:
     """Make vLLM's config step (`EngineArgs.create_engine_config`, which `LLM` and
     `vllm serve` both run in the launching process) refuse what the workers would
     (`engine_config_problem`), for engines with capsteer's worker class. Without it the
     refusal came from the workers after the engine processes started and the weights
-    loaded: 40-50 s on the CPU machine, minutes for a large checkpoint. Idempotent;
-    other engines are untouched."""
+    loaded: 40-50 s on the CPU machine, minutes for a large checkpoint. `on_accept` runs
+    once, after a config of that class passes (the server's "try this" line, which
+    must not precede a refusal). Idempotent; other engines are untouched."""
     from vllm.engine.arg_utils import EngineArgs
 
     _REFUSING_FOR.add(worker_cls)
+    if on_accept is not None:
+        _ON_ACCEPT.append(on_accept)
     original = EngineArgs.create_engine_config
     if getattr(original, "__capsteer_refuses__", False):
         return
@@ -198,6 +201,8 @@ def refuse_at_vllm_config_step(worker_cls: str) -> None:
             return config
         if problem is not None:
             raise UnsupportedError(problem)
+        while _ON_ACCEPT:
+            _ON_ACCEPT.pop(0)()
         return config
 
     create_engine_config.__capsteer_refuses__ = True  # type: ignore[attr-defined]
@@ -719,7 +724,12 @@ def capsteer_config(worker: object) -> dict:
     kept = getattr(worker, "_capsteer_section", None)
     if kept is not None:
         return dict(kept)
-    extra = worker.vllm_config.additional_config or {}
+    return config_section(worker.vllm_config)
+
+
+def config_section(vllm_config: object) -> dict:
+    """capsteer's section of a vLLM config's `additional_config` (a copy; {} if absent)."""
+    extra = getattr(vllm_config, "additional_config", None) or {}
     section = extra.get("capsteer", {}) if isinstance(extra, dict) else {}
     return dict(section) if isinstance(section, dict) else {}
 

@@ -292,8 +292,9 @@ def _run(args: argparse.Namespace, passthrough: list[str] | None = None) -> int:
     host = _flag_value(extra, ("--host",)) or "127.0.0.1"
     port = _flag_value(extra, ("--port",)) or "8000"
     served = _flag_value(extra, ("--served-model-name",)) or args.model
-    refuse_at_vllm_config_step(WORKER_CLS)  # in vLLM's config step, before any engine
-    print(ready_hint(served, host, port), flush=True)
+    # in vLLM's config step, before any engine; the hint only once the config passed
+    refuse_at_vllm_config_step(
+        WORKER_CLS, on_accept=lambda: print(ready_hint(served, host, port), flush=True))
     try:
         run_vllm_serve(argv)
     except UnsupportedError as exc:

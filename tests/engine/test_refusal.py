@@ -90,6 +90,7 @@ def test_serve_refuses_an_unhookable_model_before_its_engine_starts(tmp_path):
     assert ("capsteer serve: capsteer cannot hook architecture JambaForCausalLM: hybrid "
             "state-space model") in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr  # one line that says why, not a stack
+    assert "once ready" not in proc.stdout  # no "try this" line before a refusal
     assert not engine_process_started(proc)
 
 

@@ -301,22 +301,29 @@ def test_vllms_config_step_refuses_only_capsteers_engines(tmp_path):
 
     before = EngineArgs.create_engine_config  # an earlier test may have installed it
     original = getattr(before, "__wrapped__", before)
+    accepted: list[str] = []
     try:
         adapter.refuse_at_vllm_config_step(WORKER_CLS)
-        adapter.refuse_at_vllm_config_step(WORKER_CLS)  # twice: one wrapper
+        # twice: one wrapper; the server's hint waits for a config that passes
+        adapter.refuse_at_vllm_config_step(WORKER_CLS, on_accept=lambda: accepted.append("hint"))
         assert EngineArgs.create_engine_config.__wrapped__ is original
         llama = str(write_demo_model(tmp_path / "llama", "llama", seed=1))
         jamba = str(write_demo_model(tmp_path / "jamba", "jamba", seed=1))
-        kept = EngineArgs(model=llama, worker_cls=WORKER_CLS, max_model_len=256,
-                          additional_config={"capsteer": "not a section"}).create_engine_config()
-        assert kept.model_config.architecture == "LlamaForCausalLM"
         with pytest.raises(adapter.UnsupportedError,
                            match="cannot hook architecture JambaForCausalLM: hybrid"):
             EngineArgs(model=jamba, worker_cls=WORKER_CLS, max_model_len=256).create_engine_config()
         stock = EngineArgs(model=jamba, max_model_len=256).create_engine_config()
         assert stock.model_config.architecture == "JambaForCausalLM"
+        assert accepted == []  # neither the refusal nor another worker class's engine
+        for _ in range(2):
+            kept = EngineArgs(model=llama, worker_cls=WORKER_CLS, max_model_len=256,
+                              additional_config={"capsteer": "not a section"}
+                              ).create_engine_config()
+            assert kept.model_config.architecture == "LlamaForCausalLM"
+        assert accepted == ["hint"]  # once
     finally:
         EngineArgs.create_engine_config = before
+        adapter._ON_ACCEPT.clear()
 
 
 def test_device_mode_equals_host_mode():
