@@ -7,6 +7,14 @@ pressure; then, over all batches of a workload, the correlation of each counter 
 batch time. A counter that explains the spread correlates and moves by as many seconds
 as the batch time does.
 
+With the engine probe (`--engine-probe`), each config's cost is also estimated at equal
+host speed: one least-squares fit over a workload's batches, batch_s = a + b * eloop +
+one offset per config (vanilla the baseline), where eloop is the probe's fixed loop timed
+on the step thread during that batch. The offset is the config's extra seconds a batch
+with the host's speed held equal, given with its standard error (session 59: the lent
+hosts' batch-to-batch speed swings, 0.8-1.9 ms of loop, outweigh a 1% effect). A
+diagnostic beside perf_method.py's verdicts, not one.
+
     python bench/host_noise.py DIR [DIR ...] [--json OUT]
 """
 
@@ -112,6 +120,36 @@ def analyse(table: list[dict[str, Any]]) -> dict[str, Any]:
     return result
 
 
+def speed_adjusted(table: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per workload: each config's offset against vanilla in batch_s = a + b * eloop +
+    offset(config), least squares over every batch that has the probe's loop."""
+    import numpy as np
+
+    result: dict[str, Any] = {}
+    for wl in sorted({r["workload"] for r in table}):
+        sel = [r for r in table if r["workload"] == wl and r["engine_loop_ms"] is not None]
+        configs = sorted({r["config"] for r in sel} - {"vanilla"})
+        if not configs or not any(r["config"] == "vanilla" for r in sel):
+            continue
+        x = np.array([[1.0, r["engine_loop_ms"]] + [float(r["config"] == c) for c in configs]
+                      for r in sel])
+        y = np.array([r["batch_s"] for r in sel])
+        dof = len(y) - x.shape[1]
+        if dof < 2 or np.linalg.matrix_rank(x) < x.shape[1]:
+            continue
+        beta = np.linalg.lstsq(x, y, rcond=None)[0]
+        resid = y - x @ beta
+        se = np.sqrt(np.diag(float(resid @ resid) / dof * np.linalg.inv(x.T @ x)))
+        loop = float(np.median(x[:, 1]))
+        base = float(beta[0] + beta[1] * loop)  # vanilla's batch at the median loop
+        result[wl] = {"batches": len(y), "loop_ms_median": loop, "vanilla_batch_s": base,
+                      "s_per_loop_ms": float(beta[1]), "configs": {
+                          c: {"offset_s": float(beta[2 + i]), "se_s": float(se[2 + i]),
+                              "ratio": base / (base + float(beta[2 + i]))}
+                          for i, c in enumerate(configs)}}
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -156,8 +194,17 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {c:13} median {e[c]['median']:.3f} {unit}, corr with batch_s "
                       f"{'-' if corr is None else f'{corr:+.2f}'}, slope "
                       f"{'-' if slope is None else f'{slope:+.2f}'} {unit}/s")
+    adjusted = speed_adjusted(table)
+    for wl, e in adjusted.items():
+        print(f"\n{wl}, at equal host speed (batch_s = a + b * eloop + offset(config), "
+              f"{e['batches']} batches; b = {e['s_per_loop_ms']:.2f} s per ms of loop; vanilla "
+              f"{e['vanilla_batch_s']:.3f} s at the median loop {e['loop_ms_median']:.2f} ms):")
+        for c, v in e["configs"].items():
+            print(f"  {c:9} {v['offset_s']:+.3f} s a batch (standard error {v['se_s']:.3f}), "
+                  f"throughput ratio vs vanilla {v['ratio']:.3f}")
     if a.json:
-        a.json.write_text(json.dumps({"batches": table, "analysis": result}, indent=1))
+        a.json.write_text(json.dumps({"batches": table, "analysis": result,
+                                      "speed_adjusted": adjusted}, indent=1))
     return 0
 
 
