@@ -146,13 +146,18 @@ def _uses_transformers_backend(model_config: object) -> bool:
 
 def engine_config_problem(config: object) -> str | None:
     """What the workers would refuse, read from the engine's config before it starts, in
-    their order: the engine features, the architecture, a family that cannot run under
-    pipeline parallelism. None where none of these is known to fail; the workers check
-    again."""
+    their order: the engine features (data parallelism included: a mixture-of-experts
+    model's DP engines reach the workers coupled, a dense model's as DP=1 engines), the
+    architecture, a family that cannot run under pipeline parallelism. None where none of
+    these is known to fail; the workers check again."""
     model_config = getattr(config, "model_config", None)
     parallel = getattr(config, "parallel_config", None)
     if parallel is not None:
-        problems = engine_feature_problems(config, config_section(config))
+        section = config_section(config)
+        problems = engine_feature_problems(config, section)
+        dp = _data_parallel_refusal(parallel, section, _config_is_moe(model_config))
+        if dp is not None:
+            problems.append(dp)
         if problems:
             return engine_features_message(problems)
     problem = config_architecture_problem(model_config)
@@ -963,23 +968,40 @@ def data_parallel_problem(par: object) -> str | None:
     return None
 
 
+_DP_MOE = ("--data-parallel-size with a mixture-of-experts model (its DP engines run in "
+           "lockstep with dummy batches capsteer is not validated against); use "
+           "--tensor-parallel-size")
+
+
+def _data_parallel_refusal(par: object, section: dict, moe: bool | None) -> str | None:
+    """The data-parallel layouts capsteer refuses, in the workers' order: DP in the
+    in-process engine, a layout `data_parallel_problem` names, then a mixture-of-experts
+    model (`moe` None: not known here)."""
+    size = int(getattr(par, "data_parallel_size", 1) or 1)
+    if size <= 1:
+        return None
+    if section.get("frontend") != "server":
+        return (f"data_parallel_size={size} in the in-process engine (capsteer extract, "
+                "capsteer.Engine); use `capsteer extract --ray` or `capsteer serve "
+                "--data-parallel-size N`")
+    return data_parallel_problem(par) or (_DP_MOE if moe else None)
+
+
 def _worker_data_parallel_problem(worker: object) -> str | None:
     """A worker sees data_parallel_size > 1 only where the DP ranks are coupled: vLLM
     runs dense models' DP engines as independent DP=1 engines, but MoE engines in
     lockstep (idle ranks run dummy batches for the experts' all-to-all), and the
     in-process engine only through an external launcher."""
-    par = worker.vllm_config.parallel_config
-    size = int(getattr(par, "data_parallel_size", 1) or 1)
-    if size <= 1:
+    return _data_parallel_refusal(worker.vllm_config.parallel_config,
+                                  capsteer_config(worker), moe=True)
+
+
+def _config_is_moe(model_config: object) -> bool | None:
+    """vLLM's own answer (ModelConfig.is_moe), None where this vLLM has none."""
+    try:
+        return bool(model_config.is_moe)  # type: ignore[attr-defined]
+    except Exception:  # an older ModelConfig, or a config it cannot read: the workers decide
         return None
-    if capsteer_config(worker).get("frontend") != "server":
-        return (f"data_parallel_size={size} in the in-process engine (capsteer extract, "
-                "capsteer.Engine); use `capsteer extract --ray` or `capsteer serve "
-                "--data-parallel-size N`")
-    return data_parallel_problem(par) or (
-        "--data-parallel-size with a mixture-of-experts model (its DP engines run in "
-        "lockstep with dummy batches capsteer is not validated against); use "
-        "--tensor-parallel-size")
 
 
 def checkpoint_dtype(worker: object) -> torch.dtype | None:

@@ -76,19 +76,26 @@ def test_canary_refuses_when_a_hook_does_not_fire(model_dirs):
     assert engine_process_started(proc)  # the canary runs in the workers, after the load
 
 
-def test_serve_refuses_an_unhookable_model_before_its_engine_starts(tmp_path):
-    """`capsteer serve` names the architecture and exits at vLLM's config step, as the
+@pytest.mark.parametrize(("family", "flags", "named"), [
+    ("jamba", [], "capsteer cannot hook architecture JambaForCausalLM: hybrid state-space "
+                  "model"),
+    # a mixture-of-experts model's DP engines run coupled; a dense model's DP is served
+    ("qwen3_moe", ["--data-parallel-size", "2"],
+     "capsteer cannot hook this engine configuration: --data-parallel-size with a "
+     "mixture-of-experts model"),
+])
+def test_serve_refuses_before_its_engine_starts(tmp_path, family, flags, named):
+    """`capsteer serve` names what it cannot hook and exits at vLLM's config step, as the
     offline engine does, instead of after its engine process loaded the weights."""
     from capsteer.demo_model import write_demo_model
 
-    model = write_demo_model(tmp_path / "jamba", "jamba", seed=1)
+    model = write_demo_model(tmp_path / family, family, seed=1)
     proc = subprocess.run([sys.executable, "-m", "capsteer.cli", "serve", str(model),
                            "--gpu-memory-utilization", "0.3", "--max-model-len", "256",
-                           "--port", "0"],
+                           "--port", "0", *flags],
                           capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert proc.returncode != 0
-    assert ("capsteer serve: capsteer cannot hook architecture JambaForCausalLM: hybrid "
-            "state-space model") in proc.stderr, proc.stderr[-2000:]
+    assert f"capsteer serve: {named}" in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr  # one line that says why, not a stack
     assert "once ready" not in proc.stdout  # no "try this" line before a refusal
     assert not engine_process_started(proc)

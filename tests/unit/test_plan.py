@@ -251,11 +251,12 @@ def test_the_launching_process_refuses_engine_features_from_the_config():
     from capsteer.engine_ext.adapter import engine_config_problem
 
     def config(arch: str = "LlamaForCausalLM", section: dict | None = None,
-               speculative: object = None, **parallel: object) -> SimpleNamespace:
+               speculative: object = None, moe: bool = False,
+               **parallel: object) -> SimpleNamespace:
         info = SimpleNamespace(supports_multimodal=False, is_hybrid=False,
                                is_pooling_model=False, architecture=arch)
         model = SimpleNamespace(hf_config=SimpleNamespace(architectures=[arch]),
-                                _model_info=info)
+                                _model_info=info, is_moe=moe)
         par = SimpleNamespace(**{"pipeline_parallel_size": 1, "enable_dbo": False, **parallel})
         return SimpleNamespace(model_config=model, parallel_config=par,
                                speculative_config=speculative,
@@ -274,6 +275,16 @@ def test_the_launching_process_refuses_engine_features_from_the_config():
         config("GraniteForCausalLM", pipeline_parallel_size=2))
     assert engine_config_problem(config("GraniteForCausalLM")) is None
     assert "no hook layout" in engine_config_problem(config("GPT2LMHeadModel"))
+    # data parallelism: served, a dense model passes (its engines reach the workers as
+    # DP=1 engines) and a mixture-of-experts model is refused, as its workers would
+    served = {"frontend": "server"}
+    assert engine_config_problem(config(section=served, data_parallel_size=2)) is None
+    assert "--data-parallel-size with a mixture-of-experts model" in engine_config_problem(
+        config("Qwen3MoeForCausalLM", section=served, moe=True, data_parallel_size=2))
+    assert engine_config_problem(config("Qwen3MoeForCausalLM", section=served, moe=True)) is None
+    assert "in the in-process engine" in engine_config_problem(config(data_parallel_size=2))
+    assert "--data-parallel-backend ray" in engine_config_problem(
+        config(section=served, data_parallel_size=2, data_parallel_backend="ray"))
     # the workers' order: a feature before the architecture
     assert "speculative decoding" in engine_config_problem(
         config("GPT2LMHeadModel", speculative=object()))
@@ -314,12 +325,23 @@ def test_vllms_config_step_refuses_only_capsteers_engines(tmp_path):
             EngineArgs(model=jamba, worker_cls=WORKER_CLS, max_model_len=256).create_engine_config()
         stock = EngineArgs(model=jamba, max_model_len=256).create_engine_config()
         assert stock.model_config.architecture == "JambaForCausalLM"
+        # served data parallelism: vLLM's own is_moe decides (a dense model passes below)
+        moe = str(write_demo_model(tmp_path / "moe", "qwen3_moe", seed=1))
+        with pytest.raises(adapter.UnsupportedError, match="with a mixture-of-experts model"):
+            EngineArgs(model=moe, worker_cls=WORKER_CLS, max_model_len=256, data_parallel_size=2,
+                       additional_config={"capsteer": {"frontend": "server"}}
+                       ).create_engine_config()
         assert accepted == []  # neither the refusal nor another worker class's engine
         for _ in range(2):
             kept = EngineArgs(model=llama, worker_cls=WORKER_CLS, max_model_len=256,
                               additional_config={"capsteer": "not a section"}
                               ).create_engine_config()
             assert kept.model_config.architecture == "LlamaForCausalLM"
+        dense = EngineArgs(model=llama, worker_cls=WORKER_CLS, max_model_len=256,
+                           data_parallel_size=2,
+                           additional_config={"capsteer": {"frontend": "server"}}
+                           ).create_engine_config()
+        assert dense.parallel_config.data_parallel_size == 2
         assert accepted == ["hint"]  # once
     finally:
         EngineArgs.create_engine_config = before
