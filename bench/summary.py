@@ -9,6 +9,7 @@ keys it measured.
     python bench/summary.py show
     python bench/summary.py update --from RESULT.json [RESULT.json ...] [--write PATH]
     python bench/summary.py apply UPDATE.json      # an update written by gpu_perf.py
+    python bench/summary.py plot [--png PATH]      # every key against its target, one PNG
 
 `update` reads result files (perf_method's *-perf-method.json, extract_bench's
 *-extract*.json, gpu_perf's storage-*.json, throughput.py's *-p6*.json); CPU results are
@@ -113,19 +114,89 @@ def show(summary: dict[str, Any]) -> None:
               f"{p.get('date') or '-':12}{p.get('device') or '-'}")
 
 
+def against_target(key: str, value: float, prov: dict[str, Any]) -> float | None:
+    """How far a figure is from its target, as a factor where 1 is the target and above
+    1 meets it: value / target for a floor, target / value for P6's ceiling (seconds),
+    and plain identity's agreement over vanilla's own with itself."""
+    if key == "plain_identity":
+        base = prov.get("vanilla_vs_vanilla")
+        return value / base if base else None
+    target = prov.get("target")
+    if target is None:
+        target = float(TARGETS[key].split()[-1])
+    return float(target) / value if TARGETS[key].startswith("<=") else value / float(target)
+
+
+VERDICT_COLORS = {"met": "#2e7d32", "missed": "#c62828"}  # anything else: unresolved
+
+
+def plot(summary: dict[str, Any], png: Path) -> None:
+    """One horizontal bar per key: the figure over its target (1 = the target), the
+    spread behind it where the provenance has one, coloured by verdict."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("plot needs matplotlib (.venv/bin/pip install matplotlib)") from None
+    prov = summary.get("provenance", {})
+    rows = []
+    for key in KEYS:
+        value, p = summary.get(key), prov.get(key, {})
+        if not isinstance(value, (int, float)):
+            continue
+        x = against_target(key, float(value), p)
+        if x is None:
+            continue
+        lo, hi = p.get("lo", p.get("min")), p.get("hi", p.get("max"))
+        ends = [against_target(key, float(v), p) for v in (lo, hi) if isinstance(v, (int, float))]
+        rows.append((key, x, (min(ends), max(ends)) if len(ends) == 2 else None,
+                     f"{value:.3g} (target {TARGETS[key]})", str(p.get("verdict") or "-")))
+    fig, ax = plt.subplots(figsize=(9, 0.55 * len(rows) + 1.4))
+    for i, (_key, x, spread, label, verdict) in enumerate(rows):
+        color = VERDICT_COLORS.get(verdict, "#f9a825")
+        err = None if spread is None else [[max(x - spread[0], 0)], [max(spread[1] - x, 0)]]
+        ax.barh(i, x, color=color, xerr=err, capsize=3)
+        right = x if spread is None else max(x, spread[1])
+        ax.text(right + 0.03, i, f"{label}, {verdict}", va="center", fontsize=8)
+    ax.axvline(1.0, color="black", linewidth=1)
+    ax.set_yticks(range(len(rows)), [r[0] for r in rows])
+    ax.invert_yaxis()
+    ax.set_xlim(0, max(2.6, max(r[1] for r in rows) + 1.2))
+    ax.set_xlabel("figure over its target (1 = the target; right of it meets it); bars: the "
+                  "spread behind the figure")
+    from matplotlib.patches import Patch
+
+    ax.legend(handles=[Patch(color=c, label=v) for v, c in
+                       [*VERDICT_COLORS.items(), ("unresolved", "#f9a825")]],
+              loc="lower right", fontsize=8)
+    ax.set_title(f"issue 12 on GPU, bench/results/summary.json of {summary.get('date')} "
+                 "(each key's device and date: its provenance)", fontsize=9)
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=110)
+    print(f"wrote {png}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("action", choices=("show", "update", "apply"))
+    ap.add_argument("action", choices=("show", "update", "apply", "plot"))
     ap.add_argument("files", nargs="*", type=Path, help="apply: update files")
     ap.add_argument("--from", dest="sources", nargs="+", type=Path, default=[])
     ap.add_argument("--summary", type=Path, default=DEFAULT, help="the summary read")
     ap.add_argument("--write", type=Path, default=None, help="where to write (default: --summary)")
     ap.add_argument("--allow-cpu", action="store_true")
+    ap.add_argument("--png", type=Path, default=None,
+                    help="plot: where to write (default: summary.png beside --summary)")
     a = ap.parse_args(argv)
     summary = load(a.summary)
     if a.action == "show":
         show(summary)
+        return 0
+    if a.action == "plot":
+        plot(summary, a.png or a.summary.with_suffix(".png"))
         return 0
     update: Update = {}
     if a.action == "update":
