@@ -138,6 +138,7 @@ def plot(summary: dict[str, Any], png: Path) -> None:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.patches import Patch
     except ImportError:
         raise SystemExit("plot needs matplotlib (.venv/bin/pip install matplotlib)") from None
     prov = summary.get("provenance", {})
@@ -166,8 +167,6 @@ def plot(summary: dict[str, Any], png: Path) -> None:
     ax.set_xlim(0, max(2.6, max(r[1] for r in rows) + 1.2))
     ax.set_xlabel("figure over its target (1 = the target; right of it meets it); bars: the "
                   "spread behind the figure")
-    from matplotlib.patches import Patch
-
     ax.legend(handles=[Patch(color=c, label=v) for v, c in
                        [*VERDICT_COLORS.items(), ("unresolved", "#f9a825")]],
               loc="lower right", fontsize=8)

@@ -153,11 +153,8 @@ def engine_config_problem(config: object) -> str | None:
     model_config = getattr(config, "model_config", None)
     parallel = getattr(config, "parallel_config", None)
     if parallel is not None:
-        section = config_section(config)
-        problems = engine_feature_problems(config, section)
-        dp = _data_parallel_refusal(parallel, section, _config_is_moe(model_config))
-        if dp is not None:
-            problems.append(dp)
+        problems = engine_feature_problems(config, config_section(config),
+                                           moe=_config_is_moe(model_config))
         if problems:
             return engine_features_message(problems)
     problem = config_architecture_problem(model_config)
@@ -909,9 +906,11 @@ def pipeline_stage() -> tuple[int, int]:
         return 0, 1
 
 
-def engine_feature_problems(cfg: object, section: dict) -> list[str]:
+def engine_feature_problems(cfg: object, section: dict, moe: bool | None) -> list[str]:
     """Batch layouts the hooks do not understand, read from the engine's config alone (the
-    launching process checks them before any engine starts, the workers again)."""
+    launching process checks them before any engine starts, the workers again), the
+    data-parallel layouts capsteer refuses last (`moe`: whether the model is a
+    mixture-of-experts one, None where not known)."""
     problems = []
     if getattr(cfg, "speculative_config", None) is not None:
         problems.append("speculative decoding (row positions are optimistic until verified)")
@@ -924,6 +923,9 @@ def engine_feature_problems(cfg: object, section: dict) -> list[str]:
     if int(getattr(par, "pipeline_parallel_size", 1) or 1) > 1 and section.get("sharded"):
         problems.append("pipeline parallelism with an extraction job's shards (each stage "
                         "would write its own shards; run extraction with tensor parallelism)")
+    dp = _data_parallel_refusal(par, section, moe)
+    if dp is not None:
+        problems.append(dp)
     return problems
 
 
@@ -933,10 +935,11 @@ def engine_features_message(problems: Sequence[str]) -> str:
 
 def check_engine_features(worker: object) -> None:
     """Refuse batch layouts the hooks do not understand, rather than mislabel rows."""
-    problems = engine_feature_problems(worker.vllm_config, capsteer_config(worker))
-    dp = _worker_data_parallel_problem(worker)
-    if dp is not None:
-        problems.append(dp)
+    # A worker sees data_parallel_size > 1 only where the DP ranks are coupled: vLLM runs
+    # dense models' DP engines as independent DP=1 engines, but MoE engines in lockstep
+    # (idle ranks run dummy batches for the experts' all-to-all), and the in-process
+    # engine only through an external launcher; so here any DP is taken as MoE's.
+    problems = engine_feature_problems(worker.vllm_config, capsteer_config(worker), moe=True)
     if problems:
         raise UnsupportedError(engine_features_message(problems))
 
@@ -985,15 +988,6 @@ def _data_parallel_refusal(par: object, section: dict, moe: bool | None) -> str 
                 "capsteer.Engine); use `capsteer extract --ray` or `capsteer serve "
                 "--data-parallel-size N`")
     return data_parallel_problem(par) or (_DP_MOE if moe else None)
-
-
-def _worker_data_parallel_problem(worker: object) -> str | None:
-    """A worker sees data_parallel_size > 1 only where the DP ranks are coupled: vLLM
-    runs dense models' DP engines as independent DP=1 engines, but MoE engines in
-    lockstep (idle ranks run dummy batches for the experts' all-to-all), and the
-    in-process engine only through an external launcher."""
-    return _data_parallel_refusal(worker.vllm_config.parallel_config,
-                                  capsteer_config(worker), moe=True)
 
 
 def _config_is_moe(model_config: object) -> bool | None:
