@@ -1,0 +1,96 @@
+"""What `capsteer serve` refuses at vLLM's config step, checked on the vLLM it runs on.
+
+The config-step refusal reads vLLM's own config objects (`ModelConfig.is_moe`, the
+architecture markers), so each vLLM version needs its own check. Runs `capsteer serve`
+on demo models of several families and flags, and reports per case: the exit status, the
+line it printed, whether an engine-core process started, and whether the "once ready"
+hint appeared (printed only after the config step accepted). Accepted cases are stopped
+as soon as the hint appears, so nothing loads beyond the config step's own work.
+
+    python bench/gpu_refusal_check.py [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# (family, flags, expected): "refuse" with the words of the refusal, or "accept".
+CASES: list[tuple[str, list[str], str, str]] = [
+    ("qwen3_moe", ["--data-parallel-size", "2"], "refuse",
+     "--data-parallel-size with a mixture-of-experts model"),
+    ("mixtral", ["--data-parallel-size", "2"], "refuse",
+     "--data-parallel-size with a mixture-of-experts model"),
+    ("jamba", [], "refuse", "capsteer cannot hook architecture JambaForCausalLM"),
+    ("qwen3_moe", [], "accept", ""),
+    ("qwen3", ["--data-parallel-size", "2"], "accept", ""),
+]
+
+
+def run_case(model: Path, flags: list[str], timeout_s: float) -> dict:
+    """Start `capsteer serve`; stop it at the hint (accepted) or let it exit (refused)."""
+    cmd = [sys.executable, "-m", "capsteer.cli", "serve", str(model), "--port", "0",
+           "--max-model-len", "256", "--gpu-memory-utilization", "0.3", *flags]
+    t0 = time.time()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    hinted = False
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        lines.append(line.rstrip("\n"))
+        if "once ready" in line:
+            hinted = True
+            break
+        if time.time() - t0 > timeout_s:
+            break
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+    text = "\n".join(lines)
+    said = [ln for ln in lines if ln.startswith("capsteer serve:")]
+    return {"cmd": " ".join(cmd[2:]), "returncode": proc.returncode, "hint": hinted,
+            "line": said[-1] if said else None, "traceback": "Traceback" in text,
+            "engine_process_started": "(EngineCore" in text,
+            "seconds": round(time.time() - t0, 1), "tail": lines[-5:]}
+
+
+def main() -> None:
+    from capsteer.demo_model import write_demo_model
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
+    ap.add_argument("--work", default="/tmp/refusal-models")
+    ap.add_argument("--timeout", type=float, default=180.0)
+    args = ap.parse_args()
+    import vllm
+
+    report: dict = {"vllm": vllm.__version__, "cases": []}
+    for family, flags, expected, words in CASES:
+        model = Path(args.work) / family
+        if not (model / "config.json").is_file():
+            write_demo_model(model, family, seed=1)
+        got = run_case(model, flags, args.timeout)
+        if expected == "refuse":
+            ok = (got["returncode"] not in (0, None) and not got["hint"]
+                  and not got["engine_process_started"] and not got["traceback"]
+                  and bool(got["line"]) and words in got["line"])
+        else:
+            ok = got["hint"] and got["line"] is None
+        got.update(family=family, flags=flags, expected=expected, ok=bool(ok))
+        report["cases"].append(got)
+        print(f"{'ok ' if ok else 'BAD'} {family:10s} {' '.join(flags):26s} {expected:6s} "
+              f"rc={got['returncode']} hint={got['hint']} engine={got['engine_process_started']} "
+              f"{got['seconds']} s  {got['line'] or ''}", flush=True)
+    report["all_ok"] = all(c["ok"] for c in report["cases"])
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "refusal_check.json").write_text(json.dumps(report, indent=1))
+    print("all ok" if report["all_ok"] else "NOT all ok")
+
+
+if __name__ == "__main__":
+    main()
