@@ -33,11 +33,14 @@ CASES: list[tuple[str, list[str], str, str]] = [
 
 
 def run_case(model: Path, flags: list[str], timeout_s: float) -> dict:
-    """Start `capsteer serve`; stop it at the hint (accepted) or let it exit (refused)."""
+    """Start `capsteer serve`; stop it at the hint (accepted) or let it exit (refused).
+    It runs in the model's folder: `-m` puts the working directory first on sys.path, and
+    a checkout's root holds a `capsteer/` folder that is not the installed package."""
     cmd = [sys.executable, "-m", "capsteer.cli", "serve", str(model), "--port", "0",
            "--max-model-len", "256", "--gpu-memory-utilization", "0.3", *flags]
     t0 = time.time()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=model.parent)
     lines: list[str] = []
     hinted = False
     assert proc.stdout is not None
