@@ -59,7 +59,7 @@ def run_case(model: Path, flags: list[str], timeout_s: float) -> dict:
     return {"cmd": " ".join(cmd[2:]), "returncode": proc.returncode, "hint": hinted,
             "line": said[-1] if said else None, "traceback": "Traceback" in text,
             "engine_process_started": "(EngineCore" in text,
-            "seconds": round(time.time() - t0, 1), "tail": lines[-5:]}
+            "seconds": round(time.time() - t0, 1), "tail": lines[-12:]}
 
 
 def main() -> None:
@@ -69,11 +69,15 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     ap.add_argument("--work", default="/tmp/refusal-models")
     ap.add_argument("--timeout", type=float, default=180.0)
+    ap.add_argument("--only", default="", help="comma-separated families to run (default: all)")
     args = ap.parse_args()
     import vllm
 
     report: dict = {"vllm": vllm.__version__, "cases": []}
+    only = {f for f in args.only.split(",") if f}
     for family, flags, expected, words in CASES:
+        if only and family not in only:
+            continue
         model = Path(args.work) / family
         if not (model / "config.json").is_file():
             write_demo_model(model, family, seed=1)
@@ -89,6 +93,8 @@ def main() -> None:
         print(f"{'ok ' if ok else 'BAD'} {family:10s} {' '.join(flags):26s} {expected:6s} "
               f"rc={got['returncode']} hint={got['hint']} engine={got['engine_process_started']} "
               f"{got['seconds']} s  {got['line'] or ''}", flush=True)
+        if not ok:
+            print("    " + "\n    ".join(got["tail"]), flush=True)
     report["all_ok"] = all(c["ok"] for c in report["cases"])
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "refusal_check.json").write_text(json.dumps(report, indent=1))
