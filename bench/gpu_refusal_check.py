@@ -55,7 +55,8 @@ def run_case(model: Path, flags: list[str], timeout_s: float) -> dict:
         proc.kill()
     proc.wait()
     text = "\n".join(lines)
-    said = [ln for ln in lines if ln.startswith("capsteer serve:")]
+    # vLLM 0.26 prefixes the API server's lines with "(APIServer pid=N) "
+    said = [ln[ln.index("capsteer serve:"):] for ln in lines if "capsteer serve:" in ln]
     return {"cmd": " ".join(cmd[2:]), "returncode": proc.returncode, "hint": hinted,
             "line": said[-1] if said else None, "traceback": "Traceback" in text,
             "engine_process_started": "(EngineCore" in text,
