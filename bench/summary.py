@@ -105,12 +105,12 @@ def load(path: Path) -> dict[str, Any]:
 def show(summary: dict[str, Any]) -> None:
     prov = summary.get("provenance", {})
     print(f"summary: device {summary.get('device')}, updated {summary.get('date')}")
-    print(f"{'key':32}{'value':>10}  {'target':22}{'verdict':12}{'date':12}device")
+    print(f"{'key':32}{'value':>10}  {'target':22}{'verdict':25}{'date':12}device")
     for key in KEYS:
         v = summary.get(key)
         p = prov.get(key, {})
         val = "-" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)
-        print(f"{key:32}{val:>10}  {TARGETS[key]:22}{p.get('verdict') or '-':12}"
+        print(f"{key:32}{val:>10}  {TARGETS[key]:22}{p.get('verdict') or '-':25}"
               f"{p.get('date') or '-':12}{p.get('device') or '-'}")
 
 
