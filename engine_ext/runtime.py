@@ -390,6 +390,19 @@ class HookRuntime:
         if plan.routes or len(self.point_base_set):  # steering-only steps skip this table
             self._update_point_base(plan)
 
+    def warm_kernels(self) -> None:
+        """Compile `_expand` now, at start-up. Its first launch is otherwise the first step
+        with hooks: the canary's (after vLLM's warm-up, whose JIT monitor then reports a
+        compile "during inference"), or, were the canary skipped, a user's request. The
+        tap kernels compile earlier, inside vLLM's own warm-up forwards."""
+        if not (self.device_driven and self.use_kernel):  # host mode, or no Triton
+            return
+        self.batch_index[:2].zero_()  # no requests: every row gets slot 0 (the padding's)
+        tap_kernel.expand_rows(self.batch_index, 0, self.tok_slot[:1], self.tok_gen[:1],
+                               self.max_tokens)
+        self.tok_slot[:1].zero_()
+        self.tok_gen[:1].zero_()
+
     def _expand_rows(self, plan: StepPlan, n: int) -> None:
         """tok_slot[:n] and tok_gen[:n] from a few numbers per request, on the device: a
         row's batch index is the number of requests ending at or before it (rows past the

@@ -869,6 +869,7 @@ class CapsteerWorker(adapter.platform_worker_base()):  # type: ignore[misc]
 
     def compile_or_warm_up_model(self, *args, **kwargs):
         self.capsteer.install_plain_graphs()  # before vLLM records its CUDA graphs
+        self.capsteer.runtime.warm_kernels()  # before vLLM's warm-up and its JIT monitor
         out = super().compile_or_warm_up_model(*args, **kwargs)
         self.capsteer.log_plain_graphs()
         started = time.perf_counter()
