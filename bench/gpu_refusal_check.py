@@ -20,7 +20,8 @@ import sys
 import time
 from pathlib import Path
 
-# (family, flags, expected): "refuse" with the words of the refusal, or "accept".
+# (family, flags, expected, words): "refuse" with words the refusal must contain, or
+# "accept" (words unused).
 CASES: list[tuple[str, list[str], str, str]] = [
     ("qwen3_moe", ["--data-parallel-size", "2"], "refuse",
      "--data-parallel-size with a mixture-of-experts model"),
