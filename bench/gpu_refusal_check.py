@@ -13,8 +13,10 @@ as soon as the hint appears, so nothing loads beyond the config step's own work.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -41,7 +43,7 @@ def run_case(model: Path, flags: list[str], timeout_s: float) -> dict:
            "--max-model-len", "256", "--gpu-memory-utilization", "0.3", *flags]
     t0 = time.time()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            cwd=model.parent)
+                            cwd=model.parent, start_new_session=True)
     lines: list[str] = []
     hinted = False
     assert proc.stdout is not None
@@ -52,8 +54,11 @@ def run_case(model: Path, flags: list[str], timeout_s: float) -> dict:
             break
         if time.time() - t0 > timeout_s:
             break
-    if proc.poll() is None:
-        proc.kill()
+    seconds = round(time.time() - t0, 1)
+    # The whole group, at once: nothing a case started outlives it, and at the config step
+    # there is nothing to shut down gracefully (serve_proc.stop's SIGINT waited 90 s there)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     text = "\n".join(lines)
     # vLLM 0.26 prefixes the API server's lines with "(APIServer pid=N) "
@@ -61,7 +66,7 @@ def run_case(model: Path, flags: list[str], timeout_s: float) -> dict:
     return {"cmd": " ".join(cmd[2:]), "returncode": proc.returncode, "hint": hinted,
             "line": said[-1] if said else None, "traceback": "Traceback" in text,
             "engine_process_started": "(EngineCore" in text,
-            "seconds": round(time.time() - t0, 1), "tail": lines[-12:]}
+            "seconds": seconds, "tail": lines[-12:]}
 
 
 def main() -> None:
