@@ -27,7 +27,8 @@ from collections.abc import Awaitable, Callable
 from capsteer.config.server import ServerSettings
 from capsteer.engine import new_capture_id
 from capsteer.engine_ext.plan import EXTRA_ARGS_KEY
-from capsteer.server import metrics
+from capsteer.server import metrics, openapi, routes
+from capsteer.server.errors import error_body
 from capsteer.server.fields import (
     HOOK_FIELDS,
     FieldError,
@@ -46,12 +47,6 @@ GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
 Scope = dict
 Receive = Callable[[], Awaitable[dict]]
 Send = Callable[[dict], Awaitable[None]]
-
-
-def error_body(status: int, message: str, param: str | None, kind: str) -> bytes:
-    """vLLM's / OpenAI's error object."""
-    return json.dumps({"error": {"message": message, "type": kind, "param": param,
-                                 "code": status}}).encode()
 
 
 async def send_json(send: Send, status: int, body: bytes, headers: list | None = None) -> None:
@@ -84,6 +79,17 @@ def replay(body: bytes, receive: Receive) -> Receive:
             return {"type": "http.request", "body": body, "more_body": False}
         return await receive()
     return inner
+
+
+def parse_json(raw: bytes) -> tuple[object, str | None]:
+    """The body's JSON value, or None and why it is not JSON: a body nested past Python's
+    recursion limit is a client error (400), like any other unreadable body, never a 500."""
+    try:
+        return json.loads(raw), None
+    except RecursionError:
+        return None, "the JSON body is nested too deeply"
+    except ValueError as exc:  # invalid JSON, or bytes that are not UTF-8/16/32
+        return None, f"the body is not valid JSON ({exc})"
 
 
 def _is_json(scope: Scope) -> bool:
@@ -134,8 +140,6 @@ class CapsteerMiddleware:
         return inner
 
     def _setup(self, app: object) -> None:
-        from capsteer.server import openapi, routes
-
         settings = ServerSettings.from_env()
         self.state = CapsteerState.create(app, settings)
         app.state.capsteer = self.state
@@ -155,16 +159,12 @@ class CapsteerMiddleware:
         # bytes): such bodies are parsed too.
         suspect = EXTRA_ARGS_KEY.encode() in raw or b"\\u" in raw or b"\x00" in raw
         if suspect and self._authorized(scope):
-            try:
-                body = json.loads(raw)
-            except ValueError:
-                body = None
+            body, _ = parse_json(raw)  # vLLM answers an unreadable body itself
             if isinstance(body, dict):
                 try:
                     refuse_reserved_args(body)
                 except FieldError as exc:
-                    await send_json(send, 400, error_body(400, str(exc), exc.field,
-                                                          "BadRequestError"))
+                    await send_json(send, 400, error_body(400, str(exc), exc.field))
                     return
         await self.app(scope, replay(raw, receive), send)
 
@@ -185,12 +185,15 @@ class CapsteerMiddleware:
     async def _generation(self, scope: Scope, receive: Receive, send: Send) -> None:
         state = self.state
         raw = await read_body(receive)
-        try:
-            body = json.loads(raw)
-        except ValueError:
-            body = None
+        if not self._authorized(scope):  # vLLM answers 401 before reading the body
+            await self.app(scope, replay(raw, receive), send)
+            return
+        body, unreadable = parse_json(raw)
+        if unreadable is not None:
+            await send_json(send, 400, error_body(400, unreadable, "body"))
+            return
         global_capture = state.global_capture
-        if not isinstance(body, dict) or not self._authorized(scope):
+        if not isinstance(body, dict):  # vLLM's own validation names what is wrong
             await self.app(scope, replay(raw, receive), send)
             return
         if not (global_capture is not None or "extra_body" in body
@@ -198,7 +201,7 @@ class CapsteerMiddleware:
             try:
                 refuse_reserved_args(body)
             except FieldError as exc:
-                await send_json(send, 400, error_body(400, str(exc), exc.field, "BadRequestError"))
+                await send_json(send, 400, error_body(400, str(exc), exc.field))
                 return
             await self.app(scope, replay(raw, receive), send)
             return
@@ -218,9 +221,14 @@ class CapsteerMiddleware:
                               None)  # the first, as Starlette (and so vLLM) reads it
                 record_id = response_id(body, scope.get("path", ""),
                                         None if header is None else header.decode("latin-1"))
-            new_body = rewrite_body(body, hooks, capture_id, dir_time, record_id)
+            encoded = json.dumps(rewrite_body(body, hooks, capture_id, dir_time,
+                                              record_id)).encode()
         except FieldError as exc:
-            await send_json(send, 400, error_body(400, str(exc), exc.field, "BadRequestError"))
+            await send_json(send, 400, error_body(400, str(exc), exc.field))
+            return
+        except RecursionError:  # parsed just under the limit, a few frames deeper to write
+            await send_json(send, 400, error_body(400, "the JSON body is nested too deeply",
+                                                  "body"))
             return
         if hooks.capture is not None:
             estimate = estimate_capture_bytes(body, hooks.capture, state.shape)
@@ -230,20 +238,19 @@ class CapsteerMiddleware:
                         400, f"capture: needs up to {estimate} bytes in flight, more than the "
                         f"server's whole capture budget ({state.settings.capture_budget}); "
                         "capture fewer hooks, layers or positions, or lower max_tokens",
-                        "capture", "BadRequestError"))
+                        "capture"))
                     return
                 if not state.tracker.try_reserve(capture_id, hooks.capture, estimate,
                                                  dir_time=dir_time):
                     metrics.count_rejection()
                     await send_json(send, 429, error_body(
                         429, "capture: the server's capture budget is in use; retry shortly",
-                        "capture", "RateLimitError"), [(b"retry-after", b"1")])
+                        "capture"), [(b"retry-after", b"1")])
                     return
             else:
                 state.tracker.track(capture_id, hooks.capture, dir_time=dir_time)
         if hooks.steering is not None and not hooks.steering.is_noop:
             metrics.STEERING_REQUESTS.inc()
-        encoded = json.dumps(new_body).encode()
         inner_scope = with_content_length(scope, len(encoded))
         if capture_id is None:
             await self.app(inner_scope, replay(encoded, receive), send)

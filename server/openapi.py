@@ -46,6 +46,7 @@ STEERING = {
     "required": ["vectors"], "additionalProperties": False,
     "properties": {"vectors": {"type": "array", "items": {
         "type": "object", "required": ["vector"],
+        "not": {"required": ["layer", "layers"]},  # one of them, as the server checks
         "properties": {
             "hook": _HOOK, "layer": {"type": "integer"}, "layers": _LAYERS,
             "vector": {"anyOf": [

@@ -22,7 +22,10 @@ from capsteer.capture.receipts import find_receipt, pending
 from capsteer.capture.spec import DTYPES, LAYOUTS, POSITION_KINDS, SpecError
 from capsteer.engine_ext import families
 from capsteer.hooks import ALIASES, HOOK_SEMANTICS_VERSION, HOOKS
+from capsteer.server.errors import error_response
 from capsteer.server.state import CapsteerState
+from capsteer.steering.formats import VectorFormatError
+from capsteer.steering.registry import VectorNameError
 from capsteer.steering.spec import OPS, POSITIONS
 
 router = APIRouter(tags=["capsteer"])
@@ -41,11 +44,19 @@ def _state(request: Request) -> CapsteerState:
     return request.app.state.capsteer
 
 
-def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
-    kind = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-            413: "BadRequestError"}.get(status, "Error")
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param,
-                                   "code": status}}, status_code=status)
+_ERROR_SCHEMA = {"application/json": {"schema": {
+    "type": "object", "required": ["error"], "properties": {"error": {
+        "type": "object", "required": ["message", "type", "code"], "properties": {
+            "message": {"type": "string"}, "type": {"type": "string"},
+            "param": {"type": ["string", "null"]}, "code": {"type": "integer"}}}}}}}
+_WHY = {400: "a bad name, id or body (the error's `param` names it)",
+        401: "the admin key is missing or wrong", 404: "no such vector or capture"}
+
+
+def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI entries for the OpenAI-shaped errors an endpoint answers."""
+    return {status: {"description": _WHY[status], "content": _ERROR_SCHEMA}
+            for status in statuses}
 
 
 @router.get("/v1/capsteer/hooks")
@@ -83,16 +94,9 @@ def _check_admin(request: Request) -> JSONResponse | None:
         return None
     given = request.headers.get("x-admin-key", "")
     if not given or not hmac.compare_digest(given.encode(), key.encode()):
-        return _error(401, "this server needs its admin key in the X-Admin-Key header "
+        return error_response(401, "this server needs its admin key in the X-Admin-Key header "
                            "to change the vector registry", "X-Admin-Key")
     return None
-
-
-def _registry_errors():
-    from capsteer.steering.formats import VectorFormatError
-    from capsteer.steering.registry import VectorNameError
-
-    return VectorNameError, VectorFormatError
 
 
 @router.get("/v1/steering/vectors")
@@ -116,42 +120,40 @@ async def _body_up_to(request: Request, limit: int) -> bytes | None:
     return bytes(data)
 
 
-@router.put("/v1/steering/vectors/{name}", status_code=201)
+@router.put("/v1/steering/vectors/{name}", status_code=201, responses=_errors(400, 401))
 async def put_vector(name: str, request: Request, format: str | None = None) -> Response:
     """Register (or replace) a vector. Body: safetensors, .pt, .npy, JSON or a GGUF control
     vector (llama.cpp / repeng), sniffed from its bytes unless `?format=` says."""
     denied = _check_admin(request)
     if denied is not None:
         return denied
-    name_error, format_error = _registry_errors()
     data = await _body_up_to(request, MAX_VECTOR_UPLOAD)
     if data is None:  # api.md §4: too many bytes is a 400 naming the field
-        return _error(400, f"vector upload is over {MAX_VECTOR_UPLOAD} bytes", "body")
+        return error_response(400, f"vector upload is over {MAX_VECTOR_UPLOAD} bytes", "body")
     if not data:
-        return _error(400, "empty body: send the vector file as the request body", "body")
+        return error_response(400, "empty body: send the vector file as the request body", "body")
     try:
         info = await asyncio.to_thread(_state(request).registry.put, name, data, format)
-    except name_error as exc:
-        return _error(400, str(exc), "name")
-    except format_error as exc:
-        return _error(400, str(exc), "vector")
+    except VectorNameError as exc:
+        return error_response(400, str(exc), "name")
+    except VectorFormatError as exc:
+        return error_response(400, str(exc), "vector")
     return JSONResponse(info, status_code=201)
 
 
-@router.get("/v1/steering/vectors/{name}")
+@router.get("/v1/steering/vectors/{name}", responses=_errors(400, 404))
 async def get_vector(name: str, request: Request, format: str | None = None) -> Response:
     """A vector's description and values (`?format=safetensors`: the stored file)."""
     registry = _state(request).registry
-    name_error, format_error = _registry_errors()
     try:
         info = await asyncio.to_thread(registry.info, name)
         vectors = await asyncio.to_thread(registry.get, name)
-    except name_error as exc:
-        return _error(400, str(exc), "name")
+    except VectorNameError as exc:
+        return error_response(400, str(exc), "name")
     except KeyError:
-        return _error(404, f"no steering vector named {name!r}", "name")
-    except format_error as exc:
-        return _error(400, str(exc), "name")
+        return error_response(404, f"no steering vector named {name!r}", "name")
+    except VectorFormatError as exc:
+        return error_response(400, str(exc), "name")
     if format == "safetensors":
         path = Path(registry.root) / f"{name}.safetensors"
         return Response(await asyncio.to_thread(path.read_bytes),
@@ -163,36 +165,35 @@ async def get_vector(name: str, request: Request, format: str | None = None) -> 
     return JSONResponse(info)
 
 
-@router.delete("/v1/steering/vectors/{name}")
+@router.delete("/v1/steering/vectors/{name}", responses=_errors(400, 401, 404))
 async def delete_vector(name: str, request: Request) -> Response:
     denied = _check_admin(request)
     if denied is not None:
         return denied
-    name_error, _ = _registry_errors()
     try:
         deleted = await asyncio.to_thread(_state(request).registry.delete, name)
-    except name_error as exc:
-        return _error(400, str(exc), "name")
+    except VectorNameError as exc:
+        return error_response(400, str(exc), "name")
     if not deleted:
-        return _error(404, f"no steering vector named {name!r}", "name")
+        return error_response(404, f"no steering vector named {name!r}", "name")
     return JSONResponse({"name": name, "deleted": True})
 
 
 # ---- receipts ----
-@router.get("/v1/captures/{capture_id}")
+@router.get("/v1/captures/{capture_id}", responses=_errors(400, 404))
 async def capture_receipt(capture_id: str, request: Request) -> Response:
     """Status, directory, files and the manifest of one capture."""
     state = _state(request)
     try:
         validate_capture_id(capture_id)
     except SpecError as exc:
-        return _error(400, str(exc), "capture_id")
+        return error_response(400, str(exc), "capture_id")
     root = Path(state.settings.capture_dir)
     receipt = await asyncio.to_thread(find_receipt, root, capture_id)
     if receipt is None:
         if state.tracker.is_tracked(capture_id):
             return JSONResponse(pending(capture_id).to_dict())
-        return _error(404, f"no capture {capture_id!r} on this server", "capture_id")
+        return error_response(404, f"no capture {capture_id!r} on this server", "capture_id")
     out = receipt.to_dict()
     dirs = await asyncio.to_thread(find_capture_dirs, root, capture_id)
     if dirs:
