@@ -7,7 +7,7 @@ line it printed, whether an engine-core process started, and whether the "once r
 hint appeared (printed only after the config step accepted). Accepted cases are stopped
 as soon as the hint appears, so nothing loads beyond the config step's own work.
 
-    python bench/gpu_refusal_check.py [--out DIR]
+    python tests/gpu/gpu_refusal_check.py [--out DIR]
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def main() -> None:
     from capsteer.demo_model import write_demo_model
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/capsteer-gpu-checks"))
     ap.add_argument("--work", default="/tmp/refusal-models")
     ap.add_argument("--timeout", type=float, default=180.0)
     ap.add_argument("--only", default="", help="comma-separated families to run (default: all)")

@@ -11,8 +11,8 @@ HF bf16 vs HF fp32 is reported beside each figure as the bf16 noise floor; `--dt
 runs the engine in fp32 on the same bf16 weights (no floor needed: errors should be ~0).
 Writes families.json (families_<dtype>.json with --dtype) to --out ($OUT), prints a table.
 
-    source bench/gpu_env.sh && python bench/gpu_families.py --out $OUT   # GPU
-    .venv/bin/python bench/gpu_families.py --device cpu                 # CPU smoke, fp32
+    python tests/gpu/gpu_families.py --out $OUT   # GPU
+    .venv/bin/python tests/gpu/gpu_families.py --device cpu                 # CPU smoke, fp32
 """
 
 from __future__ import annotations

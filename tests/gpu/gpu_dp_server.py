@@ -10,7 +10,7 @@ hook at two layers, all positions, half of them steered, `capture_wait`), then c
   sent (captures ok, steering requests);
 - the engine log names every DP rank's worker (both ranks served).
 
-    python bench/gpu_dp_server.py [--dp 2] [--requests 64] [--out DIR]   (--device cpu: smoke)
+    python tests/gpu/gpu_dp_server.py [--dp 2] [--requests 64] [--out DIR]   (--device cpu: smoke)
 Writes <out>/<device>-<date>-dp-server.json.
 """
 
@@ -27,8 +27,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from serve_proc import free_port, stop, wait_ready  # bench/ is not a package
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))  # perf_models, serve_proc
+from serve_proc import free_port, stop, wait_ready
 
 HOOKS = ["resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out"]
 

@@ -7,9 +7,9 @@ the hook code and the forward of every step with hooks. Checks:
 - steering: greedy tokens and log-probs against an HF forward hook doing the same;
 - a batched run equals each request run alone (tokens; capture relative error);
 - no host sync in steered+captured steps, no harvest errors.
-Writes a JSON report to $OUT (or ./bench/results) and prints a table.
+Writes a JSON report to $OUT (or .//tmp/capsteer-gpu-checks) and prints a table.
 
-    python bench/gpu_validate.py [--layers 8] [--out DIR]
+    python tests/gpu/gpu_validate.py [--layers 8] [--out DIR]
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--model-dir", default="/tmp/capsteer-gpu-model")
-    ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/capsteer-gpu-checks"))
     ap.add_argument("--eager", action="store_true", help="enforce_eager (no CUDA graphs)")
     ap.add_argument("--canary-warn", action="store_true", help="diagnose a failing canary")
     ap.add_argument("--vanilla", action="store_true", help="also compare plain requests with vLLM")

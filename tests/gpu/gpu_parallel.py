@@ -12,7 +12,7 @@ then this parent compares TP=2 and PP=2 with TP=1:
   order under TP, so equality is within bf16 rounding, not bitwise);
 - steered greedy tokens against TP=1 (identical tokens; first divergence reported).
 
-    python bench/gpu_parallel.py [--layers 8] [--out DIR]
+    python tests/gpu/gpu_parallel.py [--layers 8] [--out DIR]
 Writes <out>/gpu-<date>-parallel.json and prints a table.
 """
 

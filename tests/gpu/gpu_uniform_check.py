@@ -13,7 +13,7 @@ this process so that runs schedule alike), steering must change the prompt log-p
 against plain requests, and the worker's counters must show only uniform plans in the
 first run and mostly per-row ones in the second. Writes a JSON report and exits 1 on a mismatch.
 
-    python bench/gpu_uniform_check.py [--requests 48] [--out DIR] [--device cpu]
+    python tests/gpu/gpu_uniform_check.py [--requests 48] [--out DIR] [--device cpu]
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--scale", type=float, default=32.0, help="a power of two")
     ap.add_argument("--model-dir", default="/tmp/capsteer-uniform-model")
-    ap.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/capsteer-gpu-checks"))
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                     help="cpu: a dry run of the script (host mode has no uniform plan)")
     args = ap.parse_args()

@@ -1,8 +1,8 @@
 """Ray Data extraction on the GPU (issue 14): 2 engine replicas vs 1 on the same prompts.
 
-    python3 bench/gpu_ray_extract.py                   # nvidia-h200-x2, steps: bench/README.md
-    .venv/bin/python bench/gpu_ray_extract.py --device cpu          # smoke run, tiny shape
-    python3 bench/gpu_ray_extract.py --slim-ray-wheel SRC.whl DST.whl  # carrying Ray (README)
+    python3 tests/gpu/gpu_ray_extract.py                   # nvidia-h200-x2, steps: bench/README.md
+    .venv/bin/python tests/gpu/gpu_ray_extract.py --device cpu          # smoke run, tiny shape
+    python3 tests/gpu/gpu_ray_extract.py --slim-ray-wheel SRC.whl DST.whl  # carrying Ray (README)
 
 Model: Llama-3-8B geometry (hidden 4096, 32 layers, intermediate 14336, 32 heads, 8 KV
 heads, head_dim 128, vocab 128256), bf16. Its weights are generated on the machine by vLLM
@@ -19,7 +19,7 @@ Then: throughput ratio R=2 / R=1 (target >= 1.8), and the two jobs' rows: the sa
 exactly once, per id the same row count, token ids and positions, and values within bf16
 rounding (different batch compositions change GEMM tiling, so not bitwise) on --compare
 sampled requests; both jobs verify (every shard's digest).
-Writes <out>/<tag>-<date>-ray-extract.json (out: --out, else $OUT, else bench/results).
+Writes <out>/<tag>-<date>-ray-extract.json (out: --out, else $OUT, else /tmp/capsteer-gpu-checks).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))  # perf_models, serve_proc
 import perf_models
 from perf_models import SHAPES, SPECIALS
 

@@ -8,7 +8,7 @@ and the steered request, reports where greedy tokens diverge, the log-prob of ea
 HF-greedy token when fed back teacher-forced (completions + prompt_logprobs), and HF's
 smallest top-2 margin (a near tie).
 
-    python bench/steering_repro.py [--dtypes auto,float32] [--out bench/results]
+    python tests/gpu/steering_repro.py [--dtypes auto,float32] [--out /tmp/capsteer-gpu-checks]
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtypes", default="auto,float32")
     ap.add_argument("--model-dir", default="/tmp/capsteer-repro-llama3l")
-    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--out", default="/tmp/capsteer-gpu-checks")
     args = ap.parse_args()
     shape = DemoShape(hidden_size=192, num_layers=3, num_heads=6, num_kv_heads=2, head_dim=32,
                       intermediate_size=384)

@@ -2,8 +2,8 @@
 stopping after its deepest layer (the default) and once with `full_forward` (every
 layer), each in its own process, then every row of the two jobs compared.
 
-    python3 bench/stop_at_layer_check.py --device cuda            # Qwen3-0.6B shape, bf16
-    .venv/bin/python bench/stop_at_layer_check.py --device cpu     # qwen3-tiny smoke run
+    python3 tests/gpu/stop_at_layer_check.py --device cuda            # Qwen3-0.6B shape, bf16
+    .venv/bin/python tests/gpu/stop_at_layer_check.py --device cpu     # qwen3-tiny smoke run
 
 Prints and writes <out>/<tag>-<date>-stop-at-layer.json: per side the job's tokens/s
 (start-up excluded) and the engine's `forward_layers`; then, over every request and
@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))  # perf_models, serve_proc
 import perf_models
 
 HOOKS = ["resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out"]
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
 
     name = device_name(a.device)
     row = {"device": name, "date": dt.date.today().isoformat(),
-           "command": "python bench/stop_at_layer_check.py " + " ".join(
+           "command": "python tests/gpu/stop_at_layer_check.py " + " ".join(
                argv if argv is not None else sys.argv[1:]),
            "model": perf_models.describe(a.shape), "hooks": HOOKS, "layer": a.layer,
            "prompts": n, "sides": names, **sides,
