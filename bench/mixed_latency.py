@@ -332,15 +332,6 @@ HEADS = ["q ttft", "q lat", "q tpot", "p ttft", "p ttft95", "p lat", "p lat95", 
          "b lat95", "s tpot"]
 
 
-def device_name(device: str) -> str:
-    """The GPU's name without a CUDA context in this process (the servers need the memory)."""
-    if device != "cuda":
-        return "cpu"
-    got = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-                         capture_output=True, text=True, check=False)
-    return got.stdout.strip().splitlines()[0] if got.returncode == 0 and got.stdout.strip() else "cuda"
-
-
 def row(label: str, f: dict) -> str:
     cells = [f"{f.get(g, {}).get(k, float('nan')) * (1000 if k.startswith('tpot') else 1):9.3f}"
              for g, k in KEYS]  # seconds; time per output token in ms
@@ -405,7 +396,7 @@ def main() -> None:
     processes: list[dict] = []
     out = args.out / "mixed-latency.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    args.device_name = device_name(args.device)
+    args.device_name = perf_models.device_name(args.device)
     print(f"{'process':<22}" + "".join(f"{h:>9}" for h in HEADS) + f"{'burst s':>9}"
           "   (seconds, tpot ms; q: quiet phase; p: the burst phase, every plain request; b: those "
           f"overlapping a burst; tpot: time per output token; s: burst-phase requests started "

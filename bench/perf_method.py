@@ -55,6 +55,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as `python bench/perf_method.py`
 import perf_models
 import storage
+from perf_models import device_name, device_tag
 
 CONFIGS = ("vanilla", "plain", "steer", "capture")
 TARGETS = {"plain": 0.99, "steer": 0.95, "capture": 0.90}
@@ -69,36 +70,6 @@ IDENTITY = {"cuda": (64, (16, 256), 32), "cpu": (64, (8, 64), 16)}  # requests, 
 STEP_TOKENS = {"cuda": 2048, "cpu": 512}  # max_num_batched_tokens, the same for every config
 MEM = {"cuda": 0.85, "cpu": 0.3}
 DD_MIB = {"cuda": 4096, "cpu": 256}
-
-
-def gpu_query(fields: str) -> list[str] | None:
-    """One nvidia-smi query (no CUDA context in this process, so no GPU memory held)."""
-    if shutil.which("nvidia-smi") is None:
-        return None
-    try:
-        out = subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=30, check=True).stdout
-    except (subprocess.SubprocessError, OSError):
-        return None
-    first = out.strip().splitlines()[0] if out.strip() else ""
-    return [x.strip() for x in first.split(",")] if first else None
-
-
-def device_name(device: str) -> str:
-    if device != "cuda":
-        return "cpu"
-    got = gpu_query("name")
-    return got[0] if got else "cuda"
-
-
-def device_tag(name: str) -> str:
-    """File-name tag of a device: h100, h200, gpu or cpu."""
-    low = name.lower()
-    for tag in ("h100", "h200", "b200", "a100"):
-        if tag in low:
-            return tag
-    return "cpu" if low == "cpu" else "gpu"
-
 
 
 def disk_rate(directory: Path, mib: int) -> float:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime as dt
 import json
 import os
 import shutil
@@ -36,6 +37,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from perf_models import device_name, device_tag
 
 from capsteer.capture import (
     CaptureEnd,
@@ -353,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", "--paired-rounds", type=int, default=3,
                     help="paired rounds of disk and writer (order alternating)")
     ap.add_argument("--json", action="store_true", help="also print the figures as JSON")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="write <device>-<date>-storage.json here (bench/summary.py reads it)")
     ap.add_argument("--digest", choices=DIGESTS, default="sha256", help="the writer's file digest")
     ap.add_argument("--processes", type=int, default=0,
                     help="publish through N writer processes (the engine's path: 1 one child, "
@@ -387,6 +391,15 @@ def main(argv: list[str] | None = None) -> int:
         result.update(paired_rounds(work, args))
         if args.json:
             print(json.dumps(result))
+        if args.out is not None:
+            name = device_name("cuda" if torch.cuda.is_available() else "cpu")
+            doc = {"kind": "storage", "date": dt.date.today().isoformat(), "device": name,
+                   "command": "python bench/storage.py " + " ".join(sys.argv[1:]),
+                   "result": result}
+            args.out.mkdir(parents=True, exist_ok=True)
+            path = args.out / f"{device_tag(name)}-{doc['date']}-storage.json"
+            path.write_text(json.dumps(doc, indent=1))
+            print(f"wrote {path}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0

@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         compared = _compare(base / f"job-{names[0]}", base / f"job-{names[1]}")
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    from perf_method import device_name, device_tag
+    from perf_models import device_name, device_tag
 
     name = device_name(a.device)
     row = {"device": name, "date": dt.date.today().isoformat(),
