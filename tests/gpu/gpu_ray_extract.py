@@ -1,8 +1,8 @@
 """Ray Data extraction on the GPU (issue 14): 2 engine replicas vs 1 on the same prompts.
 
-    python3 tests/gpu/gpu_ray_extract.py                   # nvidia-h200-x2, steps: bench/README.md
+    python3 tests/gpu/gpu_ray_extract.py                   # nvidia-h200-x2, steps: tests/gpu/README.md
     .venv/bin/python tests/gpu/gpu_ray_extract.py --device cpu          # smoke run, tiny shape
-    python3 tests/gpu/gpu_ray_extract.py --slim-ray-wheel SRC.whl DST.whl  # carrying Ray (README)
+    python3 tests/gpu/gpu_ray_extract.py --slim-ray-wheel SRC.whl DST.whl  # carrying Ray (tests/gpu/README.md)
 
 Model: Llama-3-8B geometry (hidden 4096, 32 layers, intermediate 14336, 32 heads, 8 KV
 heads, head_dim 128, vocab 128256), bf16. Its weights are generated on the machine by vLLM
@@ -190,7 +190,7 @@ def preflight() -> dict[str, Any]:
             found[name] = version(name)
         except PackageNotFoundError:
             if name in ("ray", "vllm"):
-                raise SystemExit(f"gpu_ray_extract: {name} is not installed (bench/README.md, "
+                raise SystemExit(f"gpu_ray_extract: {name} is not installed (tests/gpu/README.md, "
                                  "carrying Ray)") from None
             older.append(f"{name} missing")
             continue
