@@ -52,6 +52,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as `python bench/perf_method.py`
 import perf_models
 import storage
@@ -91,27 +93,21 @@ def parse_slots(text: str | None, total: int) -> list[int]:
     return [s for s in slots if 1 <= s <= total]
 
 
-
 def _prompts(seed: int, n: int, length: int, vocab: int) -> list[list[int]]:
-    import numpy as np
-
     rng = np.random.default_rng(seed)
     return rng.integers(10, vocab, size=(n, length)).tolist()
 
 
 def _identity_prompts(device: str, vocab: int) -> list[list[int]]:
-    import numpy as np
-
     n, (lo, hi), _ = IDENTITY[device]
     rng = np.random.default_rng(12)
     return [rng.integers(10, vocab, size=int(rng.integers(lo, hi + 1))).tolist() for _ in range(n)]
 
 
-
 class Turns:
-    """A paired process's side of the turn protocol (see --paired): before using the GPU
-    it says which phase it is in and how many timed seconds it has, and waits for "go";
-    after, it says "done". Unpaired processes never wait."""
+    """A process's side of the turn protocol: before using the GPU it says which phase it
+    is in and how many timed seconds it has, and waits for "go"; after, it says "done".
+    A process started by hand (no --ctl-fd) never waits."""
 
     def __init__(self, ctl_fd: int | None) -> None:
         self.ctl = os.fdopen(ctl_fd, "w", buffering=1) if ctl_fd is not None else None
@@ -127,7 +123,6 @@ class Turns:
     def give(self) -> None:
         if self.ctl is not None:
             self.ctl.write("done\n")
-
 
 
 def run_process(a: argparse.Namespace) -> dict[str, Any]:
@@ -466,8 +461,6 @@ def write_report(procs: list[dict[str, Any]], out: Path, meta: dict[str, Any]) -
     return path
 
 
-
-
 # ---------------------------------------------------------------- driver
 
 
@@ -620,13 +613,11 @@ def drive_paired(a: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-
 def _trim_log(log: Path, keep: int = 400) -> None:
     """Logs come back through $OUT: keep their tails only."""
     lines = log.read_text(errors="replace").splitlines()
     if len(lines) > keep:
         log.write_text("\n".join([f"[{len(lines) - keep} lines cut]", *lines[-keep:]]) + "\n")
-
 
 
 def _meta(a: argparse.Namespace) -> dict[str, Any]:
@@ -676,6 +667,7 @@ def main(argv: list[str] | None = None) -> int:
         a.device, a.shape = procs[0]["device"], procs[0]["shape"]
         a.min_seconds = procs[0].get("min_seconds")
         a.step_tokens = procs[0]["engine_kwargs"].get("max_num_batched_tokens", a.step_tokens)
+        Path(a.out).mkdir(parents=True, exist_ok=True)
         write_report(procs, Path(a.out), _meta(a) | {"device": procs[0].get("device_name",
                                                                             a.device)})
         return 0
