@@ -255,7 +255,7 @@ def _one(a: argparse.Namespace) -> dict[str, Any]:
     mem = 0.85 if a.device == "cuda" else 0.3
     layers = _capture_layers(a, _layers(a.model))
     if a.device == "cuda":  # the previous side's engine core may still be exiting
-        from perf_method import wait_gpu_free
+        from perf_models import wait_gpu_free
 
         wait_gpu_free(mem + 0.05)
     work = Path(tempfile.mkdtemp(prefix=f"capsteer-x-{a.one}-", dir=a.work))
@@ -349,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"(load {r['load_s']:.0f} s, process {r['process_s']:.0f} s)", flush=True)
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    from perf_method import device_name, device_tag
+    from perf_models import device_name, device_tag
 
     name = device_name(a.device)
     shape_desc = perf_models.describe(a.shape) if a.shape else (

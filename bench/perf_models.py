@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
+import subprocess
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -174,3 +177,49 @@ def describe(name: str) -> str:
     return (f"{name}: {s.family} hidden {s.hidden}, {s.layers} layers, {s.heads}/{s.kv_heads} "
             f"heads, intermediate {s.intermediate}, vocab {s.vocab}, {s.dtype}, "
             f"{s.params() / 1e9:.2f}B params, weights {s.weights}")
+
+
+# ---------------------------------------------------------------- devices
+
+
+def gpu_query(fields: str) -> list[str] | None:
+    """One nvidia-smi query (no CUDA context in this process, so no GPU memory held)."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout
+    except (subprocess.SubprocessError, OSError):
+        return None
+    first = out.strip().splitlines()[0] if out.strip() else ""
+    return [x.strip() for x in first.split(",")] if first else None
+
+
+def device_name(device: str) -> str:
+    if device != "cuda":
+        return "cpu"
+    got = gpu_query("name")
+    return got[0] if got else "cuda"
+
+
+def device_tag(name: str) -> str:
+    """File-name tag of a device: h100, h200, gpu or cpu."""
+    low = name.lower()
+    for tag in ("h100", "h200", "b200", "a100"):
+        if tag in low:
+            return tag
+    return "cpu" if low == "cpu" else "gpu"
+
+def wait_gpu_free(fraction: float, timeout: float = 90.0) -> float:
+    """Wait until `fraction` of the GPU's memory is free (the previous process's engine
+    core may still be exiting); returns the seconds waited."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        got = gpu_query("memory.used,memory.total")
+        if got is None:
+            return 0.0
+        used, total = float(got[0]), float(got[1])
+        if total - used >= fraction * total:
+            break
+        time.sleep(0.5)
+    return time.monotonic() - t0

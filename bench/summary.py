@@ -8,11 +8,11 @@ keys it measured.
 
     python bench/summary.py show
     python bench/summary.py update --from RESULT.json [RESULT.json ...] [--write PATH]
-    python bench/summary.py apply UPDATE.json      # an update written by gpu_perf.py
+    python bench/summary.py apply UPDATE.json      # key -> {"value", "command", ...}
     python bench/summary.py plot [--png PATH]      # every key against its target, one PNG
 
 `update` reads result files (perf_method's *-perf-method.json, extract_bench's
-*-extract*.json, gpu_perf's storage-*.json, throughput.py's *-p6*.json); CPU results are
+*-extract*.json, storage.py's *-storage.json, throughput.py's *-p6*.json); CPU results are
 refused (the summary holds GPU figures; CPU keeps its own result files) unless --allow-cpu.
 """
 
@@ -55,11 +55,12 @@ def updates_from(path: Path) -> Update:
         if "p4_vs_hf" in doc:
             out["p4_extract_vs_hf_8b"] = {**base, **doc["p4_vs_hf"], "model": doc.get("model"),
                                           "hf_batch": doc.get("hf_batch")}
-    elif doc.get("kind") == "storage":  # gpu_perf's record of storage.py
+    elif doc.get("kind") == "storage":  # storage.py --out: paired rounds
         r = doc["result"]
-        out["p5_write_vs_disk"] = {**base, "value": r["packed"]["ratio"], "target": 0.8,
-                                   "verdict": "met" if r["packed"]["ratio"] >= 0.8 else "missed",
-                                   "mb_s": r["packed"]["mb_s"], "disk_mb_s": r["disk_mb_s"]}
+        out["p5_write_vs_disk"] = {**base, "value": r["ratio"], "lo": r["lo"], "hi": r["hi"],
+                                   "target": 0.8, "verdict": r["verdict"],
+                                   "method": "paired rounds",
+                                   "rounds": [e["ratio"] for e in r["rounds"]]}
     elif doc.get("p6"):  # throughput.py --p6
         rows = [r for r in doc["rows"] if r["config"] == "capture"]
         times = [t for r in rows for t in r["times_s"]]

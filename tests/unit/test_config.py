@@ -494,7 +494,7 @@ def test_config_show_reports_errors(tmp_path: Path, capsys: pytest.CaptureFixtur
 
 
 def test_sizes_parse_without_pydantic_settings() -> None:
-    """`capsteer extract` and bench/throughput.py parse sizes on GPU hosts that carry only
+    """`capsteer extract` and bench/storage.py parse sizes on GPU hosts that carry only
     vLLM's dependencies (no pydantic-settings): the parser must not need it."""
     code = ("import sys; sys.modules['pydantic_settings'] = None; "
             "from capsteer.config.sizes import parse_size; print(parse_size('4GiB'))")

@@ -1,6 +1,6 @@
 """The choice between hooked and plain CUDA graphs (adapter.PlainGraphs), on a stand-in for
 vLLM 0.26's V2 CUDA-graph manager: CI has no GPU, so the real graphs are checked on the
-lent GPU (bench/gpu_validate.py). What can go wrong here is the choice itself: a step with
+lent GPU (tests/gpu/gpu_validate.py). What can go wrong here is the choice itself: a step with
 hooks must never replay a graph recorded without the taps (its captures would be zeros,
 its steering a no-op), and vLLM's capture must fill both sets."""
 
