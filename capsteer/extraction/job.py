@@ -16,8 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from capsteer.capture.publish import entry_digest
 from capsteer.capture.spec import CaptureSpec
+from capsteer.engine_ext.runtime import hook_point, layers_needed
 
 # One logger for the whole job, whichever runner drives it (users filter on this name).
 logger = logging.getLogger("capsteer.extract")
@@ -132,7 +135,7 @@ def scan_ids(path: str | Path) -> tuple[list[str], bool]:
 
 def model_num_layers(model: str) -> int:
     """The model's decoder layers, read from its config: layer ranges and stop_at_layer need it."""
-    from transformers import AutoConfig  # start-up cost: the input checks run without it
+    from transformers import AutoConfig  # start-up cost (~2 s): Ray's reads never need it
 
     config = AutoConfig.from_pretrained(model)
     config = getattr(config, "text_config", None) or config
@@ -141,8 +144,6 @@ def model_num_layers(model: str) -> int:
 
 def warn_if_narrower(capture_dtype: str, model_dtype: Any) -> None:
     """Storing fewer bits than the model computes is allowed, and said once per job."""
-    import torch  # start-up cost: the input checks run without torch
-
     if capture_dtype == "auto":
         return
     stored = getattr(torch, capture_dtype)
@@ -177,8 +178,6 @@ def job_config(out: Path, spec: CaptureSpec, shard_size: int,
     unless given) and the buffer sized to hold a whole step. The forward stops after
     the deepest captured layer (`stop_at_layer`) unless `full_forward` (or the model's
     `num_layers` is not given)."""
-    from capsteer.engine_ext.runtime import hook_point  # start-up cost: imports torch
-
     engine_kwargs.setdefault("max_num_batched_tokens", 2048)
     points = {hook_point(hook, layer) for hook, layer in spec.keys()}
     config: dict[str, Any] = {
@@ -199,8 +198,6 @@ def stop_at_layer(spec: CaptureSpec, num_layers: int, max_tokens: int) -> int | 
     captured position is fed from the prompt: a prompt's activations never depend on
     later tokens, but a generated token comes from the last layer's logits. So only
     when the job generates a single token (never fed back) or keeps prompt positions."""
-    from capsteer.engine_ext.runtime import layers_needed  # start-up cost: imports torch
-
     if max_tokens > 1 and spec.positions.kind not in ("prompt", "last_prompt"):
         return None
     return layers_needed(spec.keys(), num_layers)
