@@ -5,12 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 
+from capsteer import demo_model
+
 
 def build_parser() -> argparse.ArgumentParser:
     """Every command's parser, registered by the module that owns the command."""
     # Start-up cost: these modules import torch (through capsteer.capture); `capsteer serve
     # --help` and `capsteer extract` load only what they need, in `main`.
-    from capsteer import demo_model
     from capsteer.capture import cli as capture_cli
     from capsteer.capture import export
     from capsteer.config import cli as config_cli
