@@ -177,7 +177,8 @@ def run_capsteer(a: argparse.Namespace, layers: list[int], out: Path, dtype: str
                  mem: float, full_forward: bool = False) -> dict[str, Any]:
     from capsteer.capture.spec import parse_capture_spec
     from capsteer.engine import Engine
-    from capsteer.extract import extract, job_config
+    from capsteer.extraction.job import job_config
+    from capsteer.extraction.local import extract
 
     job = Path(a.stable_dir) / "capsteer-extract-job"  # a stable path: see main()
     shutil.rmtree(job, ignore_errors=True)

@@ -5,37 +5,38 @@ from __future__ import annotations
 import argparse
 import sys
 
+from capsteer import demo_model
+
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="capsteer")
-    sub = parser.add_subparsers(dest="command", required=True)
-    from capsteer import demo_model, extract
+    """Every command's parser, registered by the module that owns the command."""
+    # Start-up cost: these modules import torch (through capsteer.capture); `capsteer serve
+    # --help` and `capsteer extract` load only what they need, in `main`.
+    from capsteer.capture import cli as capture_cli
     from capsteer.capture import export
     from capsteer.config import cli as config_cli
+    from capsteer.extraction import cli as extraction_cli
     from capsteer.server import launch
 
+    parser = argparse.ArgumentParser(prog="capsteer")
+    sub = parser.add_subparsers(dest="command", required=True)
     demo_model.add_command(sub)
     launch.add_command(sub)
-    extract.add_command(sub)
+    extraction_cli.add_command(sub)
     config_cli.add_command(sub)
     export.add_command(sub)
-    try:
-        from capsteer.capture import cli as capture_cli
-    except ImportError:  # storage commands not installed in this build
-        capture_cli = None
-    if capture_cli is not None:
-        capture_cli.add_commands(sub)
+    capture_cli.add_commands(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["extract"]:  # its own parser: capsteer's job flags + vLLM's engine flags
-        from capsteer import extract
+        from capsteer.extraction import cli as extraction_cli  # start-up cost, as above
 
-        return extract.main(argv[1:])
+        return extraction_cli.main(argv[1:])
     if argv[:1] == ["serve"]:  # every unknown flag belongs to `vllm serve`
-        from capsteer.server import launch
+        from capsteer.server import launch  # start-up cost, as above
 
         if not argv[1:]:
             print(launch.serve_help(), file=sys.stderr)

@@ -330,7 +330,9 @@ def test_writers_refuse_an_unknown_digest(tmp_path):
 
 # ------------------------------------------------------------------- extract
 def test_extract_flag_job_config_and_the_recorded_digest_check(tmp_path):
-    from capsteer.extract import _check_digest, build_parser, job_config
+    from capsteer.extraction.cli import build_parser
+    from capsteer.extraction.job import check_recorded_digest as _check_digest
+    from capsteer.extraction.job import job_config
 
     parser = build_parser()
     args = parser.parse_args(["m", "--input", "i", "--output", "o", "--digest", "blake3"])

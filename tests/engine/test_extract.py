@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from capsteer.capture import open_job
 from capsteer.capture.sharded import read_sharded
-from capsteer.extract import extract
+from capsteer.extraction.local import extract
 from capsteer.reference import hf_activations
 
 from .helpers import extraction_records
@@ -197,7 +197,7 @@ def stopped_job(request, tmp_path_factory, model_dirs, engine_pool):
     (family, job dir, records, worker stats, a request capturing beyond the stop)."""
     from capsteer.capture.spec import parse_capture_spec
     from capsteer.engine import Engine, Request
-    from capsteer.extract import job_config
+    from capsteer.extraction.job import job_config
 
     family = request.param
     engine_pool.close()  # one engine at a time

@@ -22,8 +22,9 @@ import torch
 from capsteer.capture import open_job
 from capsteer.capture.publish import entry_digest
 from capsteer.capture.sharded import ShardedWriter, read_index, read_sharded
-from capsteer.extract import extract
-from capsteer.extract_ray import STAGING_DIR, JobCommitter, RayMissing
+from capsteer.extraction.commit import STAGING_DIR, JobCommitter
+from capsteer.extraction.local import extract
+from capsteer.extraction.ray import RayMissing
 
 from .helpers import extraction_records
 
@@ -133,8 +134,8 @@ def test_ray_data_reads_the_records_read_records_reads(tmp_path):
     import pyarrow.parquet as pq
     import ray
 
-    from capsteer.extract import read_records
-    from capsteer.extract_ray import _dataset, _Job, scan_ids
+    from capsteer.extraction.job import read_records, scan_ids
+    from capsteer.extraction.ray import _dataset, _Job
 
     records = _records(12)
     records[2]["messages"].append({"role": "assistant", "content": "ok", "name": "x"})
@@ -190,7 +191,7 @@ def test_ray_options_are_refused_when_misused(tmp_path, monkeypatch):
 def test_cli_without_ray_installed_says_what_to_install(tmp_path):
     inp = tmp_path / "p.jsonl"
     inp.write_text('{"id": "x", "prompt": "hello"}\n')
-    code = ("import sys; sys.modules['ray'] = None; from capsteer.extract import main; "
+    code = ("import sys; sys.modules['ray'] = None; from capsteer.extraction.cli import main; "
             f"sys.exit(main(['unused', '--input', {str(inp)!r}, '--output', "
             f"{str(tmp_path / 'job')!r}, '--ray', '--num-replicas', '2']))")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -79,7 +79,7 @@ def engine_args(a: argparse.Namespace) -> dict[str, Any]:
 def child(a: argparse.Namespace) -> None:
     """One replica count in this process: its own Ray cluster, its own job directory."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # the GPU machine reaches nothing
-    from capsteer.extract import extract
+    from capsteer.extraction.local import extract
 
     lines: list[str] = []
     handler = logging.Handler()

@@ -46,7 +46,8 @@ def _side(a: argparse.Namespace) -> dict[str, Any]:
 
     from capsteer.capture.spec import parse_capture_spec
     from capsteer.engine import Engine
-    from capsteer.extract import extract, job_config
+    from capsteer.extraction.job import job_config
+    from capsteer.extraction.local import extract
 
     shape = perf_models.SHAPES[a.shape]
     spec = parse_capture_spec({"hooks": HOOKS, "layers": [a.layer], "positions": "prompt"},

@@ -13,7 +13,7 @@ from vllm.config import VllmConfig
 from capsteer.capture.spec import parse_capture_spec
 from capsteer.config.server import ServerSettings
 from capsteer.engine_ext import adapter
-from capsteer.extract import job_config
+from capsteer.extraction.job import job_config
 
 GRAPH = {"hooks_code": "0123abcd", "max_steering_entries": 4096, "staging_rows": 8192}
 

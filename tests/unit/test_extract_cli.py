@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from capsteer import cli
-from capsteer.extract import build_parser, engine_args
+from capsteer.extraction.cli import build_parser, engine_args
 
 JOB = ["--input", "prompts.jsonl", "--output", "job"]
 
@@ -59,14 +59,14 @@ def test_help_shows_both_dtypes(capsys):
 def test_narrower_capture_dtype_is_logged(caplog):
     import torch
 
-    from capsteer.extract import _warn_if_narrower
+    from capsteer.extraction.job import warn_if_narrower
 
     with caplog.at_level("WARNING", logger="capsteer.extract"):
-        _warn_if_narrower("float32", torch.float32)
-        _warn_if_narrower("auto", torch.float32)
-        _warn_if_narrower("float32", torch.bfloat16)  # wider: nothing to say
+        warn_if_narrower("float32", torch.float32)
+        warn_if_narrower("auto", torch.float32)
+        warn_if_narrower("float32", torch.bfloat16)  # wider: nothing to say
         assert not caplog.records
-        _warn_if_narrower("bfloat16", torch.float32)
+        warn_if_narrower("bfloat16", torch.float32)
     assert len(caplog.records) == 1
     assert "stored as bfloat16" in caplog.records[0].getMessage()
 
@@ -82,7 +82,7 @@ def test_narrower_capture_dtype_is_logged(caplog):
 ])
 def test_the_forward_stops_after_the_deepest_captured_layer(tmp_path, hooks, layers, stop):
     from capsteer.capture.spec import parse_capture_spec
-    from capsteer.extract import job_config
+    from capsteer.extraction.job import job_config
 
     spec = parse_capture_spec({"hooks": hooks, "layers": layers, "positions": "prompt"},
                               num_layers=12)
@@ -102,7 +102,7 @@ def test_the_forward_runs_every_layer_when_generated_positions_are_kept(
     """A generated token comes from the last layer's logits, so a job keeping generated
     positions needs the whole forward; prompt positions never depend on later tokens."""
     from capsteer.capture.spec import parse_capture_spec
-    from capsteer.extract import job_config
+    from capsteer.extraction.job import job_config
 
     spec = parse_capture_spec({"hooks": ["resid_post"], "layers": [1], "positions": positions},
                               num_layers=12)
@@ -117,7 +117,7 @@ def test_full_forward_flag():
 
 def test_default_ids_are_the_lines_numbers(tmp_path):
     """api.md: `id` defaults to the line number, as an editor counts lines (blank ones too)."""
-    from capsteer.extract import read_records
+    from capsteer.extraction.job import read_records
 
     path = tmp_path / "in.jsonl"
     path.write_text('{"prompt": "a"}\n\n{"prompt": "b"}\n{"id": "x", "prompt": "c"}\n  \n'
@@ -131,7 +131,7 @@ def test_a_resumed_job_must_ask_for_the_rows_it_holds(tmp_path):
     import json
 
     from capsteer.capture.spec import parse_capture_spec
-    from capsteer.extract import _check_job
+    from capsteer.extraction.job import check_job
 
     def spec(**kw):
         return parse_capture_spec({"hooks": ["resid_post"], "layers": [1],
@@ -141,17 +141,17 @@ def test_a_resumed_job_must_ask_for_the_rows_it_holds(tmp_path):
     held = spec(dtype="auto")
     (tmp_path / "manifest.json").write_text(json.dumps({"spec": held.to_dict(),
                                                         "dtype": "bfloat16"}))
-    _check_job(tmp_path, spec(dtype="auto"))
-    _check_job(tmp_path, spec(dtype="bf16"))  # what "auto" stored
+    check_job(tmp_path, spec(dtype="auto"))
+    check_job(tmp_path, spec(dtype="bf16"))  # what "auto" stored
     for other, flag in ((spec(layers=[2]), "--hooks/--layers"),
                         (spec(positions="all"), "--positions"),
                         (spec(dtype="float32"), "--capture-dtype float32")):
         with pytest.raises(ValueError, match=flag):
-            _check_job(tmp_path, other)
+            check_job(tmp_path, other)
     (tmp_path / "manifest.json").write_text(json.dumps({"spec": spec(dtype="bf16").to_dict(),
                                                         "dtype": "bfloat16"}))
     with pytest.raises(ValueError, match="--capture-dtype auto"):
-        _check_job(tmp_path, spec(dtype="auto"))
+        check_job(tmp_path, spec(dtype="auto"))
 
 
 @pytest.mark.parametrize(("flags", "named"), [
@@ -160,7 +160,7 @@ def test_a_resumed_job_must_ask_for_the_rows_it_holds(tmp_path):
 ])
 def test_extract_refuses_plain_mistakes_by_name(tmp_path, monkeypatch, capsys, flags, named):
     """A usage error (exit status 2) naming the flag, before any engine starts."""
-    from capsteer.extract import main
+    from capsteer.extraction.cli import main
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "in.jsonl").write_text('{"prompt": "a"}\n')
@@ -173,8 +173,8 @@ def test_extract_refuses_plain_mistakes_by_name(tmp_path, monkeypatch, capsys, f
 def test_a_resumed_job_must_hold_only_this_inputs_ids(tmp_path):
     """Done ids the input does not have mean another input (or rows numbered otherwise):
     resuming would store the same rows again under new ids."""
-    from capsteer.extract import _check_resumed_ids
+    from capsteer.extraction.job import check_resumed_ids
 
-    _check_resumed_ids(tmp_path, {"1", "3"}, {"1", "3", "4"})
+    check_resumed_ids(tmp_path, {"1", "3"}, {"1", "3", "4"})
     with pytest.raises(ValueError, match=r"1 request id\(s\) this input does not have \(e.g. '2'\)"):
-        _check_resumed_ids(tmp_path, {"1", "2"}, {"1", "3"})
+        check_resumed_ids(tmp_path, {"1", "2"}, {"1", "3"})

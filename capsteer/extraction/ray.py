@@ -2,72 +2,52 @@
 
 Ray Data reads the input (JSONL through `read_text`, Parquet through `read_parquet`) and
 `map_batches` it over a fixed pool of N actors, each holding one capsteer `Engine`
-(`tensor_parallel_size` GPUs each). Ray schedules; capsteer only writes.
-
-Disk layout, the same as a single-engine job's once the run ends:
-- Each replica's worker writes an ordinary sharded job of its own into the staging
-  directory `DIR/.staging/r-<random>/` (shards, index, manifest; durable as always). A
-  replica reports a batch only when every id of it is in its staging index and its
-  shards are in its staging manifest.
-- The driver is the one writer of `DIR/index.jsonl` and `DIR/manifest.json`. For a
-  reported shard it hard-links (where the filesystem cannot: renames) the complete,
-  durable staging file to the job's next `shard-NNNNN.safetensors`, fsyncs `DIR`, lists it
-  in the manifest, and only then appends (fsync) the index lines and rewrites the manifest's
-  counts. So no partial file is ever under a final name, the index names only durable
-  shards, as before, and every shard it names is in the manifest.
-- Resume (and the end of a run): shards `index.jsonl` does not name are deleted, a torn
-  last line is cut, staged work the index lacks (a replica finished it, the driver was
-  killed before committing it) is committed from the staging directories, which are then
-  removed. Every id is skipped whichever replica did it; `index.jsonl` lists it once.
-One driver per job directory at a time.
+(`tensor_parallel_size` GPUs each). Ray schedules; capsteer only writes: each replica
+stages its own shards and the driver commits them into the job directory (commit.py
+gives the layout and the recovery rules). Ray stays an optional dependency
+(`capsteer[ray]`): it is imported only once a job asks for it.
 """
 
 from __future__ import annotations
 
-import errno
 import json
-import logging
 import os
 import queue
-import shutil
 import threading
 import time
 import uuid
-from collections import Counter, OrderedDict, deque
+from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from capsteer.capture.layouts import MANIFEST_FILE
-from capsteer.capture.publish import (
-    DEFAULT_FS,
-    FileSystem,
-    check_digest,
-    ensure_dir,
-    fsync_dir,
-    write_json_atomic,
-)
-from capsteer.capture.sharded import INDEX_FILE, read_index, recover_index, shard_name
-from capsteer.extract import (
+from tqdm import tqdm
+
+from capsteer.capture.publish import check_digest, ensure_dir
+from capsteer.capture.sharded import INDEX_FILE
+from capsteer.capture.spec import CaptureSpec, parse_capture_spec
+from capsteer.engine import Engine
+from capsteer.extraction.commit import STAGING_DIR, JobCommitter, staging_listing
+from capsteer.extraction.job import (
     ExtractResult,
     InputError,
     Record,
-    _check_digest,
-    _job_dir_bytes,
-    _prompts,
-    _shards,
-    _warn_if_narrower,
+    check_job,
+    check_recorded_digest,
+    check_resumed_ids,
     check_row,
-    iter_records,
     job_config,
+    job_dir_bytes,
+    logger,
+    model_num_layers,
     read_records,
-    submit_capture,
+    scan_ids,
+    shard_files,
+    warn_if_narrower,
 )
+from capsteer.extraction.submit import engine_prompts, submit_capture
 
-logger = logging.getLogger("capsteer.extract")
-
-STAGING_DIR = ".staging"
 FLUSH_TIMEOUT_S = 120.0  # idle replica: finished requests must reach its staging index by then
 _INSTALL_HINT = "capsteer extract --ray needs Ray Data: pip install 'capsteer[ray]'"
 # Environment the replicas get from the driver (also on a cluster started elsewhere).
@@ -80,7 +60,7 @@ class RayMissing(ImportError):
 
 def require_ray() -> Any:
     """The `ray` module with Ray Data, or RayMissing saying what to install."""
-    try:
+    try:  # optional dependency (capsteer[ray]): imported only when a job asks for Ray
         import ray
         import ray.data
     except ImportError as exc:
@@ -89,22 +69,9 @@ def require_ray() -> Any:
 
 
 # --------------------------------------------------------------------------- input
-def scan_ids(path: str | Path) -> tuple[list[str], bool]:
-    """Every row's id in input order (its row number where a row has none) and whether
-    each row named its own; checks the rows as read_records does (unique ids, prompt xor
-    messages) without keeping the prompts. The driver needs it for the job's total and
-    for what is left to do."""
-    ids: list[str] = []
-    all_named = True
-    for record, named in iter_records(path):
-        ids.append(record.id)
-        all_named = all_named and named
-    return ids, all_named
-
-
 def _normalized(rows: Iterable[tuple[str, object]], skip: frozenset[str]) -> Any:
     """A pyarrow table (id, prompt, messages as JSON) of the rows not in `skip`."""
-    import pyarrow as pa
+    import pyarrow as pa  # optional: comes with Ray Data (capsteer[ray])
 
     ids, prompts, messages = [], [], []
     for where, row in rows:
@@ -141,220 +108,6 @@ def _from_parquet(batch: Any, path: str, skip: frozenset[str]) -> Any:
     return _normalized(((path, r) for r in batch.to_pylist()), skip)
 
 
-# ------------------------------------------------------------------- job directory
-def _shard_number(name: str) -> int | None:
-    stem = name.removeprefix("shard-").removesuffix(".safetensors")
-    return int(stem) if stem.isdigit() and name.startswith("shard-") else None
-
-
-def _publish_link(src: Path, dst: Path) -> None:
-    """Put a complete, durable file under its final name at once: a hard link (the staging
-    directory keeps its own valid manifest), or a rename where links are not supported."""
-    try:
-        os.link(src, dst)
-    except OSError as exc:
-        if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK,
-                             errno.EXDEV):
-            raise
-        if dst.exists():
-            raise FileExistsError(dst) from exc
-        os.rename(src, dst)
-
-
-@dataclass
-class _StagedShard:
-    """A staging shard's listing (manifest `shards` and `files` entries)."""
-
-    shard: dict[str, Any]
-    file: dict[str, Any]
-    header: dict[str, Any]  # the staging manifest without shards/files/index counts
-
-
-def _staging_listing(staging: Path) -> dict[str, _StagedShard]:
-    manifest_path = staging / MANIFEST_FILE
-    if not manifest_path.exists():
-        return {}
-    manifest = json.loads(manifest_path.read_text())
-    header = {k: v for k, v in manifest.items()
-              if k not in ("shards", "files", "requests", "rows", "updated_at")}
-    files = {f["name"]: f for f in manifest.get("files", [])}
-    return {s["name"]: _StagedShard(s, files.get(s["name"], {"name": s["name"]}), header)
-            for s in manifest.get("shards", [])}
-
-
-class JobCommitter:
-    """The one writer of a job's `index.jsonl` and `manifest.json` under Ray (the driver).
-
-    Opening recovers the directory as ShardedWriter does (torn line cut, unindexed
-    `shard-*` files deleted); `commit` publishes replica-reported rows; `merge_staging`
-    commits what replicas made durable but the driver never committed, then removes the
-    staging directories."""
-
-    def __init__(self, out: str | Path, fs: FileSystem = DEFAULT_FS) -> None:
-        self.dir = Path(out)
-        self.fs = fs
-        ensure_dir(self.dir, fs)
-        self.index_path = self.dir / INDEX_FILE
-        self.index, self._index_size, referenced = recover_index(self.dir, fs)
-        self.done: set[str] = {str(e["id"]) for e in self.index}
-        manifest: dict[str, Any] = {}
-        if (self.dir / MANIFEST_FILE).exists():
-            manifest = json.loads((self.dir / MANIFEST_FILE).read_text())
-        self.header: dict[str, Any] | None = {
-            k: v for k, v in manifest.items()
-            if k not in ("shards", "files", "requests", "rows", "updated_at")} or None
-        self.shards = {s["name"]: s for s in manifest.get("shards", []) if s["name"] in referenced}
-        self.files = {f["name"]: f for f in manifest.get("files", []) if f["name"] in referenced}
-        missing = referenced - set(self.shards)
-        if missing:  # a single-engine writer's manifest lagged its index; it rebuilds those
-            raise RuntimeError(f"{self.dir}: shards {sorted(missing)[:3]} are indexed but not in "
-                               f"{MANIFEST_FILE}; run the job once without --ray to rebuild it")
-        numbers = [n for n in map(_shard_number, referenced) if n is not None]
-        self.next_shard = 1 + max(numbers, default=-1)
-        if self.header is not None and (len(manifest.get("shards", [])) != len(self.shards)
-                                        or manifest.get("requests") != len(self.index)):
-            self._write_manifest()  # killed between a listing and the index append it preceded
-        self.linked: dict[tuple[str, str], str] = {}  # (replica, staging shard) -> job shard
-        self.tokens = 0  # prompt tokens committed by this committer
-        self.committed = 0
-        self.per_replica: Counter[str] = Counter()  # requests committed, by staging directory
-        self._listings: dict[str, dict[str, _StagedShard]] = {}
-
-    # ------------------------------------------------------------------ commit
-    def commit(self, rows: Iterable[dict[str, Any]]) -> int:
-        """Publish reported rows (id, replica, shard, row_start, row_count, prompt_tokens);
-        returns how many were new. Ids already indexed are skipped with a warning."""
-        groups: OrderedDict[tuple[str, str], list[dict[str, Any]]] = OrderedDict()
-        for r in rows:
-            groups.setdefault((str(r["replica"]), str(r["shard"])), []).append(r)
-        entries: list[dict[str, Any]] = []
-        linked_any = False
-        seen: set[str] = set()
-        for key, group in groups.items():
-            fresh = []
-            for r in group:
-                rid = str(r["id"])
-                if rid in self.done or rid in seen:
-                    logger.warning("capsteer extract: %s reported twice; indexed once", rid)
-                    continue
-                seen.add(rid)
-                fresh.append(r)
-            if not fresh:
-                continue
-            name = self.linked.get(key)
-            if name is None:
-                name = self._link(*key)
-                linked_any = True
-            entries += [{"id": str(r["id"]), "shard": name, "row_start": int(r["row_start"]),
-                         "row_count": int(r["row_count"]),
-                         "prompt_tokens": int(r["prompt_tokens"])} for r in fresh]
-            self.per_replica[key[0]] += len(fresh)
-        if linked_any:  # the new names are durable and listed before the index says so,
-            fsync_dir(self.dir, self.fs)  # so an indexed shard is always in the manifest
-            self._write_manifest()
-        if entries:
-            self._append_index(entries)
-            self._write_manifest()
-        return len(entries)
-
-    def _link(self, replica: str, staged_name: str) -> str:
-        listing = self._listings.get(replica)
-        if listing is None or staged_name not in listing:
-            listing = self._listings[replica] = _staging_listing(self._staging(replica))
-        staged = listing.get(staged_name)
-        if staged is None:
-            raise RuntimeError(f"{replica}: {staged_name} was reported but is not in its "
-                               f"staging {MANIFEST_FILE}")
-        self._check_header(staged.header, replica)
-        name = shard_name(self.next_shard)
-        self.next_shard += 1
-        _publish_link(self._staging(replica) / staged_name, self.dir / name)
-        self.linked[(replica, staged_name)] = name
-        self.shards[name] = {**staged.shard, "name": name}
-        self.files[name] = {**staged.file, "name": name}
-        return name
-
-    def _check_header(self, header: dict[str, Any], replica: str) -> None:
-        """Every replica (and a job resumed with --ray) must write the same kind of rows."""
-        if self.header is None:
-            self.header = dict(header)
-            return
-        for key in ("format", "dtype", "hidden_size", "keys"):
-            if self.header.get(key) != header.get(key):
-                raise ValueError(f"{self.dir}: replica {replica} writes {key}="
-                                 f"{header.get(key)!r}, the job holds {self.header.get(key)!r}")
-
-    def _staging(self, replica: str) -> Path:
-        return self.dir / STAGING_DIR / replica
-
-    def _append_index(self, entries: list[dict[str, Any]]) -> None:
-        """Append + fsync the lines; on failure cut the file back to its last good size."""
-        data = "".join(json.dumps(e, separators=(",", ":")) + "\n" for e in entries).encode()
-        fd = os.open(self.index_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC,
-                     0o644)
-        try:
-            if os.fstat(fd).st_size != self._index_size:
-                os.ftruncate(fd, self._index_size)
-            try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view):]
-                self.fs.fsync(fd)
-                fsync_dir(self.dir, self.fs)
-            except BaseException:
-                try:
-                    os.ftruncate(fd, self._index_size)
-                except OSError:
-                    pass
-                raise
-            self._index_size = os.fstat(fd).st_size
-        finally:
-            os.close(fd)
-        self.index += entries
-        self.done.update(e["id"] for e in entries)
-        self.tokens += sum(e["prompt_tokens"] for e in entries)
-        self.committed += len(entries)
-
-    def _write_manifest(self) -> None:
-        shards = [self.shards[n] for n in sorted(self.shards)]
-        manifest = {**(self.header or {}), "requests": len(self.index),
-                    "rows": sum(int(s["rows"]) for s in shards), "index": INDEX_FILE,
-                    "shards": shards, "files": [self.files[n] for n in sorted(self.files)],
-                    "updated_at": time.time()}
-        write_json_atomic(self.dir, MANIFEST_FILE, manifest, self.fs)
-
-    # ----------------------------------------------------------------- recovery
-    def merge_staging(self) -> int:
-        """Commit what any replica made durable (staging index + manifest) and the job index
-        lacks, then delete the staging directories; returns the requests recovered. Run it
-        only while no replica of this job is alive."""
-        root = self.dir / STAGING_DIR
-        if not root.is_dir():
-            return 0
-        by_id = {str(e["id"]): e for e in self.index}
-        recovered = 0
-        for staging in sorted(p for p in root.iterdir() if p.is_dir()):
-            replica = staging.name
-            listing = self._listings[replica] = _staging_listing(staging)
-            entries = read_index(staging / INDEX_FILE)
-            for e in entries:  # a shard partly indexed before the kill keeps its job name
-                job = by_id.get(str(e["id"]))
-                key = (replica, e["shard"])
-                if job is None or key in self.linked or e["shard"] not in listing:
-                    continue
-                src, dst = staging / e["shard"], self.dir / job["shard"]
-                if src.exists() and dst.exists() and os.path.samefile(src, dst):
-                    self.linked[key] = job["shard"]
-            rows = [{**e, "replica": replica} for e in entries
-                    if e["shard"] in listing and (staging / e["shard"]).exists()
-                    and str(e["id"]) not in self.done]
-            recovered += self.commit(rows)
-        shutil.rmtree(root)
-        fsync_dir(self.dir, self.fs)
-        self._listings.clear()
-        return recovered
-
-
 # ------------------------------------------------------------------------ replicas
 @dataclass
 class _Ticket:
@@ -371,7 +124,7 @@ class _Ticket:
 def _reported(ids: list[str], replica: str, entries: list[dict[str, Any]],
               started: float) -> Any:
     """A replica's answer for one batch: where each request sits in its staging shards."""
-    import pyarrow as pa
+    import pyarrow as pa  # optional: comes with Ray Data (capsteer[ray])
 
     return pa.table({
         "id": pa.array(ids, pa.string()), "replica": pa.array([replica] * len(ids), pa.string()),
@@ -393,9 +146,6 @@ class Replica:
     def __init__(self, model: str, output: str, spec: dict[str, Any], shard_size: int,
                  max_tokens: int, window: int | None, engine_kwargs: dict[str, Any],
                  digest: str, num_layers: int | None = None, full_forward: bool = False) -> None:
-        from capsteer.capture.spec import CaptureSpec
-        from capsteer.engine import Engine
-
         self.name = "r-" + uuid.uuid4().hex[:12]
         out = Path(output)
         self.dir = out / STAGING_DIR / self.name
@@ -407,7 +157,7 @@ class Replica:
                             full_forward=full_forward)
         config["sharded"]["job_id"] = out.name  # shard metadata names the job, not the stage
         self.engine = Engine(model, capsteer_config=config, **kwargs)
-        _warn_if_narrower(self.spec.dtype, self.engine.dtype)
+        warn_if_narrower(self.spec.dtype, self.engine.dtype)
         self.limit = window or 4 * int(
             self.engine.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs)
         self._inbox: queue.Queue[tuple[list[Any], _Ticket] | None] = queue.Queue()
@@ -482,7 +232,7 @@ class Replica:
                 pass
             while pending and len(live) < self.limit:
                 rec = pending.popleft()
-                _, prompt = next(_prompts(self.engine, [rec]))
+                _, prompt = next(engine_prompts(self.engine, [rec]))
                 capture_id, reports = submit_capture(llm_engine, rec, prompt, self.spec,
                                                      payload_spec, self.max_tokens)
                 if reports:
@@ -541,7 +291,7 @@ class Replica:
         if not self._staged:
             return
         if any(e["shard"] not in self._listed for e in self._staged.values()):
-            self._listed = set(_staging_listing(self.dir))
+            self._listed = set(staging_listing(self.dir))
         for rid in [r for r, e in self._staged.items() if e["shard"] in self._listed]:
             e = self._staged.pop(rid)
             unflushed.discard(rid)
@@ -592,9 +342,6 @@ def extract_on_ray(
     digest: str = "sha256", full_forward: bool = False,
 ) -> ExtractResult:
     """`extract(..., ray=True)`: run (or resume) a job on engine replicas through Ray Data."""
-    from capsteer.capture.spec import parse_capture_spec
-    from capsteer.extract import _check_job, _check_resumed_ids, _model_layers
-
     if not ray:
         raise ValueError("num_replicas, ray_address and ray_batch_size need ray=True (--ray)")
     if engine is not None:
@@ -613,11 +360,11 @@ def extract_on_ray(
     check_digest(digest)
     ray_module = require_ray()
     out = Path(output)
-    num_layers = _model_layers(model)
+    num_layers = model_num_layers(model)
     spec = parse_capture_spec(
         {"hooks": [hooks] if isinstance(hooks, str) else list(hooks), "layers": layers,
          "positions": positions, "dtype": capture_dtype}, num_layers=num_layers)
-    _check_job(out, spec)
+    check_job(out, spec)
     if Path(model).exists():  # replicas may run elsewhere (another cwd, another node)
         model = str(Path(model).resolve())
     job = _Job(model, Path(input_path).resolve(), out, spec, int(shard_size), int(max_tokens),
@@ -629,10 +376,10 @@ def extract_on_ray(
     if recovered:
         logger.warning("capsteer extract: committed %d requests that replicas had made durable "
                        "before the last run stopped", recovered)
-    _check_resumed_ids(out, committer.done, set(ids))
+    check_resumed_ids(out, committer.done, set(ids))
     todo = [i for i in ids if i not in committer.done]
     if not todo:
-        return ExtractResult(out, 0, len(ids), 0, 0.0, 0, _shards(out))
+        return ExtractResult(out, 0, len(ids), 0, 0.0, 0, shard_files(out))
     started_ray = local = False
     if ray_module.is_initialized():
         if ray_address is not None:
@@ -672,7 +419,7 @@ def _dataset(ray: Any, job: _Job, skip: frozenset[str], all_named: bool) -> Any:
 
 def _execute(ray: Any, job: _Job, ids: list[str], todo: list[str], all_named: bool,
              committer: JobCommitter, local: bool) -> ExtractResult:
-    from ray.data import ActorPoolStrategy, DataContext
+    from ray.data import ActorPoolStrategy, DataContext  # optional: require_ray checked it
 
     tp = int(job.engine_kwargs.get("tensor_parallel_size") or 1)
     cluster_gpus = float(ray.cluster_resources().get("GPU", 0))
@@ -710,11 +457,9 @@ def _execute(ray: Any, job: _Job, ids: list[str], todo: list[str], all_named: bo
 
     bar = None
     if job.progress:
-        from tqdm import tqdm
-
         bar = tqdm(total=len(ids), initial=len(ids) - len(todo), unit="req", smoothing=0.1,
                    desc=f"extract (ray, {job.num_replicas} replicas)")
-    bytes_before, shards_before = _job_dir_bytes(job.out), set(_shards(job.out))
+    bytes_before, shards_before = job_dir_bytes(job.out), set(shard_files(job.out))
     first_start: float | None = None
     last_commit = time.time()
     shown = 0.0
@@ -733,7 +478,7 @@ def _execute(ray: Any, job: _Job, ids: list[str], todo: list[str], all_named: bo
                     shown = time.monotonic()
                     elapsed = max(last_commit - first_start, 1e-9)
                     bar.set_postfix_str(f"{committer.tokens / elapsed:,.0f} tok/s, "
-                                        f"{_job_dir_bytes(job.out) / 2**20:,.1f} MiB on disk",
+                                        f"{job_dir_bytes(job.out) / 2**20:,.1f} MiB on disk",
                                         refresh=False)
                 bar.refresh()
     finally:
@@ -747,9 +492,9 @@ def _execute(ray: Any, job: _Job, ids: list[str], todo: list[str], all_named: bo
         raise RuntimeError(f"{len(missing)} requests are not in {job.out / INDEX_FILE} after the "
                            f"run (e.g. {sorted(missing)[:3]}); see the replicas' logs; re-run to "
                            "resume")
-    _check_digest(job.out, job.digest, shards_before)
+    check_recorded_digest(job.out, job.digest, shards_before)
     logger.info("capsteer extract: requests per replica: %s",
                 ", ".join(f"{k}={v}" for k, v in sorted(committer.per_replica.items())))
     seconds = last_commit - first_start if first_start is not None else 0.0
     return ExtractResult(job.out, len(todo), len(ids) - len(todo), committer.tokens, seconds,
-                         _job_dir_bytes(job.out) - bytes_before, _shards(job.out))
+                         job_dir_bytes(job.out) - bytes_before, shard_files(job.out))
