@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from capsteer.capture import metrics
+import capsteer.capture.metrics as metrics
 from capsteer.capture.spec import CaptureSpec
 
 POLICIES = ("block", "drop", "reject")
@@ -73,7 +73,7 @@ def check_ring_bytes(ring_bytes: int, name: str = "a capture writer ring") -> No
 
 def check_processes(processes: int, policy: str) -> None:
     """ValueError unless `processes` writer processes can serve the overload policy: they
-    split the budget (capture/writer_pool.py), so under drop or reject a capture larger
+    split the budget (capsteer.capture.writer.fanout), so under drop or reject a capture larger
     than one share would be dropped or refused where one process would keep it."""
     if processes < 1:
         raise ValueError(f"capture writer processes must be at least 1; got {processes}")
