@@ -46,9 +46,10 @@ from capsteer.capture import (
     find_receipt,
     parse_capture_spec,
 )
-from capsteer.capture.pool import DEFAULT_RING_BYTES, check_ring_bytes
-from capsteer.capture.publish import DIGESTS, FileSystem, fsync_dir
-from capsteer.capture.writer import default_workers
+from capsteer.capture.digests import DIGESTS
+from capsteer.capture.publish import FileSystem, fsync_dir
+from capsteer.capture.writer.budget import DEFAULT_RING_BYTES, check_ring_bytes
+from capsteer.capture.writer.threads import default_workers
 from capsteer.config.sizes import parse_size
 
 MIB = 1 << 20
@@ -193,8 +194,8 @@ def writer_rate(
     budget = max(4 * per_request, 1 << 30)
     w: Any
     if processes >= 1:
-        from capsteer.capture.writer_pool import ProcessWriterPool
-        from capsteer.capture.writer_process import ProcessCaptureWriter
+        from capsteer.capture.writer.fanout import ProcessWriterPool
+        from capsteer.capture.writer.process import ProcessCaptureWriter
 
         kw = {"budget_bytes": budget * processes, "workers": workers, "digest": digest,
               "direct_io": direct_io, "ring_bytes": ring_bytes}

@@ -19,8 +19,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from capsteer.capture.publish import IO_MODES
 from capsteer.capture.sink import CaptureEnd, CaptureRequest, CaptureSink, MemorySink
+from capsteer.capture.writer.factory import durable_writer, sharded_sink
 from capsteer.engine_ext import adapter, stack_room
 from capsteer.engine_ext.canary import CanaryFailed, faulty_site, run_canary
 from capsteer.engine_ext.harvest import Harvester
@@ -82,9 +82,9 @@ class EngineHooks:
         self.memory = MemorySink(final_positions=False)  # capsteer.engine finalizes
         # Only the rank that writes captures starts writer processes (each holds its rings,
         # on a GPU page-locked): the other TP ranks of a stage never publish.
-        self.writer: CaptureSink | None = _durable_writer(self.config) \
+        self.writer: CaptureSink | None = durable_writer(self.config) \
             if self.capture_rank else None
-        self.sharded = _sharded_sink(self.config, self.model_name, self.sites.hidden_size, dtype) \
+        self.sharded = sharded_sink(self.config, self.model_name, self.sites.hidden_size, dtype) \
             if self.capture_rank else None
         self.sinks: dict[str, CaptureSink] = {}  # capture_id -> the sink its request chose
         self.requests: dict[str, RequestHooks] = {}
@@ -121,14 +121,13 @@ class EngineHooks:
         # Durable rows go from the GPU straight into the writer processes' shared memory:
         # no host copy in this process (whose GIL the step thread needs); else via the
         # harvester's pinned ring and a copy on its thread.
-        pin = getattr(self.writer, "pin_device_ring", None)
-        self.device_rows = bool(self.device_driven and pin is not None and pin())
+        self.device_rows = bool(self.device_driven and self.writer is not None
+                                and self.writer.pin_device_ring())
         # Every call into the writer processes' link then runs on the harvester thread,
         # which sends what a burst queued (a step's writes, its closes) as one message
         # when it runs out of work.
-        defer = getattr(self.writer, "defer_sends", None)
-        if self.harvester is not None and defer is not None:
-            defer()
+        if self.harvester is not None and self.writer is not None \
+                and self.writer.defer_sends():
             self.harvester.on_idle = self.writer.flush_sends
         if self.capture_rank:
             from capsteer.capture import metrics
@@ -191,8 +190,7 @@ class EngineHooks:
         waited for (capsteer_capture_engine_wait_seconds_total): plain numbers the waits
         add to, read here only when metrics are collected."""
         waits = {"harvest_slot": self.harvester.wait_s} if self.harvester is not None else {}
-        writer_waits = getattr(self.writer, "engine_wait_s", None)
-        return {**waits, **(writer_waits() if writer_waits is not None else {})}
+        return {**waits, **(self.writer.engine_wait_s() if self.writer is not None else {})}
 
     def graph_replay_counts(self) -> dict[str, int]:
         """Replays per set, for capsteer_graph_replays_total ({}: one set)."""
@@ -315,9 +313,7 @@ class EngineHooks:
                 if len(self.opened) > _OPENED_KEPT:
                     del self.opened[next(iter(self.opened))]
                 sink.open(self._capture_request(req_id, prompt, hooks))
-                group_of = getattr(sink, "group_of", None)  # the writer pool's child
-                if group_of is not None:
-                    hooks.group = group_of(hooks.capture_id)
+                hooks.group = sink.group_of(hooks.capture_id)  # the writer pool's child
 
     def _hooks_refused(self, req_id: str, prompt, payload: Mapping, exc: Exception) -> None:
         """A payload this worker cannot serve runs without hooks, never silently: logged,
@@ -530,7 +526,7 @@ class EngineHooks:
         for route in sorted(plan.routes, key=lambda r: r.point):
             sink = sinks[route.capture_id]
             span = _staging_span(plan, route)
-            key = None if getattr(sink, "reserve_span", None) is None else (
+            key = None if not sink.supports_spans else (
                 route.point, id(sink), sink.group_of(route.capture_id))
             if key is not None and runs and runs[-1][0] == key and runs[-1][1] == span.start:
                 runs[-1][1] = span.stop
@@ -594,14 +590,12 @@ class EngineHooks:
         for route in plan.routes:
             rows = rows_for(route)
             sink = sinks[route.capture_id]
-            if not getattr(sink, "copies_rows", False):
+            if not sink.copies_rows:
                 rows = rows.clone()
             for hook, layer in route.keys:
                 sink.write(route.capture_id, hook, layer, route.positions, rows)
         for sink in {id(s): s for s in sinks.values()}.values():
-            end_step = getattr(sink, "end_step", None)
-            if end_step is not None:
-                end_step()
+            sink.end_step()
 
     def _finish(self, req_id: str) -> None:
         self.detached.discard(req_id)
@@ -704,67 +698,6 @@ def _close_all(endings: list[_Ending]) -> None:
         ending.close(None)
 
 
-def _durable_writer(config: dict) -> CaptureSink | None:
-    """The durable writer pool when a capture root is configured."""
-    root = config.get("capture_dir")
-    if not root:
-        return None
-    io = str(config.get("capture_io", "buffered"))
-    if io not in IO_MODES:
-        raise ValueError(f"capture_io must be one of {', '.join(IO_MODES)}; got {io!r}")
-    from capsteer.capture.pool import (
-        DEFAULT_BUDGET_BYTES,
-        DEFAULT_RING_BYTES,
-        check_processes,
-        check_ring_bytes,
-    )
-
-    kwargs = {"budget_bytes": int(config.get("capture_budget", DEFAULT_BUDGET_BYTES)),
-              "policy": str(config.get("capture_overload", "block")),
-              "workers": int(config["capture_workers"]) if "capture_workers" in config else None,
-              "digest": str(config.get("capture_digest", "sha256")),
-              "direct_io": io == "direct"}
-    mode = str(config.get("capture_writer", "process"))
-    if mode == "process":  # publishing must not hold this process's GIL (writer_process.py)
-        from capsteer.capture.writer_pool import ProcessWriterPool, auto_processes
-        from capsteer.capture.writer_process import ProcessCaptureWriter
-        from capsteer.config.sizes import parse_size
-
-        processes = config.get("capture_writer_processes")
-        processes = auto_processes(kwargs["policy"]) if processes is None else int(processes)
-        check_processes(processes, kwargs["policy"])  # 0, or a split budget under drop/reject
-        # The shared-memory ring each writer process takes rows through (and the engine's
-        # GPU copies land in): how large a burst leaves the engine before it waits on the
-        # children (server flag --capture-ring).
-        kwargs["ring_bytes"] = parse_size(config.get("capture_ring_bytes", DEFAULT_RING_BYTES))
-        check_ring_bytes(kwargs["ring_bytes"], "capture_ring_bytes")
-        if processes > 1:  # one child's main thread bounds it below a disk's rate
-            return ProcessWriterPool(root, processes=processes, **kwargs)
-        return ProcessCaptureWriter(root, **kwargs)
-    if mode != "threads":
-        raise ValueError(f"capture_writer must be process or threads; got {mode!r}")
-    from capsteer.capture.writer import CaptureWriter
-
-    return CaptureWriter(root, **kwargs)
-
-
-def _sharded_sink(config: dict, model: str, hidden: int, model_dtype: torch.dtype):
-    """An extraction job's shard writer (many requests per file) when configured."""
-    job = config.get("sharded")
-    if not job:
-        return None
-    from capsteer.capture.sharded import ShardedSink, ShardedWriter
-    from capsteer.capture.spec import CaptureSpec
-
-    spec = CaptureSpec.from_dict(job["spec"])
-    dtype = model_dtype if spec.dtype == "auto" else getattr(torch, spec.dtype)
-    writer = ShardedWriter(job["dir"], keys=spec.keys(), hidden_size=hidden, dtype=dtype,
-                           shard_bytes=int(job.get("shard_bytes", 1 << 30)), model=model,
-                           spec=spec, job_id=job.get("job_id"),
-                           digest=str(job.get("digest", "sha256")))
-    return ShardedSink(writer)
-
-
 def merge_row_copies(copies: list[tuple[object, torch.Tensor, torch.Tensor]]
                      ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(owner, dst, src) row copies, in order, as fewer (dst, src) copies: a copy whose
@@ -797,9 +730,7 @@ def _reserve_one(route, sink: CaptureSink, src: torch.Tensor, copies: list, dire
                  rest: list) -> None:
     """One route's ring space on its own (a sink without spans, or a span that did not
     fit): its copy joins `copies`, or the route joins `rest` (the harvester's path)."""
-    reserve = getattr(sink, "reserve_rows", None)
-    reserved = None if reserve is None else reserve(route.capture_id, tuple(src.shape),
-                                                    src.dtype)
+    reserved = sink.reserve_rows(route.capture_id, tuple(src.shape), src.dtype)
     if reserved is None:
         rest.append(route)
         return
@@ -907,13 +838,13 @@ class CapsteerWorker(adapter.platform_worker_base()):  # type: ignore[misc]
 
         self.capsteer.sweep_endings(time.monotonic())
         own = metrics.snapshot()
-        child = getattr(self.capsteer.writer, "metrics_snapshot", None)
-        return own if child is None else metrics.merge_snapshots([own, child()])
+        writer = self.capsteer.writer
+        child = writer.metrics_snapshot() if writer is not None else None
+        return own if child is None else metrics.merge_snapshots([own, child])
 
     def capsteer_writer_stats(self) -> dict | None:
         writer = self.capsteer.writer
-        stats = getattr(writer, "stats", None)
-        return stats() if stats is not None else None
+        return writer.stats() if writer is not None else None
 
     def capsteer_flush_sharded(self) -> int:
         """Publish the partly filled shard (end of job, Ctrl-C); returns indexed requests."""

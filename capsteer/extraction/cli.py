@@ -10,7 +10,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from capsteer.capture.publish import DIGESTS
+from capsteer.capture.digests import DIGESTS
 from capsteer.capture.spec import DTYPES
 from capsteer.config.sizes import parse_size
 from capsteer.extraction.job import InputError

@@ -39,7 +39,8 @@ from capsteer.capture.publish import (
     fsync_dir,
     write_json_atomic,
 )
-from capsteer.capture.sharded import INDEX_FILE, read_index, recover_index, shard_name
+from capsteer.capture.sharded import INDEX_FILE, read_index, shard_name
+from capsteer.capture.writer.sharded import recover_index
 from capsteer.extraction.job import logger, shard_number
 
 STAGING_DIR = ".staging"

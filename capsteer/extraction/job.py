@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from capsteer.capture.publish import entry_digest
+from capsteer.capture.digests import entry_digest
 from capsteer.capture.spec import CaptureSpec
 from capsteer.engine_ext.runtime import hook_point, layers_needed
 

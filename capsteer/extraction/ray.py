@@ -24,7 +24,8 @@ from typing import Any
 
 from tqdm import tqdm
 
-from capsteer.capture.publish import check_digest, ensure_dir
+from capsteer.capture.digests import check_digest
+from capsteer.capture.publish import ensure_dir
 from capsteer.capture.sharded import INDEX_FILE
 from capsteer.capture.spec import CaptureSpec, parse_capture_spec
 from capsteer.engine import Engine

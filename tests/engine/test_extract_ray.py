@@ -20,8 +20,9 @@ import pytest
 import torch
 
 from capsteer.capture import open_job
-from capsteer.capture.publish import entry_digest
-from capsteer.capture.sharded import ShardedWriter, read_index, read_sharded
+from capsteer.capture.digests import entry_digest
+from capsteer.capture.sharded import read_index, read_sharded
+from capsteer.capture.writer.sharded import ShardedWriter
 from capsteer.extraction.commit import STAGING_DIR, JobCommitter
 from capsteer.extraction.local import extract
 from capsteer.extraction.ray import RayMissing

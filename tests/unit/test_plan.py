@@ -918,6 +918,8 @@ def test_a_steps_copies_into_writer_rings_are_one_per_writer_and_point(monkeypat
     from capsteer.engine_ext import worker
 
     class Ring:
+        supports_spans = False
+
         def __init__(self) -> None:
             self.rows, self.head = torch.zeros(64, HIDDEN), 0
 
@@ -963,6 +965,8 @@ def test_a_steps_copies_into_span_writers_are_one_reservation_per_writer_and_poi
     from capsteer.engine_ext import worker
 
     class Ring:
+        supports_spans = True  # asked for spans; `spans=False` refuses each one
+
         def __init__(self, spans: bool, room: int = 64) -> None:
             self.rows, self.head, self.spans, self.room = torch.zeros(64, HIDDEN), 0, spans, room
             self.span_calls, self.row_calls = [], 0
