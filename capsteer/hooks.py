@@ -10,6 +10,8 @@ import re
 
 import numpy as np
 
+from capsteer.config import errors
+
 HOOKS: tuple[str, ...] = ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out")
 ALIASES: dict[str, str] = {
     "pre_attn": "resid_pre",
@@ -20,7 +22,7 @@ ALIASES: dict[str, str] = {
 HOOK_SEMANTICS_VERSION = "1"
 
 
-class HookNameError(ValueError):
+class HookNameError(errors.InvalidInput, ValueError):
     """An unknown hook name; the message lists the accepted ones."""
 
 

@@ -11,11 +11,13 @@ from __future__ import annotations
 import hashlib
 from typing import Any, Protocol
 
+from capsteer.config import errors
+
 DIGESTS = ("sha256", "blake3")  # names as recorded in manifests
 DEFAULT_DIGEST = "sha256"  # api.md §5 names sha256; blake3 is opt-in (docs/capture-format.md)
 
 
-class DigestError(ValueError):
+class DigestError(errors.InvalidInput, ValueError):
     """An unknown digest name, or one whose library is not installed."""
 
 

@@ -10,11 +10,12 @@ from typing import Any
 
 from capsteer.capture.digests import DigestError, check_digest, entry_digest, new_hasher
 from capsteer.capture.layouts import MANIFEST_FILE
+from capsteer.config import errors
 
 _HASH_BLOCK = 4 << 20
 
 
-class CaptureReadError(RuntimeError):
+class CaptureReadError(errors.StorageError, RuntimeError):
     """The path is not a readable, complete capture (missing or bad manifest, bad status)."""
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from capsteer.config import errors
 from capsteer.hooks import HookNameError, canonical_hook
 from capsteer.hooks import parse_layers as hooks_parse_layers
 
@@ -44,12 +45,12 @@ MAX_EXPLICIT_POSITIONS = 1 << 20
 MAX_POSITION = (1 << 31) - 1
 
 
-class SpecError(ValueError):
+class SpecError(errors.InvalidInput, ValueError):
     """A capture spec field is invalid; `field` names it for the client's 400 error."""
 
     def __init__(self, field: str, reason: str) -> None:
         super().__init__(f"{field}: {reason}")
-        self.field = field
+        self.field = self.param = field
         self.reason = reason
 
 

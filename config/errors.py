@@ -29,13 +29,7 @@ class NotFound(CapsteerError):
     status = 404
 
 
-class TooLarge(InvalidInput):
-    """An upload over its size bound (413)."""
-
-    status = 413
-
-
-class Overloaded(CapsteerError):
+class AtCapacity(CapsteerError):
     """The server is at a bound it will not pass; retrying later may work (429)."""
 
     status = 429

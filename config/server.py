@@ -41,6 +41,7 @@ from capsteer.capture.writer.budget import (
     check_processes,
     check_ring_bytes,
 )
+from capsteer.config import errors
 from capsteer.config.sizes import parse_size
 
 ENV_VAR = "CAPSTEER_SERVER_SETTINGS"  # the resolved settings, JSON, launcher -> API process
@@ -52,7 +53,7 @@ CAPTURE_WRITERS = ("process", "threads")
 
 Source = Literal["default", "file", "env", "flag"]
 
-class ConfigError(ValueError):
+class ConfigError(errors.InvalidInput, ValueError):
     """A setting that cannot be used, named with the source it came from."""
 
 

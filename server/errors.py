@@ -30,6 +30,11 @@ def error_response(status: int, message: str, param: str | None = None) -> JSONR
 
 
 def from_exception(exc: CapsteerError, param: str | None = None) -> JSONResponse:
-    """A capsteer error as its own status; `param` names the field when the error
-    does not carry one."""
+    """A capsteer error as the status its class means; `param` names the field when the
+    error does not carry one."""
     return error_response(exc.status, str(exc), exc.param or param)
+
+
+def exception_body(exc: CapsteerError, param: str | None = None) -> tuple[int, bytes]:
+    """The same, as (status, bytes) for the ASGI middleware."""
+    return exc.status, error_body(exc.status, str(exc), exc.param or param)

@@ -28,7 +28,7 @@ from capsteer.config.server import ServerSettings
 from capsteer.engine import new_capture_id
 from capsteer.engine_ext.plan import EXTRA_ARGS_KEY
 from capsteer.server import metrics, openapi, routes
-from capsteer.server.errors import error_body
+from capsteer.server.errors import error_body, exception_body
 from capsteer.server.fields import (
     HOOK_FIELDS,
     FieldError,
@@ -164,7 +164,7 @@ class CapsteerMiddleware:
                 try:
                     refuse_reserved_args(body)
                 except FieldError as exc:
-                    await send_json(send, 400, error_body(400, str(exc), exc.field))
+                    await send_json(send, *exception_body(exc))
                     return
         await self.app(scope, replay(raw, receive), send)
 
@@ -201,7 +201,7 @@ class CapsteerMiddleware:
             try:
                 refuse_reserved_args(body)
             except FieldError as exc:
-                await send_json(send, 400, error_body(400, str(exc), exc.field))
+                await send_json(send, *exception_body(exc))
                 return
             await self.app(scope, replay(raw, receive), send)
             return
@@ -224,7 +224,7 @@ class CapsteerMiddleware:
             encoded = json.dumps(rewrite_body(body, hooks, capture_id, dir_time,
                                               record_id)).encode()
         except FieldError as exc:
-            await send_json(send, 400, error_body(400, str(exc), exc.field))
+            await send_json(send, *exception_body(exc))
             return
         except RecursionError:  # parsed just under the limit, a few frames deeper to write
             await send_json(send, 400, error_body(400, "the JSON body is nested too deeply",

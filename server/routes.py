@@ -22,7 +22,7 @@ from capsteer.capture.receipts import find_receipt, pending
 from capsteer.capture.spec import DTYPES, LAYOUTS, POSITION_KINDS, SpecError
 from capsteer.engine_ext import families
 from capsteer.hooks import ALIASES, HOOK_SEMANTICS_VERSION, HOOKS
-from capsteer.server.errors import error_response
+from capsteer.server.errors import error_response, from_exception
 from capsteer.server.state import CapsteerState
 from capsteer.steering.formats import VectorFormatError
 from capsteer.steering.registry import VectorNameError
@@ -135,9 +135,9 @@ async def put_vector(name: str, request: Request, format: str | None = None) -> 
     try:
         info = await asyncio.to_thread(_state(request).registry.put, name, data, format)
     except VectorNameError as exc:
-        return error_response(400, str(exc), "name")
+        return from_exception(exc, "name")
     except VectorFormatError as exc:
-        return error_response(400, str(exc), "vector")
+        return from_exception(exc, "vector")
     return JSONResponse(info, status_code=201)
 
 
@@ -149,11 +149,11 @@ async def get_vector(name: str, request: Request, format: str | None = None) -> 
         info = await asyncio.to_thread(registry.info, name)
         vectors = await asyncio.to_thread(registry.get, name)
     except VectorNameError as exc:
-        return error_response(400, str(exc), "name")
+        return from_exception(exc, "name")
     except KeyError:
         return error_response(404, f"no steering vector named {name!r}", "name")
     except VectorFormatError as exc:
-        return error_response(400, str(exc), "name")
+        return from_exception(exc, "name")
     if format == "safetensors":
         path = Path(registry.root) / f"{name}.safetensors"
         return Response(await asyncio.to_thread(path.read_bytes),
@@ -173,7 +173,7 @@ async def delete_vector(name: str, request: Request) -> Response:
     try:
         deleted = await asyncio.to_thread(_state(request).registry.delete, name)
     except VectorNameError as exc:
-        return error_response(400, str(exc), "name")
+        return from_exception(exc, "name")
     if not deleted:
         return error_response(404, f"no steering vector named {name!r}", "name")
     return JSONResponse({"name": name, "deleted": True})
@@ -187,7 +187,7 @@ async def capture_receipt(capture_id: str, request: Request) -> Response:
     try:
         validate_capture_id(capture_id)
     except SpecError as exc:
-        return error_response(400, str(exc), "capture_id")
+        return from_exception(exc)
     root = Path(state.settings.capture_dir)
     receipt = await asyncio.to_thread(find_receipt, root, capture_id)
     if receipt is None:

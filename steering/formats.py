@@ -57,6 +57,8 @@ from types import MappingProxyType
 
 import numpy as np
 
+from capsteer.config import errors
+
 FORMATS = ("safetensors", "pt", "npy", "json", "gguf")
 _ALIASES = {"pth": "pt", "torch": "pt", "bin": "pt", "numpy": "npy", "st": "safetensors"}
 MAX_VECTOR_BYTES = 256 * 1024 * 1024  # one upload; far above any real per-layer set
@@ -67,12 +69,12 @@ _MAX_ABS = 1e30  # same bound as steering.spec: larger values overflow the strea
 _LAYER_KEY_RE = re.compile(r"(?:(?:layers?|directions?|blocks?)[._-]?)?(\d{1,6})")
 
 
-class VectorFormatError(ValueError):
+class VectorFormatError(errors.InvalidInput, ValueError):
     """An upload that cannot become steering vectors; the message says why."""
 
 
 class VectorTooLargeError(VectorFormatError):
-    """An upload above MAX_VECTOR_BYTES (maps to HTTP 413 or 400)."""
+    """An upload above MAX_VECTOR_BYTES (a 400: api.md §4 calls too many bytes bad input)."""
 
 
 @dataclass(frozen=True, eq=False)

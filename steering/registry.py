@@ -29,6 +29,7 @@ from types import MappingProxyType
 
 import numpy as np
 
+from capsteer.config import errors
 from capsteer.steering import formats
 from capsteer.steering.formats import (
     DecodedVectors,
@@ -45,11 +46,11 @@ _LAYER_TENSOR_RE = re.compile(r"layer\.(\d{1,6})")
 _STALE_TMP_SECONDS = 3600.0
 
 
-class VectorNameError(ValueError):
+class VectorNameError(errors.InvalidInput, ValueError):
     """A name that is not `[A-Za-z0-9][A-Za-z0-9._-]{0,63}` (or ends with `.tmp`)."""
 
 
-class VectorNotFoundError(KeyError):
+class VectorNotFoundError(errors.NotFound, KeyError):
     """No vector of that name (a KeyError, as `VectorLookup` requires)."""
 
     def __str__(self) -> str:

@@ -18,6 +18,7 @@ from functools import cached_property
 
 import numpy as np
 
+from capsteer.config import errors
 from capsteer.hooks import HookNameError, canonical_hook, parse_layers, resolve_layer
 
 OPS = ("add", "ablate", "clamp")
@@ -30,12 +31,12 @@ _B64_DTYPES = {"float32": np.float32, "float16": np.float16, "float64": np.float
 VectorLookup = Callable[[str], "np.ndarray | Mapping[int, np.ndarray]"]
 
 
-class SteeringSpecError(ValueError):
+class SteeringSpecError(errors.InvalidInput, ValueError):
     """Invalid steering input; `field` names the offending request field."""
 
     def __init__(self, field: str, reason: str) -> None:
         super().__init__(f"{field}: {reason}")
-        self.field = field
+        self.field = self.param = field
         self.reason = reason
 
 

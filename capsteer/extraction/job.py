@@ -20,6 +20,7 @@ import torch
 
 from capsteer.capture.digests import entry_digest
 from capsteer.capture.spec import CaptureSpec
+from capsteer.config import errors
 from capsteer.engine_ext.runtime import hook_point, layers_needed
 
 # One logger for the whole job, whichever runner drives it (users filter on this name).
@@ -56,7 +57,7 @@ class ExtractResult:
         return self.tokens / self.seconds if self.seconds else 0.0
 
 
-class InputError(ValueError):
+class InputError(errors.InvalidInput, ValueError):
     """A bad input file: says which line and what is wrong."""
 
 

@@ -28,6 +28,7 @@ from capsteer.capture.digests import check_digest
 from capsteer.capture.publish import ensure_dir
 from capsteer.capture.sharded import INDEX_FILE
 from capsteer.capture.spec import CaptureSpec, parse_capture_spec
+from capsteer.config import errors
 from capsteer.engine import Engine
 from capsteer.extraction.commit import STAGING_DIR, JobCommitter, staging_listing
 from capsteer.extraction.job import (
@@ -55,7 +56,7 @@ _INSTALL_HINT = "capsteer extract --ray needs Ray Data: pip install 'capsteer[ra
 _FORWARDED_ENV = ("VLLM_", "CAPSTEER_")
 
 
-class RayMissing(ImportError):
+class RayMissing(errors.Unsupported, ImportError):
     """`--ray` without Ray Data installed."""
 
 

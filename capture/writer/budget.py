@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import capsteer.capture.metrics as metrics
 from capsteer.capture.spec import CaptureSpec
+from capsteer.config import errors
 
 POLICIES = ("block", "drop", "reject")
 # Capture rows in flight per engine (--capture-budget): 4 GiB lets a P6 burst (3.9 GB of
@@ -33,7 +34,7 @@ DEFAULT_RING_BYTES = 1 << 30
 MIN_RING_BYTES = 1 << 20  # the settings refuse less; a direct caller is rounded up
 
 
-class Overloaded(RuntimeError):
+class Overloaded(errors.AtCapacity, RuntimeError):
     """The budget cannot take a new capture now (reject policy); retry later."""
 
     def __init__(self, message: str, retry_after_s: float = 1.0) -> None:

@@ -14,11 +14,12 @@ import torch
 from capsteer.capture.layouts import part_name
 from capsteer.capture.sink import CaptureRequest
 from capsteer.capture.spec import PositionSpec
+from capsteer.config import errors
 
 Key = tuple[str, int]
 
 
-class CaptureDataError(RuntimeError):
+class CaptureDataError(errors.StorageError, RuntimeError):
     """The rows handed over cannot form a consistent capture (an engine bug)."""
 
 
