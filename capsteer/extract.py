@@ -21,8 +21,13 @@ from typing import Any
 from capsteer.capture.publish import DIGESTS, check_digest, entry_digest
 from capsteer.capture.sharded import INDEX_FILE, indexed_ids, read_index
 from capsteer.capture.spec import DTYPES, CaptureSpec, parse_capture_spec
-from capsteer.engine import Engine, needs_end_report, new_capture_id
-from capsteer.engine_ext.plan import EXTRA_ARGS_KEY, sign_payload
+from capsteer.engine import Engine
+from capsteer.engine_ext.payload import (
+    EXTRA_ARGS_KEY,
+    needs_end_report,
+    new_capture_id,
+    sign_payload,
+)
 
 logger = logging.getLogger("capsteer.extract")
 
@@ -491,7 +496,7 @@ def _split(text: str) -> object:
 def main(argv: list[str]) -> int:
     """`capsteer extract ARGV`."""
     from capsteer.config.sizes import parse_size
-    from capsteer.engine_ext.adapter import UnsupportedError
+    from capsteer.engine_ext.vllm.version import UnsupportedError
     from capsteer.extract_ray import RayMissing
 
     parser = build_parser()

@@ -496,7 +496,7 @@ class HookRuntime:
     def step_needs_taps(self) -> bool:
         """Whether this step's forward must run the tap kernels: some request of the batch
         steers or copies at a site (`active_sites` None means every site may). Read by the
-        CUDA-graph choice before each replay (adapter.PlainGraphs): a step of plain
+        CUDA-graph choice before each replay (vllm.graphs.PlainGraphs): a step of plain
         requests replays graphs recorded without the taps."""
         active = self.plan.active_sites
         return active is None or bool(active)

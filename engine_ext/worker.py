@@ -21,19 +21,47 @@ import torch
 
 from capsteer.capture.publish import IO_MODES
 from capsteer.capture.sink import CaptureEnd, CaptureRequest, CaptureSink, MemorySink
-from capsteer.engine_ext import adapter, stack_room
+from capsteer.engine_ext import stack_room
 from capsteer.engine_ext.canary import CanaryFailed, faulty_site, run_canary
 from capsteer.engine_ext.harvest import Harvester
 from capsteer.engine_ext.lifeline import watch_launcher
-from capsteer.engine_ext.plan import (
-    PAYLOAD_KEY_ENV,
-    RequestHooks,
-    build_step_plan,
-    decode_payload,
-    payload_is_trusted,
-    shared_site_set,
-)
+from capsteer.engine_ext.payload import PAYLOAD_KEY_ENV, decode_payload, payload_is_trusted
+from capsteer.engine_ext.plan import RequestHooks, build_step_plan, shared_site_set
 from capsteer.engine_ext.runtime import HookRuntime, StepPlan, hook_point, install_runtime
+from capsteer.engine_ext.vllm.batch import (
+    BatchLayout,
+    finished_requests,
+    install_pre_forward,
+    new_requests,
+)
+from capsteer.engine_ext.vllm.graphs import (
+    GraphSet,
+    PlainGraphs,
+    install_plain_graphs,
+    wrap_forward_calls,
+)
+from capsteer.engine_ext.vllm.refusals import check_engine_features, check_family_features
+from capsteer.engine_ext.vllm.section import capsteer_config, take_runtime_config
+from capsteer.engine_ext.vllm.sites import (
+    find_sites,
+    forward_layers,
+    install_tap,
+    residual_crosses_split,
+    stop_forward_at,
+    stop_forward_problem,
+)
+from capsteer.engine_ext.vllm.topology import is_capture_rank, pipeline_stage
+from capsteer.engine_ext.vllm.version import check_vllm_version
+from capsteer.engine_ext.vllm.worker_access import (
+    checkpoint_dtype,
+    device_driven,
+    give_step_loops_stack_room,
+    max_num_batched_tokens,
+    max_num_seqs,
+    model_name,
+    model_of,
+    platform_worker_base,
+)
 
 logger = logging.getLogger("vllm.capsteer")  # under vLLM's configured logger
 _OPENED_KEPT = 65536  # capture ids remembered for end reports (front ends report within seconds)
@@ -43,41 +71,41 @@ class EngineHooks:
     """Hook state of one worker: runtime buffers, live requests, the sink."""
 
     def __init__(self, worker: object) -> None:
-        adapter.check_vllm_version()
-        adapter.check_engine_features(worker)
+        check_vllm_version()
+        check_engine_features(worker)
         self.worker = worker
-        self.config = adapter.capsteer_config(worker)
-        model = adapter.model_of(worker)
-        self.stage, self.num_stages = adapter.pipeline_stage()
-        self.sites = adapter.find_sites(model)
-        adapter.check_family_features(worker, self.sites)
+        self.config = capsteer_config(worker)
+        model = model_of(worker)
+        self.stage, self.num_stages = pipeline_stage()
+        self.sites = find_sites(model)
+        check_family_features(worker, self.sites.family, self.sites.materialized)
         # An extraction job whose deepest hook lies before the last layer stops the
         # forward there (TransformerLens's stop_at_layer): None = every layer runs.
         self.stop_at_layer = self._stop_forward(model, self.config.get("stop_at_layer"))
         if self.stop_at_layer is not None:
-            self.sites = adapter.find_sites(model, self.stop_at_layer)
+            self.sites = find_sites(model, self.stop_at_layer)
         dtype = worker.vllm_config.model_config.dtype
-        declared = adapter.checkpoint_dtype(worker)
+        declared = checkpoint_dtype(worker)
         if declared == torch.float32 and dtype != torch.float32:
             logger.warning("capsteer: the checkpoint is float32 but the engine runs %s (vLLM's "
                            "--dtype auto downcasts float32); captures and steering are %s. "
                            "Pass --dtype float32 to compare with an fp32 reference.",
                            str(dtype).removeprefix("torch."), str(dtype).removeprefix("torch."))
-        self.device_driven = adapter.device_driven(worker)
-        max_tokens = adapter.max_num_batched_tokens(worker)
+        self.device_driven = device_driven(worker)
+        max_tokens = max_num_batched_tokens(worker)
         self.runtime = HookRuntime(
             self.sites.num_layers, self.sites.hidden_size, dtype, worker.device,
             max_tokens=max_tokens,
             max_entries=int(self.config.get("max_steering_entries", 4096)),
             # running plus preempted requests keep their slot until they finish
-            max_requests=2 * adapter.max_num_seqs(worker),
+            max_requests=2 * max_num_seqs(worker),
             staging_rows=int(self.config.get("staging_rows", max_tokens * 4)),
             device_driven=self.device_driven,
             local_sites=self.sites.local_sites,
         )
-        self.model_name = adapter.model_name(worker)
-        self.capture_rank = adapter.is_capture_rank()
-        # A server's payload key (plan.PAYLOAD_KEY_ENV); None in the in-process engine
+        self.model_name = model_name(worker)
+        self.capture_rank = is_capture_rank()
+        # A server's payload key (payload.PAYLOAD_KEY_ENV); None in the in-process engine
         self.payload_key = os.environ.get(PAYLOAD_KEY_ENV) or None
         self.memory = MemorySink(final_positions=False)  # capsteer.engine finalizes
         # Only the rank that writes captures starts writer processes (each holds its rings,
@@ -114,7 +142,7 @@ class EngineHooks:
         # spent off its CPU in them (waiting for the GIL, blocked in a call).
         self.host_cpu_s = dict.fromkeys(self.host_s, 0.0)
         self.pinned_plan = False  # the canary sets its own plan; real steps must not replace it
-        self.plain_graphs: adapter.PlainGraphs | None = None  # see install_plain_graphs
+        self.plain_graphs: PlainGraphs | None = None  # see install_plain_graphs
         self.num_tokens_gathered = 0
         self.harvester = Harvester(self.runtime.staging.shape[0], self.sites.hidden_size, dtype) \
             if self.device_driven else None
@@ -136,10 +164,10 @@ class EngineHooks:
             metrics.ENGINE_WAITS.set_source(self.capture_wait_seconds)
         skipped = faulty_site()
         # The mid norm's residual (pair tap at offset 1) crossed the split at attention.
-        split_residual = adapter.residual_crosses_split(worker)
+        split_residual = residual_crosses_split(worker)
         for site, module, tap in self.sites.taps:
             if site != skipped:
-                adapter.install_tap(module, tap, site, worker.device,
+                install_tap(module, tap, site, worker.device,
                                     residual_is_graph_input=split_residual and tap.offset == 1
                                     and tap.read == "pair")
         install_runtime(self.runtime)
@@ -149,9 +177,9 @@ class EngineHooks:
         self.sync_checked_steps = 0
         before = self._no_sync(self._before_forward) if self.sync_debug else self._before_forward
         before = functools.partial(self.timed, "before_forward", before)
-        adapter.install_pre_forward(worker.model_runner, before, self._wants_layout)
+        install_pre_forward(worker.model_runner, before, self._wants_layout)
         if self.sync_debug:
-            adapter.wrap_forward_calls(worker.model_runner, self._no_sync)
+            wrap_forward_calls(worker.model_runner, self._no_sync)
         logger.info("capsteer: %s family (%s layout): hooked %d of %d sites (pipeline stage "
                     "%d of %d; %s mode)", self.sites.family.name,
                     "materialized" if self.sites.materialized else "deferred",
@@ -159,7 +187,7 @@ class EngineHooks:
                     self.num_stages, "device" if self.device_driven else "host")
 
     def install_plain_graphs(self) -> None:
-        """A tap-free set of CUDA graphs for steps without hooks (adapter.PlainGraphs).
+        """A tap-free set of CUDA graphs for steps without hooks (PlainGraphs).
 
         On by default where a server serves plain traffic beside hooked requests; off
         (`plain_graphs: false`) in extraction jobs, whose every request has hooks, and
@@ -167,7 +195,7 @@ class EngineHooks:
         if not self.device_driven or not self.config.get(
                 "plain_graphs", not self.config.get("sharded")):
             return
-        result = adapter.install_plain_graphs(self.worker.model_runner, self.runtime)
+        result = install_plain_graphs(self.worker.model_runner, self.runtime)
         if isinstance(result, str):
             logger.info("capsteer: one set of CUDA graphs (steps without hooks run the taps' "
                         "empty kernels too): %s", result)
@@ -199,8 +227,8 @@ class EngineHooks:
         graphs = self.plain_graphs
         if graphs is None:
             return {}
-        return {"plain": graphs.replays[adapter.GraphSet.PLAIN],
-                "hooked": graphs.replays[adapter.GraphSet.HOOKED]}
+        return {"plain": graphs.replays[GraphSet.PLAIN],
+                "hooked": graphs.replays[GraphSet.HOOKED]}
 
     def graph_replays(self) -> dict | None:
         """CUDA-graph replays per set since start-up (None: one set, the hooked graphs)."""
@@ -217,12 +245,12 @@ class EngineHooks:
             return None
         stop = int(asked)
         problem = (f"pipeline parallelism ({self.num_stages} stages)" if self.num_stages > 1
-                   else adapter.stop_forward_problem(model))
+                   else stop_forward_problem(model))
         if problem is not None:
             logger.warning("capsteer: the forward runs all %d layers although only the first "
                            "%d are needed: %s", self.sites.num_layers, stop, problem)
             return None
-        adapter.stop_forward_at(model, stop)
+        stop_forward_at(model, stop)
         logger.info("capsteer: the forward runs layers 0-%d of %d and stops (stop_at_layer=%d): "
                     "no hook of this engine needs a later one", stop - 1, self.sites.num_layers,
                     stop)
@@ -265,11 +293,11 @@ class EngineHooks:
 
     # ---- step hooks ----
     def before_step(self, scheduler_output: object) -> None:
-        for req_id in adapter.finished_requests(scheduler_output):
+        for req_id in finished_requests(scheduler_output):
             self._finish(req_id)
         if self.awaiting_end:
             self.sweep_endings(time.monotonic())
-        for req_id, prompt, extra in adapter.new_requests(scheduler_output):
+        for req_id, prompt, extra in new_requests(scheduler_output):
             if req_id in self.requests or req_id in self.detached:
                 continue  # resumed after preemption: keep what was captured
             try:
@@ -377,7 +405,7 @@ class EngineHooks:
         return bool(self.requests) or self.dense_live or self.reuse is not None \
             or self.planned
 
-    def _before_forward(self, layout: adapter.BatchLayout) -> None:
+    def _before_forward(self, layout: BatchLayout) -> None:
         if self.pinned_plan:
             return
         if not self.requests:
@@ -413,7 +441,7 @@ class EngineHooks:
         self.runtime_plan_kept = plan
         self.planned = True
 
-    def _reuse_key(self, plan: StepPlan, layout: adapter.BatchLayout) -> tuple | None:
+    def _reuse_key(self, plan: StepPlan, layout: BatchLayout) -> tuple | None:
         """What a later step must match to reuse `plan`, or None when it may not be reused.
 
         Reusable: no capture anywhere in the batch (captured rows and tokens change every
@@ -431,13 +459,13 @@ class EngineHooks:
                 return None
         return (list(layout.req_ids), layout.query_start_loc.copy(), layout.num_tokens_padded)
 
-    def _same_steady_batch(self, layout: adapter.BatchLayout) -> bool:
+    def _same_steady_batch(self, layout: BatchLayout) -> bool:
         key = self.reuse
         return (key is not None and layout.num_tokens_padded == key[2]
                 and np.array_equal(layout.query_start_loc, key[1])
                 and layout.req_ids == key[0])
 
-    def _shed_captures(self, plan: StepPlan, layout: adapter.BatchLayout) -> StepPlan:
+    def _shed_captures(self, plan: StepPlan, layout: BatchLayout) -> StepPlan:
         """A step whose captured rows exceed the staging buffer: fail the largest captures
         (error receipt naming the limit) until it fits; the engine keeps serving."""
         need: dict[str, int] = {}
@@ -845,7 +873,7 @@ def _staging_span(plan: StepPlan, route) -> slice:
     return slice(start, start + len(route.positions))
 
 
-class CapsteerWorker(adapter.platform_worker_base()):  # type: ignore[misc]
+class CapsteerWorker(platform_worker_base()):  # type: ignore[misc]
     """The platform worker plus capsteer hooks (see module docstring)."""
 
     capsteer: EngineHooks
@@ -853,10 +881,10 @@ class CapsteerWorker(adapter.platform_worker_base()):  # type: ignore[misc]
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         # Before the model first runs, which is when vLLM keys its compile cache.
-        config = adapter.take_runtime_config(self)
+        config = take_runtime_config(self)
         watch_launcher()  # an orphaned engine exits instead of holding the GPU for nobody
         if config.get("stack_room", True):  # before this process's step loop starts
-            loops = adapter.give_step_loops_stack_room()
+            loops = give_step_loops_stack_room()
             logger.info("capsteer: step loop%s with %d KiB of frame stack room: %s",
                         "s" if len(loops) != 1 else "", stack_room.ROOM_WORDS * 8 // 1024,
                         ", ".join(loops) or "none here (no vLLM step loop in this process)")
@@ -972,7 +1000,7 @@ class CapsteerWorker(adapter.platform_worker_base()):  # type: ignore[misc]
                 "plan_builds": hooks.plan_builds, "plan_reuses": hooks.plan_reuses,
                 "plan_uniform": hooks.plan_uniform, "ring_copies": hooks.ring_copies,
                 "early_closes": hooks.early_closes, "stop_at_layer": hooks.stop_at_layer,
-                "forward_layers": adapter.forward_layers(adapter.model_of(self)),
+                "forward_layers": forward_layers(model_of(self)),
                 "host_s": {k: round(v, 6) for k, v in hooks.host_s.items()},
                 "host_cpu_s": {k: round(v, 6) for k, v in hooks.host_cpu_s.items()},
                 "harvest": hooks.harvester.stats() if hooks.harvester else None,

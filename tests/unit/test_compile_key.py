@@ -12,23 +12,23 @@ from vllm.config import VllmConfig
 
 from capsteer.capture.spec import parse_capture_spec
 from capsteer.config.server import ServerSettings
-from capsteer.engine_ext import adapter
+from capsteer.engine_ext.vllm import section
 from capsteer.extract import job_config
 
 GRAPH = {"hooks_code": "0123abcd", "max_steering_entries": 4096, "staging_rows": 8192}
 
 
 def _worker(section: dict) -> SimpleNamespace:
-    """The one attribute the adapter reads of a worker: a real VllmConfig."""
+    """The one attribute engine_ext.vllm.section reads of a worker: a real VllmConfig."""
     return SimpleNamespace(vllm_config=VllmConfig(additional_config={"capsteer": dict(section),
                                                                      "other": {"x": 1}}))
 
 
 def _key_after_take(section: dict) -> tuple[str, dict]:
     worker = _worker(section)
-    taken = adapter.take_runtime_config(worker)
+    taken = section.take_runtime_config(worker)
     assert taken == section
-    assert adapter.capsteer_config(worker) == section  # the worker still reads it whole
+    assert section.capsteer_config(worker) == section  # the worker still reads it whole
     return worker.vllm_config.compute_hash(), worker.vllm_config.additional_config
 
 
@@ -68,7 +68,7 @@ def test_every_server_and_job_key_is_classified(tmp_path: Path) -> None:
                                capture_ring=1 << 27, capture_staging_rows=512)
     threads = ServerSettings(capture_dir=str(tmp_path), capture_writer="threads")
     server_keys = set(processes.worker_config()) | set(threads.worker_config())
-    assert server_keys - adapter.RUNTIME_KEYS == {"staging_rows"}
+    assert server_keys - section.RUNTIME_KEYS == {"staging_rows"}
     spec = parse_capture_spec({"hooks": ["resid_post"], "layers": [1]}, num_layers=4)
     job = job_config(tmp_path / "job", spec, 1 << 20, {}, num_layers=4)
-    assert set(job) - adapter.RUNTIME_KEYS == {"staging_rows", "stop_at_layer"}
+    assert set(job) - section.RUNTIME_KEYS == {"staging_rows", "stop_at_layer"}
