@@ -62,6 +62,7 @@ from capsteer.engine_ext.vllm.worker_access import (
     model_of,
     platform_worker_base,
 )
+from capsteer.engine_ext.worker_config import WorkerConfig
 
 logger = logging.getLogger("vllm.capsteer")  # under vLLM's configured logger
 _OPENED_KEPT = 65536  # capture ids remembered for end reports (front ends report within seconds)
@@ -74,14 +75,14 @@ class EngineHooks:
         check_vllm_version()
         check_engine_features(worker)
         self.worker = worker
-        self.config = capsteer_config(worker)
+        self.config = WorkerConfig.from_section(capsteer_config(worker))
         model = model_of(worker)
         self.stage, self.num_stages = pipeline_stage()
         self.sites = find_sites(model)
         check_family_features(worker, self.sites.family, self.sites.materialized)
         # An extraction job whose deepest hook lies before the last layer stops the
         # forward there (TransformerLens's stop_at_layer): None = every layer runs.
-        self.stop_at_layer = self._stop_forward(model, self.config.get("stop_at_layer"))
+        self.stop_at_layer = self._stop_forward(model, self.config.stop_at_layer)
         if self.stop_at_layer is not None:
             self.sites = find_sites(model, self.stop_at_layer)
         dtype = worker.vllm_config.model_config.dtype
@@ -96,10 +97,11 @@ class EngineHooks:
         self.runtime = HookRuntime(
             self.sites.num_layers, self.sites.hidden_size, dtype, worker.device,
             max_tokens=max_tokens,
-            max_entries=int(self.config.get("max_steering_entries", 4096)),
+            max_entries=self.config.max_steering_entries,
             # running plus preempted requests keep their slot until they finish
             max_requests=2 * max_num_seqs(worker),
-            staging_rows=int(self.config.get("staging_rows", max_tokens * 4)),
+            staging_rows=max_tokens * 4 if self.config.staging_rows is None
+            else self.config.staging_rows,
             device_driven=self.device_driven,
             local_sites=self.sites.local_sites,
         )
@@ -110,9 +112,9 @@ class EngineHooks:
         self.memory = MemorySink(final_positions=False)  # capsteer.engine finalizes
         # Only the rank that writes captures starts writer processes (each holds its rings,
         # on a GPU page-locked): the other TP ranks of a stage never publish.
-        self.writer: CaptureSink | None = _durable_writer(self.config) \
+        self.writer: CaptureSink | None = _durable_writer(self.config.section) \
             if self.capture_rank else None
-        self.sharded = _sharded_sink(self.config, self.model_name, self.sites.hidden_size, dtype) \
+        self.sharded = _sharded_sink(self.config.section, self.model_name, self.sites.hidden_size, dtype) \
             if self.capture_rank else None
         self.sinks: dict[str, CaptureSink] = {}  # capture_id -> the sink its request chose
         self.requests: dict[str, RequestHooks] = {}
@@ -126,7 +128,7 @@ class EngineHooks:
         # Live captures whose kept positions all lie in the prompt (see _close_complete_captures).
         self.closable: dict[str, RequestHooks] = {}
         self.early_closes = 0
-        self.end_wait_s = float(self.config.get("end_wait_s", 60.0))
+        self.end_wait_s = self.config.end_wait_s
         self.planned = False
         self.dense_live = False  # device index buffers hold a plan's rows
         self.reuse: tuple | None = None  # see _reuse_key
@@ -173,7 +175,7 @@ class EngineHooks:
         install_runtime(self.runtime)
         # Diagnostic: torch's sync debug mode "error" over the hook code and the forward of
         # every step with hooks; any host sync there raises (GPU validation uses it).
-        self.sync_debug = bool(self.config.get("sync_debug", False)) and self.device_driven
+        self.sync_debug = self.config.sync_debug and self.device_driven
         self.sync_checked_steps = 0
         before = self._no_sync(self._before_forward) if self.sync_debug else self._before_forward
         before = functools.partial(self.timed, "before_forward", before)
@@ -192,8 +194,7 @@ class EngineHooks:
         On by default where a server serves plain traffic beside hooked requests; off
         (`plain_graphs: false`) in extraction jobs, whose every request has hooks, and
         wherever recording every graph twice at start-up is not worth it."""
-        if not self.device_driven or not self.config.get(
-                "plain_graphs", not self.config.get("sharded")):
+        if not self.device_driven or not self.config.uses_plain_graphs:
             return
         result = install_plain_graphs(self.worker.model_runner, self.runtime)
         if isinstance(result, str):
@@ -881,9 +882,9 @@ class CapsteerWorker(platform_worker_base()):  # type: ignore[misc]
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         # Before the model first runs, which is when vLLM keys its compile cache.
-        config = take_runtime_config(self)
+        config = WorkerConfig.from_section(take_runtime_config(self))
         watch_launcher()  # an orphaned engine exits instead of holding the GPU for nobody
-        if config.get("stack_room", True):  # before this process's step loop starts
+        if config.stack_room:  # before this process's step loop starts
             loops = give_step_loops_stack_room()
             logger.info("capsteer: step loop%s with %d KiB of frame stack room: %s",
                         "s" if len(loops) != 1 else "", stack_room.ROOM_WORDS * 8 // 1024,
@@ -904,7 +905,7 @@ class CapsteerWorker(platform_worker_base()):  # type: ignore[misc]
         try:
             run_canary(self.capsteer)
         except CanaryFailed as exc:
-            if self.capsteer.config.get("canary") == "warn":  # diagnostics only, never serving
+            if self.capsteer.config.canary == "warn":  # diagnostics only, never serving
                 logger.error("capsteer start-up canary failed (canary=warn): %s", exc)
                 return out
             raise CanaryFailed(f"capsteer start-up canary failed, refusing to start: {exc}") from None
@@ -952,34 +953,6 @@ class CapsteerWorker(platform_worker_base()):  # type: ignore[misc]
             self.capsteer.harvester.drain()  # every delivered row is in the sink first
         sharded.writer.flush()
         return len(sharded.writer.done_ids)
-
-    def capsteer_profile(self, start: bool, rows: int = 25) -> str | None:
-        """Diagnostics (benchmarks): profile this worker's step loop between a start and a
-        stop call; the stop returns where the time went: host Python functions (cProfile,
-        by cumulative time) and device kernels (torch profiler, by self CUDA time)."""
-        import cProfile
-        import io
-        import pstats
-
-        from torch.profiler import ProfilerActivity, profile
-
-        if start:
-            activities = [ProfilerActivity.CPU] + (
-                [ProfilerActivity.CUDA] if self.capsteer.device_driven else [])
-            self._capsteer_prof = (cProfile.Profile(), profile(activities=activities))
-            self._capsteer_prof[1].__enter__()
-            self._capsteer_prof[0].enable()
-            return None
-        host, device = self._capsteer_prof
-        host.disable()
-        device.__exit__(None, None, None)
-        out = io.StringIO()
-        pstats.Stats(host, stream=out).sort_stats("cumulative").print_stats(rows)
-        out.write("\ncapsteer's own functions, by cumulative time:\n")
-        pstats.Stats(host, stream=out).sort_stats("cumulative").print_stats(
-            r"capsteer|engine_ext|capture/|steering/", rows)
-        sort = "self_cuda_time_total" if self.capsteer.device_driven else "self_cpu_time_total"
-        return out.getvalue() + "\n" + device.key_averages().table(sort_by=sort, row_limit=rows)
 
     def capsteer_plain_graphs(self, on: bool) -> bool | None:
         """Benches: let plain steps replay the plain CUDA graphs (on, the default) or hold

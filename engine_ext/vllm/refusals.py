@@ -18,6 +18,7 @@ from torch import nn
 from capsteer.engine_ext import families
 from capsteer.engine_ext.vllm.section import capsteer_config, config_section
 from capsteer.engine_ext.vllm.version import UnsupportedError
+from capsteer.engine_ext.worker_config import WorkerConfig
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +132,7 @@ def engine_config_problem(config: object) -> str | None:
     model_config = getattr(config, "model_config", None)
     parallel = getattr(config, "parallel_config", None)
     if parallel is not None:
-        problems = engine_feature_problems(config, config_section(config),
+        problems = engine_feature_problems(config, WorkerConfig.from_section(config_section(config)),
                                            moe=_config_is_moe(model_config))
         if problems:
             return engine_features_message(problems)
@@ -192,7 +193,8 @@ def refuse_at_vllm_config_step(worker_cls: str,
     EngineArgs.create_engine_config = create_engine_config  # type: ignore[method-assign]
 
 
-def engine_feature_problems(cfg: object, section: dict, moe: bool | None) -> list[str]:
+def engine_feature_problems(cfg: object, worker_config: WorkerConfig,
+                            moe: bool | None) -> list[str]:
     """Batch layouts the hooks do not understand, read from the engine's config alone (the
     launching process checks them before any engine starts, the workers again), the
     data-parallel layouts capsteer refuses last (`moe`: whether the model is a
@@ -206,10 +208,10 @@ def engine_feature_problems(cfg: object, section: dict, moe: bool | None) -> lis
     for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
         if int(getattr(par, name, 1) or 1) > 1:
             problems.append(f"{name} > 1 (rows are sharded across ranks)")
-    if int(getattr(par, "pipeline_parallel_size", 1) or 1) > 1 and section.get("sharded"):
+    if int(getattr(par, "pipeline_parallel_size", 1) or 1) > 1 and worker_config.sharded:
         problems.append("pipeline parallelism with an extraction job's shards (each stage "
                         "would write its own shards; run extraction with tensor parallelism)")
-    dp = _data_parallel_refusal(par, section, moe)
+    dp = _data_parallel_refusal(par, worker_config, moe)
     if dp is not None:
         problems.append(dp)
     return problems
@@ -225,7 +227,8 @@ def check_engine_features(worker: object) -> None:
     # dense models' DP engines as independent DP=1 engines, but MoE engines in lockstep
     # (idle ranks run dummy batches for the experts' all-to-all), and the in-process
     # engine only through an external launcher; so here any DP is taken as MoE's.
-    problems = engine_feature_problems(worker.vllm_config, capsteer_config(worker), moe=True)
+    problems = engine_feature_problems(
+        worker.vllm_config, WorkerConfig.from_section(capsteer_config(worker)), moe=True)
     if problems:
         raise UnsupportedError(engine_features_message(problems))
 
@@ -262,14 +265,15 @@ _DP_MOE = ("--data-parallel-size with a mixture-of-experts model (its DP engines
            "--tensor-parallel-size")
 
 
-def _data_parallel_refusal(par: object, section: dict, moe: bool | None) -> str | None:
+def _data_parallel_refusal(par: object, worker_config: WorkerConfig,
+                           moe: bool | None) -> str | None:
     """The data-parallel layouts capsteer refuses, in the workers' order: DP in the
     in-process engine, a layout `data_parallel_problem` names, then a mixture-of-experts
     model (`moe` None: not known here)."""
     size = int(getattr(par, "data_parallel_size", 1) or 1)
     if size <= 1:
         return None
-    if section.get("frontend") != "server":
+    if worker_config.frontend != "server":
         return (f"data_parallel_size={size} in the in-process engine (capsteer extract, "
                 "capsteer.Engine); use `capsteer extract --ray` or `capsteer serve "
                 "--data-parallel-size N`")

@@ -282,10 +282,11 @@ def _hooks_with(graphs: PlainGraphs, stage: int, monkeypatch):
     """An EngineHooks with only what install_plain_graphs reads, wired to `graphs`."""
     from capsteer.engine_ext import worker
     from capsteer.engine_ext.worker import EngineHooks
+    from capsteer.engine_ext.worker_config import WorkerConfig
 
     monkeypatch.setattr(worker, "install_plain_graphs", lambda runner, runtime: graphs)
     hooks = EngineHooks.__new__(EngineHooks)  # no engine: only the fields used here
-    hooks.device_driven, hooks.config, hooks.stage = True, {}, stage
+    hooks.device_driven, hooks.config, hooks.stage = True, WorkerConfig(), stage
     hooks.worker, hooks.runtime, hooks.plain_graphs = SimpleNamespace(model_runner=None), None, None
     hooks.install_plain_graphs()
     assert hooks.plain_graphs is graphs
