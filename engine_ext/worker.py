@@ -27,7 +27,8 @@ from capsteer.engine_ext.harvest import Harvester
 from capsteer.engine_ext.lifeline import watch_launcher
 from capsteer.engine_ext.payload import PAYLOAD_KEY_ENV, decode_payload, payload_is_trusted
 from capsteer.engine_ext.plan import RequestHooks, build_step_plan, shared_site_set
-from capsteer.engine_ext.runtime import HookRuntime, StepPlan, hook_point, install_runtime
+from capsteer.engine_ext.runtime import HookRuntime, StepPlan, hook_point
+from capsteer.engine_ext.tap_op import install_runtime
 from capsteer.engine_ext.vllm.batch import (
     BatchLayout,
     finished_requests,

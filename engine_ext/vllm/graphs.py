@@ -35,7 +35,7 @@ class PlainGraphs:
     kernel reads, so one graph serves any mix of requests. In a step without hooks each
     kernel returns at once, yet each is still a node of the graph: about 1 us each on an
     H200, 69 us a decode step for the 73 of the 8B shape
-    (bench/results/h200-2026-11-29-session52.md). The plain set is recorded with the taps
+    (measured 2026-11-29). The plain set is recorded with the taps
     skipped, so a step whose requests carry no fields replays graphs without them (the
     compiled code around them stays capsteer's: +14 us a step on the 8B shape).
     The choice is host data the step thread already has (the step's plan), made before

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from capsteer.engine_ext import families
-from capsteer.engine_ext.runtime import new_site_key
+from capsteer.engine_ext.tap_op import new_site_key
 from capsteer.engine_ext.vllm.refusals import (
     check_architecture,
     is_transformers_backend,
@@ -161,7 +161,7 @@ def install_tap(module: nn.Module, tap: families.Tap, site: int, device: torch.d
     stream tensor (which a materialized layer's residual aliases), for an output the
     module's returned tensor. The site travels as a key tensor, a non-persistent buffer
     of the module: a graph input like its weights, so every layer compiles to the same
-    piece (see runtime._SITE_BY_KEY). `residual_is_graph_input`: this pair tap's residual
+    piece (see tap_op._SITE_BY_KEY). `residual_is_graph_input`: this pair tap's residual
     reaches its compiled piece as an input (it crossed a graph split), so it is already
     the bf16 tensor vanilla reads there and needs no fp32 copy (_stream_for_tap).
     """
