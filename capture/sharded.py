@@ -62,7 +62,7 @@ from capsteer.capture.reader import (
     load_manifest,
     verify_files,
 )
-from capsteer.capture.sink import CaptureEnd, CaptureRequest
+from capsteer.capture.sink import CaptureEnd, CaptureRequest, CaptureSink
 from capsteer.capture.spec import CaptureSpec
 from capsteer.hooks import HOOK_SEMANTICS_VERSION, canonical_hook
 
@@ -576,7 +576,7 @@ class _RequestRows:
         return (kept if kept is not None else np.zeros(0, np.int64)), out
 
 
-class ShardedSink:
+class ShardedSink(CaptureSink):
     """A `CaptureSink` that appends each finished request to a ShardedWriter.
 
     For dedicated capture servers and in-process extraction: each request's row

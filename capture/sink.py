@@ -1,16 +1,39 @@
-"""The interface between the engine (which copies rows off the model) and storage.
+"""The sink contract between the engine (which copies rows off the model) and storage.
 
 The engine extension calls a sink from the worker process, once per request and
-step, with rows it already copied (they never alias engine buffers). A sink may
-be in-memory (tests, the in-process engine API) or the durable writer pool.
+step, with rows it already copied (they never alias engine buffers) unless the sink
+says it copies them itself. A sink may be in-memory (tests, the in-process engine
+API), the durable writer (in-process, a child process or a pool of them) or an
+extraction job's shard writer. Like vLLM's `KVConnectorBase_V1`, `CaptureSink` is
+one abstract base: four methods every sink implements, the rest optional with
+defaults that keep a sink without them on the plain path.
+
+Lifecycle of one capture (engine calls, in order):
+  1. `open(request)` when the request is first scheduled; `group_of(capture_id)`
+     then names the writer it goes to (the plan lays a step's rows out by it).
+  2. Each step with rows for it, either
+     - host path: `write(capture_id, hook, layer, positions, rows)` per key, with a
+       clone of the rows unless `copies_rows`; or
+     - device-ring path (a sink whose `pin_device_ring()` returned True): on the step
+       thread `reserve_span(...)` (when `supports_spans`) or `reserve_rows(...)` for
+       ring space the GPU copies into, then on the sink thread `write_reserved(...)`
+       once that copy landed. A reservation of None sends the rows the host path.
+     After a step's rows are all handed over, `end_step()` on every sink that got any.
+  3. `close(end)` when no more rows can come (the sink applies the final position
+     rules and publishes), or `abort(capture_id, reason)` when the request was dropped.
+Once, at start-up, the engine may call `defer_sends()` (True: hold messages until
+`flush_sends()`, which the harvester calls when it runs out of work). Diagnostics,
+called whenever metrics are collected: `engine_wait_s`, `metrics_snapshot`, `stats`.
 """
 
 from __future__ import annotations
 
 import io
 import threading
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -58,12 +81,37 @@ class CaptureEnd:
     finish_reason: str | None = None
 
 
-class CaptureSink(Protocol):
-    """Receives copied activation rows; every method must be cheap for the caller."""
+class Reserved(Protocol):
+    """Device-ring space one write's rows are copied into (what `reserve_rows` returns)."""
 
+    @property
+    def writer(self) -> object:
+        """The ring's owner: copies into one owner's ring may merge into one."""
+        ...
+
+    @property
+    def rows(self) -> torch.Tensor:
+        """The reserved rows, shaped as the write's rows."""
+        ...
+
+
+class CaptureSink(ABC):
+    """Receives copied activation rows; every method must be cheap for the caller.
+
+    Subclasses implement `open`, `write`, `close` and `abort`; the device-ring and
+    diagnostic methods default to "not supported" (see the module docstring)."""
+
+    # True: `write` copies the rows before it returns, so callers may pass views of
+    # buffers they reuse; False: the engine hands over a clone of its own.
+    copies_rows: bool = False
+    # True: `reserve_span` may reserve several writes' rows at once (one GPU copy).
+    supports_spans: bool = False
+
+    @abstractmethod
     def open(self, request: CaptureRequest) -> None:
         """A captured request was scheduled for the first time."""
 
+    @abstractmethod
     def write(
         self, capture_id: str, hook: str, layer: int, positions: np.ndarray, rows: torch.Tensor
     ) -> None:
@@ -73,11 +121,61 @@ class CaptureSink(Protocol):
         each position once. `rows` is a CPU tensor the sink now owns.
         """
 
+    @abstractmethod
     def close(self, end: CaptureEnd) -> None:
         """The request finished; the sink applies final position rules and publishes."""
 
+    @abstractmethod
     def abort(self, capture_id: str, reason: str) -> None:
         """The request was dropped before finishing (client gone, engine error)."""
+
+    def end_step(self) -> None:  # noqa: B027 - optional hook, no-op by default
+        """A step's rows are all handed over (a sink that batches them sends now)."""
+
+    def group_of(self, capture_id: str) -> int:
+        """The writer (ring) a capture's rows go to; one group unless overridden."""
+        return 0
+
+    # ------------------------------------------------- the device-ring half
+    def pin_device_ring(self) -> bool:
+        """Page-lock a ring for the GPU's copies; False: rows take the host path."""
+        return False
+
+    def reserve_rows(self, capture_id: str, shape: tuple[int, ...],
+                     dtype: torch.dtype) -> Reserved | None:
+        """Ring space for one write's rows; None: no space, the rows take the host path."""
+        return None
+
+    def reserve_span(self, capture_ids: Sequence[str], shapes: Sequence[tuple[int, ...]],
+                     dtype: torch.dtype) -> tuple[torch.Tensor, list[Any]] | None:
+        """One reservation for several writes (only asked when `supports_spans`); None:
+        the caller reserves write by write."""
+        return None
+
+    def write_reserved(self, reserved: Any, capture_id: str, hook: str, layer: int,
+                       positions: np.ndarray, *, frees: bool = True) -> None:
+        """`write` of reserved rows the GPU copy filled; only a sink that reserves gets it."""
+        raise NotImplementedError(f"{type(self).__name__} reserves no ring space")
+
+    # ------------------------------------------------- batching and diagnostics
+    def defer_sends(self) -> bool:
+        """Hold messages until `flush_sends`; False: this sink has nothing to hold."""
+        return False
+
+    def flush_sends(self) -> None:  # noqa: B027 - optional hook, no-op by default
+        """Send what `defer_sends` held."""
+
+    def engine_wait_s(self) -> dict[str, float]:
+        """Seconds the engine's threads waited on this sink, by what they waited for."""
+        return {}
+
+    def metrics_snapshot(self) -> dict[str, Any] | None:
+        """Capture metrics kept in another process (None: they are this process's)."""
+        return None
+
+    def stats(self) -> dict[str, Any] | None:
+        """Writer statistics for capsteer_stats (None: this sink keeps none)."""
+        return None
 
 
 @dataclass
@@ -152,7 +250,7 @@ class _Pending:
         self.rows = RowsByPosition()
 
 
-class MemorySink:
+class MemorySink(CaptureSink):
     """Keeps finished captures in memory until taken; for tests and the in-process API."""
 
     def __init__(self, final_positions: bool = True) -> None:

@@ -75,7 +75,7 @@ from capsteer.capture.publish import (
     write_json_atomic,
 )
 from capsteer.capture.receipts import Receipt, ReceiptBoard, find_receipt, pending
-from capsteer.capture.sink import CaptureEnd, CaptureRequest
+from capsteer.capture.sink import CaptureEnd, CaptureRequest, CaptureSink
 from capsteer.capture.spec import CaptureSpec, PositionSpec
 from capsteer.hooks import HOOK_SEMANTICS_VERSION
 
@@ -223,7 +223,7 @@ def stage_keys(request: CaptureRequest) -> list[Key]:
     return [k for k in spec_keys if k in wanted]
 
 
-class CaptureWriter:
+class CaptureWriter(CaptureSink):
     """Durable `CaptureSink`: writer pool, in-flight budget, atomic publish, receipts.
 
     root: capture root (api.md §5). budget_bytes: row bytes held in memory at most.

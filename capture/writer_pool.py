@@ -32,7 +32,7 @@ import torch
 
 from capsteer.capture import metrics
 from capsteer.capture.pool import DEFAULT_BUDGET_BYTES, DEFAULT_RING_BYTES, check_processes
-from capsteer.capture.sink import CaptureEnd, CaptureRequest
+from capsteer.capture.sink import CaptureEnd, CaptureRequest, CaptureSink
 from capsteer.capture.writer_process import DeviceRows, ProcessCaptureWriter
 
 # Writer processes the default configuration starts where the host has the cores: two
@@ -73,13 +73,14 @@ _SUMMED = ("budget_bytes", "inflight_bytes", "open_bytes", "sealed_bytes", "peak
            "intake_cpu_s", "inbox_peak_bytes")
 
 
-class ProcessWriterPool:
+class ProcessWriterPool(CaptureSink):
     """A `CaptureSink` over `processes` `ProcessCaptureWriter`s (see module doc).
 
     Same arguments as `ProcessCaptureWriter`; `budget_bytes` is the total, split evenly,
     and `workers` is per process."""
 
     copies_rows = True  # every child copies rows into its ring before write returns
+    supports_spans = True  # each child's ring reserves spans
 
     def __init__(self, root: str | Path, *, processes: int,
                  budget_bytes: int = DEFAULT_BUDGET_BYTES,
@@ -142,10 +143,11 @@ class ProcessWriterPool:
         for w in self.writers:
             w.end_step()
 
-    def defer_sends(self) -> None:
+    def defer_sends(self) -> bool:
         """Every child's link defers its sends (ProcessCaptureWriter.defer_sends)."""
         for w in self.writers:
             w.defer_sends()
+        return True
 
     def flush_sends(self) -> None:
         for w in self.writers:

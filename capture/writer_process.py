@@ -77,7 +77,7 @@ from capsteer.capture.pool import (
     MIN_RING_BYTES,
     check_budget,
 )
-from capsteer.capture.sink import CaptureEnd, CaptureRequest
+from capsteer.capture.sink import CaptureEnd, CaptureRequest, CaptureSink
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +133,7 @@ class DeviceRows:
         return self.writer._dring[start:start + nbytes].view(self.dtype).view(self.shape)
 
 
-class ProcessCaptureWriter:
+class ProcessCaptureWriter(CaptureSink):
     """A `CaptureSink` whose `CaptureWriter` runs in a child process (see module doc).
 
     Same constructor arguments as `CaptureWriter` (forwarded to the child), plus
@@ -143,6 +143,7 @@ class ProcessCaptureWriter:
     """
 
     copies_rows = True  # write() copies the rows before it returns: callers pass views
+    supports_spans = True  # reserve_span takes a step's rows of one point at once
 
     def __init__(self, root: str | Path, *, budget_bytes: int = DEFAULT_BUDGET_BYTES,
                  policy: str = "block",
@@ -289,7 +290,7 @@ class ProcessCaptureWriter:
         with self._send_lock:
             self._send_pending_locked()
 
-    def defer_sends(self) -> None:
+    def defer_sends(self) -> bool:
         """Hold closes, aborts and step ends until `flush_sends`, which sends everything
         queued as one message. For a caller that runs many of them back to back on one
         thread (the engine's harvester: a prefill step's writes and its 16 closes) and
@@ -297,6 +298,7 @@ class ProcessCaptureWriter:
         a thread that holds the GIL the engine's step thread needs. Anything that must
         reach the child now (flush, shutdown, a full ring) still sends what is queued."""
         self._deferred = True
+        return True
 
     def flush_sends(self) -> None:
         """Send every queued open, write, close and abort now (one message)."""

@@ -152,14 +152,13 @@ class EngineHooks:
         # Durable rows go from the GPU straight into the writer processes' shared memory:
         # no host copy in this process (whose GIL the step thread needs); else via the
         # harvester's pinned ring and a copy on its thread.
-        pin = getattr(self.writer, "pin_device_ring", None)
-        self.device_rows = bool(self.device_driven and pin is not None and pin())
+        self.device_rows = bool(self.device_driven and self.writer is not None
+                                and self.writer.pin_device_ring())
         # Every call into the writer processes' link then runs on the harvester thread,
         # which sends what a burst queued (a step's writes, its closes) as one message
         # when it runs out of work.
-        defer = getattr(self.writer, "defer_sends", None)
-        if self.harvester is not None and defer is not None:
-            defer()
+        if self.harvester is not None and self.writer is not None \
+                and self.writer.defer_sends():
             self.harvester.on_idle = self.writer.flush_sends
         if self.capture_rank:
             from capsteer.capture import metrics
@@ -221,8 +220,7 @@ class EngineHooks:
         waited for (capsteer_capture_engine_wait_seconds_total): plain numbers the waits
         add to, read here only when metrics are collected."""
         waits = {"harvest_slot": self.harvester.wait_s} if self.harvester is not None else {}
-        writer_waits = getattr(self.writer, "engine_wait_s", None)
-        return {**waits, **(writer_waits() if writer_waits is not None else {})}
+        return {**waits, **(self.writer.engine_wait_s() if self.writer is not None else {})}
 
     def graph_replay_counts(self) -> dict[str, int]:
         """Replays per set, for capsteer_graph_replays_total ({}: one set)."""
@@ -345,9 +343,7 @@ class EngineHooks:
                 if len(self.opened) > _OPENED_KEPT:
                     del self.opened[next(iter(self.opened))]
                 sink.open(self._capture_request(req_id, prompt, hooks))
-                group_of = getattr(sink, "group_of", None)  # the writer pool's child
-                if group_of is not None:
-                    hooks.group = group_of(hooks.capture_id)
+                hooks.group = sink.group_of(hooks.capture_id)  # the writer pool's child
 
     def _hooks_refused(self, req_id: str, prompt, payload: Mapping, exc: Exception) -> None:
         """A payload this worker cannot serve runs without hooks, never silently: logged,
@@ -560,7 +556,7 @@ class EngineHooks:
         for route in sorted(plan.routes, key=lambda r: r.point):
             sink = sinks[route.capture_id]
             span = _staging_span(plan, route)
-            key = None if getattr(sink, "reserve_span", None) is None else (
+            key = None if not sink.supports_spans else (
                 route.point, id(sink), sink.group_of(route.capture_id))
             if key is not None and runs and runs[-1][0] == key and runs[-1][1] == span.start:
                 runs[-1][1] = span.stop
@@ -624,14 +620,12 @@ class EngineHooks:
         for route in plan.routes:
             rows = rows_for(route)
             sink = sinks[route.capture_id]
-            if not getattr(sink, "copies_rows", False):
+            if not sink.copies_rows:
                 rows = rows.clone()
             for hook, layer in route.keys:
                 sink.write(route.capture_id, hook, layer, route.positions, rows)
         for sink in {id(s): s for s in sinks.values()}.values():
-            end_step = getattr(sink, "end_step", None)
-            if end_step is not None:
-                end_step()
+            sink.end_step()
 
     def _finish(self, req_id: str) -> None:
         self.detached.discard(req_id)
@@ -827,9 +821,7 @@ def _reserve_one(route, sink: CaptureSink, src: torch.Tensor, copies: list, dire
                  rest: list) -> None:
     """One route's ring space on its own (a sink without spans, or a span that did not
     fit): its copy joins `copies`, or the route joins `rest` (the harvester's path)."""
-    reserve = getattr(sink, "reserve_rows", None)
-    reserved = None if reserve is None else reserve(route.capture_id, tuple(src.shape),
-                                                    src.dtype)
+    reserved = sink.reserve_rows(route.capture_id, tuple(src.shape), src.dtype)
     if reserved is None:
         rest.append(route)
         return
@@ -937,13 +929,13 @@ class CapsteerWorker(platform_worker_base()):  # type: ignore[misc]
 
         self.capsteer.sweep_endings(time.monotonic())
         own = metrics.snapshot()
-        child = getattr(self.capsteer.writer, "metrics_snapshot", None)
-        return own if child is None else metrics.merge_snapshots([own, child()])
+        writer = self.capsteer.writer
+        child = writer.metrics_snapshot() if writer is not None else None
+        return own if child is None else metrics.merge_snapshots([own, child])
 
     def capsteer_writer_stats(self) -> dict | None:
         writer = self.capsteer.writer
-        stats = getattr(writer, "stats", None)
-        return stats() if stats is not None else None
+        return writer.stats() if writer is not None else None
 
     def capsteer_flush_sharded(self) -> int:
         """Publish the partly filled shard (end of job, Ctrl-C); returns indexed requests."""
