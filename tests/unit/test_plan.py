@@ -916,9 +916,11 @@ def test_a_steps_copies_into_writer_rings_are_one_per_writer_and_point(monkeypat
     holds its own route's rows."""
     from types import SimpleNamespace
 
-    from capsteer.engine_ext import worker
+    from capsteer.engine_ext import delivery
 
     class Ring:
+        supports_spans = False  # CaptureSink's declaration: no reserve_span
+
         def __init__(self) -> None:
             self.rows, self.head = torch.zeros(64, HIDDEN), 0
 
@@ -942,16 +944,16 @@ def test_a_steps_copies_into_writer_rings_are_one_per_writer_and_point(monkeypat
                                                    dtype=torch.float32).view(-1, HIDDEN)
     sinks = {f"cap-{r}": rings[reqs[r].group] for r in ids}
     merged = []
-    real = worker.merge_row_copies
-    monkeypatch.setattr(worker, "merge_row_copies",
+    real = delivery.merge_row_copies
+    monkeypatch.setattr(delivery, "merge_row_copies",
                         lambda copies: merged.append(real(copies)) or merged[-1])
     hooks = SimpleNamespace(runtime=rt, ring_copies=0)
-    direct, rest = worker.EngineHooks._copy_to_sinks(hooks, plan, sinks)
+    direct, rest = delivery.Delivery._copy_to_sinks(hooks, plan, sinks)
     assert rest.routes == [] and len(direct) == 8 and len(merged[0]) == 4
     assert hooks.ring_copies == 4  # the counter capsteer_stats reports
     for route, sink, reserved in direct:
         assert reserved.writer is sink
-        torch.testing.assert_close(reserved.rows, rt.staging[worker._staging_span(plan, route)])
+        torch.testing.assert_close(reserved.rows, rt.staging[delivery._staging_span(plan, route)])
 
 
 def test_a_steps_copies_into_span_writers_are_one_reservation_per_writer_and_point():
@@ -961,9 +963,11 @@ def test_a_steps_copies_into_span_writers_are_one_reservation_per_writer_and_poi
     even so goes to the harvester's path. Every route gets its own rows."""
     from types import SimpleNamespace
 
-    from capsteer.engine_ext import worker
+    from capsteer.engine_ext import delivery
 
     class Ring:
+        supports_spans = True  # CaptureSink's declaration: reserve_span is asked first
+
         def __init__(self, spans: bool, room: int = 64) -> None:
             self.rows, self.head, self.spans, self.room = torch.zeros(64, HIDDEN), 0, spans, room
             self.span_calls, self.row_calls = [], 0
@@ -1005,21 +1009,21 @@ def test_a_steps_copies_into_span_writers_are_one_reservation_per_writer_and_poi
                                                    dtype=torch.float32).view(-1, HIDDEN)
     sinks = {f"cap-{r}": rings[reqs[r].group] for r in ids}
     hooks = SimpleNamespace(runtime=rt, ring_copies=0)
-    direct, rest = worker.EngineHooks._copy_to_sinks(hooks, plan, sinks)
+    direct, rest = delivery.Delivery._copy_to_sinks(hooks, plan, sinks)
     assert rings[0].span_calls == [["cap-c0", "cap-c2"]] * 2 and rings[0].row_calls == 0
     assert rings[1].span_calls == [["cap-c1", "cap-c3"]] * 2 and rings[1].row_calls == 4
     assert len(direct) == 7 and len(rest.routes) == 1  # 3 x 4 rows fit the second ring
     assert rest.routes[0].capture_id == "cap-c3"
     for route, sink, reserved in direct:
         assert reserved.writer is sink
-        torch.testing.assert_close(reserved.rows, rt.staging[worker._staging_span(plan, route)])
+        torch.testing.assert_close(reserved.rows, rt.staging[delivery._staging_span(plan, route)])
 
 
 def test_the_harvester_carries_only_the_rows_of_routes_that_missed_the_rings(monkeypatch):
     """Routes whose rows went GPU -> a writer's ring stay off the harvester's copy: it
     packs only the staged routes' spans (touching spans merged into one copy), and each
     staged route reads its own rows back from the packed slot."""
-    from capsteer.engine_ext import worker
+    from capsteer.engine_ext import delivery
 
     rt = HookRuntime(LAYERS, HIDDEN, torch.float32, torch.device("cpu"), max_tokens=32,
                      max_requests=8, staging_rows=64, device_driven=True)
@@ -1032,11 +1036,11 @@ def test_the_harvester_carries_only_the_rows_of_routes_that_missed_the_rings(mon
                                                    dtype=torch.float32).view(-1, HIDDEN)
 
     def packed(routes):
-        spans, where = worker.staged_row_spans(plan, routes)
+        spans, where = delivery.staged_row_spans(plan, routes)
         slot = torch.cat([rt.staging[b:e] for b, e in spans]) if spans else rt.staging[:0]
         for route in routes:
             torch.testing.assert_close(slot[where[id(route)]],
-                                       rt.staging[worker._staging_span(plan, route)])
+                                       rt.staging[delivery._staging_span(plan, route)])
         return spans, slot.shape[0]
 
     everything, rows = packed(plan.routes)
@@ -1047,11 +1051,11 @@ def test_the_harvester_carries_only_the_rows_of_routes_that_missed_the_rings(mon
     assert rows == sum(len(r.positions) for r in missed) < plan.staging_rows
     assert all(e - b > 0 for b, e in spans)
     assert packed([]) == ([], 0)
-    by_row = sorted(plan.routes, key=lambda r: worker._staging_span(plan, r).start)
+    by_row = sorted(plan.routes, key=lambda r: delivery._staging_span(plan, r).start)
     scattered = by_row[::2]  # no two touching: a span each, unless too many
     spans, _ = packed(scattered)
     assert len(spans) == len(scattered) > 1
-    monkeypatch.setattr(worker, "MAX_SLOT_COPIES", 1)
+    monkeypatch.setattr(delivery, "MAX_SLOT_COPIES", 1)
     spans, rows = packed(scattered)
     assert len(spans) == 1 and rows == spans[0][1] - spans[0][0]
 
