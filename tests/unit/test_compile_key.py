@@ -98,3 +98,4 @@ def test_the_worker_reads_every_key_with_the_servers_defaults(tmp_path: Path) ->
         defaults.capture_io, defaults.capture_writer, defaults.capture_writer_processes,
         defaults.capture_ring, defaults.capture_staging_rows, defaults.stack_room)
     assert plain.uses_plain_graphs and not WorkerConfig.from_section(job).uses_plain_graphs
+
