@@ -56,6 +56,7 @@ from capsteer.engine_ext.vllm.worker_access import (
     give_step_loops_stack_room,
     max_num_batched_tokens,
     max_num_seqs,
+    model_dtype,
     model_name,
     model_of,
     platform_worker_base,
@@ -84,7 +85,7 @@ class EngineHooks(RequestBook, StepFeed, Delivery):
         self.stop_at_layer = self._stop_forward(model, self.config.stop_at_layer)
         if self.stop_at_layer is not None:
             self.sites = find_sites(model, self.stop_at_layer)
-        dtype = worker.vllm_config.model_config.dtype
+        dtype = model_dtype(worker)
         declared = checkpoint_dtype(worker)
         if declared == torch.float32 and dtype != torch.float32:
             logger.warning("capsteer: the checkpoint is float32 but the engine runs %s (vLLM's "

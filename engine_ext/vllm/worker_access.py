@@ -34,6 +34,11 @@ def model_name(worker: object) -> str:
     return str(served or cfg.model)
 
 
+def model_dtype(worker: object) -> torch.dtype:
+    """The dtype the engine runs the model in."""
+    return worker.vllm_config.model_config.dtype
+
+
 def checkpoint_dtype(worker: object) -> torch.dtype | None:
     """The dtype the checkpoint's config declares (vLLM may run another: `--dtype auto`
     serves a float32 checkpoint in bfloat16)."""
