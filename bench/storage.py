@@ -61,9 +61,9 @@ from capsteer.capture import (
     parse_capture_spec,
     publish,
 )
-from capsteer.capture.pool import DEFAULT_RING_BYTES, check_ring_bytes
 from capsteer.capture.publish import DIGESTS, AtomicFile, FileSystem, fsync_dir, new_hasher
-from capsteer.capture.writer import default_workers
+from capsteer.capture.writer.budget import DEFAULT_RING_BYTES, check_ring_bytes
+from capsteer.capture.writer.threads import default_workers
 from capsteer.config.sizes import parse_size
 
 MIB = 1 << 20

@@ -37,7 +37,7 @@ from stack_sampler import thread_cpu
 from capsteer.capture.layouts import MANIFEST_FILE
 from capsteer.capture.sink import CaptureEnd, CaptureRequest
 from capsteer.capture.spec import parse_capture_spec
-from capsteer.capture.writer import CaptureWriter
+from capsteer.capture.writer.local import CaptureWriter
 from capsteer.capture.writer_pool import ProcessWriterPool
 from capsteer.capture.writer_process import ProcessCaptureWriter
 

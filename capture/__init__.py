@@ -6,7 +6,6 @@ safetensors under temp names -> fsync, rename, fsync dir -> manifest.json last -
 """
 
 from capsteer.capture.dataset import JobRows, open_job
-from capsteer.capture.pool import POLICIES, Overloaded
 from capsteer.capture.reader import Capture, CaptureReadError, CorruptCapture, read
 from capsteer.capture.receipts import Receipt, find_receipt, wait_for_receipt
 from capsteer.capture.sink import (
@@ -17,7 +16,8 @@ from capsteer.capture.sink import (
     MemorySink,
 )
 from capsteer.capture.spec import CaptureSpec, PositionSpec, SpecError, parse_capture_spec
-from capsteer.capture.writer import CaptureWriter, estimate_bytes
+from capsteer.capture.writer.budget import POLICIES, Overloaded, estimate_bytes
+from capsteer.capture.writer.local import CaptureWriter
 
 __all__ = [
     "POLICIES",

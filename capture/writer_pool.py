@@ -31,8 +31,8 @@ import numpy as np
 import torch
 
 from capsteer.capture import metrics
-from capsteer.capture.pool import DEFAULT_BUDGET_BYTES, DEFAULT_RING_BYTES, check_processes
 from capsteer.capture.sink import CaptureEnd, CaptureRequest, CaptureSink
+from capsteer.capture.writer.budget import DEFAULT_BUDGET_BYTES, DEFAULT_RING_BYTES, check_processes
 from capsteer.capture.writer_process import DeviceRows, ProcessCaptureWriter
 
 # Writer processes the default configuration starts where the host has the cores: two

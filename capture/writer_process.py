@@ -71,13 +71,13 @@ import torch
 
 from capsteer.capture import metrics
 from capsteer.capture.layouts import copy_rows
-from capsteer.capture.pool import (
+from capsteer.capture.sink import CaptureEnd, CaptureRequest, CaptureSink
+from capsteer.capture.writer.budget import (
     DEFAULT_BUDGET_BYTES,
     DEFAULT_RING_BYTES,
     MIN_RING_BYTES,
     check_budget,
 )
-from capsteer.capture.sink import CaptureEnd, CaptureRequest, CaptureSink
 
 log = logging.getLogger(__name__)
 
@@ -193,7 +193,7 @@ class ProcessCaptureWriter(CaptureSink):
         self._ctl_seq = 0
         config = {"root": str(self.root), "ring_bytes": self.ring_bytes,
                   "idle_trim_s": idle_trim_s, **self._writer_kwargs}
-        from capsteer.capture.writer import ENGINE_PID_ENV
+        from capsteer.capture.manifest import ENGINE_PID_ENV
 
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", ENGINE_PID_ENV: str(os.getpid()),
                **_ONE_THREAD_ENV}
@@ -637,7 +637,7 @@ class ProcessCaptureWriter(CaptureSink):
     def _fail(self, reason: str) -> None:
         """Switch to an in-process writer; every capture the child had not finished
         gets an error outcome there (an outcome already on disk is kept)."""
-        from capsteer.capture.writer import CaptureWriter
+        from capsteer.capture.writer.local import CaptureWriter
 
         with self._state_lock:
             if self._fallback is not None:
@@ -817,7 +817,7 @@ class _Inbox:
 def _serve(sock_fd: int, ctl_fd: int, ring_fd: int, config: dict[str, Any]) -> None:
     import mmap
 
-    from capsteer.capture.writer import CaptureWriter
+    from capsteer.capture.writer.local import CaptureWriter
 
     conn = Connection(sock_fd)
     ring_bytes = int(config.pop("ring_bytes"))

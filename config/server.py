@@ -32,14 +32,14 @@ from pydantic_settings import (
 )
 from pydantic_settings.exceptions import SettingsError
 
-from capsteer.capture.pool import (
+from capsteer.capture.publish import DEFAULT_DIGEST, DIGESTS, IO_MODES
+from capsteer.capture.spec import DEFAULT_SPEC, LAYOUTS
+from capsteer.capture.writer.budget import (
     DEFAULT_BUDGET_BYTES,
     DEFAULT_RING_BYTES,
     check_processes,
     check_ring_bytes,
 )
-from capsteer.capture.publish import DEFAULT_DIGEST, DIGESTS, IO_MODES
-from capsteer.capture.spec import DEFAULT_SPEC, LAYOUTS
 from capsteer.config.sizes import parse_size
 
 ENV_VAR = "CAPSTEER_SERVER_SETTINGS"  # the resolved settings, JSON, launcher -> API process

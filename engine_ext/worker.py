@@ -16,8 +16,8 @@ import time
 
 import torch
 
-from capsteer.capture.publish import IO_MODES
 from capsteer.capture.sink import CaptureSink, MemorySink
+from capsteer.capture.writer.factory import durable_writer, sharded_sink
 from capsteer.engine_ext import stack_room
 from capsteer.engine_ext.canary import CanaryFailed, faulty_site, run_canary
 from capsteer.engine_ext.delivery import Delivery
@@ -112,9 +112,10 @@ class EngineHooks(RequestBook, StepFeed, Delivery):
         self.memory = MemorySink(final_positions=False)  # capsteer.engine finalizes
         # Only the rank that writes captures starts writer processes (each holds its rings,
         # on a GPU page-locked): the other TP ranks of a stage never publish.
-        self.writer: CaptureSink | None = _durable_writer(self.config.section) \
+        self.writer: CaptureSink | None = durable_writer(self.config.section) \
             if self.capture_rank else None
-        self.sharded = _sharded_sink(self.config.section, self.model_name, self.sites.hidden_size, dtype) \
+        self.sharded = sharded_sink(self.config.section, self.model_name,
+                                    self.sites.hidden_size, dtype) \
             if self.capture_rank else None
         self.sinks: dict[str, CaptureSink] = {}  # capture_id -> the sink its request chose
         self.requests: dict[str, RequestHooks] = {}
@@ -289,67 +290,6 @@ class EngineHooks(RequestBook, StepFeed, Delivery):
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         return wrapped
-
-
-def _durable_writer(config: dict) -> CaptureSink | None:
-    """The durable writer pool when a capture root is configured."""
-    root = config.get("capture_dir")
-    if not root:
-        return None
-    io = str(config.get("capture_io", "buffered"))
-    if io not in IO_MODES:
-        raise ValueError(f"capture_io must be one of {', '.join(IO_MODES)}; got {io!r}")
-    from capsteer.capture.pool import (
-        DEFAULT_BUDGET_BYTES,
-        DEFAULT_RING_BYTES,
-        check_processes,
-        check_ring_bytes,
-    )
-
-    kwargs = {"budget_bytes": int(config.get("capture_budget", DEFAULT_BUDGET_BYTES)),
-              "policy": str(config.get("capture_overload", "block")),
-              "workers": int(config["capture_workers"]) if "capture_workers" in config else None,
-              "digest": str(config.get("capture_digest", "sha256")),
-              "direct_io": io == "direct"}
-    mode = str(config.get("capture_writer", "process"))
-    if mode == "process":  # publishing must not hold this process's GIL (writer_process.py)
-        from capsteer.capture.writer_pool import ProcessWriterPool, auto_processes
-        from capsteer.capture.writer_process import ProcessCaptureWriter
-        from capsteer.config.sizes import parse_size
-
-        processes = config.get("capture_writer_processes")
-        processes = auto_processes(kwargs["policy"]) if processes is None else int(processes)
-        check_processes(processes, kwargs["policy"])  # 0, or a split budget under drop/reject
-        # The shared-memory ring each writer process takes rows through (and the engine's
-        # GPU copies land in): how large a burst leaves the engine before it waits on the
-        # children (server flag --capture-ring).
-        kwargs["ring_bytes"] = parse_size(config.get("capture_ring_bytes", DEFAULT_RING_BYTES))
-        check_ring_bytes(kwargs["ring_bytes"], "capture_ring_bytes")
-        if processes > 1:  # one child's main thread bounds it below a disk's rate
-            return ProcessWriterPool(root, processes=processes, **kwargs)
-        return ProcessCaptureWriter(root, **kwargs)
-    if mode != "threads":
-        raise ValueError(f"capture_writer must be process or threads; got {mode!r}")
-    from capsteer.capture.writer import CaptureWriter
-
-    return CaptureWriter(root, **kwargs)
-
-
-def _sharded_sink(config: dict, model: str, hidden: int, model_dtype: torch.dtype):
-    """An extraction job's shard writer (many requests per file) when configured."""
-    job = config.get("sharded")
-    if not job:
-        return None
-    from capsteer.capture.sharded import ShardedSink, ShardedWriter
-    from capsteer.capture.spec import CaptureSpec
-
-    spec = CaptureSpec.from_dict(job["spec"])
-    dtype = model_dtype if spec.dtype == "auto" else getattr(torch, spec.dtype)
-    writer = ShardedWriter(job["dir"], keys=spec.keys(), hidden_size=hidden, dtype=dtype,
-                           shard_bytes=int(job.get("shard_bytes", 1 << 30)), model=model,
-                           spec=spec, job_id=job.get("job_id"),
-                           digest=str(job.get("digest", "sha256")))
-    return ShardedSink(writer)
 
 
 class CapsteerWorker(platform_worker_base()):  # type: ignore[misc]

@@ -204,7 +204,7 @@ def rewrite_body(body: dict[str, Any], hooks: HookFields, capture_id: str | None
 def estimate_capture_bytes(body: Mapping[str, Any], capture: CaptureSpec, shape: ModelShape) -> int:
     """Upper bound of a capture's row bytes before tokenizing: byte-level BPE gives at
     most one token per UTF-8 byte of text, plus a margin for the chat template."""
-    from capsteer.capture.writer import estimate_bytes
+    from capsteer.capture.writer.budget import estimate_bytes
 
     text_bytes = len(json.dumps(body.get("messages", body.get("prompt", "")),
                                 ensure_ascii=False).encode())

@@ -18,10 +18,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from capsteer.capture.manifest import publish_unreached
 from capsteer.capture.paths import relative_dir
 from capsteer.capture.receipts import Receipt, find_receipt, pending, receipt_at
 from capsteer.capture.spec import CaptureSpec
-from capsteer.capture.writer import publish_unreached
 from capsteer.server.peers import PeerBoard
 
 log = logging.getLogger("vllm.capsteer.server")

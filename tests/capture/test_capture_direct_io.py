@@ -169,8 +169,8 @@ def test_a_direct_capture_is_the_buffered_capture_byte_for_byte(direct_dir, layo
 
 def test_the_server_setting_reaches_the_engine_workers_writer(tmp_path):
     """`--capture-io direct` travels in the workers' config (capture_io) to their writer."""
+    from capsteer.capture.writer.factory import durable_writer as _durable_writer
     from capsteer.config.server import load_settings
-    from capsteer.engine_ext.worker import _durable_writer
 
     for io, direct in (("buffered", False), ("direct", True)):
         config = load_settings({"capture_dir": str(tmp_path / io), "capture_io": io,
@@ -184,7 +184,7 @@ def test_the_server_setting_reaches_the_engine_workers_writer(tmp_path):
 
 def test_an_unknown_capture_io_in_the_workers_config_is_refused(tmp_path):
     """A hand-written additional_config (plain `vllm serve`) must not silently fall back."""
-    from capsteer.engine_ext.worker import _durable_writer
+    from capsteer.capture.writer.factory import durable_writer as _durable_writer
 
     with pytest.raises(ValueError, match="capture_io"):
         _durable_writer({"capture_dir": str(tmp_path), "capture_io": "odirect",

@@ -78,7 +78,7 @@ def test_block_waits_for_publishing_instead_of_failing(root):
 def test_block_counts_the_rows_that_waited_for_publishing():
     """stats' budget_waits / budget_wait_s: how long rows stood at a full budget (the
     disk, not the engine, was the limit); rows that fit count nothing."""
-    from capsteer.capture.pool import Budget, Grant
+    from capsteer.capture.writer.budget import Budget, Grant
 
     budget = Budget(100, policy="block")
     assert budget.acquire(80, lambda k: 0) is Grant.TAKEN

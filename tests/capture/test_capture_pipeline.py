@@ -41,7 +41,7 @@ from capsteer.capture.cli import run as cli_run
 from capsteer.capture.layouts import MANIFEST_FILE, MERGE_LOCK_FILE, part_name
 from capsteer.capture.reader import sha256_file
 from capsteer.capture.spec import CaptureSpec
-from capsteer.capture.writer import take_merge_lock
+from capsteer.capture.writer.stages import take_merge_lock
 
 Key = tuple[str, int]
 HOOKS = {"resid_pre": "all", "resid_post": "all"}

@@ -26,9 +26,9 @@ from capsteer.capture import (
     read,
     wait_for_receipt,
 )
+from capsteer.capture.manifest import publish_unreached
 from capsteer.capture.publish import temp_name
 from capsteer.capture.reader import sha256_file
-from capsteer.capture.writer import publish_unreached
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

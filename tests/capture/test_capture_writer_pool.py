@@ -132,7 +132,7 @@ def test_auto_processes_follows_the_policy_and_the_cores(monkeypatch):
 def test_the_workers_config_sizes_every_childs_ring(tmp_path):
     """`capture_ring_bytes` (the worker config's key; server flag --capture-ring) reaches
     every writer process's ring; below 1 MiB it is refused by name."""
-    from capsteer.engine_ext.worker import _durable_writer
+    from capsteer.capture.writer.factory import durable_writer as _durable_writer
 
     config = {"capture_dir": str(tmp_path / "c"), "capture_writer_processes": 2,
               "capture_workers": 1, "capture_ring_bytes": 3 << 20}

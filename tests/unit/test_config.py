@@ -318,7 +318,7 @@ def test_worker_config() -> None:
 
 def test_capture_ring_reaches_the_workers_as_bytes(tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    from capsteer.capture.pool import DEFAULT_RING_BYTES
+    from capsteer.capture.writer.budget import DEFAULT_RING_BYTES
 
     assert ServerSettings().capture_ring == DEFAULT_RING_BYTES
     assert load_settings(config_file=write_yaml(tmp_path, {"capture_ring": "64MiB"})) \

@@ -1,4 +1,4 @@
-"""Writer pool: worker threads plus the in-flight byte budget and its overload policy.
+"""The in-flight byte budget of the capture writers and its overload policy.
 
 The budget counts row bytes the capture writer holds in memory: rows of open
 requests ("open") and rows of finished requests waiting to be published
@@ -13,12 +13,12 @@ requests ("open") and rows of finished requests waiting to be published
 from __future__ import annotations
 
 import enum
-import queue
 import threading
 import time
 from collections.abc import Callable
 
 from capsteer.capture import metrics
+from capsteer.capture.spec import CaptureSpec
 
 POLICIES = ("block", "drop", "reject")
 # Capture rows in flight per engine (--capture-budget). 4 GiB: a P6 burst (3.9 GB of rows
@@ -182,45 +182,18 @@ class Budget:
                 self._cond.notify_all()
 
 
-class WorkerThreads:
-    """A fixed set of daemon threads running submitted jobs in FIFO order."""
-
-    def __init__(self, workers: int, name: str = "capsteer-writer") -> None:
-        if workers < 1:
-            raise ValueError("need at least one writer thread")
-        self._queue: queue.Queue[Callable[[], None] | None] = queue.Queue()
-        self._idle = threading.Condition()
-        self._outstanding = 0
-        self._threads = [
-            threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True) for i in range(workers)
-        ]
-        for t in self._threads:
-            t.start()
-
-    def submit(self, job: Callable[[], None]) -> None:
-        with self._idle:
-            self._outstanding += 1
-        self._queue.put(job)
-
-    def _run(self) -> None:
-        while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            try:
-                job()
-            finally:
-                with self._idle:
-                    self._outstanding -= 1
-                    self._idle.notify_all()
-
-    def drain(self, timeout: float | None = None) -> bool:
-        """Wait until every submitted job finished; False on timeout."""
-        with self._idle:
-            return self._idle.wait_for(lambda: self._outstanding == 0, timeout)
-
-    def stop(self, timeout: float | None = None) -> None:
-        for _ in self._threads:
-            self._queue.put(None)
-        for t in self._threads:
-            t.join(timeout)
+def estimate_bytes(
+    spec: CaptureSpec, hidden_size: int, itemsize: int, prompt_tokens: int, max_new_tokens: int
+) -> int:
+    """Upper bound of the row bytes a request will hold, for `admit` and size limits."""
+    kind = spec.positions.kind
+    fed = prompt_tokens + max(0, max_new_tokens - 1)
+    n = {
+        "all": fed,
+        "prompt": prompt_tokens,
+        "generated": max(0, max_new_tokens - 1),
+        "last_prompt": 1,
+        "last": 1,
+        "explicit": len(spec.positions.explicit),
+    }[kind]
+    return spec.row_bytes(hidden_size, itemsize) * n
