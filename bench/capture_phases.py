@@ -96,7 +96,7 @@ def one(config: str, model: str, out: Path, batches: int, shape: str,
 
             Harvester.blocking_wait = False  # in-process engine: the worker's harvester
         if config == "capture_torchcopy":  # rows into the writer's ring by torch's copy_
-            from capsteer.capture import writer_process
+            from capsteer.capture.writer import process as writer_process
 
             writer_process.copy_rows = lambda dst, src: dst.copy_(src)
         # As perf_method.py: staging for a whole step at every layer (capture_all needs it).

@@ -18,7 +18,7 @@ _CHILD = r"""
 import json, sys, time, torch
 torch.set_num_threads(1)
 if sys.argv[1] == "kept":
-    from capsteer.capture.writer_process import _keep_freed_heap
+    from capsteer.capture.writer.glibc import keep_freed_heap as _keep_freed_heap
     assert _keep_freed_heap(), "no glibc mallopt here"
 bursts, n = int(sys.argv[2]), int(sys.argv[3])
 ring = torch.empty(1 << 30, dtype=torch.uint8)

@@ -24,7 +24,7 @@ import torch
 def run(mode: str, args: argparse.Namespace, root: Path) -> dict[str, float]:
     from capsteer.capture.sink import CaptureEnd, CaptureRequest
     from capsteer.capture.spec import parse_capture_spec
-    from capsteer.capture.writer_pool import ProcessWriterPool
+    from capsteer.capture.writer.fanout import ProcessWriterPool
     from capsteer.engine_ext.worker import merge_row_copies
 
     hidden, prompt, layers = args.hidden, args.prompt, args.layers

@@ -49,7 +49,7 @@ from capsteer.capture.spec import parse_capture_spec
 
 def load_impl(path: str | None) -> ModuleType:
     if path is None:
-        from capsteer.capture import sharded
+        from capsteer.capture.writer import shard_sink as sharded
 
         return sharded
     spec = importlib.util.spec_from_file_location("sharded_under_test", path)

@@ -90,7 +90,7 @@ def worker_counters(engine) -> dict[str, float]:
 def _worker_diagnostic(worker, part: str) -> str:
     """Runs in the worker (collective_rpc): switch one part of the hook path off, or every
     part back on ("off")."""
-    from capsteer.capture import writer_process
+    from capsteer.capture.writer import process as writer_process
     from capsteer.engine_ext import adapter, tap_kernel
     from capsteer.engine_ext import runtime as rt
     from capsteer.engine_ext.runtime import StepPlan

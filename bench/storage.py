@@ -61,7 +61,8 @@ from capsteer.capture import (
     parse_capture_spec,
     publish,
 )
-from capsteer.capture.publish import DIGESTS, AtomicFile, FileSystem, fsync_dir, new_hasher
+from capsteer.capture.digests import DIGESTS, new_hasher
+from capsteer.capture.publish import AtomicFile, FileSystem, fsync_dir
 from capsteer.capture.writer.budget import DEFAULT_RING_BYTES, check_ring_bytes
 from capsteer.capture.writer.threads import default_workers
 from capsteer.config.sizes import parse_size
@@ -306,8 +307,8 @@ def writer_rate(
     budget = max(4 * per_request, 1 << 30)
     w: Any
     if processes >= 1:
-        from capsteer.capture.writer_pool import ProcessWriterPool
-        from capsteer.capture.writer_process import ProcessCaptureWriter
+        from capsteer.capture.writer.fanout import ProcessWriterPool
+        from capsteer.capture.writer.process import ProcessCaptureWriter
 
         kw = {"budget_bytes": budget * processes, "workers": workers, "digest": digest,
               "direct_io": direct_io, "ring_bytes": ring_bytes}

@@ -37,9 +37,9 @@ from stack_sampler import thread_cpu
 from capsteer.capture.layouts import MANIFEST_FILE
 from capsteer.capture.sink import CaptureEnd, CaptureRequest
 from capsteer.capture.spec import parse_capture_spec
+from capsteer.capture.writer.fanout import ProcessWriterPool
 from capsteer.capture.writer.local import CaptureWriter
-from capsteer.capture.writer_pool import ProcessWriterPool
-from capsteer.capture.writer_process import ProcessCaptureWriter
+from capsteer.capture.writer.process import ProcessCaptureWriter
 
 
 def parse_args() -> argparse.Namespace:
@@ -224,7 +224,7 @@ def main() -> None:
     if args.hold_gil_copy:
         import ctypes
 
-        from capsteer.capture import writer_process
+        from capsteer.capture.writer import process as writer_process
 
         libc = ctypes.PyDLL(None)
         libc.memmove.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]

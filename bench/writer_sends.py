@@ -26,7 +26,7 @@ import torch
 
 from capsteer.capture.sink import CaptureEnd, CaptureRequest
 from capsteer.capture.spec import parse_capture_spec
-from capsteer.capture.writer_process import ProcessCaptureWriter
+from capsteer.capture.writer.process import ProcessCaptureWriter
 
 LAYERS = 4
 BATCH = 8  # captures a step, as an engine step of eight prompts

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from capsteer.capture.publish import DIGESTS, check_digest, entry_digest
+from capsteer.capture.digests import DIGESTS, check_digest, entry_digest
 from capsteer.capture.sharded import INDEX_FILE, indexed_ids, read_index
 from capsteer.capture.spec import DTYPES, CaptureSpec, parse_capture_spec
 from capsteer.engine import Engine

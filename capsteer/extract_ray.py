@@ -39,16 +39,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from capsteer.capture.digests import check_digest
 from capsteer.capture.layouts import MANIFEST_FILE
 from capsteer.capture.publish import (
     DEFAULT_FS,
     FileSystem,
-    check_digest,
     ensure_dir,
     fsync_dir,
     write_json_atomic,
 )
-from capsteer.capture.sharded import INDEX_FILE, read_index, recover_index, shard_name
+from capsteer.capture.sharded import INDEX_FILE, read_index, shard_name
+from capsteer.capture.writer.sharded import recover_index
 from capsteer.extract import (
     ExtractResult,
     InputError,

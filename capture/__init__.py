@@ -6,7 +6,8 @@ safetensors under temp names -> fsync, rename, fsync dir -> manifest.json last -
 """
 
 from capsteer.capture.dataset import JobRows, open_job
-from capsteer.capture.reader import Capture, CaptureReadError, CorruptCapture, read
+from capsteer.capture.published import CaptureReadError, CorruptCapture
+from capsteer.capture.reader import Capture, read
 from capsteer.capture.receipts import Receipt, find_receipt, wait_for_receipt
 from capsteer.capture.sink import (
     CapturedActivations,

@@ -18,15 +18,16 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from capsteer.capture.digests import DIGESTS
 from capsteer.capture.layouts import MANIFEST_FILE
-from capsteer.capture.publish import DIGESTS, temp_owner
-from capsteer.capture.reader import (
-    Capture,
+from capsteer.capture.publish import temp_owner
+from capsteer.capture.published import (
     CaptureReadError,
     digests_of,
     load_manifest,
     verify_files,
 )
+from capsteer.capture.reader import Capture
 from capsteer.capture.sharded import ShardedCapture
 
 EXIT_OK = 0

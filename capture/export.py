@@ -31,7 +31,7 @@ import numpy as np
 from safetensors import safe_open
 
 from capsteer.capture.layouts import key_name
-from capsteer.capture.reader import CaptureReadError
+from capsteer.capture.published import CaptureReadError
 from capsteer.capture.sharded import ShardedCapture, read_sharded
 from capsteer.hooks import canonical_hook
 
@@ -115,7 +115,7 @@ def export_sae_lens(job_dir: str | Path, out_dir: str | Path, *,
     `keys` picks (hook, layer) pairs (default: every key in the job), each one column
     named `blocks.{layer}.hook_{hook}` unless `hook_names` maps it to another name (for
     SAELens's `AutoModelForCausalLM` models, whose hook names are HF module names)."""
-    try:
+    try:  # optional dependency (the sae extra)
         import datasets
         from datasets.arrow_writer import ArrowWriter
     except ImportError as e:
@@ -223,7 +223,7 @@ def _write_dataset_metadata(directory: Path, features: Any, files: list[str],
                             context_size: int, dtype: str) -> None:
     """`dataset_info.json` and `state.json`, as `Dataset.save_to_disk` leaves them, so
     `datasets.load_from_disk` opens the directory."""
-    import datasets
+    import datasets  # optional dependency (the sae extra), present once export began
 
     info = datasets.DatasetInfo(
         description=f"capsteer extraction job {job.path.name} as SAELens cached activations",
@@ -240,7 +240,7 @@ def _write_dataset_metadata(directory: Path, features: Any, files: list[str],
 
 def _progress(total: int, enabled: bool) -> Any:
     """A tqdm bar over windows written (a do-nothing bar when disabled)."""
-    from tqdm import tqdm
+    from tqdm import tqdm  # start-up cost: loaded only when an export runs
 
     return tqdm(total=total, unit="window", desc="export", disable=not enabled)
 

@@ -22,7 +22,6 @@ import ctypes
 import ctypes.util
 import errno
 import fcntl
-import hashlib
 import json
 import logging
 import mmap
@@ -34,9 +33,17 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-from capsteer.capture import metrics
+import capsteer.capture.metrics as metrics
+from capsteer.capture.digests import (
+    DEFAULT_DIGEST,
+    DigestError,
+    Hasher,
+    check_digest,
+    digest_fields,
+    new_hasher,
+)
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +55,7 @@ _WRITE_BUFFER = 1 << 20
 _BATCH_BYTES = 16 << 20
 _IOV_MAX = 1024  # Linux's limit on buffers per writev
 
-DIGESTS = ("sha256", "blake3")  # names as recorded in manifests
 IO_MODES = ("buffered", "direct")  # capture_io: how durable capture files reach the disk
-DEFAULT_DIGEST = "sha256"  # api.md §5 names sha256; blake3 is opt-in (docs/capture-format.md)
 # Pieces smaller than this are hashed inline: a thread hand-off costs more than it saves.
 _OVERLAP_MIN = 256 << 10
 _SYNC_FILE_RANGE_WRITE = 2  # linux/fs.h: start writeback of dirty pages, do not wait
@@ -76,52 +81,6 @@ def libc_function(name: str, argtypes: list[Any]) -> Any:
 
 _SYNC_FILE_RANGE = libc_function(
     "sync_file_range", [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint])
-
-
-class DigestError(ValueError):
-    """An unknown digest name, or one whose library is not installed."""
-
-
-class Hasher(Protocol):
-    def update(self, data: memoryview, /) -> object: ...
-
-    def hexdigest(self) -> str: ...
-
-
-def check_digest(name: object) -> str:
-    """`name` if it is a digest this version writes and verifies; DigestError otherwise."""
-    if name not in DIGESTS:
-        raise DigestError(f"unknown digest {name!r}; known: {', '.join(DIGESTS)}")
-    return str(name)
-
-
-def new_hasher(name: str) -> Hasher:
-    """A fresh incremental hasher for a digest named in DIGESTS.
-
-    blake3 is single-threaded per file on purpose: one thread already hashes faster
-    than a disk writes (bench/README.md), and writers run several files at once."""
-    if check_digest(name) == "sha256":
-        return hashlib.sha256()
-    try:
-        from blake3 import blake3
-    except ImportError:
-        raise DigestError("the blake3 digest needs the blake3 package (a vLLM dependency; "
-                          "pip install blake3)") from None
-    return blake3()
-
-
-def digest_fields(name: str, hexdigest: str) -> dict[str, str]:
-    """The manifest fields recording a file's digest; sha256 keeps its pre-choice form."""
-    if check_digest(name) == "sha256":
-        return {"sha256": hexdigest}
-    return {"digest": name, name: hexdigest}
-
-
-def entry_digest(entry: dict[str, Any]) -> tuple[object, object]:
-    """(algorithm, recorded hex) of a manifest file entry, as given (check the name with
-    `check_digest`); an entry without a `digest` field is sha256."""
-    name = entry.get("digest", "sha256")
-    return name, entry.get(name) if isinstance(name, str) else None
 
 
 _POOL_LOCK = threading.Lock()

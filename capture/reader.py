@@ -10,7 +10,6 @@ pipeline-stage captures (one packed file per stage) alike.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -21,90 +20,17 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from capsteer.capture.layouts import MANIFEST_FILE, key_name, parse_key_name
-from capsteer.capture.publish import DigestError, check_digest, entry_digest, new_hasher
+from capsteer.capture.layouts import key_name, parse_key_name
+from capsteer.capture.paths import find_capture_dirs, resolve_inside
+from capsteer.capture.published import (
+    CaptureReadError,
+    CorruptCapture,
+    load_manifest,
+    verify_files,
+)
+from capsteer.capture.receipts import Receipt
+from capsteer.capture.sharded import SHARDED_FORMAT, read_sharded
 from capsteer.hooks import canonical_hook, resolve_layer
-
-_HASH_BLOCK = 4 << 20
-
-
-class CaptureReadError(RuntimeError):
-    """The path is not a readable, complete capture (missing or bad manifest, bad status)."""
-
-
-class CorruptCapture(CaptureReadError):
-    """A file listed in the manifest is missing, has the wrong size or digest, or names a
-    digest this version cannot check."""
-
-
-def file_digest(path: Path, digest: str) -> str:
-    """Hex digest of a file with a named algorithm (publish.DIGESTS)."""
-    h = new_hasher(digest)
-    with open(path, "rb", buffering=0) as fh:
-        while True:
-            block = fh.read(_HASH_BLOCK)
-            if not block:
-                return h.hexdigest()
-            h.update(memoryview(block))
-
-
-def sha256_file(path: Path) -> str:
-    return file_digest(path, "sha256")
-
-
-def load_manifest(path: str | Path) -> tuple[Path, dict[str, Any]]:
-    """(capture directory, manifest dict) for a capture directory or its manifest path."""
-    p = Path(path)
-    directory = p.parent if p.name == MANIFEST_FILE else p
-    mpath = directory / MANIFEST_FILE
-    try:
-        manifest = json.loads(mpath.read_text())
-    except FileNotFoundError:
-        raise CaptureReadError(f"{directory}: no {MANIFEST_FILE} (not a capture, or not published)") from None
-    except ValueError as exc:
-        raise CorruptCapture(f"{mpath}: unreadable manifest: {exc}") from None
-    if not isinstance(manifest, dict) or "files" not in manifest:
-        raise CorruptCapture(f"{mpath}: not a capsteer manifest")
-    return directory, manifest
-
-
-def verify_files(directory: Path, manifest: dict[str, Any]) -> list[str]:
-    """Problems with the files a manifest lists (empty list when all verify). Each entry
-    is checked with the digest it names (`digest`; none: sha256); a name this version
-    does not know, or a missing value, is a problem, never a pass."""
-    problems: list[str] = []
-    for entry in manifest.get("files", []):
-        name = entry.get("name", "")
-        if not name or "/" in name or name.startswith("."):
-            problems.append(f"{name!r}: bad file name in manifest")
-            continue
-        path = directory / name
-        try:
-            size = os.stat(path).st_size
-        except FileNotFoundError:
-            problems.append(f"{name}: missing")
-            continue
-        if size != entry.get("bytes"):
-            problems.append(f"{name}: {size} bytes, manifest says {entry.get('bytes')}")
-            continue
-        algorithm, expected = entry_digest(entry)
-        try:
-            algorithm = check_digest(algorithm)
-            if not isinstance(expected, str) or not expected:
-                problems.append(f"{name}: manifest records no {algorithm} value")
-                continue
-            actual = file_digest(path, algorithm)
-        except DigestError as exc:
-            problems.append(f"{name}: cannot verify: {exc}")
-            continue
-        if actual != expected:
-            problems.append(f"{name}: {algorithm} {actual[:16]}… does not match manifest")
-    return problems
-
-
-def digests_of(manifest: dict[str, Any]) -> set[str]:
-    """The digest names a manifest's files use (for reports)."""
-    return {str(entry_digest(e)[0]) for e in manifest.get("files", [])}
 
 
 @dataclass
@@ -214,8 +140,6 @@ ROOT_ENV = "CAPSTEER_CAPTURE_DIR"  # the server's --capture-dir, as its settings
 def _receipt_of(source: Any) -> Mapping[str, Any] | None:
     """The `capture_results` object in whatever the user holds: the dict itself, a
     Receipt, or an OpenAI SDK response (its `model_extra`)."""
-    from capsteer.capture.receipts import Receipt
-
     if isinstance(source, Receipt):
         return source.to_dict()
     extra = getattr(source, "model_extra", None)
@@ -230,8 +154,6 @@ def locate(source: Any, root: str | Path | None = None) -> Path:
     """The capture directory for a path, a receipt (`capture_results`, Receipt, SDK
     response) or a capture id. Receipts and ids are found under `root`, the server's
     capture root (default: $CAPSTEER_CAPTURE_DIR); nothing resolves outside it."""
-    from capsteer.capture.paths import find_capture_dirs, resolve_inside
-
     receipt = _receipt_of(source)
     root = root if root is not None else os.environ.get(ROOT_ENV)
     is_id = (isinstance(source, str) and "/" not in source and not Path(source).exists()
@@ -271,9 +193,7 @@ def read(source: Any, *, root: str | Path | None = None, verify: bool = True) ->
     """
     path = locate(source, root)
     directory, manifest = load_manifest(path)
-    if manifest.get("format") == "capsteer.sharded":
-        from capsteer.capture.sharded import read_sharded
-
+    if manifest.get("format") == SHARDED_FORMAT:
         return read_sharded(directory, verify=verify)
     cap = Capture(directory, manifest)
     if cap.status != "ok":

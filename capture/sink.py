@@ -14,10 +14,11 @@ Lifecycle of one capture (engine calls, in order):
   2. Each step with rows for it, either
      - host path: `write(capture_id, hook, layer, positions, rows)` per key, with a
        clone of the rows unless `copies_rows`; or
-     - device-ring path (a sink whose `pin_device_ring()` returned True): on the step
-       thread `reserve_span(...)` (when `supports_spans`) or `reserve_rows(...)` for
-       ring space the GPU copies into, then on the sink thread `write_reserved(...)`
-       once that copy landed. A reservation of None sends the rows the host path.
+     - device-ring path (the durable writer's `pin_device_ring()` returned True at
+       start-up): on the step thread `reserve_span(...)` (when `supports_spans`) or
+       `reserve_rows(...)` for ring space the GPU copies into, then on the sink thread
+       `write_reserved(...)` once that copy landed. A reservation of None (the
+       default) sends the rows the host path.
      After a step's rows are all handed over, `end_step()` on every sink that got any.
   3. `close(end)` when no more rows can come (the sink applies the final position
      rules and publishes), or `abort(capture_id, reason)` when the request was dropped.

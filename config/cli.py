@@ -13,7 +13,8 @@ from typing import Any
 
 import yaml
 
-from capsteer.capture.publish import DIGESTS, IO_MODES
+from capsteer.capture.digests import DIGESTS
+from capsteer.capture.publish import IO_MODES
 from capsteer.capture.spec import LAYOUTS
 from capsteer.config.server import (
     CAPTURE_WRITERS,

@@ -32,7 +32,8 @@ from pydantic_settings import (
 )
 from pydantic_settings.exceptions import SettingsError
 
-from capsteer.capture.publish import DEFAULT_DIGEST, DIGESTS, IO_MODES
+from capsteer.capture.digests import DEFAULT_DIGEST, DIGESTS
+from capsteer.capture.publish import IO_MODES
 from capsteer.capture.spec import DEFAULT_SPEC, LAYOUTS
 from capsteer.capture.writer.budget import (
     DEFAULT_BUDGET_BYTES,

@@ -17,27 +17,18 @@ import threading
 import time
 from collections.abc import Callable
 
-from capsteer.capture import metrics
+import capsteer.capture.metrics as metrics
 from capsteer.capture.spec import CaptureSpec
 
 POLICIES = ("block", "drop", "reject")
-# Capture rows in flight per engine (--capture-budget). 4 GiB: a P6 burst (3.9 GB of rows
-# of an 8B model) then leaves the engine without waiting for publishing, where at 1 GiB the
-# writers' intake stopped on the full budget and held the engine's step thread behind them.
-# On an H200 host, plain requests served beside such bursts every 12 s had a p95 TTFT of
-# 0.53-0.72 s against 0.79-1.12 s at 1 GiB, those overlapping a burst a p95 latency of
-# 1.12-1.48 s against 1.91-2.01 s (two interleaved pairs; vanilla 0.22-0.51 s and 0.88-0.95
-# s), and a burst's outputs finished in 0.56-1.01 s against 0.94-1.32 s; the time to
-# durable (the disk's) was the same (bench/results/h200-2026-11-28-session47.md). Memory
-# is held only while rows wait.
+# Capture rows in flight per engine (--capture-budget): 4 GiB lets a P6 burst (3.9 GB of
+# rows of an 8B model) leave the engine without waiting for publishing, and memory is held
+# only while rows wait (figures: bench/results/h200-2026-11-28-session47.md).
 DEFAULT_BUDGET_BYTES = 4 << 30
 
-# Each writer process's shared-memory ring (on a GPU a second one of the same size,
-# page-locked, takes the engine's device copies). 1 GiB: on an H100 host the P6 burst
-# (3.9 GB of rows over two writer processes) then never waits for ring space, where
-# 128 MiB rings held the engine 1.1-3.3 s a burst, and every request in the batch with
-# it (bench/results/h100-2026-11-28-session43.md). The other ring of each pair (rows the
-# device ring had no room for, and every row on CPU) is touched only as it is used.
+# Each writer process's shared-memory ring (on a GPU a second, page-locked one takes the
+# engine's device copies): 1 GiB lets a P6 burst over two writer processes never wait for
+# ring space, and pages are touched only as used (bench/results/h100-2026-11-28-session43.md).
 DEFAULT_RING_BYTES = 1 << 30
 MIN_RING_BYTES = 1 << 20  # the settings refuse less; a direct caller is rounded up
 
@@ -73,7 +64,7 @@ def check_ring_bytes(ring_bytes: int, name: str = "a capture writer ring") -> No
 
 def check_processes(processes: int, policy: str) -> None:
     """ValueError unless `processes` writer processes can serve the overload policy: they
-    split the budget (capture/writer_pool.py), so under drop or reject a capture larger
+    split the budget (capsteer.capture.writer.fanout), so under drop or reject a capture larger
     than one share would be dropped or refused where one process would keep it."""
     if processes < 1:
         raise ValueError(f"capture writer processes must be at least 1; got {processes}")

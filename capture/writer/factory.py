@@ -6,7 +6,6 @@ from __future__ import annotations
 import torch
 
 from capsteer.capture.publish import IO_MODES
-from capsteer.capture.sharded import ShardedSink, ShardedWriter
 from capsteer.capture.sink import CaptureSink
 from capsteer.capture.spec import CaptureSpec
 from capsteer.capture.writer.budget import (
@@ -15,9 +14,11 @@ from capsteer.capture.writer.budget import (
     check_processes,
     check_ring_bytes,
 )
+from capsteer.capture.writer.fanout import ProcessWriterPool, auto_processes
 from capsteer.capture.writer.local import CaptureWriter
-from capsteer.capture.writer_pool import ProcessWriterPool, auto_processes
-from capsteer.capture.writer_process import ProcessCaptureWriter
+from capsteer.capture.writer.process import ProcessCaptureWriter
+from capsteer.capture.writer.shard_sink import ShardedSink
+from capsteer.capture.writer.sharded import ShardedWriter
 from capsteer.config.sizes import parse_size
 
 

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from capsteer.capture import metrics
+import capsteer.capture.metrics as metrics
 from capsteer.capture.layouts import as_bytes
 from capsteer.capture.paths import relative_dir, validate_capture_id
 from capsteer.capture.publish import (

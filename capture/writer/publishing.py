@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from capsteer.capture import metrics
+import capsteer.capture.metrics as metrics
 from capsteer.capture.layouts import (
     DTYPE_NAME,
     MANIFEST_FILE,

@@ -22,7 +22,7 @@ from capture_helpers import all_files, temp_files
 from safetensors import safe_open
 
 from capsteer.capture import CaptureWriter, read
-from capsteer.capture.reader import verify_files
+from capsteer.capture.published import verify_files
 
 HERE = Path(__file__).parent
 TRIALS = 60

@@ -20,15 +20,11 @@ from capture_helpers import feed, make_request, make_spec
 
 from capsteer.capture import CaptureWriter, CorruptCapture, read
 from capsteer.capture.cli import main as cli_main
-from capsteer.capture.publish import (
-    DIGESTS,
-    AtomicFile,
-    DigestError,
-    digest_fields,
-    entry_digest,
-)
-from capsteer.capture.reader import file_digest, verify_files
-from capsteer.capture.sharded import INDEX_FILE, ShardedWriter, read_sharded
+from capsteer.capture.digests import DIGESTS, DigestError, digest_fields, entry_digest
+from capsteer.capture.publish import AtomicFile
+from capsteer.capture.published import file_digest, verify_files
+from capsteer.capture.sharded import INDEX_FILE, read_sharded
+from capsteer.capture.writer.sharded import ShardedWriter
 
 KEYS = [("resid_post", 0), ("resid_mid", 2)]
 H = 8

@@ -19,7 +19,7 @@ from capsteer.capture import CaptureWriter, read
 from capsteer.capture import publish as publish_mod
 from capsteer.capture.cli import main as cli_main
 from capsteer.capture.publish import AtomicFile, FileSystem
-from capsteer.capture.writer_process import ProcessCaptureWriter
+from capsteer.capture.writer.process import ProcessCaptureWriter
 
 STAGE = publish_mod._DIRECT_STAGE
 ALIGN = publish_mod._DIRECT_ALIGN

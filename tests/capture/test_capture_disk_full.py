@@ -16,7 +16,7 @@ import torch
 from capture_helpers import all_files, make_request, make_spec, temp_files
 
 from capsteer.capture import CaptureEnd, CaptureWriter, read
-from capsteer.capture.reader import verify_files
+from capsteer.capture.published import verify_files
 
 MIB = 1 << 20
 

@@ -39,7 +39,7 @@ from capsteer.capture import (
 )
 from capsteer.capture.cli import run as cli_run
 from capsteer.capture.layouts import MANIFEST_FILE, MERGE_LOCK_FILE, part_name
-from capsteer.capture.reader import sha256_file
+from capsteer.capture.published import sha256_file
 from capsteer.capture.spec import CaptureSpec
 from capsteer.capture.writer.stages import take_merge_lock
 

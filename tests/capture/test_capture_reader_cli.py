@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from capsteer.capture import CaptureEnd, CaptureWriter, CorruptCapture, read
 from capsteer.capture import metrics as m
 from capsteer.capture.cli import add_commands, main
-from capsteer.capture.reader import CaptureReadError
+from capsteer.capture.published import CaptureReadError
 
 
 @pytest.fixture

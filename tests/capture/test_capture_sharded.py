@@ -20,15 +20,10 @@ from safetensors.torch import load_file
 from capsteer.capture import read
 from capsteer.capture.cli import main as cli_main
 from capsteer.capture.publish import FileSystem
-from capsteer.capture.sharded import (
-    INDEX_FILE,
-    ShardedSink,
-    ShardedWriter,
-    indexed_ids,
-    read_index,
-    read_sharded,
-)
+from capsteer.capture.sharded import INDEX_FILE, indexed_ids, read_index, read_sharded
 from capsteer.capture.sink import CaptureEnd, MemorySink
+from capsteer.capture.writer.shard_sink import ShardedSink
+from capsteer.capture.writer.sharded import ShardedWriter
 
 KEYS = [("resid_post", 0), ("resid_mid", 2)]
 H = 8

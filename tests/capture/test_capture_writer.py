@@ -28,7 +28,7 @@ from capsteer.capture import (
 )
 from capsteer.capture.manifest import publish_unreached
 from capsteer.capture.publish import temp_name
-from capsteer.capture.reader import sha256_file
+from capsteer.capture.published import sha256_file
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -16,7 +16,7 @@ from test_capture_writer_process import wait_receipt
 
 from capsteer.capture import CaptureWriter, read
 from capsteer.capture.metrics import sample_value
-from capsteer.capture.writer_pool import ProcessWriterPool, auto_processes
+from capsteer.capture.writer.fanout import ProcessWriterPool, auto_processes
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ from capsteer.capture import CaptureWriter, find_receipt, read
 from capsteer.capture.layouts import copy_rows
 from capsteer.capture.metrics import sample_value
 from capsteer.capture.sink import CaptureEnd
-from capsteer.capture.writer_process import ProcessCaptureWriter
+from capsteer.capture.writer.process import ProcessCaptureWriter
 
 
 def wait_receipt(root: Path, cid: str, timeout: float = 60.0):
@@ -331,7 +331,7 @@ class _DeviceRowsSink:
 
 @pytest.mark.parametrize("processes", [1, 2])
 def test_rows_copied_into_the_device_ring_publish_like_written_ones(root, processes):
-    from capsteer.capture.writer_pool import ProcessWriterPool
+    from capsteer.capture.writer.fanout import ProcessWriterPool
 
     kw = {"budget_bytes": 64 << 20, "workers": 2, "ring_bytes": 1 << 20}
     writer = ProcessWriterPool(root, processes=processes, **kw) if processes > 1 \
@@ -371,7 +371,7 @@ def test_deferred_sends_wait_for_the_flush_and_go_as_one_message(root, processes
     """With defer_sends (the engine's harvester thread), opens, rows, closes and aborts
     stay queued, in order, until flush_sends sends them as one message per child; the
     captures then publish exactly as sent one by one."""
-    from capsteer.capture.writer_pool import ProcessWriterPool
+    from capsteer.capture.writer.fanout import ProcessWriterPool
 
     kw = {"budget_bytes": 64 << 20, "workers": 2, "ring_bytes": 1 << 20}
     writer = ProcessWriterPool(root, processes=processes, **kw) if processes > 1 \
@@ -417,7 +417,7 @@ def test_a_deferred_close_still_reaches_the_child_before_a_flush_call(proc_write
 @pytest.fixture
 def device_ring_pool(root):
     """Two writer processes whose device rings take rows as on a GPU (1 MiB each)."""
-    from capsteer.capture.writer_pool import ProcessWriterPool
+    from capsteer.capture.writer.fanout import ProcessWriterPool
 
     pool = ProcessWriterPool(root, processes=2, budget_bytes=64 << 20, workers=2,
                              ring_bytes=1 << 20)
@@ -603,7 +603,7 @@ def test_the_childs_inbox_takes_messages_off_the_link_in_order_within_its_bound(
     import threading
     from multiprocessing import Pipe
 
-    from capsteer.capture.writer_process import _Inbox
+    from capsteer.capture.writer.child import Inbox as _Inbox
 
     inbox = _Inbox(limit=100)
     assert inbox.get(timeout=0.01) is _Inbox.IDLE

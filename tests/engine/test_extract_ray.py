@@ -20,8 +20,9 @@ import pytest
 import torch
 
 from capsteer.capture import open_job
-from capsteer.capture.publish import entry_digest
-from capsteer.capture.sharded import ShardedWriter, read_index, read_sharded
+from capsteer.capture.digests import entry_digest
+from capsteer.capture.sharded import read_index, read_sharded
+from capsteer.capture.writer.sharded import ShardedWriter
 from capsteer.extract import extract
 from capsteer.extract_ray import STAGING_DIR, JobCommitter, RayMissing
 

@@ -30,10 +30,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from capsteer.capture import metrics
+import capsteer.capture.metrics as metrics
 from capsteer.capture.sink import CaptureEnd, CaptureRequest, CaptureSink
 from capsteer.capture.writer.budget import DEFAULT_BUDGET_BYTES, DEFAULT_RING_BYTES, check_processes
-from capsteer.capture.writer_process import DeviceRows, ProcessCaptureWriter
+from capsteer.capture.writer.process import ProcessCaptureWriter
+from capsteer.capture.writer.ring import DeviceRows
 
 # Writer processes the default configuration starts where the host has the cores: two
 # reached the disk's rate on the lent H100 hosts (16 cores); one is the bound below that.
