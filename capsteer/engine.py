@@ -20,11 +20,18 @@ from capsteer.capture.receipts import Receipt, receipt_at
 from capsteer.capture.sink import CapturedActivations
 from capsteer.capture.spec import CaptureSpec, SpecError, parse_capture_spec
 from capsteer.engine_ext.lifeline import mark_launcher
-from capsteer.engine_ext.plan import EXTRA_ARGS_KEY, sign_payload
-from capsteer.engine_ext.version import hooks_code_hash
+from capsteer.engine_ext.payload import (
+    EXTRA_ARGS_KEY,
+    RPC_END_CAPTURES,
+    RPC_STATS,
+    RPC_TAKE_CAPTURES,
+    RPC_WRITER_STATS,
+    WORKER_CLS,
+    build_payload,
+    needs_end_report,
+)
+from capsteer.engine_ext.vllm.version import hooks_code_hash
 from capsteer.steering.spec import SteeringSpec, VectorLookup, parse_steering_spec
-
-WORKER_CLS = "capsteer.engine_ext.worker.CapsteerWorker"
 
 
 @dataclass
@@ -55,65 +62,10 @@ class Result:
     receipt: Receipt | None = None  # durable captures: status, directory, files
 
 
-@dataclass(frozen=True)
-class HookPayload:
-    """What a request carries to the workers, and the prefix-cache salt it implies."""
-
-    extra_args: dict
-    cache_salt: str | None
-    capture_id: str | None
-
-
 def _logprob_steps(steps) -> list[dict[int, float] | None] | None:
     if steps is None:
         return None
     return [None if step is None else {t: lp.logprob for t, lp in step.items()} for step in steps]
-
-
-def new_capture_id() -> str:
-    return "cap-" + uuid.uuid4().hex
-
-
-def needs_end_report(capture: CaptureSpec, prompt_len: int | None) -> bool:
-    """Whether a durable capture's kept positions depend on the output length, so the
-    caller must report it (`capsteer_end_captures`). Prompt-only captures close in the
-    worker once their prompt is fed; `prompt_len` None (not tokenized here) counts
-    explicit positions as possibly generated (the worker's rule, `needs_output_length`)."""
-    return capture.positions.reaches_past_prompt(prompt_len)
-
-
-def build_payload(
-    capture: CaptureSpec | None, steering: SteeringSpec | None, capture_id: str | None = None,
-    durable: bool = False, dir_time: float | None = None, await_end: bool | None = None,
-    record_id: str | None = None,
-) -> HookPayload | None:
-    """extra_args + cache_salt. Captured prompts never reuse cached blocks (unique
-    salt); steered prompts share blocks only with identical steering. `await_end`
-    (default: `durable`) promises the worker an end report for a durable capture.
-    `record_id` is the id the capture records (manifest `request_id`, sharded index
-    `id`); without it, the engine's own request id."""
-    if capture is None and (steering is None or steering.is_noop):
-        return None
-    payload: dict[str, Any] = {}
-    salt = None
-    if steering is not None and not steering.is_noop:
-        # JSON text and its key: cheap for vLLM to copy per request (SteeringSpec.wire_text)
-        payload["steering"] = steering.wire_text
-        payload["steering_key"] = steering.sharing_key
-        salt = steering.cache_salt()
-    if capture is not None:
-        capture_id = capture_id or new_capture_id()
-        payload["capture"] = capture.to_json()  # text, like the steering spec
-        payload["capture_id"] = capture_id
-        # Every pipeline stage dates its directory alike, and the caller knows where it is.
-        payload["dir_time"] = time.time() if dir_time is None else dir_time
-        payload["durable"] = durable
-        # the caller reports the output length (end_captures)
-        payload["await_end"] = durable if await_end is None else await_end
-        if record_id is not None:
-            payload["record_id"] = record_id
-        salt = f"capsteer-capture-{capture_id}"
-    return HookPayload({EXTRA_ARGS_KEY: sign_payload(payload)}, salt, capture_id)
 
 
 def _final_positions(
@@ -205,7 +157,7 @@ class Engine:
     ) -> None:
         from vllm import LLM
 
-        from capsteer.engine_ext.adapter import refuse_at_vllm_config_step
+        from capsteer.engine_ext.vllm.refusals import refuse_at_vllm_config_step
 
         extra = dict(llm_kwargs.pop("additional_config", None) or {})
         extra["capsteer"] = {"hooks_code": hooks_code_hash(), **dict(capsteer_config or {})}
@@ -228,13 +180,13 @@ class Engine:
 
     def stats(self) -> list[dict]:
         """Each worker's diagnostics (mode, plan builds and reuses, sync-checked steps)."""
-        return list(self.llm.collective_rpc("capsteer_stats"))
+        return list(self.llm.collective_rpc(RPC_STATS))
 
     def writer_stats(self) -> list[dict | None]:
         """Each worker's durable-writer stats (budget and ring waits, bytes in flight; None
         where it has no capture_dir or writes no captures, as TP ranks but 0): where a
         capture-heavy batch's time went past the GPU."""
-        return list(self.llm.collective_rpc("capsteer_writer_stats"))
+        return list(self.llm.collective_rpc(RPC_WRITER_STATS))
 
     def close(self) -> None:
         """Stop the engine-core process now rather than at interpreter exit."""
@@ -357,7 +309,7 @@ class Engine:
                     if i in awaited:
                         ends.append((awaited[i], len(out.outputs[0].token_ids)))
                 if ends:
-                    self.llm.collective_rpc("capsteer_end_captures", args=(ends,))
+                    self.llm.collective_rpc(RPC_END_CAPTURES, args=(ends,))
         except BaseException:
             unfinished = [rid for rid, i in index.items() if outputs[i] is None]
             if unfinished:
@@ -377,7 +329,7 @@ class Engine:
         deadline = time.monotonic() + timeout
         while len(found) < len(capture_ids):
             missing = [c for c in capture_ids if c not in found]
-            for per_worker in self.llm.collective_rpc("capsteer_take_captures", args=(missing,)):
+            for per_worker in self.llm.collective_rpc(RPC_TAKE_CAPTURES, args=(missing,)):
                 for cid, blob in per_worker.items():
                     parts.setdefault(cid, []).append(CapturedActivations.from_wire(blob))
             for cid in missing:

@@ -18,9 +18,10 @@ import numpy as np
 import torch
 
 from capsteer.capture.spec import parse_capture_spec
-from capsteer.engine_ext import adapter
-from capsteer.engine_ext.plan import EXTRA_ARGS_KEY, RequestHooks, build_step_plan
+from capsteer.engine_ext.payload import EXTRA_ARGS_KEY
+from capsteer.engine_ext.plan import RequestHooks, build_step_plan
 from capsteer.engine_ext.runtime import STREAM, SUB, StepPlan
+from capsteer.engine_ext.vllm.worker_access import dummy_forward, eager_embedding
 from capsteer.hooks import HOOKS
 from capsteer.steering.spec import parse_steering_spec
 
@@ -78,7 +79,7 @@ def _forward(hooks, steer: torch.Tensor | None = None,
         runtime.set_plan(plan, n)
         hooks.pinned_plan = True
         try:
-            adapter.dummy_forward(hooks.worker.model_runner, n)
+            dummy_forward(hooks.worker.model_runner, n)
         finally:
             hooks.pinned_plan = False
         fired = list(runtime.fired)
@@ -152,7 +153,7 @@ def run_canary(hooks) -> None:
     mult = sites.residual_multiplier
     _check_identities(base, runtime.local_sites, runtime.num_layers, close, multiplier=mult)
     if 0 in runtime.local_sites:
-        embedded = adapter.eager_embedding(hooks.worker.model_runner, n,
+        embedded = eager_embedding(hooks.worker.model_runner, n,
                                            sites.embedding_multiplier).float().cpu()
         if not close(base[(STREAM, 0)], embedded):
             raise CanaryFailed("resid_pre(0) differs from the eagerly computed embedding")

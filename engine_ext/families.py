@@ -1,7 +1,7 @@
 """Where each contract hook lives, one declarative row per model family.
 
 Pure data: no vLLM import, so the HF reference (capsteer.reference), the server
-and the docs read the same table as the engine adapter.
+and the docs read the same table as engine_ext/vllm/.
 
 A hook is read at a *site*: site 2L is the stream entering layer L, site 2L+1 the
 stream after attention's residual add, site 2L+2 (= 2(L+1)) the stream leaving

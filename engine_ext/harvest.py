@@ -33,17 +33,13 @@ class _Slot:
 class Harvester:
     """Pinned ring of staging copies plus one thread that feeds the sink in order."""
 
-    # The harvester sleeps in the driver until a copy lands (cudaEventBlockingSync)
-    # instead of spinning on the event: a spinning waiter polls the driver while the
-    # step thread launches work through it. False restores the spin, for the A/B in
-    # bench/capture_phases.py (config `capture_spin`).
-    blocking_wait = True
-
     def __init__(self, rows: int, hidden: int, dtype: torch.dtype, ring: int = 2) -> None:
         self.slots = [
             _Slot(torch.empty(rows, hidden, dtype=dtype, pin_memory=True),
                   torch.empty(rows, dtype=torch.int64, pin_memory=True), threading.Event(),
-                  torch.cuda.Event(blocking=self.blocking_wait))
+                  # sleep in the driver until the copy lands: a spinning waiter would poll
+                  # the driver while the step thread launches work through it
+                  torch.cuda.Event(blocking=True))
             for _ in range(ring)
         ]
         for slot in self.slots:

@@ -1,7 +1,7 @@
 """Per-request hook state and the per-step plan built from the batch layout.
 
 Every step, each batch row belongs to (request, absolute position). That mapping
-comes from the runner's own host arrays (see adapter.BatchLayout), so it stays
+comes from the runner's own host arrays (see vllm.batch.BatchLayout), so it stays
 right under continuous batching, chunked prefill, preemption/recompute (positions
 restart and the sink keeps each position once) and prefix caching (cached tokens
 are never fed, and captured requests never hit the cache: their salt is unique).
@@ -9,8 +9,6 @@ are never fed, and captured requests never hit the cache: their salt is unique).
 
 from __future__ import annotations
 
-import json
-import os
 from collections import defaultdict
 from collections.abc import Container, Mapping
 from dataclasses import dataclass, field
@@ -20,14 +18,10 @@ import torch
 
 from capsteer.capture.paths import validate_capture_id
 from capsteer.capture.spec import CaptureSpec
+from capsteer.engine_ext.payload import decode_payload
 from capsteer.engine_ext.runtime import STREAM, SUB, HookRuntime, StepPlan, hook_point
 from capsteer.steering.spec import SteeringSpec
 
-EXTRA_ARGS_KEY = "capsteer"
-# A server's workers act only on payloads carrying this key (its value lives in the
-# environment of the server's processes; clients never see it), so a payload that
-# reached vLLM by a path capsteer's checks do not cover runs without hooks.
-PAYLOAD_KEY_ENV = "CAPSTEER_PAYLOAD_KEY"
 PROMPT, GENERATED = 0, 1
 
 
@@ -151,30 +145,6 @@ class RequestHooks:
             runtime.release_entries(self.steering_key)
         self.entries = {}
         self.steering_key = None
-
-
-def sign_payload(payload: dict) -> dict:
-    """`payload` with this process's payload key (see PAYLOAD_KEY_ENV), when it has one:
-    its engine's workers, started from this environment, expect it."""
-    key = os.environ.get(PAYLOAD_KEY_ENV)
-    if key:
-        payload["key"] = key
-    return payload
-
-
-def payload_is_trusted(payload: Mapping, key: str | None) -> bool:
-    """Whether a worker expecting `key` (None: no key, the in-process engine) may act on
-    `payload`."""
-    return key is None or payload.get("key") == key
-
-
-def decode_payload(extra_args: Mapping | None) -> Mapping | None:
-    """capsteer's payload in a request's extra_args (`vllm_xargs` carries flat values, so
-    it comes as JSON text), or None."""
-    payload = (extra_args or {}).get(EXTRA_ARGS_KEY)
-    if isinstance(payload, str):
-        payload = json.loads(payload)
-    return payload or None
 
 
 _SITE_SETS: dict[frozenset[int], frozenset[int]] = {}

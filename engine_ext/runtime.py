@@ -2,7 +2,7 @@
 
 Each tapped module calls `torch.ops.capsteer.tap(x, residual, key, kinds)` (see
 engine_ext/families.py for where); `key` is a small tensor of that tap's own, which
-names its site (`register_site_key`). In vLLM's deferred layout the tap sits before a
+names its site (engine_ext.tap_op.new_site_key). In vLLM's deferred layout the tap sits before a
 fused add+norm: `x` is the sublayer output (attention or MLP) about to be added into
 the residual stream, so `x + residual` is the stream itself. In a materialized
 layout a call carries one kind: the stream (residual None) or a sublayer output.
@@ -103,7 +103,7 @@ class StepPlan:
 def _pinned_copy(host: torch.Tensor) -> torch.Tensor:
     """`host` in a pinned block, copied on this thread (`copy_rows`): torch's own copy
     splits a large tensor over its OpenMP team, whose threads then spin on their cores
-    after every step (bench/results/h100-2026-11-25-session25.md)."""
+    after every step (measured on an H100, 2026-11-25)."""
     pinned = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
     copy_rows(pinned, host)
     return pinned
@@ -496,7 +496,7 @@ class HookRuntime:
     def step_needs_taps(self) -> bool:
         """Whether this step's forward must run the tap kernels: some request of the batch
         steers or copies at a site (`active_sites` None means every site may). Read by the
-        CUDA-graph choice before each replay (adapter.PlainGraphs): a step of plain
+        CUDA-graph choice before each replay (vllm.graphs.PlainGraphs): a step of plain
         requests replays graphs recorded without the taps."""
         active = self.plan.active_sites
         return active is None or bool(active)
@@ -557,55 +557,3 @@ class HookRuntime:
         """Host mode: rows copied this step, per (kind, site), in plan order."""
         out, self.captured = self.captured, {}
         return out
-
-
-RUNTIME: HookRuntime | None = None
-
-# Which site each tap's key tensor names, by the key's address. The site is not an int
-# argument of the op because a constant differs in every layer: torch.compile then
-# builds one compiled piece per layer (28 on Qwen3-0.6B) where vanilla vLLM runs one
-# piece 28 times, and a step too large for CUDA graphs paid for the distinct pieces in
-# host time. A key is a graph input like the layer's weights, so the pieces stay equal.
-_SITE_BY_KEY: dict[int, int] = {}
-
-
-def install_runtime(runtime: HookRuntime | None) -> None:
-    global RUNTIME
-    RUNTIME = runtime
-
-
-def new_site_key(site: int, device: torch.device | str) -> torch.Tensor:
-    """A key tensor that names `site` for the op (kept alive by its module, as a buffer)."""
-    key = torch.full((1,), site, dtype=torch.int32, device=device)
-    _SITE_BY_KEY[key.data_ptr()] = site  # a newer key at a reused address replaces the old
-    return key
-
-
-def site_of(key: torch.Tensor) -> int:
-    site = _SITE_BY_KEY.get(key.data_ptr())
-    if site is None:  # never guess: a wrong site would capture or steer the wrong layer
-        raise RuntimeError("capsteer: the tap op got a key no site registered (the model's "
-                           "buffers moved after the hooks were installed?)")
-    return site
-
-
-def tap(x: torch.Tensor, residual: torch.Tensor | None, key: torch.Tensor, kinds: int) -> None:
-    """Steer `x` in place and copy captured rows at one site (see module docstring)."""
-    if RUNTIME is not None:
-        RUNTIME.tap(x, residual, site_of(key), kinds)
-
-
-def _tap_fake(x: torch.Tensor, residual: torch.Tensor | None, key: torch.Tensor,
-              kinds: int) -> None:
-    return None
-
-
-# Registered straight with the dispatcher, as vLLM registers its own ops: every step
-# that runs outside a CUDA graph calls the op once per site, and `torch.library.custom_op`'s
-# Python wrappers cost ~9-13 us a call against ~1.6 us here (bench/op_dispatch.py, CPU).
-# `x` is mutated, nothing is returned; `key` is only read (for its address).
-TAP_SCHEMA = "tap(Tensor(a!) x, Tensor? residual, Tensor key, int kinds) -> ()"
-_LIBRARY = torch.library.Library("capsteer", "FRAGMENT")
-_LIBRARY.define(TAP_SCHEMA)
-_LIBRARY.impl("tap", tap, "CompositeExplicitAutograd")
-torch.library.register_fake("capsteer::tap", _tap_fake, lib=_LIBRARY)

@@ -4,7 +4,7 @@ CPython 3.11+ keeps a thread's Python frames on a stack of 16 KiB chunks. A call
 frame does not fit in the current chunk maps a new chunk (mmap), and the return from that
 call unmaps it at once (munmap). A call made once per layer whose frame happens to cross a
 chunk's end therefore maps, faults in and unmaps a chunk for every layer of every step.
-On an H200 (session 55, 8B shape, 36 layers) capsteer's engine did this 36 times in each
+On an H200 (2026-11-29, 8B shape, 36 layers) capsteer's engine did this 36 times in each
 plain prompt-chunk step and 110-147 times in each larger step: 0.4-1.7 ms of kernel time
 a step, where vanilla vLLM's step thread, whose frames end elsewhere, did it never. Where
 a chunk's end falls depends on every frame below the call, so no frame layout of

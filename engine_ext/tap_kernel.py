@@ -12,7 +12,7 @@ Set CAPSTEER_TAP_KERNEL=torch to use the reference.
 Launch cost matters more than the kernel: a step too large for CUDA graphs (a long
 prefill) calls the tap from Python at every steered site, and Triton's `JITFunction.run`
 spends ~25 us a call binding and specialising 21 arguments and asking the driver about
-each of 11 pointers (H100, `bench/tap_launch.py`), where the kernel itself runs ~6 us.
+each of 11 pointers (measured on an H100), where the kernel itself runs ~6 us.
 After the first launch of a specialisation, `tap` calls the compiled kernel's launcher
 directly with integer addresses (the runtime's buffers never move). Only for the Triton
 release whose launcher it was written against (`DIRECT_TRITON`); other releases, the CPU
@@ -67,7 +67,7 @@ if triton is not None:
         # compiler cannot tell they never alias): slot, class and rank; then x with both
         # kinds' entries and copy bases. Vectors (w, u, residual) are loaded only where
         # used: a prefill step's tap is bandwidth-bound, and holding them all at once
-        # costs occupancy (measured: 30% slower at 8192 rows, bench/tap_kernel_time.py).
+        # costs occupancy (measured: 30% slower at 8192 rows).
         row = tl.program_id(0)
         slot = tl.load(slot_ptr + row)
         gen = tl.load(gen_ptr + row)

@@ -15,7 +15,7 @@
   snapshot of its capture metrics at scrape time (last good one on failure).
 
 Under vLLM's data parallelism both calls go to every worker of every DP engine
-(adapter.collective_rpc_all): the engine holding a capture is not known here, and
+(collective_rpc_all): the engine holding a capture is not known here, and
 every engine's metrics count.
 """
 
@@ -26,7 +26,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from capsteer.engine_ext import adapter
+from capsteer.engine_ext.vllm.topology import collective_rpc_all
 
 log = logging.getLogger("vllm.capsteer.server")
 REPORT_ATTEMPTS = 3
@@ -72,7 +72,7 @@ class EngineLink:
         worker acts on a capture's first end only."""
         for attempt in range(REPORT_ATTEMPTS):
             try:
-                return await asyncio.wait_for(adapter.collective_rpc_all(
+                return await asyncio.wait_for(collective_rpc_all(
                     self.engine, "capsteer_end_captures", args=(batch,)), self.rpc_timeout_s)
             except Exception:
                 last = attempt == REPORT_ATTEMPTS - 1
@@ -115,7 +115,7 @@ class EngineLink:
     async def metrics_snapshots(self, timeout_s: float = 5.0) -> list[dict]:
         try:
             self._last_metrics = await asyncio.wait_for(
-                adapter.collective_rpc_all(self.engine, "capsteer_metrics"), timeout_s)
+                collective_rpc_all(self.engine, "capsteer_metrics"), timeout_s)
         except Exception:
             log.warning("capsteer: workers did not answer the metrics call; "
                         "serving their last snapshot")

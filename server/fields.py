@@ -16,8 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from capsteer.capture.spec import CaptureSpec, SpecError, parse_capture_spec
-from capsteer.engine import build_payload
-from capsteer.engine_ext.plan import EXTRA_ARGS_KEY
+from capsteer.engine_ext.payload import EXTRA_ARGS_KEY, build_payload
 from capsteer.steering.spec import (
     SteeringSpec,
     SteeringSpecError,

@@ -19,7 +19,7 @@ from typing import NamedTuple
 from capsteer.config.cli import SERVER_FLAGS, add_server_flags, overrides_from_args
 from capsteer.config.server import ENV_VAR, ConfigError, resolve_settings
 from capsteer.engine_ext.lifeline import mark_launcher
-from capsteer.engine_ext.version import hooks_code_hash
+from capsteer.engine_ext.vllm.version import hooks_code_hash
 from capsteer.server.peers import RUNTIME_ENV, make_runtime_dir
 
 WORKER_CLS = "capsteer.engine_ext.worker.CapsteerWorker"
@@ -188,7 +188,7 @@ def model_first(argv: list[str]) -> list[str]:
                      "`capsteer serve MODEL [flags]` (or `--model MODEL`)")
 
 
-# vLLM DP launch modes capsteer refuses (engine_ext/adapter.data_parallel_problem says why
+# vLLM DP launch modes capsteer refuses (engine_ext/vllm/refusals.data_parallel_problem says why
 # for the resolved config; this catches the flags before minutes of engine start-up).
 UNSUPPORTED_DP_FLAGS = {
     ("--data-parallel-external-lb", "-dpe"): "external data-parallel load balancing",
@@ -243,11 +243,9 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace, passthrough: list[str] | None = None) -> int:
-    from capsteer.engine_ext.adapter import (
-        UnsupportedError,
-        refuse_at_vllm_config_step,
-        run_vllm_serve,
-    )
+    from capsteer.engine_ext.vllm.refusals import refuse_at_vllm_config_step
+    from capsteer.engine_ext.vllm.serve import run_vllm_serve
+    from capsteer.engine_ext.vllm.version import UnsupportedError
 
     # `--config` is vllm serve's config file; capsteer takes its own keys from it.
     # `--vllm-config` is an older spelling of the same.
@@ -283,7 +281,7 @@ def _run(args: argparse.Namespace, passthrough: list[str] | None = None) -> int:
     argv = vllm_argv(args.model, extra, settings.worker_config(), file_tokens)
     os.environ[ENV_VAR] = settings.to_env()
     # the API processes sign their payloads with it and the workers check it (plan.py)
-    from capsteer.engine_ext.plan import PAYLOAD_KEY_ENV
+    from capsteer.engine_ext.payload import PAYLOAD_KEY_ENV
 
     os.environ.setdefault(PAYLOAD_KEY_ENV, secrets.token_hex(16))
     mark_launcher()  # the engine processes vLLM starts exit if this process is killed

@@ -25,8 +25,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from capsteer.config.server import ServerSettings
-from capsteer.engine import new_capture_id
-from capsteer.engine_ext.plan import EXTRA_ARGS_KEY
+from capsteer.engine_ext.payload import EXTRA_ARGS_KEY, new_capture_id
 from capsteer.server import metrics, openapi, routes
 from capsteer.server.errors import error_body, exception_body
 from capsteer.server.fields import (

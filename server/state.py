@@ -10,7 +10,8 @@ import torch
 
 from capsteer.capture.spec import SpecError, parse_capture_shorthand, parse_capture_spec
 from capsteer.config.server import ServerSettings
-from capsteer.engine_ext import adapter
+from capsteer.engine_ext.vllm.serve import api_keys, app_engine_client
+from capsteer.engine_ext.vllm.topology import ServedModel, Topology, served_model, served_topology
 from capsteer.server.engine_link import EngineLink
 from capsteer.server.fields import ModelShape
 from capsteer.server.peers import PeerBoard
@@ -23,20 +24,20 @@ log = logging.getLogger("vllm.capsteer.server")
 @dataclass
 class CapsteerState:
     settings: ServerSettings
-    model: adapter.ServedModel
+    model: ServedModel
     shape: ModelShape
     registry: VectorRegistry
     tracker: CaptureTracker
     link: EngineLink
     api_keys: list[str]
     global_capture: dict | None = None  # the capture object every request without one gets
-    topology: adapter.Topology | None = None
+    topology: Topology | None = None
 
     @classmethod
     def create(cls, app: object, settings: ServerSettings) -> CapsteerState:
-        engine = adapter.app_engine_client(app)
-        topology = adapter.served_topology(engine)  # refuses DP layouts capsteer cannot serve
-        model = adapter.served_model(engine)
+        engine = app_engine_client(app)
+        topology = served_topology(engine)  # refuses DP layouts capsteer cannot serve
+        model = served_model(engine)
         itemsize = torch.empty((), dtype=model.dtype).element_size()
         shape = ModelShape(model.num_layers, model.hidden_size, model.max_model_len, itemsize)
         Path(settings.capture_dir).mkdir(parents=True, exist_ok=True)
@@ -60,10 +61,10 @@ class CapsteerState:
                                  peers=peers, model=model.name)
         link = EngineLink(engine, tracker.settle_unreached, tracker.untrack)
         return cls(settings, model, shape, registry, tracker, link,
-                   adapter.api_keys(app), global_capture, topology)
+                   api_keys(app), global_capture, topology)
 
 
-def admission_budget(settings: ServerSettings, topology: adapter.Topology) -> int:
+def admission_budget(settings: ServerSettings, topology: Topology) -> int:
     """This API server's share of what the reject policy admits in flight.
 
     `--capture-budget` is what each engine's capture writer may hold, so the deployment

@@ -97,7 +97,7 @@ def _split(text: str) -> object:
 def main(argv: list[str]) -> int:
     """`capsteer extract ARGV`."""
     # Start-up cost: `capsteer --help` imports this module; torch and vLLM load only here.
-    from capsteer.engine_ext.adapter import UnsupportedError
+    from capsteer.engine_ext.vllm.version import UnsupportedError
     from capsteer.extraction.local import extract
     from capsteer.extraction.ray import RayMissing
 

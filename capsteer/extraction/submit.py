@@ -11,8 +11,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from capsteer.capture.spec import CaptureSpec
-from capsteer.engine import Engine, needs_end_report, new_capture_id
-from capsteer.engine_ext.plan import EXTRA_ARGS_KEY, sign_payload
+from capsteer.engine import Engine, needs_end_report
+from capsteer.engine_ext.payload import EXTRA_ARGS_KEY, new_capture_id, sign_payload
 from capsteer.extraction.job import Record
 
 

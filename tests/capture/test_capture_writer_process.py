@@ -436,7 +436,7 @@ def test_a_steps_rows_reach_each_writer_ring_in_one_copy(root, device_ring_pool)
     writer follow each other in its ring and `merge_row_copies` turns a step's 12 copies
     into one per writer (more only where a ring wraps). What each child publishes is the
     rows it was given."""
-    from capsteer.engine_ext.worker import merge_row_copies
+    from capsteer.engine_ext.delivery import merge_row_copies
 
     pool = device_ring_pool
     spec = make_spec(layers=[1], positions="all")
@@ -565,7 +565,7 @@ def test_rows_written_under_two_keys_free_the_ring_only_with_the_last(proc_write
 
 
 def test_merge_row_copies_joins_only_copies_that_continue_each_other():
-    from capsteer.engine_ext.worker import merge_row_copies
+    from capsteer.engine_ext.delivery import merge_row_copies
 
     staging = torch.arange(80.0).view(20, 4)
     a, b = object(), object()

@@ -242,7 +242,7 @@ def test_resolved_dp_configs_are_checked_by_name():
     API server and the workers."""
     from vllm.config import ParallelConfig
 
-    from capsteer.engine_ext.adapter import data_parallel_problem
+    from capsteer.engine_ext.vllm.refusals import data_parallel_problem
 
     assert data_parallel_problem(ParallelConfig(data_parallel_size=1)) is None
     assert data_parallel_problem(ParallelConfig(data_parallel_size=2,
@@ -262,7 +262,7 @@ def test_resolved_dp_configs_are_checked_by_name():
 
 def test_reject_budget_is_shared_by_the_api_servers():
     from capsteer.config.server import ServerSettings
-    from capsteer.engine_ext.adapter import Topology
+    from capsteer.engine_ext.vllm.topology import Topology
     from capsteer.server.state import admission_budget
 
     settings = ServerSettings(capture_budget=1 << 20)

@@ -12,23 +12,24 @@ from vllm.config import VllmConfig
 
 from capsteer.capture.spec import parse_capture_spec
 from capsteer.config.server import ServerSettings
-from capsteer.engine_ext import adapter
+from capsteer.engine_ext.vllm.section import RUNTIME_KEYS, capsteer_config, take_runtime_config
+from capsteer.engine_ext.worker_config import WorkerConfig
 from capsteer.extraction.job import job_config
 
 GRAPH = {"hooks_code": "0123abcd", "max_steering_entries": 4096, "staging_rows": 8192}
 
 
 def _worker(section: dict) -> SimpleNamespace:
-    """The one attribute the adapter reads of a worker: a real VllmConfig."""
+    """The one attribute engine_ext.vllm.section reads of a worker: a real VllmConfig."""
     return SimpleNamespace(vllm_config=VllmConfig(additional_config={"capsteer": dict(section),
                                                                      "other": {"x": 1}}))
 
 
 def _key_after_take(section: dict) -> tuple[str, dict]:
     worker = _worker(section)
-    taken = adapter.take_runtime_config(worker)
+    taken = take_runtime_config(worker)
     assert taken == section
-    assert adapter.capsteer_config(worker) == section  # the worker still reads it whole
+    assert capsteer_config(worker) == section  # the worker still reads it whole
     return worker.vllm_config.compute_hash(), worker.vllm_config.additional_config
 
 
@@ -68,7 +69,33 @@ def test_every_server_and_job_key_is_classified(tmp_path: Path) -> None:
                                capture_ring=1 << 27, capture_staging_rows=512)
     threads = ServerSettings(capture_dir=str(tmp_path), capture_writer="threads")
     server_keys = set(processes.worker_config()) | set(threads.worker_config())
-    assert server_keys - adapter.RUNTIME_KEYS == {"staging_rows"}
+    assert server_keys - RUNTIME_KEYS == {"staging_rows"}
     spec = parse_capture_spec({"hooks": ["resid_post"], "layers": [1]}, num_layers=4)
     job = job_config(tmp_path / "job", spec, 1 << 20, {}, num_layers=4)
-    assert set(job) - adapter.RUNTIME_KEYS == {"staging_rows", "stop_at_layer"}
+    assert set(job) - RUNTIME_KEYS == {"staging_rows", "stop_at_layer"}
+
+
+def test_the_worker_reads_every_key_with_the_servers_defaults(tmp_path: Path) -> None:
+    """WorkerConfig knows every key the launcher and an extraction job write, and a key left
+    out means what it means to the server."""
+    settings = ServerSettings(capture_dir=str(tmp_path), capture_digest="blake3",
+                              capture_writer_processes=1, capture_io="direct",
+                              capture_ring=1 << 27, capture_staging_rows=512,
+                              plain_graphs=False, stack_room=False)
+    spec = parse_capture_spec({"hooks": ["resid_post"], "layers": [1]}, num_layers=4)
+    job = job_config(tmp_path / "job", spec, 1 << 20, {}, num_layers=4)
+    fields = set(WorkerConfig.__dataclass_fields__)
+    assert set(settings.worker_config()) | set(job) <= fields
+    given = WorkerConfig.from_section(settings.worker_config())
+    assert (given.capture_digest, given.capture_io, given.capture_ring_bytes,
+            given.staging_rows, given.plain_graphs, given.stack_room) == (
+        "blake3", "direct", 1 << 27, 512, False, False)
+    plain, defaults = WorkerConfig(), ServerSettings(capture_dir=str(tmp_path))
+    assert (plain.capture_budget, plain.capture_overload, plain.capture_digest,
+            plain.capture_io, plain.capture_writer, plain.capture_writer_processes,
+            plain.capture_ring_bytes, plain.staging_rows, plain.stack_room) == (
+        defaults.capture_budget, defaults.capture_overload, defaults.capture_digest,
+        defaults.capture_io, defaults.capture_writer, defaults.capture_writer_processes,
+        defaults.capture_ring, defaults.capture_staging_rows, defaults.stack_room)
+    assert plain.uses_plain_graphs and not WorkerConfig.from_section(job).uses_plain_graphs
+

@@ -14,7 +14,7 @@ import yaml
 
 from capsteer.config.cli import load_from_args
 from capsteer.config.server import split_config_file
-from capsteer.engine_ext.adapter import vllm_serve_args
+from capsteer.engine_ext.vllm.serve import vllm_serve_args
 from capsteer.server import launch
 
 
@@ -255,9 +255,9 @@ def serve(monkeypatch: pytest.MonkeyPatch):
     (the process env it sets is put back afterwards)."""
     from capsteer import cli
     from capsteer.config.server import ENV_VAR
-    from capsteer.engine_ext import adapter
     from capsteer.engine_ext.lifeline import LAUNCHER_ENV
-    from capsteer.engine_ext.plan import PAYLOAD_KEY_ENV
+    from capsteer.engine_ext.payload import PAYLOAD_KEY_ENV
+    from capsteer.engine_ext.vllm import serve
     from capsteer.server.peers import RUNTIME_ENV
 
     for name in list(os.environ):
@@ -266,7 +266,7 @@ def serve(monkeypatch: pytest.MonkeyPatch):
     for name in (ENV_VAR, PAYLOAD_KEY_ENV, LAUNCHER_ENV, RUNTIME_ENV):
         monkeypatch.setenv(name, "placeholder")  # restored after the test
     calls: list[list[str]] = []
-    monkeypatch.setattr(adapter, "run_vllm_serve", calls.append)
+    monkeypatch.setattr(serve, "run_vllm_serve", calls.append)
 
     def run(*argv: str) -> tuple[list[str], dict]:
         assert cli.main(["serve", *argv]) == 0

@@ -1,4 +1,4 @@
-"""The choice between hooked and plain CUDA graphs (adapter.PlainGraphs), on a stand-in for
+"""The choice between hooked and plain CUDA graphs (PlainGraphs), on a stand-in for
 vLLM 0.26's V2 CUDA-graph manager: CI has no GPU, so the real graphs are checked on the
 lent GPU (tests/gpu/gpu_validate.py). What can go wrong here is the choice itself: a step with
 hooks must never replay a graph recorded without the taps (its captures would be zeros,
@@ -11,8 +11,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from capsteer.engine_ext import adapter
 from capsteer.engine_ext.runtime import HookRuntime, StepPlan
+from capsteer.engine_ext.vllm.graphs import (
+    GraphSet,
+    PlainGraphs,
+    install_plain_graphs,
+    wire_plain_graphs,
+)
 
 SIZES = (8, 4, 2)
 
@@ -67,7 +72,7 @@ def engine():
     other = StandInWrapper()  # another model's wrapper: filled before, never swapped
     other.concrete_cudagraph_entries = {1: "other"}
     manager = StandInManager(runtime, pieces)
-    graphs = adapter.wire_plain_graphs(manager, runtime, lambda: [other, *pieces])
+    graphs = wire_plain_graphs(manager, runtime, lambda: [other, *pieces])
     return runtime, manager, graphs, pieces, other
 
 
@@ -80,9 +85,9 @@ def test_capture_records_a_hooked_and_a_plain_set(engine):
     hooked, plain = graphs.full
     assert hooked == {s: f"full-{s}-taps" for s in SIZES}
     assert plain == {s: f"full-{s}-no-taps" for s in SIZES}
-    for entries in graphs.pieces[adapter.GraphSet.HOOKED]:
+    for entries in graphs.pieces[GraphSet.HOOKED]:
         assert entries == {s: f"piece-{s}-taps" for s in SIZES}
-    for entries in graphs.pieces[adapter.GraphSet.PLAIN]:
+    for entries in graphs.pieces[GraphSet.PLAIN]:
         assert entries == {s: f"piece-{s}-no-taps" for s in SIZES}
     assert manager.replayed == []  # capturing replayed nothing and switched nothing
 
@@ -133,8 +138,8 @@ def test_a_second_capture_records_both_sets_afresh(engine):
     _plan(runtime, frozenset())
     manager.run_fullgraph(2)  # now on the plain set
     manager.capture()  # e.g. after vLLM cleared its graphs
-    assert graphs.full[adapter.GraphSet.HOOKED] == {s: f"full-{s}-taps" for s in SIZES}
-    assert graphs.full[adapter.GraphSet.PLAIN] == {s: f"full-{s}-no-taps" for s in SIZES}
+    assert graphs.full[GraphSet.HOOKED] == {s: f"full-{s}-taps" for s in SIZES}
+    assert graphs.full[GraphSet.PLAIN] == {s: f"full-{s}-no-taps" for s in SIZES}
     _plan(runtime, frozenset({1}))
     manager.run_fullgraph(2)
     assert manager.replayed[-1] == ("full", "full-2-taps")
@@ -153,7 +158,7 @@ def test_the_runtime_needs_taps_only_for_planned_sites():
 
 
 class _V2Runner:
-    """A stand-in whose module says "vLLM's V2 GPU runner" (adapter.runner_kind)."""
+    """A stand-in whose module says "vLLM's V2 GPU runner" (batch.runner_kind)."""
 
     def __init__(self, tp: int = 1, manager: object | None = None) -> None:
         self.vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(
@@ -177,21 +182,21 @@ def test_one_set_where_the_sets_cannot_be_swapped_safely(runner, why):
     peers' buffers of the same recording), but only rank 0 closes a prompt-only capture
     early, so their plans can differ: those engines keep one set."""
     runtime = HookRuntime(2, 32, torch.float32, torch.device("cpu"), max_tokens=16)
-    result = adapter.install_plain_graphs(runner, runtime, vllm_version="0.26.0")
+    result = install_plain_graphs(runner, runtime, vllm_version="0.26.0")
     assert isinstance(result, str) and why in result
 
 
 def test_a_single_gpu_v2_runner_gets_both_sets_on_the_vllm_it_was_written_for():
     runtime = HookRuntime(2, 32, torch.float32, torch.device("cpu"), max_tokens=16)
     manager = StandInManager(runtime, [])
-    later = adapter.install_plain_graphs(_V2Runner(manager=manager), runtime,
+    later = install_plain_graphs(_V2Runner(manager=manager), runtime,
                                          vllm_version="0.32.0")
     assert isinstance(later, str) and "0.32.0" in later
-    graphs = adapter.install_plain_graphs(_V2Runner(manager=manager), runtime,
+    graphs = install_plain_graphs(_V2Runner(manager=manager), runtime,
                                           vllm_version="0.26.0")
-    assert isinstance(graphs, adapter.PlainGraphs)
+    assert isinstance(graphs, PlainGraphs)
     manager.capture()
-    assert graphs.ready and set(graphs.full[adapter.GraphSet.PLAIN]) == set(SIZES)
+    assert graphs.ready and set(graphs.full[GraphSet.PLAIN]) == set(SIZES)
 
 
 class LabelledManager(StandInManager):
@@ -209,7 +214,7 @@ class LabelledManager(StandInManager):
 def test_the_plain_pass_names_itself_in_the_progress_bar():
     runtime = HookRuntime(2, 32, torch.float32, torch.device("cpu"), max_tokens=16)
     manager = LabelledManager(runtime, [StandInWrapper()])
-    adapter.wire_plain_graphs(manager, runtime, lambda: manager.pieces)
+    wire_plain_graphs(manager, runtime, lambda: manager.pieces)
     manager.capture()
     assert manager.labels[0] == "Capturing CUDA graphs"
     assert "without capsteer's taps" in manager.labels[1]
@@ -229,11 +234,11 @@ def test_a_failed_plain_pass_leaves_the_hooked_set_in_place():
     runtime = HookRuntime(2, 32, torch.float32, torch.device("cpu"), max_tokens=16)
     pieces = [StandInWrapper()]
     manager = FailingManager(runtime, pieces)
-    graphs = adapter.wire_plain_graphs(manager, runtime, lambda: pieces)
+    graphs = wire_plain_graphs(manager, runtime, lambda: pieces)
     with pytest.raises(RuntimeError, match="out of memory"):
         manager.capture()
     assert runtime.graph_taps and not graphs.ready and not graphs.capturing
-    assert manager.graphs is graphs.full[adapter.GraphSet.HOOKED]
+    assert manager.graphs is graphs.full[GraphSet.HOOKED]
     _plan(runtime, frozenset())
     manager.run_fullgraph(4)
     assert manager.replayed == [("full", "full-4-taps")]
@@ -273,13 +278,15 @@ def test_benches_can_hold_every_step_on_the_hooked_set(engine):
     assert manager.replayed == [("full", "full-4-taps"), ("full", "full-4-no-taps")]
 
 
-def _hooks_with(graphs: adapter.PlainGraphs, stage: int, monkeypatch):
+def _hooks_with(graphs: PlainGraphs, stage: int, monkeypatch):
     """An EngineHooks with only what install_plain_graphs reads, wired to `graphs`."""
+    from capsteer.engine_ext import worker
     from capsteer.engine_ext.worker import EngineHooks
+    from capsteer.engine_ext.worker_config import WorkerConfig
 
-    monkeypatch.setattr(adapter, "install_plain_graphs", lambda runner, runtime: graphs)
+    monkeypatch.setattr(worker, "install_plain_graphs", lambda runner, runtime: graphs)
     hooks = EngineHooks.__new__(EngineHooks)  # no engine: only the fields used here
-    hooks.device_driven, hooks.config, hooks.stage = True, {}, stage
+    hooks.device_driven, hooks.config, hooks.stage = True, WorkerConfig(), stage
     hooks.worker, hooks.runtime, hooks.plain_graphs = SimpleNamespace(model_runner=None), None, None
     hooks.install_plain_graphs()
     assert hooks.plain_graphs is graphs

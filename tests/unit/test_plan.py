@@ -200,7 +200,8 @@ def test_position_limited_steering_never_shares_cache_blocks():
 def test_version_and_architecture_refused():
     from torch import nn
 
-    from capsteer.engine_ext.adapter import UnsupportedError, check_architecture, check_vllm_version
+    from capsteer.engine_ext.vllm.refusals import check_architecture
+    from capsteer.engine_ext.vllm.version import UnsupportedError, check_vllm_version
 
     check_vllm_version("0.32.0")
     check_vllm_version("0.26.0")
@@ -219,7 +220,7 @@ def test_the_launching_process_refuses_from_vllms_resolved_config():
     registry markers, in the workers' words."""
     from types import SimpleNamespace
 
-    from capsteer.engine_ext.adapter import config_architecture_problem
+    from capsteer.engine_ext.vllm.refusals import config_architecture_problem
 
     def config(arch: str | None, **markers: bool) -> SimpleNamespace:
         info = SimpleNamespace(**{"supports_multimodal": False, "is_hybrid": False,
@@ -248,7 +249,7 @@ def test_the_launching_process_refuses_engine_features_from_the_config():
     the engine starts."""
     from types import SimpleNamespace
 
-    from capsteer.engine_ext.adapter import engine_config_problem
+    from capsteer.engine_ext.vllm.refusals import engine_config_problem
 
     def config(arch: str = "LlamaForCausalLM", section: dict | None = None,
                speculative: object = None, moe: bool = False,
@@ -307,27 +308,27 @@ def test_vllms_config_step_refuses_only_capsteers_engines(tmp_path):
     from vllm.engine.arg_utils import EngineArgs
 
     from capsteer.demo_model import write_demo_model
-    from capsteer.engine import WORKER_CLS
-    from capsteer.engine_ext import adapter
+    from capsteer.engine_ext.payload import WORKER_CLS
+    from capsteer.engine_ext.vllm import refusals
 
     before = EngineArgs.create_engine_config  # an earlier test may have installed it
     original = getattr(before, "__wrapped__", before)
     accepted: list[str] = []
     try:
-        adapter.refuse_at_vllm_config_step(WORKER_CLS)
+        refusals.refuse_at_vllm_config_step(WORKER_CLS)
         # twice: one wrapper; the server's hint waits for a config that passes
-        adapter.refuse_at_vllm_config_step(WORKER_CLS, on_accept=lambda: accepted.append("hint"))
+        refusals.refuse_at_vllm_config_step(WORKER_CLS, on_accept=lambda: accepted.append("hint"))
         assert EngineArgs.create_engine_config.__wrapped__ is original
         llama = str(write_demo_model(tmp_path / "llama", "llama", seed=1))
         jamba = str(write_demo_model(tmp_path / "jamba", "jamba", seed=1))
-        with pytest.raises(adapter.UnsupportedError,
+        with pytest.raises(refusals.UnsupportedError,
                            match="cannot hook architecture JambaForCausalLM: hybrid"):
             EngineArgs(model=jamba, worker_cls=WORKER_CLS, max_model_len=256).create_engine_config()
         stock = EngineArgs(model=jamba, max_model_len=256).create_engine_config()
         assert stock.model_config.architecture == "JambaForCausalLM"
         # served data parallelism: vLLM's own is_moe decides (a dense model passes below)
         moe = str(write_demo_model(tmp_path / "moe", "qwen3_moe", seed=1))
-        with pytest.raises(adapter.UnsupportedError, match="with a mixture-of-experts model"):
+        with pytest.raises(refusals.UnsupportedError, match="with a mixture-of-experts model"):
             EngineArgs(model=moe, worker_cls=WORKER_CLS, max_model_len=256, data_parallel_size=2,
                        additional_config={"capsteer": {"frontend": "server"}}
                        ).create_engine_config()
@@ -345,7 +346,7 @@ def test_vllms_config_step_refuses_only_capsteers_engines(tmp_path):
         assert accepted == ["hint"]  # once
     finally:
         EngineArgs.create_engine_config = before
-        adapter._ON_ACCEPT.clear()
+        refusals._ON_ACCEPT.clear()
 
 
 def test_device_mode_equals_host_mode():
@@ -451,7 +452,7 @@ def test_steering_travels_as_json_text_with_its_key():
     the same entries as the mapping form, and a worker that knows the key never parses it."""
     import copy
 
-    from capsteer.engine import build_payload
+    from capsteer.engine_ext.payload import build_payload
 
     spec = parse_steering_spec({"vectors": [{"layers": "all", "vector": [0.25] * HIDDEN,
                                              "scale": 2.0}]},
@@ -742,7 +743,7 @@ def test_device_requests_with_one_steering_spec_share_one_slot_row():
 def test_capture_spec_travels_as_json_text():
     """The capture spec rides in extra_args as its canonical JSON text (cheap for vLLM's
     per-request deep copy); the worker reads it as it reads the mapping form."""
-    from capsteer.engine import build_payload
+    from capsteer.engine_ext.payload import build_payload
 
     spec = parse_capture_spec({"hooks": ["resid_post", "mlp_out"], "layers": [0, 2],
                                "positions": "prompt"}, num_layers=LAYERS)
@@ -764,7 +765,7 @@ def test_only_captures_of_generated_positions_wait_for_an_end_report():
     """`Engine.generate` reports output lengths (a blocking RPC per finishing step) only
     for durable captures whose kept positions can lie past the prompt; the worker closes
     the others once their prompt is fed."""
-    from capsteer.engine import build_payload, needs_end_report
+    from capsteer.engine_ext.payload import build_payload, needs_end_report
 
     def spec(positions):
         return parse_capture_spec({"hooks": ["resid_post"], "layers": [0],
@@ -885,7 +886,7 @@ def test_a_uniform_plan_is_reused_while_the_batch_stays_the_same():
     the reuse key is the batch's requests and rows; a plan that copies rows never is."""
     from types import SimpleNamespace
 
-    from capsteer.engine_ext.adapter import BatchLayout
+    from capsteer.engine_ext.vllm.batch import BatchLayout
     from capsteer.engine_ext.worker import EngineHooks
 
     rt = HookRuntime(LAYERS, HIDDEN, torch.float32, torch.device("cpu"), max_tokens=16,
@@ -915,10 +916,10 @@ def test_a_steps_copies_into_writer_rings_are_one_per_writer_and_point(monkeypat
     holds its own route's rows."""
     from types import SimpleNamespace
 
-    from capsteer.engine_ext import worker
+    from capsteer.engine_ext import delivery
 
     class Ring:
-        supports_spans = False
+        supports_spans = False  # CaptureSink's declaration: no reserve_span
 
         def __init__(self) -> None:
             self.rows, self.head = torch.zeros(64, HIDDEN), 0
@@ -943,16 +944,16 @@ def test_a_steps_copies_into_writer_rings_are_one_per_writer_and_point(monkeypat
                                                    dtype=torch.float32).view(-1, HIDDEN)
     sinks = {f"cap-{r}": rings[reqs[r].group] for r in ids}
     merged = []
-    real = worker.merge_row_copies
-    monkeypatch.setattr(worker, "merge_row_copies",
+    real = delivery.merge_row_copies
+    monkeypatch.setattr(delivery, "merge_row_copies",
                         lambda copies: merged.append(real(copies)) or merged[-1])
     hooks = SimpleNamespace(runtime=rt, ring_copies=0)
-    direct, rest = worker.EngineHooks._copy_to_sinks(hooks, plan, sinks)
+    direct, rest = delivery.Delivery._copy_to_sinks(hooks, plan, sinks)
     assert rest.routes == [] and len(direct) == 8 and len(merged[0]) == 4
     assert hooks.ring_copies == 4  # the counter capsteer_stats reports
     for route, sink, reserved in direct:
         assert reserved.writer is sink
-        torch.testing.assert_close(reserved.rows, rt.staging[worker._staging_span(plan, route)])
+        torch.testing.assert_close(reserved.rows, rt.staging[delivery._staging_span(plan, route)])
 
 
 def test_a_steps_copies_into_span_writers_are_one_reservation_per_writer_and_point():
@@ -962,10 +963,10 @@ def test_a_steps_copies_into_span_writers_are_one_reservation_per_writer_and_poi
     even so goes to the harvester's path. Every route gets its own rows."""
     from types import SimpleNamespace
 
-    from capsteer.engine_ext import worker
+    from capsteer.engine_ext import delivery
 
     class Ring:
-        supports_spans = True  # asked for spans; `spans=False` refuses each one
+        supports_spans = True  # CaptureSink's declaration: reserve_span is asked first
 
         def __init__(self, spans: bool, room: int = 64) -> None:
             self.rows, self.head, self.spans, self.room = torch.zeros(64, HIDDEN), 0, spans, room
@@ -1008,21 +1009,21 @@ def test_a_steps_copies_into_span_writers_are_one_reservation_per_writer_and_poi
                                                    dtype=torch.float32).view(-1, HIDDEN)
     sinks = {f"cap-{r}": rings[reqs[r].group] for r in ids}
     hooks = SimpleNamespace(runtime=rt, ring_copies=0)
-    direct, rest = worker.EngineHooks._copy_to_sinks(hooks, plan, sinks)
+    direct, rest = delivery.Delivery._copy_to_sinks(hooks, plan, sinks)
     assert rings[0].span_calls == [["cap-c0", "cap-c2"]] * 2 and rings[0].row_calls == 0
     assert rings[1].span_calls == [["cap-c1", "cap-c3"]] * 2 and rings[1].row_calls == 4
     assert len(direct) == 7 and len(rest.routes) == 1  # 3 x 4 rows fit the second ring
     assert rest.routes[0].capture_id == "cap-c3"
     for route, sink, reserved in direct:
         assert reserved.writer is sink
-        torch.testing.assert_close(reserved.rows, rt.staging[worker._staging_span(plan, route)])
+        torch.testing.assert_close(reserved.rows, rt.staging[delivery._staging_span(plan, route)])
 
 
 def test_the_harvester_carries_only_the_rows_of_routes_that_missed_the_rings(monkeypatch):
     """Routes whose rows went GPU -> a writer's ring stay off the harvester's copy: it
     packs only the staged routes' spans (touching spans merged into one copy), and each
     staged route reads its own rows back from the packed slot."""
-    from capsteer.engine_ext import worker
+    from capsteer.engine_ext import delivery
 
     rt = HookRuntime(LAYERS, HIDDEN, torch.float32, torch.device("cpu"), max_tokens=32,
                      max_requests=8, staging_rows=64, device_driven=True)
@@ -1035,11 +1036,11 @@ def test_the_harvester_carries_only_the_rows_of_routes_that_missed_the_rings(mon
                                                    dtype=torch.float32).view(-1, HIDDEN)
 
     def packed(routes):
-        spans, where = worker.staged_row_spans(plan, routes)
+        spans, where = delivery.staged_row_spans(plan, routes)
         slot = torch.cat([rt.staging[b:e] for b, e in spans]) if spans else rt.staging[:0]
         for route in routes:
             torch.testing.assert_close(slot[where[id(route)]],
-                                       rt.staging[worker._staging_span(plan, route)])
+                                       rt.staging[delivery._staging_span(plan, route)])
         return spans, slot.shape[0]
 
     everything, rows = packed(plan.routes)
@@ -1050,11 +1051,11 @@ def test_the_harvester_carries_only_the_rows_of_routes_that_missed_the_rings(mon
     assert rows == sum(len(r.positions) for r in missed) < plan.staging_rows
     assert all(e - b > 0 for b, e in spans)
     assert packed([]) == ([], 0)
-    by_row = sorted(plan.routes, key=lambda r: worker._staging_span(plan, r).start)
+    by_row = sorted(plan.routes, key=lambda r: delivery._staging_span(plan, r).start)
     scattered = by_row[::2]  # no two touching: a span each, unless too many
     spans, _ = packed(scattered)
     assert len(spans) == len(scattered) > 1
-    monkeypatch.setattr(worker, "MAX_SLOT_COPIES", 1)
+    monkeypatch.setattr(delivery, "MAX_SLOT_COPIES", 1)
     spans, rows = packed(scattered)
     assert len(spans) == 1 and rows == spans[0][1] - spans[0][0]
 
@@ -1145,8 +1146,7 @@ def test_a_servers_workers_act_only_on_payloads_it_signed(monkeypatch):
     """capsteer serve puts a key in its processes' environment; payloads built there carry
     it, and a worker expecting it ignores any payload without it (one that reached vLLM
     around the front end's checks). The in-process engine has no key and trusts its own."""
-    from capsteer.engine import build_payload
-    from capsteer.engine_ext.plan import PAYLOAD_KEY_ENV, payload_is_trusted
+    from capsteer.engine_ext.payload import PAYLOAD_KEY_ENV, build_payload, payload_is_trusted
 
     capture = parse_capture_spec({"hooks": ["resid_post"]}, num_layers=LAYERS)
     monkeypatch.delenv(PAYLOAD_KEY_ENV, raising=False)

@@ -1,4 +1,4 @@
-"""The adapter's pre-forward hook on a stand-in for vLLM's V1 runner (the real one runs in
+"""The pre-forward hook (engine_ext/vllm/batch.py) on a stand-in for vLLM's V1 runner (the real one runs in
 the engine tests): plain steps skip the hook and never build the batch layout."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from capsteer.engine_ext import adapter
+from capsteer.engine_ext.vllm import batch
 
 
 class _Unreadable:
@@ -23,7 +23,7 @@ def test_steps_the_hooks_do_not_want_skip_the_layout():
     runner = SimpleNamespace(_model_forward=lambda *a, **kw: forwarded.append(kw) or "out")
     seen = []
     wanted = [False]
-    adapter.install_pre_forward(runner, seen.append, lambda: wanted[0])
+    batch.install_pre_forward(runner, seen.append, lambda: wanted[0])
     runner.input_batch = _Unreadable()
     assert runner._model_forward(input_ids=torch.zeros(3, dtype=torch.long)) == "out"
     assert seen == [] and len(forwarded) == 1

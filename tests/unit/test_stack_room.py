@@ -1,4 +1,4 @@
-"""The step loop's room on CPython's frame stack (engine_ext/stack_room.py, adapter).
+"""The step loop's room on CPython's frame stack (engine_ext/stack_room.py, vllm/worker_access.py).
 
 A call that crosses the end of one of CPython's 16 KiB frame-stack chunks maps a chunk when
 it starts and unmaps it when it returns; its first touch is a page fault, which
@@ -13,7 +13,8 @@ import types
 
 import pytest
 
-from capsteer.engine_ext import adapter, stack_room
+from capsteer.engine_ext import stack_room
+from capsteer.engine_ext.vllm import worker_access
 
 SHIFTS = range(0, 2200, 100)  # words of frame below the calls: more than one chunk (2,048)
 
@@ -82,11 +83,11 @@ def test_step_loops_of_imported_modules_are_wrapped_once(monkeypatch: pytest.Mon
     module = types.ModuleType("fake_engine_core")
     module.Core = Core
     monkeypatch.setitem(sys.modules, "fake_engine_core", module)
-    monkeypatch.setattr(adapter, "STEP_LOOPS", (("fake_engine_core", "Core", "run_busy_loop"),
+    monkeypatch.setattr(worker_access, "STEP_LOOPS", (("fake_engine_core", "Core", "run_busy_loop"),
                                                 ("not_imported_here", "Worker", "busy_loop")))
-    assert adapter.give_step_loops_stack_room() == ["Core.run_busy_loop",
+    assert worker_access.give_step_loops_stack_room() == ["Core.run_busy_loop",
                                                     "DataParallelCore.run_busy_loop"]
-    assert adapter.give_step_loops_stack_room() == []  # already wrapped
+    assert worker_access.give_step_loops_stack_room() == []  # already wrapped
     assert Core().run_busy_loop() == "core" and ActorCore().run_busy_loop() == "core"
     before = len(stack_room.loops_with_room())
     assert DataParallelCore().run_busy_loop() == "dp:core"  # the override's super() inside
