@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from capsteer.capture.spec import parse_capture_spec
+from capsteer.config import errors
 from capsteer.engine_ext.payload import EXTRA_ARGS_KEY
 from capsteer.engine_ext.plan import RequestHooks, build_step_plan
 from capsteer.engine_ext.runtime import STREAM, SUB, StepPlan
@@ -35,7 +36,7 @@ def faulty_site() -> int | None:
     return int(fault.split(":", 1)[1]) if fault.startswith("skip_site:") else None
 
 
-class CanaryFailed(RuntimeError):
+class CanaryFailed(errors.Unsupported, RuntimeError):
     """The hooks do not do what they claim; the engine must not start."""
 
 

@@ -13,10 +13,12 @@ import hashlib
 import os
 from pathlib import Path
 
+from capsteer.config import errors
+
 SUPPORTED_VLLM = ("0.26.", "0.32.")
 
 
-class UnsupportedError(RuntimeError):
+class UnsupportedError(errors.Unsupported, RuntimeError):
     """capsteer cannot hook this engine; the message says why and what is supported."""
 
 
