@@ -155,6 +155,7 @@ class Engine:
         vector_lookup: VectorLookup | None = None,
         **llm_kwargs: Any,
     ) -> None:
+        # Start-up cost: vLLM loads when an Engine is made, not at `import capsteer.engine`.
         from vllm import LLM
 
         from capsteer.engine_ext.vllm.refusals import refuse_at_vllm_config_step

@@ -10,6 +10,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
+from capsteer.capture import metrics
 from capsteer.capture.sink import CaptureEnd, CaptureRequest, CaptureSink
 from capsteer.engine_ext.payload import decode_payload, payload_is_trusted
 from capsteer.engine_ext.plan import RequestHooks, shared_site_set
@@ -83,8 +84,6 @@ class RequestBook:
         logger.error("capsteer: request %s has a hook payload this worker cannot serve; it "
                      "runs without hooks: %s", req_id, exc, exc_info=exc)
         if self.capture_rank and payload.get("steering"):
-            from capsteer.capture import metrics
-
             metrics.STEERING_REFUSED.inc()
         self._refuse_capture(req_id, prompt, payload, f"capsteer: {exc}")
 

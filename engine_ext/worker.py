@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from capsteer.capture import metrics
 from capsteer.capture.sink import CaptureSink, MemorySink
 from capsteer.capture.writer.factory import durable_writer, sharded_sink
 from capsteer.engine_ext import stack_room
@@ -161,8 +162,6 @@ class EngineHooks(RequestBook, StepFeed, Delivery):
                 and self.writer.defer_sends():
             self.harvester.on_idle = self.writer.flush_sends
         if self.capture_rank:
-            from capsteer.capture import metrics
-
             metrics.ENGINE_WAITS.set_source(self.capture_wait_seconds)
         skipped = faulty_site()
         # The mid norm's residual (pair tap at offset 1) crossed the split at attention.
@@ -203,8 +202,6 @@ class EngineHooks(RequestBook, StepFeed, Delivery):
             return
         self.plain_graphs = result
         if self.stage == 0:  # one count per engine step, however many stages replay
-            from capsteer.capture import metrics
-
             metrics.GRAPH_REPLAYS.set_source(self.graph_replay_counts)
 
     def log_plain_graphs(self) -> None:
@@ -350,8 +347,6 @@ class CapsteerWorker(platform_worker_base()):  # type: ignore[misc]
 
     def capsteer_metrics(self) -> dict:
         """This process's capture metrics (the server merges every worker's into /metrics)."""
-        from capsteer.capture import metrics
-
         self.capsteer.sweep_endings(time.monotonic())
         own = metrics.snapshot()
         writer = self.capsteer.writer

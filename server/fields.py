@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from capsteer.capture.spec import CaptureSpec, SpecError, parse_capture_spec
+from capsteer.capture.writer.budget import estimate_bytes
 from capsteer.engine_ext.payload import EXTRA_ARGS_KEY, build_payload
 from capsteer.steering.spec import (
     SteeringSpec,
@@ -204,8 +205,6 @@ def rewrite_body(body: dict[str, Any], hooks: HookFields, capture_id: str | None
 def estimate_capture_bytes(body: Mapping[str, Any], capture: CaptureSpec, shape: ModelShape) -> int:
     """Upper bound of a capture's row bytes before tokenizing: byte-level BPE gives at
     most one token per UTF-8 byte of text, plus a margin for the chat template."""
-    from capsteer.capture.writer.budget import estimate_bytes
-
     text_bytes = len(json.dumps(body.get("messages", body.get("prompt", "")),
                                 ensure_ascii=False).encode())
     prompt_tokens = min(text_bytes + 64, shape.max_model_len)

@@ -243,6 +243,7 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace, passthrough: list[str] | None = None) -> int:
+    # Start-up cost: these import vLLM, which `capsteer serve --help` never needs.
     from capsteer.engine_ext.vllm.refusals import refuse_at_vllm_config_step
     from capsteer.engine_ext.vllm.serve import run_vllm_serve
     from capsteer.engine_ext.vllm.version import UnsupportedError

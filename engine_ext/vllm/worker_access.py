@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from capsteer.engine_ext import stack_room
 from capsteer.engine_ext.vllm.batch import runner_kind
 
 
@@ -98,8 +99,6 @@ def give_step_loops_stack_room() -> list[str]:
     class already imported here, and each subclass's override. Returns what it wrapped: none
     where the model runs from no such loop (the in-process engine, Ray's workers)."""
     import sys
-
-    from capsteer.engine_ext import stack_room
 
     wrapped = []
     for module_name, class_name, method in STEP_LOOPS:
