@@ -25,8 +25,7 @@ import pytest
 from capsteer.capture.paths import find_capture_dirs
 from capsteer.steering.spec import parse_steering_spec
 
-from .conftest import ServerProcess
-from .helpers import assert_capture_matches_hf, capture_dir, wait_for_receipt
+from .helpers import ServerProcess, assert_capture_matches_hf, capture_dir, wait_for_receipt
 
 NAME = "server-dp2"
 HIDDEN, LAYERS = 128, 4
@@ -93,7 +92,7 @@ def _sample(text: str, name: str, **labels: str) -> float:
     return found[0] if found else 0.0
 
 
-@pytest.mark.engine
+@pytest.mark.server
 @pytest.mark.uses_engine(NAME)
 def test_captures_from_both_ranks_once_each_equal_hf(dp_server, hf_models):
     from openai import AsyncOpenAI
@@ -181,7 +180,7 @@ def test_captures_from_both_ranks_once_each_equal_hf(dp_server, hf_models):
         assert "vllm:prompt_tokens_total" in after
 
 
-@pytest.mark.engine
+@pytest.mark.server
 @pytest.mark.uses_engine(NAME)
 def test_pending_receipt_from_any_api_server(dp_server):
     """While a capture is in flight, a receipt lookup on a fresh connection (either API
