@@ -31,7 +31,8 @@ lint: install
 # The whole suite (CI: .ci/run); tiers are markers (tests/conftest.py): unit, proc, engine,
 # server, gpu.
 test: install lint
-	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=30
+	@start=$$(date +%s); $(BIN)/python -m pytest -q -p no:cacheprovider --durations=30; rc=$$?; \
+	echo "make test (pytest): $$(( $$(date +%s) - start )) s"; exit $$rc
 
 # Pure tests only (no engine, server or child process): the one a developer runs each edit.
 test-unit: install

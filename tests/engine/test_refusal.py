@@ -9,8 +9,6 @@ import textwrap
 
 import pytest
 
-pytestmark = [pytest.mark.engine, pytest.mark.uses_engine("other")]
-
 START = textwrap.dedent("""
     from capsteer.engine import Engine
     if __name__ == "__main__":
@@ -68,6 +66,8 @@ def test_hybrid_and_encoder_models_are_refused_by_name(tmp_path, family, archite
     assert not engine_process_started(proc)
 
 
+@pytest.mark.engine  # loads the model in an engine process before the canary refuses
+@pytest.mark.uses_engine("other")
 def test_canary_refuses_when_a_hook_does_not_fire(model_dirs):
     proc = start_engine(model_dirs["qwen3"], env={"CAPSTEER_FAULT_INJECT": "skip_site:3"})
     assert "ENGINE STARTED" not in proc.stdout
