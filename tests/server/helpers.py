@@ -20,8 +20,10 @@ from capsteer.reference import hf_activations
 from tests.conftest import EnginePool
 
 ADMIN_KEY = "test-admin-key"
-# The demo model, float32 so captures compare with HF at 1e-4; small prefill chunks.
-MODEL_FLAGS = ["--dtype", "float32", "--gpu-memory-utilization", "0.15", "--max-model-len", "512",
+# The demo model, float32 so captures compare with HF at 1e-4; small prefill chunks. A fixed
+# 256 MiB KV cache (as the engine tests): a memory fraction zeroes gigabytes per engine.
+MODEL_FLAGS = ["--dtype", "float32", "--kv-cache-memory-bytes", str(256 << 20),
+               "--max-model-len", "512",
                "--max-num-batched-tokens", "64", "--max-num-seqs", "16", "--block-size", "32",
                "--seed", "0", "--served-model-name", "demo"]
 START_TIMEOUT_S = 400
