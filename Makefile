@@ -7,7 +7,7 @@ DEMO_MODEL ?= .demo/qwen3
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install install-gpu test test-fast lint serve demo-model clean
+.PHONY: install install-gpu test test-unit test-fast lint serve demo-model clean
 
 install: $(STAMP)
 
@@ -28,11 +28,20 @@ install-gpu:
 lint: install
 	$(BIN)/ruff check .
 
+# The whole suite (CI: .ci/run); tiers are markers (tests/conftest.py): unit, proc, engine,
+# server, gpu.
 test: install lint
-	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=30
+	@start=$$(date +%s); $(BIN)/python -m pytest -q -p no:cacheprovider --durations=30; rc=$$?; \
+	echo "make test (pytest): $$(( $$(date +%s) - start )) s"; exit $$rc
 
+# Pure tests only (no engine, server or child process): the one a developer runs each edit.
+test-unit: install
+	@start=$$(date +%s); $(BIN)/python -m pytest -q -p no:cacheprovider -m unit; rc=$$?; \
+	echo "make test-unit: $$(( $$(date +%s) - start )) s"; exit $$rc
+
+# Everything but engines and servers.
 test-fast: install
-	$(BIN)/python -m pytest -q -m "not engine"
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "unit or proc"
 
 demo-model: install
 	@test -f $(DEMO_MODEL)/config.json || $(BIN)/capsteer demo-model $(DEMO_MODEL) --family qwen3

@@ -12,9 +12,7 @@ import pytest
 
 from capsteer.engine import Request
 
-from .conftest import ENGINE_KW
-from .helpers import greedy, token_prompt
-from .test_steering import vector
+from .helpers import ENGINE_KW, greedy, token_prompt, vector
 
 pytestmark = pytest.mark.engine
 

@@ -15,9 +15,7 @@ from capsteer.engine import Request
 from capsteer.reference import hf_greedy
 from capsteer.steering.spec import parse_steering_spec
 
-from .conftest import capsteer_engine
-from .helpers import assert_matches_hf, greedy, token_prompt
-from .test_steering import vector
+from .helpers import assert_matches_hf, capsteer_engine, greedy, token_prompt, vector
 
 pytestmark = [pytest.mark.engine, pytest.mark.uses_engine("qwen3-durable")]
 

@@ -8,8 +8,7 @@ import pytest
 from capsteer.engine import Request
 from capsteer.hooks import HOOKS
 
-from .conftest import capsteer_engine
-from .helpers import ALL_HOOKS, assert_matches_hf, fed_tokens, greedy, token_prompt
+from .helpers import ALL_HOOKS, assert_matches_hf, capsteer_engine, fed_tokens, greedy, token_prompt
 
 pytestmark = pytest.mark.engine
 

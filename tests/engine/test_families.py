@@ -17,9 +17,19 @@ from capsteer.hooks import HOOKS
 from capsteer.reference import hf_greedy
 from capsteer.steering.spec import parse_steering_spec
 
-from .conftest import capsteer_engine
-from .helpers import ALL_HOOKS, assert_matches_hf, fed_tokens, greedy, token_prompt
-from .test_steering import HIDDEN, LAYERS, LOGPROB_ATOL, MAX_TOKENS, vector
+from .helpers import (
+    ALL_HOOKS,
+    HIDDEN,
+    LAYERS,
+    LOGPROB_ATOL,
+    MAX_TOKENS,
+    assert_matches_hf,
+    capsteer_engine,
+    fed_tokens,
+    greedy,
+    token_prompt,
+    vector,
+)
 
 pytestmark = pytest.mark.engine
 

@@ -22,8 +22,7 @@ from capsteer.engine import Request
 from capsteer.reference import hf_activations, hf_greedy
 from capsteer.steering.spec import parse_steering_spec
 
-from .conftest import ENGINE_KW
-from .helpers import assert_matches_hf, fed_tokens, greedy, token_prompt
+from .helpers import ENGINE_KW, assert_matches_hf, fed_tokens, greedy, token_prompt
 
 PARALLEL = {"qwen3-tp2": {"tensor_parallel_size": 2}, "qwen3-pp2": {"pipeline_parallel_size": 2}}
 pytestmark = [pytest.mark.engine, pytest.mark.parametrize("engine_name", list(PARALLEL))]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
@@ -10,19 +9,19 @@ from capsteer.engine import Request
 from capsteer.reference import hf_greedy
 from capsteer.steering.spec import parse_steering_spec
 
-from .conftest import capsteer_engine
-from .helpers import assert_matches_hf, greedy, token_prompt
+from .helpers import (
+    HIDDEN,
+    LAYERS,
+    LOGPROB_ATOL,
+    MAX_TOKENS,
+    assert_matches_hf,
+    capsteer_engine,
+    greedy,
+    token_prompt,
+    vector,
+)
 
 pytestmark = pytest.mark.engine
-
-HIDDEN, LAYERS, MAX_TOKENS = 128, 4, 32
-LOGPROB_ATOL = 1e-3
-
-
-def vector(seed: int, norm: float = 1.0) -> list[float]:
-    v = np.random.default_rng(seed).standard_normal(HIDDEN)
-    return (v / np.linalg.norm(v) * norm).tolist()
-
 
 def check_against_hf(engine, hf, prompt, steering, *, must_change=True):
     """Same greedy tokens over 32 steps; top-5 logprobs within 1e-3 of HF's."""

@@ -6,9 +6,7 @@ import pytest
 
 from capsteer.engine import Request
 
-from .conftest import capsteer_engine, vanilla_engine
-from .helpers import greedy, token_prompt
-from .test_steering import vector
+from .helpers import capsteer_engine, greedy, token_prompt, vanilla_engine, vector
 
 pytestmark = pytest.mark.engine
 

@@ -10,7 +10,7 @@ import pytest
 
 from .helpers import PROMPT, metric_value, scrape
 
-pytestmark = [pytest.mark.engine, pytest.mark.uses_engine("server")]
+pytestmark = [pytest.mark.server, pytest.mark.uses_engine("server")]
 V = [0.1] * 128
 BAD: list[tuple[str, dict, str]] = [
     ("unknown hook", {"capture": {"hooks": ["post_mlp"]}}, "capture.hooks"),

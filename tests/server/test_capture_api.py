@@ -18,7 +18,7 @@ from .helpers import (
     wait_for_receipt,
 )
 
-pytestmark = [pytest.mark.engine, pytest.mark.uses_engine("server")]
+pytestmark = [pytest.mark.server, pytest.mark.uses_engine("server")]
 MESSAGES = [{"role": "user", "content": "tell me about foxes and dogs"}]
 
 

@@ -17,7 +17,6 @@ import json
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import httpx
 import pytest
@@ -25,8 +24,7 @@ import pytest
 from capsteer.capture.paths import find_capture_dirs
 from capsteer.steering.spec import parse_steering_spec
 
-from .conftest import ServerProcess
-from .helpers import assert_capture_matches_hf, capture_dir, wait_for_receipt
+from .helpers import ServerProcess, assert_capture_matches_hf, capture_dir, wait_for_receipt
 
 NAME = "server-dp2"
 HIDDEN, LAYERS = 128, 4
@@ -93,7 +91,7 @@ def _sample(text: str, name: str, **labels: str) -> float:
     return found[0] if found else 0.0
 
 
-@pytest.mark.engine
+@pytest.mark.server
 @pytest.mark.uses_engine(NAME)
 def test_captures_from_both_ranks_once_each_equal_hf(dp_server, hf_models):
     from openai import AsyncOpenAI
@@ -181,7 +179,7 @@ def test_captures_from_both_ranks_once_each_equal_hf(dp_server, hf_models):
         assert "vllm:prompt_tokens_total" in after
 
 
-@pytest.mark.engine
+@pytest.mark.server
 @pytest.mark.uses_engine(NAME)
 def test_pending_receipt_from_any_api_server(dp_server):
     """While a capture is in flight, a receipt lookup on a fresh connection (either API
@@ -218,7 +216,7 @@ def test_pending_receipt_from_any_api_server(dp_server):
     assert missing.status_code == 404
 
 
-@pytest.mark.parametrize("flags, named", [
+REFUSED_DP_MODES = [
     (["--data-parallel-size", "2", "--data-parallel-external-lb", "--data-parallel-rank", "0"],
      "--data-parallel-external-lb"),
     (["--data-parallel-size", "2", "--data-parallel-rank=1"], "--data-parallel-rank"),
@@ -229,12 +227,36 @@ def test_pending_receipt_from_any_api_server(dp_server):
     (["--data-parallel-size", "2", "--headless"], "--headless"),
     (["--data-parallel-size", "2", "--data-parallel-backend", "ray"],
      "--data-parallel-backend ray"),
-])
-def test_unsupported_dp_modes_are_refused_by_name(tmp_path: Path, flags, named):
-    done = subprocess.run([sys.executable, "-m", "capsteer.cli", "serve", str(tmp_path), *flags],
-                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    assert done.returncode != 0
-    assert named in done.stderr and "not supported" in done.stderr, done.stderr
+]
+
+
+@pytest.fixture(scope="module")
+def refused_dp_runs(tmp_path_factory) -> dict[tuple[str, ...], tuple[int, str]]:
+    """(exit status, stderr) of `capsteer serve` per refused layout, all started at once:
+    each run is mostly a Python start-up, so seven in a row cost ~4 s each."""
+    procs = {}
+    for n, (flags, _) in enumerate(REFUSED_DP_MODES):
+        cwd = tmp_path_factory.mktemp(f"dp-refused-{n}")
+        procs[tuple(flags)] = subprocess.Popen(
+            [sys.executable, "-m", "capsteer.cli", "serve", str(cwd), *flags],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=cwd)
+    try:
+        runs = {}
+        for flags, proc in procs.items():
+            stderr = proc.communicate(timeout=120)[1]
+            runs[flags] = (proc.returncode, stderr)
+        return runs
+    finally:
+        for proc in procs.values():
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.parametrize("flags, named", REFUSED_DP_MODES)
+def test_unsupported_dp_modes_are_refused_by_name(refused_dp_runs, flags, named):
+    returncode, stderr = refused_dp_runs[tuple(flags)]
+    assert returncode != 0
+    assert named in stderr and "not supported" in stderr, stderr
 
 
 def test_resolved_dp_configs_are_checked_by_name():

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from capsteer.capture.spec import SPEC_KEYS
 
-pytestmark = [pytest.mark.engine, pytest.mark.uses_engine("server")]
+pytestmark = [pytest.mark.server, pytest.mark.uses_engine("server")]
 
 json_scalars = st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.floats(
     allow_nan=True, allow_infinity=True) | st.text(max_size=12)

@@ -9,7 +9,7 @@ from capsteer.capture import read
 
 from .helpers import PROMPT, wait_for_receipt
 
-pytestmark = [pytest.mark.engine, pytest.mark.uses_engine("server-reject")]
+pytestmark = [pytest.mark.server, pytest.mark.uses_engine("server-reject")]
 
 
 def test_requests_without_fields_are_captured(reject_server):

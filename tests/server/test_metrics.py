@@ -8,7 +8,7 @@ import pytest
 
 from .helpers import PROMPT, capture_dir, metric_value, scrape
 
-pytestmark = [pytest.mark.engine, pytest.mark.uses_engine("server")]
+pytestmark = [pytest.mark.server, pytest.mark.uses_engine("server")]
 CAPTURE_METRICS = ("capsteer_capture_requests_total", "capsteer_capture_bytes_total",
                    "capsteer_capture_files_total", "capsteer_capture_publish_seconds",
                    "capsteer_capture_inflight_bytes", "capsteer_capture_dropped_total",

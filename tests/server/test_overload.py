@@ -38,7 +38,7 @@ def _burst(url: str, capture: dict, n: int, max_tokens: int = 16) -> list[httpx.
     return asyncio.run(send())
 
 
-@pytest.mark.engine
+@pytest.mark.server
 @pytest.mark.uses_engine("server-reject")
 def test_reject_policy_answers_429_and_stays_healthy(reject_server):
     url = reject_server.url
@@ -72,7 +72,7 @@ def test_reject_policy_answers_429_and_stays_healthy(reject_server):
     assert f"capsteer_capture_rejected_total {float(codes.count(429))}" in metrics
 
 
-@pytest.mark.engine
+@pytest.mark.server
 @pytest.mark.uses_engine("server")
 def test_block_policy_completes_every_capture(server):
     """64 KiB budget, eight concurrent captures of ~200 KB each: the writer spills, all land.

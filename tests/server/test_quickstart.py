@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from capsteer.capture.sharded import read_sharded
-from tests.server.conftest import ProcessServer, free_port
+from tests.server.helpers import ProcessServer, free_port
 
-pytestmark = [pytest.mark.engine, pytest.mark.uses_engine("quickstart")]
+pytestmark = [pytest.mark.server, pytest.mark.uses_engine("quickstart")]
 QUICKSTART = Path(__file__).resolve().parents[2] / "docs" / "quickstart.md"
 BLOCK = re.compile(r"^```(\w+)\n(.*?)^```", re.M | re.S)
 

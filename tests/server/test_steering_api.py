@@ -14,10 +14,9 @@ from capsteer.reference import hf_greedy
 from capsteer.steering.formats import encode_gguf_control_vector
 from capsteer.steering.spec import parse_steering_spec
 
-from .conftest import ADMIN_KEY
-from .helpers import ALL_HOOKS, assert_capture_matches_hf, capture_dir
+from .helpers import ADMIN_KEY, ALL_HOOKS, assert_capture_matches_hf, capture_dir
 
-pytestmark = [pytest.mark.engine, pytest.mark.uses_engine("server")]
+pytestmark = [pytest.mark.server, pytest.mark.uses_engine("server")]
 HIDDEN, LAYERS = 128, 4
 PROMPT_IDS = [17, 250, 33, 98, 141, 5, 77, 300, 12, 64, 199, 8]
 ADMIN = {"X-Admin-Key": ADMIN_KEY}

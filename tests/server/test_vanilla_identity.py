@@ -6,10 +6,9 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from .conftest import main_server, start_server
-from .helpers import PROMPT
+from .helpers import PROMPT, main_server, start_server
 
-pytestmark = [pytest.mark.engine, pytest.mark.uses_engine("server-vanilla")]
+pytestmark = [pytest.mark.server, pytest.mark.uses_engine("server-vanilla")]
 MESSAGES = [{"role": "user", "content": "say something about the lazy dog"}]
 REQUESTS = [
     ("/v1/completions", {"prompt": PROMPT, "max_tokens": 24, "temperature": 0}),

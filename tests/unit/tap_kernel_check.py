@@ -13,7 +13,7 @@ from capsteer.engine_ext import tap_kernel
 from capsteer.engine_ext.families import STREAM_BIT, SUB_BIT
 from capsteer.engine_ext.plan import build_step_plan
 from capsteer.engine_ext.runtime import HookRuntime
-from tests.unit.test_plan import HIDDEN, LAYERS, hooks_for
+from tests.unit.helpers import HIDDEN, LAYERS, hooks_for
 
 
 def run(dtype: torch.dtype, layout: str) -> None:

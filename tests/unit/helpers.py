@@ -1,0 +1,28 @@
+"""Request builders shared by the planner tests and the tap-kernel check (which runs as its
+own process, so they cannot live in a test module)."""
+
+from __future__ import annotations
+
+import torch
+
+from capsteer.capture.spec import parse_capture_spec
+from capsteer.engine_ext.plan import RequestHooks
+from capsteer.engine_ext.runtime import HookRuntime
+from capsteer.steering.spec import parse_steering_spec
+
+HIDDEN, LAYERS = 8, 3
+
+
+def runtime() -> HookRuntime:
+    return HookRuntime(LAYERS, HIDDEN, torch.float32, torch.device("cpu"), max_tokens=64)
+
+
+def hooks_for(req_id, prompt_len, capture=None, steering=None, rt=None):
+    extra = {"capsteer": {}}
+    if capture is not None:
+        extra["capsteer"]["capture"] = parse_capture_spec(capture, num_layers=LAYERS).to_dict()
+        extra["capsteer"]["capture_id"] = "cap-" + req_id
+    if steering is not None:
+        extra["capsteer"]["steering"] = parse_steering_spec(
+            steering, num_layers=LAYERS, hidden_size=HIDDEN).to_dict()
+    return RequestHooks.from_extra_args(req_id, extra, prompt_len, rt or runtime())
