@@ -9,7 +9,7 @@ import pytest
 
 from .helpers import PROMPT
 
-pytestmark = [pytest.mark.engine, pytest.mark.uses_engine("server")]
+pytestmark = [pytest.mark.server, pytest.mark.uses_engine("server")]
 PATHS = ("/v1/completions", "/v1/chat/completions")
 
 

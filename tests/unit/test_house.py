@@ -4,6 +4,8 @@ import inside a function says why it is not at the top of its module."""
 
 from __future__ import annotations
 
+import ast
+
 from .house import MAX_LINES, ROOT, imports_of, product_modules
 
 
@@ -72,3 +74,39 @@ def test_every_function_local_import_says_why():
             if inside and "#" not in lines[lineno - 1] and not _block_has_reason(lines, lineno):
                 silent.append(f"{path.relative_to(ROOT)}:{lineno}")
     assert not silent, f"function-local imports without a reason: {silent}"
+
+
+# Modules a reader of published captures loads: none may reach a writer module.
+READ_SIDE = ("reader", "published", "receipts", "dataset", "sharded", "paths", "digests",
+             "layouts", "spec")
+WRITE_SIDE = ("writer", "publish")
+
+
+def test_the_capture_read_side_reaches_nothing_of_the_write_side():
+    modules = product_modules()
+    graph = {name: {t for t, _, _ in imports_of(name, path, modules)}
+             for name, path in modules.items()}
+    reached: dict[str, str] = {}
+    todo = [f"capsteer.capture.{m}" for m in READ_SIDE]
+    while todo:
+        module = todo.pop()
+        for dep in graph[module]:
+            if dep not in reached:
+                reached[dep] = module
+                todo.append(dep)
+    writers = sorted(d for d in reached if d.startswith("capsteer.capture.")
+                     and d.split(".")[2] in WRITE_SIDE)
+    assert not writers, {d: reached[d] for d in writers}
+
+
+def test_vllm_is_imported_at_module_level_only_in_engine_ext_vllm():
+    """Every touch of vLLM internals sits behind engine_ext/vllm/'s version check."""
+    for name, path in product_modules().items():
+        if name.startswith("capsteer.engine_ext.vllm") or not name.startswith(
+                "capsteer.engine_ext"):
+            continue
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ImportFrom) and node.module:
+                assert not node.module.startswith("vllm"), (name, node.module)
+            elif isinstance(node, ast.Import):
+                assert not any(a.name.startswith("vllm") for a in node.names), name

@@ -10,6 +10,7 @@ import pytest
 import capsteer
 
 
+@pytest.mark.proc  # a fresh interpreter, so nothing imported before counts
 def test_import_capsteer_loads_neither_torch_nor_vllm():
     code = ("import sys, capsteer; "
             "print(sorted(m for m in ('torch', 'vllm', 'transformers') if m in sys.modules))")
