@@ -174,10 +174,6 @@ class Engine:
         self.vector_lookup = vector_lookup
         self.tokenizer = self.llm.get_tokenizer()
         self.capture_dir = extra["capsteer"].get("capture_dir")
-        # The last `generate`'s phases, seconds: until every output was in ("outputs"), then
-        # waiting for in-memory captures and durable receipts ("captures"). Benchmarks read
-        # it to tell the engine's time from publishing's tail.
-        self.last_phases: dict[str, float] = {}
 
     def stats(self) -> list[dict]:
         """Each worker's diagnostics (mode, plan builds and reuses, sync-checked steps)."""
@@ -248,21 +244,17 @@ class Engine:
         poller = _ReceiptPoller(self.capture_dir, {
             cid: relative_dir(cid, spec.tag, payload_dir_time[cid])
             for cid, d, spec in zip(capture_ids, durable, specs, strict=True) if cid and d})
-        started = time.perf_counter()
         try:
             if awaited:
                 outputs = self._run_reporting_ends(prompts, params, awaited)
             else:
                 outputs = self.llm.generate(prompts, params, use_tqdm=False)
-            outputs_in = time.perf_counter()
             captures = self._collect(
                 [c for c, d in zip(capture_ids, durable, strict=True) if c and not d], timeout)
         except BaseException:
             poller.stop()
             raise
         receipts = poller.wait(timeout)
-        self.last_phases = {"outputs": outputs_in - started,
-                            "captures": time.perf_counter() - outputs_in}
         results = []
         for out, cid, spec in zip(outputs, capture_ids, specs, strict=True):
             completion = out.outputs[0]

@@ -106,7 +106,7 @@ GRAPH_REPLAYS = SourcedCounters(
     "for steps whose requests carry no capture or steering) or hooked. One a step run from "
     "graphs, start-up and dummy forwards included; counted by the first pipeline stage; "
     "empty where one set is recorded.",
-    "set")  # source: engine_ext.worker's graph_replay_counts (adapter.PlainGraphs)
+    "set")  # source: engine_ext.worker's graph_replay_counts (engine_ext.vllm.graphs.PlainGraphs)
 ENGINE_WAITS = SourcedCounters(
     "capsteer_capture_engine_wait_seconds",
     "Seconds an engine worker's threads waited for captured rows to move on, by what they "

@@ -264,7 +264,7 @@ class AtomicFile:
         `writev` while one digest hand-off hashes it. Why: a capture's file is many 1 MiB
         row blocks, and per block the hand-off, write and wait each cost a GIL round
         trip and a thread wake-up, which bounded the writer below the disk's rate
-        (bench/results/h100-2026-11-25-session26.md). Each piece may be reused by the
+        (docs/performance.md). Each piece may be reused by the
         caller once its batch is written, and all of them once this returns."""
         batch: list[memoryview] = []
         size = 0

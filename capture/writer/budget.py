@@ -24,12 +24,12 @@ from capsteer.config import errors
 POLICIES = ("block", "drop", "reject")
 # Capture rows in flight per engine (--capture-budget): 4 GiB lets a P6 burst (3.9 GB of
 # rows of an 8B model) leave the engine without waiting for publishing, and memory is held
-# only while rows wait (figures: bench/results/h200-2026-11-28-session47.md).
+# only while rows wait (figures: docs/performance.md).
 DEFAULT_BUDGET_BYTES = 4 << 30
 
 # Each writer process's shared-memory ring (on a GPU a second, page-locked one takes the
 # engine's device copies): 1 GiB lets a P6 burst over two writer processes never wait for
-# ring space, and pages are touched only as used (bench/results/h100-2026-11-28-session43.md).
+# ring space, and pages are touched only as used (docs/performance.md).
 DEFAULT_RING_BYTES = 1 << 30
 MIN_RING_BYTES = 1 << 20  # the settings refuse less; a direct caller is rounded up
 

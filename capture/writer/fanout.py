@@ -6,7 +6,7 @@ threads sharing one GIL) published P3-all's load (every layer x every prompt pos
 29 MB captures) at 0.92 GB/s to an H100 host's disk and 1.07 GB/s to tmpfs. Two
 independent ones on the same host published 1.35 GB/s to the disk, whose own
 `dd conv=fsync` rate was 1.2-1.3 GB/s there, and four 2.27 GB/s to tmpfs
-(bench/results/h100-2026-11-25-writer-scaling/).
+(docs/performance.md).
 
 Each capture lives in one child from `open` to its receipt: its rows, `close` and
 `abort` follow it there, so its files, manifest and receipt are those a single writer

@@ -26,7 +26,7 @@ def keep_freed_heap() -> bool:
     system at each free. The main thread copies every write's rows out of the ring into a
     fresh tensor; with glibc's defaults those copies often land in newly faulted pages,
     zeroed by the kernel: 550-1,300 us a 1 MiB copy against 93-160 us into reused pages
-    (bench/heap_reuse.py, 2-core CPU machine). Rows up to 32 MiB (glibc's ceiling) then come
+    (measured on a 2-core CPU machine: docs/performance.md). Rows up to 32 MiB (glibc's ceiling) then come
     from the heap; the heap is trimmed when the child goes idle (`trim_heap`). False
     where the C library has no mallopt (not glibc) or refuses these values: its defaults
     stay."""

@@ -4,7 +4,7 @@ Why: a capturing engine's step thread calls thousands of GIL-releasing torch ops
 step, and each time it releases the GIL a writer thread of the same process can take
 it and hold it for its next Python segment (manifest, plan, syscall bookkeeping). On
 the H200 that kept the step thread off the CPU for 0.4-0.65 s of a 3.6 s capture batch
-(bench/results/h200-2026-11-25-session23.md). Here the engine process keeps only a
+(docs/performance.md). Here the engine process keeps only a
 thin `ProcessCaptureWriter`: each `write` copies the rows into a shared-memory ring (one
 memcpy, GIL released) and sends a short message on a socket; a child process
 (capsteer.capture.writer.child) runs the unchanged `CaptureWriter` (writer threads,
@@ -14,7 +14,7 @@ the messages capsteer.capture.writer.protocol's.
 Neither side wakes a thread pool for its copies: an OpenMP team spins on its cores
 after every parallel copy, and that spinning took CPU the step thread needed. The
 parent copies with one memmove (`layouts.copy_rows`); the child runs with one intra-op
-thread (bench/results/h100-2026-11-25-session25.md).
+thread (docs/performance.md).
 
 If the child dies, the parent notices (socket EOF), writes an error outcome for every
 capture the child had not reported done, through an in-process `CaptureWriter`, and
