@@ -47,7 +47,6 @@ import os
 import random
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -55,7 +54,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))  # run as `python bench/mixed_latency.py`
 import perf_models
-from serve_proc import free_port, stop, wait_ready
+
+from capsteer.server.process import ManagedServer, free_port
 
 CONFIGS = ("vanilla", "capsteer")
 
@@ -304,19 +304,19 @@ def run_process(config: str, model: Path, args: argparse.Namespace, work: Path) 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = work / f"serve-{config}.log"
-    with open(log, "wb") as fh:
-        proc = subprocess.Popen(server_argv(config, model, args.shape, args, port, capture_dir),
-                                stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
-                                cwd=work)  # not the checkout: the installed capsteer
+    # cwd: not the checkout, whose capsteer/ folder would shadow the installed package
+    server = ManagedServer(server_argv(config, model, args.shape, args, port, capture_dir),
+                           url=url, log_path=log, cwd=work, start_timeout_s=args.start_timeout,
+                           stop_timeout_s=90)
     try:
-        startup = wait_ready(proc, url, log, args.start_timeout)
+        startup = server.ready_s
         traffic = Traffic(url, str(model), args, config == "capsteer", capture_dir)
         asyncio.run(traffic.run())
     except BaseException:
-        print(log.read_text(errors="replace")[-4000:], file=sys.stderr)
+        print(server.log_text()[-4000:], file=sys.stderr)
         raise
     finally:
-        stop(proc)
+        server.close()
         shutil.rmtree(capture_dir, ignore_errors=True)
     got = {"config": config, "startup_s": startup, "plain": traffic.plain,
            "bursts": traffic.bursts, "figures": figures(traffic.plain, traffic.bursts)}

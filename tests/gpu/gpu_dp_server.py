@@ -22,13 +22,12 @@ import datetime as dt
 import json
 import os
 import re
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))  # perf_models, serve_proc
-from serve_proc import free_port, stop, wait_ready
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))  # perf_models
+from capsteer.server.process import ManagedServer, free_port
 
 HOOKS = ["resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out"]
 
@@ -88,19 +87,17 @@ def main() -> None:
     flags += (["--dtype", "bfloat16", "--gpu-memory-utilization", "0.5"] if cuda else
               ["--dtype", "float32", "--gpu-memory-utilization", "0.15"])
     log_path = work / "serve.log"
-    log = open(log_path, "wb")
-    t0 = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "capsteer.cli", "serve", str(model), *flags],
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            cwd=work)  # not the checkout: `capsteer` is the installed package
     url = f"http://127.0.0.1:{port}"
     report: dict = {"device": torch.cuda.get_device_name(0) if cuda else "cpu",
                     "gpus": torch.cuda.device_count() if cuda else 0,
                     "date": dt.date.today().isoformat(), "dp": args.dp,
                     "requests": args.requests, "command": " ".join(sys.argv)}
+    # cwd: not the checkout, whose capsteer/ folder would shadow the installed package
+    server = ManagedServer([sys.executable, "-m", "capsteer.cli", "serve", str(model), *flags],
+                           url=url, log_path=log_path, cwd=work, start_timeout_s=900,
+                           stop_timeout_s=90)
     try:
-        wait_ready(proc, url, log_path, 900)
-        report["startup_s"] = round(time.monotonic() - t0, 1)
+        report["startup_s"] = round(server.ready_s, 1)
         t1 = time.monotonic()
         replies = asyncio.run(fire(url, str(model), args.requests, args.hidden))
         report["wall_s"] = round(time.monotonic() - t1, 2)
@@ -132,8 +129,7 @@ def main() -> None:
             ("capsteer_steering_requests_total", ()))
         report["steered_sent"] = args.requests // 2
     finally:
-        stop(proc)
-        log.close()
+        server.close()
     ranks = sorted(set(re.findall(r"EngineCore_DP(\d+)", log_path.read_text(errors="replace"))))
     report["dp_ranks_in_log"] = ranks
     out = Path(args.out)

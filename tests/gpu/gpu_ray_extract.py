@@ -39,7 +39,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))  # perf_models, serve_proc
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))  # perf_models
 import perf_models
 from perf_models import SHAPES, SPECIALS
 

@@ -56,7 +56,7 @@ def run_case(model: Path, flags: list[str], timeout_s: float) -> dict:
             break
     seconds = round(time.time() - t0, 1)
     # The whole group, at once: nothing a case started outlives it, and at the config step
-    # there is nothing to shut down gracefully (serve_proc.stop's SIGINT waited 90 s there)
+    # there is nothing to shut down gracefully (a graceful SIGINT waited 90 s there)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()

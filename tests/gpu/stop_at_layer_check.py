@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))  # perf_models, serve_proc
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))  # perf_models
 import perf_models
 
 HOOKS = ["resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out"]

@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -17,6 +14,7 @@ import torch
 
 from capsteer.capture import read
 from capsteer.reference import hf_activations
+from capsteer.server.process import ManagedServer, free_port
 from tests.conftest import EnginePool
 
 ADMIN_KEY = "test-admin-key"
@@ -29,57 +27,7 @@ MODEL_FLAGS = ["--dtype", "float32", "--kv-cache-memory-bytes", str(256 << 20),
 START_TIMEOUT_S = 400
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ProcessServer:
-    """A long-running server subprocess in its own session, ready once /v1/models answers;
-    `close()` stops it and everything it started (engines, API servers)."""
-
-    def __init__(self, argv: list[str], *, cwd: Path, env: dict[str, str], url: str,
-                 log_path: Path, start_timeout_s: float = START_TIMEOUT_S) -> None:
-        self.url = url
-        self.log_path = log_path
-        self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT,
-                                     cwd=cwd, env=env, start_new_session=True)
-        self._wait_ready(start_timeout_s)
-
-    def _wait_ready(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                if httpx.get(self.url + "/v1/models", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)  # a start takes 12-30 s: poll often enough to lose little of it
-        self.close()
-        raise RuntimeError(f"server not ready after {timeout_s:g} s:\n{self.log_tail()}")
-
-    def log_tail(self, n: int = 60) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-
-    def log_text(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGINT)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(30)
-        self._log.close()
-
-
-class ServerProcess(ProcessServer):
+class ServerProcess(ManagedServer):
     """`capsteer serve` on a demo model with the test flags, on a free port."""
 
     def __init__(self, model_dir: str, workdir: Path, extra: list[str], name: str,

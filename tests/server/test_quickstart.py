@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from capsteer.capture.sharded import read_sharded
-from tests.server.helpers import ProcessServer, free_port
+from capsteer.server.process import ManagedServer, free_port
 
 pytestmark = [pytest.mark.server, pytest.mark.uses_engine("quickstart")]
 QUICKSTART = Path(__file__).resolve().parents[2] / "docs" / "quickstart.md"
@@ -52,7 +52,7 @@ def test_quickstart_runs_as_written(tmp_path, engine_pool, monkeypatch):
                 assert run.returncode == 0, f"{head}\n{run.stdout[-2000:]}{run.stderr[-3000:]}"
                 outputs.append(run.stdout)
             if serve:
-                server = ProcessServer(["bash", "-c", serve], cwd=tmp_path, env=env,
+                server = ManagedServer(["bash", "-c", serve], cwd=tmp_path, env=env,
                                        url=f"http://127.0.0.1:{port}",
                                        log_path=tmp_path / "serve.log")
     finally:
