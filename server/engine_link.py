@@ -26,6 +26,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from capsteer.engine_ext.payload import RPC_END_CAPTURES, RPC_METRICS
 from capsteer.engine_ext.vllm.topology import collective_rpc_all
 
 log = logging.getLogger("vllm.capsteer.server")
@@ -73,7 +74,7 @@ class EngineLink:
         for attempt in range(REPORT_ATTEMPTS):
             try:
                 return await asyncio.wait_for(collective_rpc_all(
-                    self.engine, "capsteer_end_captures", args=(batch,)), self.rpc_timeout_s)
+                    self.engine, RPC_END_CAPTURES, args=(batch,)), self.rpc_timeout_s)
             except Exception:
                 last = attempt == REPORT_ATTEMPTS - 1
                 log.warning("capsteer: reporting %d capture ends to the engine failed (try %d "
@@ -115,7 +116,7 @@ class EngineLink:
     async def metrics_snapshots(self, timeout_s: float = 5.0) -> list[dict]:
         try:
             self._last_metrics = await asyncio.wait_for(
-                collective_rpc_all(self.engine, "capsteer_metrics"), timeout_s)
+                collective_rpc_all(self.engine, RPC_METRICS), timeout_s)
         except Exception:
             log.warning("capsteer: workers did not answer the metrics call; "
                         "serving their last snapshot")

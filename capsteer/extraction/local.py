@@ -20,6 +20,7 @@ from capsteer.capture.publish import check_digest
 from capsteer.capture.sharded import INDEX_FILE, indexed_ids, read_index
 from capsteer.capture.spec import CaptureSpec, parse_capture_spec
 from capsteer.engine import Engine
+from capsteer.engine_ext.payload import RPC_END_CAPTURES, RPC_FLUSH_SHARDED, RPC_STATS
 from capsteer.extraction.job import (
     ExtractResult,
     Record,
@@ -90,10 +91,10 @@ def extract(
     started = time.monotonic()  # throughput excludes engine start-up
     try:
         _run(engine, todo, spec, max_tokens, progress, window, out)
-        engine.llm.collective_rpc("capsteer_flush_sharded")
-        forward_layers = engine.llm.collective_rpc("capsteer_stats")[0]["forward_layers"]
+        engine.llm.collective_rpc(RPC_FLUSH_SHARDED)
+        forward_layers = engine.llm.collective_rpc(RPC_STATS)[0]["forward_layers"]
     except KeyboardInterrupt:
-        engine.llm.collective_rpc("capsteer_flush_sharded")  # what finished stays
+        engine.llm.collective_rpc(RPC_FLUSH_SHARDED)  # what finished stays
         raise
     finally:
         if owns_engine:
@@ -154,7 +155,7 @@ def _run(engine: Engine, todo: list[Record], spec: CaptureSpec, max_tokens: int,
                 awaited.discard(capture_id)
                 ends.append((capture_id, len(output.outputs[0].token_ids)))
         if ends:
-            engine.llm.collective_rpc("capsteer_end_captures", args=(ends,))
+            engine.llm.collective_rpc(RPC_END_CAPTURES, args=(ends,))
             ends = []
         if bar is not None and (time.monotonic() - shown > 0.5 or not live):
             shown = time.monotonic()

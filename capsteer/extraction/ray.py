@@ -30,6 +30,7 @@ from capsteer.capture.sharded import INDEX_FILE
 from capsteer.capture.spec import CaptureSpec, parse_capture_spec
 from capsteer.config import errors
 from capsteer.engine import Engine
+from capsteer.engine_ext.payload import RPC_END_CAPTURES, RPC_FLUSH_SHARDED
 from capsteer.extraction.commit import STAGING_DIR, JobCommitter, staging_listing
 from capsteer.extraction.job import (
     ExtractResult,
@@ -251,12 +252,12 @@ class Replica:
                             awaited.discard(output.request_id)
                             ends.append((output.request_id, len(output.outputs[0].token_ids)))
                 if ends:
-                    llm.collective_rpc("capsteer_end_captures", args=(ends,))
+                    llm.collective_rpc(RPC_END_CAPTURES, args=(ends,))
             elif live:  # never spin on requests the engine no longer has
                 raise RuntimeError(f"the engine finished {len(live)} requests without a final "
                                    f"output (e.g. {sorted(live)[:3]})")
             elif unflushed and not pending and self._inbox.empty():
-                llm.collective_rpc("capsteer_flush_sharded")  # idle: publish the partial shard
+                llm.collective_rpc(RPC_FLUSH_SHARDED)  # idle: publish the partial shard
                 self._poll_staging(unflushed)
                 if not unflushed:
                     stuck_since = None
