@@ -191,10 +191,13 @@ def run_capsteer(a: argparse.Namespace, layers: list[int], out: Path, dtype: str
     engine = Engine(a.model, capsteer_config=config, **kw)
     load_s = time.perf_counter() - t0
 
+    lines: list[str] = []  # every pass's rows: a job resumes only over its own input
+
     def one(tag: str, prompts: list[str]):
+        lines.extend(json.dumps({"id": f"{tag}-{i}", "prompt": p}) + "\n"
+                     for i, p in enumerate(prompts))
         inp = out / f"prompts-{tag}.jsonl"
-        inp.write_text("".join(json.dumps({"id": f"{tag}-{i}", "prompt": p}) + "\n"
-                               for i, p in enumerate(prompts)))
+        inp.write_text("".join(lines))  # earlier passes' ids are done: only this pass runs
         return extract(a.model, inp, job, hooks=["resid_post"], layers=layers,
                        positions="prompt", progress=False, engine=engine)
 
