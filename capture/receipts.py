@@ -50,6 +50,11 @@ class Receipt:
         return d
 
     @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Receipt:
+        """The inverse of `to_dict` (receipts sent between processes as JSON)."""
+        return cls(**{**d, "files": tuple(d.get("files", ()))})
+
+    @classmethod
     def from_manifest(cls, manifest: dict[str, Any], rel_dir: str) -> Receipt:
         return cls(
             capture_id=manifest["capture_id"],

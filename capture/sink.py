@@ -25,6 +25,8 @@ Lifecycle of one capture (engine calls, in order):
 Once, at start-up, the engine may call `defer_sends()` (True: hold messages until
 `flush_sends()`, which the harvester calls when it runs out of work). Diagnostics,
 called whenever metrics are collected: `engine_wait_s`, `metrics_snapshot`, `stats`.
+When a capture's outcome could not even be written to disk, `unwritten_receipts` is
+where the server learns it.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from capsteer.capture.receipts import Receipt
 from capsteer.capture.spec import CaptureSpec
 
 
@@ -177,6 +180,11 @@ class CaptureSink(ABC):
     def stats(self) -> dict[str, Any] | None:
         """Writer statistics for capsteer_stats (None: this sink keeps none)."""
         return None
+
+    def unwritten_receipts(self, capture_ids: Sequence[str]) -> dict[str, Receipt]:
+        """Final receipts of these captures whose manifest could not be written (a full
+        disk): the server's only way to learn those outcomes. Empty by default."""
+        return {}
 
 
 @dataclass

@@ -30,9 +30,10 @@ RPC_METRICS = "capsteer_metrics"  # the worker's capture metrics
 RPC_WRITER_STATS = "capsteer_writer_stats"
 RPC_FLUSH_SHARDED = "capsteer_flush_sharded"  # publish an extraction job's partial shard
 RPC_STATS = "capsteer_stats"  # diagnostics
+RPC_UNWRITTEN = "capsteer_unwritten_receipts"  # outcomes whose manifest a full disk refused
 RPC_PLAIN_GRAPHS = "capsteer_plain_graphs"  # hold every step on the hooked CUDA graphs
 RPC_METHODS = (RPC_TAKE_CAPTURES, RPC_END_CAPTURES, RPC_METRICS, RPC_WRITER_STATS,
-               RPC_FLUSH_SHARDED, RPC_STATS, RPC_PLAIN_GRAPHS)
+               RPC_FLUSH_SHARDED, RPC_STATS, RPC_PLAIN_GRAPHS, RPC_UNWRITTEN)
 
 
 def sign_payload(payload: dict) -> dict:

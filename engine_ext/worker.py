@@ -353,6 +353,14 @@ class CapsteerWorker(platform_worker_base()):  # type: ignore[misc]
         child = writer.metrics_snapshot() if writer is not None else None
         return own if child is None else metrics.merge_snapshots([own, child])
 
+    def capsteer_unwritten_receipts(self, capture_ids: list[str]) -> dict[str, dict]:
+        """Final receipts of these captures whose manifest the disk refused (the server's
+        tracker asks for captures pending too long)."""
+        writer = self.capsteer.writer
+        if writer is None:
+            return {}
+        return {c: r.to_dict() for c, r in writer.unwritten_receipts(capture_ids).items()}
+
     def capsteer_writer_stats(self) -> dict | None:
         writer = self.capsteer.writer
         return writer.stats() if writer is not None else None

@@ -11,6 +11,8 @@
   abort: if no worker opened its capture there is nothing to publish and the server
   forgets it; if one did, that worker publishes the aborted capture's error receipt,
   and the server keeps it (and its reserved bytes) until then.
+- Unwritten outcomes: a capture whose manifest a full disk refused has its outcome
+  only in the worker's writer; the tracker asks for those (see tracker.py).
 - Metrics: the writers run in the workers, so /metrics asks each worker for a
   snapshot of its capture metrics at scrape time (last good one on failure).
 
@@ -23,10 +25,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from capsteer.engine_ext.payload import RPC_END_CAPTURES, RPC_METRICS
+from capsteer.capture.receipts import Receipt
+from capsteer.engine_ext.payload import RPC_END_CAPTURES, RPC_METRICS, RPC_UNWRITTEN
 from capsteer.engine_ext.vllm.topology import collective_rpc_all
 
 log = logging.getLogger("vllm.capsteer.server")
@@ -37,11 +40,13 @@ REPORT_RETRY_S = 0.5  # then 1 s: a busy engine core answers utility calls betwe
 class EngineLink:
     def __init__(self, engine_client: Any, on_unreached: Callable[[str], Awaitable[None]],
                  on_refused: Callable[[str], None] | None = None, *,
+                 on_end: Callable[[str], None] | None = None,
                  rpc_timeout_s: float = 10.0) -> None:
         self.engine = engine_client
         self.rpc_timeout_s = rpc_timeout_s
         self.on_unreached = on_unreached  # an aborted capture no worker opened
         self.on_refused = on_refused  # a refused request's capture no worker opened
+        self.on_end = on_end  # every reported end, first of all
         self._ends: list[tuple[str, int | None, bool]] = []  # (id, output length, 5xx)
         self._flusher: asyncio.Task | None = None
         self._last_metrics: list[dict] = []
@@ -52,6 +57,8 @@ class EngineLink:
         `refused_status`: the error status vLLM answered its request with).
 
         Synchronous so it also works from `finally` blocks of cancelled requests."""
+        if self.on_end is not None:
+            self.on_end(capture_id)
         if refused_status is not None and refused_status < 500:
             if self.on_refused is not None:  # refused before any engine saw it: nothing to
                 self.on_refused(capture_id)  # tell the workers, nothing to publish
@@ -112,6 +119,11 @@ class EngineLink:
         """Wait until every queued report was sent (tests, shutdown)."""
         while self._flusher is not None and not self._flusher.done():
             await asyncio.shield(self._flusher)
+
+    async def unwritten_receipts(self, capture_ids: Sequence[str]) -> dict[str, Receipt]:
+        """Final outcomes the workers reached but could not write to disk (full disk)."""
+        answers = await collective_rpc_all(self.engine, RPC_UNWRITTEN, args=(list(capture_ids),))
+        return {cid: Receipt.from_dict(d) for a in answers for cid, d in (a or {}).items()}
 
     async def metrics_snapshots(self, timeout_s: float = 5.0) -> list[dict]:
         try:

@@ -202,12 +202,16 @@ def rewrite_body(body: dict[str, Any], hooks: HookFields, capture_id: str | None
     return out
 
 
-def estimate_capture_bytes(body: Mapping[str, Any], capture: CaptureSpec, shape: ModelShape) -> int:
-    """Upper bound of a capture's row bytes before tokenizing: byte-level BPE gives at
-    most one token per UTF-8 byte of text, plus a margin for the chat template."""
-    text_bytes = len(json.dumps(body.get("messages", body.get("prompt", "")),
-                                ensure_ascii=False).encode())
-    prompt_tokens = min(text_bytes + 64, shape.max_model_len)
+def estimate_capture_bytes(body: Mapping[str, Any], capture: CaptureSpec, shape: ModelShape,
+                           prompt_tokens: int | None = None) -> int:
+    """Upper bound of a capture's row bytes: `prompt_tokens` as counted by the served
+    tokenizer (server/prompt_tokens.py), else from the text: byte-level BPE gives at most
+    one token per UTF-8 byte, plus a margin for the chat template."""
+    if prompt_tokens is None:
+        text_bytes = len(json.dumps(body.get("messages", body.get("prompt", "")),
+                                    ensure_ascii=False).encode())
+        prompt_tokens = text_bytes + 64
+    prompt_tokens = min(prompt_tokens, shape.max_model_len)
     max_new = body.get("max_completion_tokens") or body.get("max_tokens")
     if not isinstance(max_new, int) or max_new <= 0:
         max_new = shape.max_model_len

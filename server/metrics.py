@@ -65,9 +65,10 @@ def api_counts() -> tuple[float, float]:
     return steering, rejected
 
 
-def api_snapshot(vectors: int) -> dict[str, Any]:
+def api_snapshot(vectors: int, admitted_bytes: int = 0) -> dict[str, Any]:
     """The API servers' part, shaped like capture_metrics.snapshot() so it merges with the
-    workers' (a 429 is one capture request with status "rejected")."""
+    workers' (a 429 is one capture request with status "rejected"). `admitted_bytes`: what
+    the reject policy holds reserved in the API process answering the scrape."""
     steering, rejected = api_counts()
 
     def one(kind: str, help_text: str, sample: str, value: float, **labels: str) -> dict:
@@ -86,6 +87,10 @@ def api_snapshot(vectors: int) -> dict[str, Any]:
         "capsteer_capture_requests": one(
             "counter", "Finished captures by final status (ok, error, dropped, rejected).",
             "capsteer_capture_requests_total", rejected, status="rejected"),
+        "capsteer_capture_admitted_bytes": one(
+            "gauge", "Bytes the reject policy holds reserved for captures not yet final "
+            "(the API server process answering this scrape).",
+            "capsteer_capture_admitted_bytes", float(admitted_bytes)),
     }
 
 
@@ -95,10 +100,10 @@ REGISTRY = CollectorRegistry(auto_describe=False)
 REGISTRY.register(capture_metrics.SnapshotCollector(lambda: [api_snapshot(0)]))
 
 
-def render(worker_snapshots: list[dict], vectors: int) -> bytes:
+def render(worker_snapshots: list[dict], vectors: int, admitted_bytes: int = 0) -> bytes:
     """Text exposition of the summed worker snapshots and the API servers' counts."""
     merged = CollectorRegistry(auto_describe=False)
-    sources = [*worker_snapshots, api_snapshot(vectors)]
+    sources = [*worker_snapshots, api_snapshot(vectors, admitted_bytes)]
     merged.register(capture_metrics.SnapshotCollector(lambda: sources))
     return generate_latest(merged)
 

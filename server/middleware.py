@@ -17,6 +17,7 @@ to `vllm serve`, so every vLLM endpoint and flag keeps working. The middleware:
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import logging
@@ -230,8 +231,11 @@ class CapsteerMiddleware:
                                                   "body"))
             return
         if hooks.capture is not None:
-            estimate = estimate_capture_bytes(body, hooks.capture, state.shape)
             if state.settings.capture_overload == "reject":
+                counted = None
+                if state.prompt_counter is not None:
+                    counted = await asyncio.to_thread(state.prompt_counter.count, body)
+                estimate = estimate_capture_bytes(body, hooks.capture, state.shape, counted)
                 if estimate > state.settings.capture_budget:
                     await send_json(send, 400, error_body(
                         400, f"capture: needs up to {estimate} bytes in flight, more than the "
@@ -281,7 +285,8 @@ class CapsteerMiddleware:
         if start.get("status") == 200:
             snapshots = await self.state.link.metrics_snapshots()
             body[:] = metrics.strip_capsteer(bytes(body))
-            body.extend(metrics.render(snapshots, self.state.registry.count()))
+            body.extend(metrics.render(snapshots, self.state.registry.count(),
+                                       self.state.tracker.reserved_bytes))
         out_headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
         out_headers.append((b"content-length", str(len(body)).encode()))
         await send({"type": "http.response.start", "status": start.get("status", 500),

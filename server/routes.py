@@ -191,6 +191,9 @@ async def capture_receipt(capture_id: str, request: Request) -> Response:
     root = Path(state.settings.capture_dir)
     receipt = await asyncio.to_thread(find_receipt, root, capture_id)
     if receipt is None:
+        kept = state.tracker.unwritten(capture_id)
+        if kept is not None:  # final, but the disk refused its manifest
+            return JSONResponse(kept.to_dict())
         if state.tracker.is_tracked(capture_id):
             return JSONResponse(pending(capture_id).to_dict())
         return error_response(404, f"no capture {capture_id!r} on this server", "capture_id")

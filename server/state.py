@@ -10,11 +10,12 @@ import torch
 
 from capsteer.capture.spec import SpecError, parse_capture_shorthand, parse_capture_spec
 from capsteer.config.server import ServerSettings
-from capsteer.engine_ext.vllm.serve import api_keys, app_engine_client
+from capsteer.engine_ext.vllm.serve import api_keys, app_engine_client, served_tokenizer
 from capsteer.engine_ext.vllm.topology import ServedModel, Topology, served_model, served_topology
 from capsteer.server.engine_link import EngineLink
 from capsteer.server.fields import ModelShape
 from capsteer.server.peers import PeerBoard
+from capsteer.server.prompt_tokens import PromptCounter
 from capsteer.server.tracker import CaptureTracker
 from capsteer.steering.registry import VectorRegistry
 
@@ -32,6 +33,7 @@ class CapsteerState:
     api_keys: list[str]
     global_capture: dict | None = None  # the capture object every request without one gets
     topology: Topology | None = None
+    prompt_counter: PromptCounter | None = None  # the reject policy's exact prompt lengths
 
     @classmethod
     def create(cls, app: object, settings: ServerSettings) -> CapsteerState:
@@ -59,9 +61,27 @@ class CapsteerState:
                         topology.api_servers)
         tracker = CaptureTracker(settings.capture_dir, admission_budget(settings, topology),
                                  peers=peers, model=model.name)
-        link = EngineLink(engine, tracker.settle_unreached, tracker.untrack)
+        link = EngineLink(engine, tracker.settle_unreached, tracker.untrack,
+                          on_end=tracker.note_end)
+        tracker.ask_unwritten = link.unwritten_receipts
+        counter = None
+        if settings.capture_overload == "reject":
+            counter = prompt_counter(served_tokenizer(app, engine))
         return cls(settings, model, shape, registry, tracker, link,
-                   api_keys(app), global_capture, topology)
+                   api_keys(app), global_capture, topology, counter)
+
+
+def prompt_counter(source: object) -> PromptCounter | None:
+    """The served tokenizer, for reservations as large as the prompt really is; None (the
+    byte bound) where it cannot be loaded."""
+    if source is None:
+        return None
+    try:
+        return PromptCounter(source)
+    except Exception as exc:
+        log.warning("capsteer: cannot load the tokenizer to count prompts (%r); the reject "
+                    "policy reserves a byte-count bound instead", exc)
+        return None
 
 
 def admission_budget(settings: ServerSettings, topology: Topology) -> int:

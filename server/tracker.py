@@ -4,8 +4,15 @@ The writers run in engine processes; the manifest on disk is the source of truth
 for the outcome. One poller task looks for the manifests of every tracked capture
 (one thread hop per tick, however many are pending) and resolves the waiters.
 The same table is the server's in-flight account for the `reject` policy: a
-capture reserves its estimated bytes at admission and frees them when its manifest
-appears (or the request never reached the engine). Under several API server
+capture reserves its estimated bytes at admission and frees them when its outcome is
+known (or the request never reached the engine).
+
+When a full disk refuses even a capture's error manifest, the outcome lives only in
+the writer that reached it: for captures whose request ended ASK_AFTER_S ago and
+still have no manifest, the poller asks the engine's workers (at most once per
+ASK_AFTER_S) and resolves them from the answer, so every receipt is final within
+about 2 × ASK_AFTER_S of the writer giving up. Those receipts are kept here for
+`GET /v1/captures/{id}` until the writer manages to write them to disk. Under several API server
 processes each has its own table and budget; `peers` lets a receipt lookup in one
 see captures pending in another.
 """
@@ -15,6 +22,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,6 +35,9 @@ from capsteer.server.peers import PeerBoard
 
 log = logging.getLogger("vllm.capsteer.server")
 SEARCH_AFTER_S = 10.0
+ASK_AFTER_S = 1.0
+KEEP_UNWRITTEN = 10_000
+AskUnwritten = Callable[[Sequence[str]], Awaitable[dict[str, Receipt]]]
 
 
 @dataclass
@@ -34,6 +46,7 @@ class _Tracked:
     since: float
     spec: CaptureSpec
     dir_time: float | None = None  # the payload's date for its directory (None: unknown)
+    ended: float | None = None  # when the front end reported the request's end
     waiters: list[asyncio.Future] = field(default_factory=list)
 
 
@@ -53,6 +66,9 @@ class CaptureTracker:
         self.reserved_bytes = 0
         self.peers = peers
         self._searched_at = 0.0
+        self.ask_unwritten: AskUnwritten | None = None  # set once the engine link exists
+        self._asked_at = 0.0
+        self._unwritten: OrderedDict[str, Receipt] = OrderedDict()
 
     # ---- admission ----
     def try_reserve(self, capture_id: str, spec: CaptureSpec, nbytes: int,
@@ -96,6 +112,16 @@ class CaptureTracker:
             reason="aborted: the request was aborted before the engine ran it; "
                    "nothing was captured", dir_time=entry.dir_time)
 
+    def note_end(self, capture_id: str) -> None:
+        """The request ended: from ASK_AFTER_S on, the poller may ask the engine."""
+        entry = self._tracked.get(capture_id)
+        if entry is not None and entry.ended is None:
+            entry.ended = time.monotonic()
+
+    def unwritten(self, capture_id: str) -> Receipt | None:
+        """A final receipt the engine reported whose manifest is not on disk (yet)."""
+        return self._unwritten.get(capture_id)
+
     def is_tracked(self, capture_id: str) -> bool:
         """In flight here or, under several API servers, in another one."""
         return capture_id in self._tracked or (
@@ -107,7 +133,8 @@ class CaptureTracker:
         entry = self._tracked.get(capture_id)
         if entry is None:
             found = await asyncio.to_thread(find_receipt, self.root, capture_id)
-            return found or pending(capture_id, "capture not known to this server")
+            return found or self.unwritten(capture_id) or pending(
+                capture_id, "capture not known to this server")
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
         entry.waiters.append(fut)
         try:
@@ -130,6 +157,7 @@ class CaptureTracker:
                 log.exception("capsteer: scanning the capture root failed")
                 found = {}
             now = time.monotonic()
+            found.update(await self._ask_engine(found, now))
             for capture_id in ids:
                 receipt = found.get(capture_id)
                 entry = self._tracked.get(capture_id)
@@ -149,6 +177,29 @@ class CaptureTracker:
                     if not fut.done():
                         fut.set_result(receipt)
             await asyncio.sleep(self.poll_s)
+
+    async def _ask_engine(self, found: dict[str, Receipt], now: float) -> dict[str, Receipt]:
+        """Outcomes the workers hold because the disk refused their manifests."""
+        if self.ask_unwritten is None or now - self._asked_at < ASK_AFTER_S:
+            return {}
+        overdue = [c for c, e in self._tracked.items() if c not in found
+                   and e.ended is not None and now - e.ended >= ASK_AFTER_S]
+        if not overdue:
+            return {}
+        self._asked_at = now
+        try:
+            got = await asyncio.wait_for(self.ask_unwritten(overdue), 5.0)
+        except Exception:  # the poll goes on; the next round asks again
+            log.warning("capsteer: asking the workers for unwritten capture outcomes failed",
+                        exc_info=True)
+            return {}
+        for capture_id, receipt in got.items():
+            log.warning("capsteer: capture %s ended %s but its manifest could not be written: "
+                        "%s", capture_id, receipt.status, receipt.error)
+            self._unwritten[capture_id] = receipt
+            while len(self._unwritten) > KEEP_UNWRITTEN:
+                self._unwritten.popitem(last=False)
+        return got
 
     @staticmethod
     def _rel_dir(capture_id: str, entry: _Tracked) -> str | None:

@@ -201,7 +201,7 @@ def _serve(sock_fd: int, ctl_fd: int, ring_fd: int, config: dict[str, Any]) -> N
                     ids.append(more)
             if ids:
                 try:
-                    send(Done(ids))
+                    send(Done(ids, tuple(writer.unwritten.get(ids).values())))
                 except OSError:
                     return
             if stop:

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 import capsteer.capture.metrics as metrics
+from capsteer.capture.receipts import Receipt
 from capsteer.capture.sink import CaptureEnd, CaptureRequest, CaptureSink
 from capsteer.capture.writer.budget import DEFAULT_BUDGET_BYTES, DEFAULT_RING_BYTES, check_processes
 from capsteer.capture.writer.process import ProcessCaptureWriter
@@ -210,6 +211,12 @@ class ProcessWriterPool(CaptureSink):
         for w in self.writers:
             for wait, seconds in w.engine_wait_s().items():
                 out[wait] = out.get(wait, 0.0) + seconds
+        return out
+
+    def unwritten_receipts(self, capture_ids: Sequence[str]) -> dict[str, Receipt]:
+        out: dict[str, Receipt] = {}
+        for w in self.writers:
+            out.update(w.unwritten_receipts(capture_ids))
         return out
 
     def metrics_snapshot(self) -> dict[str, Any]:

@@ -26,7 +26,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -60,6 +60,7 @@ from capsteer.capture.writer.publishing import Publishing
 from capsteer.capture.writer.stages import stage_keys
 from capsteer.capture.writer.state import Chunk, OpenCapture
 from capsteer.capture.writer.threads import WorkerThreads, default_workers
+from capsteer.capture.writer.unwritten import UnwrittenOutcomes
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +100,7 @@ class CaptureWriter(Publishing, CaptureSink):
             log.warning("swept %d stale capture temp files under %s", len(self.swept), self.root)
         self.budget = Budget(budget_bytes, policy)
         self.receipts = ReceiptBoard(keep_receipts)
+        self.unwritten = UnwrittenOutcomes(keep_receipts)
         self._caps: dict[str, OpenCapture] = {}
         self._caps_lock = threading.Lock()
         self._pool = WorkerThreads(workers or default_workers())
@@ -259,6 +261,9 @@ class CaptureWriter(Publishing, CaptureSink):
             return find_receipt(self.root, capture_id)
         except ValueError:
             return None
+
+    def unwritten_receipts(self, capture_ids: Sequence[str]) -> dict[str, Receipt]:
+        return self.unwritten.get(capture_ids)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every closed capture is published (tests, shutdown)."""

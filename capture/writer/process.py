@@ -1,20 +1,17 @@
 """The durable writer in a process of its own, so publishing never waits on the engine's GIL.
 
-Why: a capturing engine's step thread calls thousands of GIL-releasing torch ops per
-step, and each time it releases the GIL a writer thread of the same process can take
-it and hold it for its next Python segment (manifest, plan, syscall bookkeeping). On
-the H200 that kept the step thread off the CPU for 0.4-0.65 s of a 3.6 s capture batch
-(docs/performance.md). Here the engine process keeps only a
-thin `ProcessCaptureWriter`: each `write` copies the rows into a shared-memory ring (one
+Why: a capturing engine's step thread releases the GIL thousands of times a step, and
+a writer thread of the same process can take it each time for its next Python segment
+(docs/performance.md measured the cost). Here the engine process keeps a thin
+`ProcessCaptureWriter`: each `write` copies the rows into a shared-memory ring (one
 memcpy, GIL released) and sends a short message on a socket; a child process
 (capsteer.capture.writer.child) runs the unchanged `CaptureWriter` (writer threads,
 digests, fsyncs, manifests, receipts). The rings are capsteer.capture.writer.ring's,
 the messages capsteer.capture.writer.protocol's.
 
-Neither side wakes a thread pool for its copies: an OpenMP team spins on its cores
-after every parallel copy, and that spinning took CPU the step thread needed. The
-parent copies with one memmove (`layouts.copy_rows`); the child runs with one intra-op
-thread (docs/performance.md).
+Neither side wakes a thread pool for its copies (an OpenMP team spins on cores the
+step thread needs): the parent copies with one memmove (`layouts.copy_rows`), the
+child runs with one intra-op thread (docs/performance.md).
 
 If the child dies, the parent notices (socket EOF), writes an error outcome for every
 capture the child had not reported done, through an in-process `CaptureWriter`, and
@@ -49,6 +46,7 @@ import torch
 from capsteer.capture.layouts import copy_rows
 from capsteer.capture.manifest import ENGINE_PID_ENV
 from capsteer.capture.publish import check_digest
+from capsteer.capture.receipts import Receipt
 from capsteer.capture.sink import CaptureEnd, CaptureRequest, CaptureSink
 from capsteer.capture.writer.budget import (
     DEFAULT_BUDGET_BYTES,
@@ -75,6 +73,7 @@ from capsteer.capture.writer.protocol import (
     loads,
 )
 from capsteer.capture.writer.ring import HEADER, PAGE, DeviceRows, align, place
+from capsteer.capture.writer.unwritten import UnwrittenOutcomes
 
 log = logging.getLogger(__name__)
 
@@ -160,6 +159,7 @@ class ProcessCaptureWriter(CaptureSink):
         self._send_lock = threading.Lock()
         self._state_lock = threading.Lock()
         self._inflight: dict[str, CaptureRequest] = {}  # opened, not reported done by the child
+        self._unwritten = UnwrittenOutcomes()  # the child's outcomes not on disk
         self._calls: dict[int, Future[Any]] = {}
         self._next_call = 0
         self._fallback: Any = None  # the in-process CaptureWriter after the child died
@@ -396,6 +396,10 @@ class ProcessCaptureWriter(CaptureSink):
         fallback = self._fallback.engine_wait_s() if self._fallback is not None else {}
         return {"writer_ring": self.ring_wait_s, **fallback}
 
+    def unwritten_receipts(self, capture_ids: Sequence[str]) -> dict[str, Receipt]:
+        got, fallback = self._unwritten.get(capture_ids), self._fallback
+        return got if fallback is None else {**got, **fallback.unwritten_receipts(capture_ids)}
+
     def metrics_snapshot(self) -> dict[str, Any]:
         """The child's capture metrics (metrics.snapshot shape); the last good one if it
         does not answer, so counters never go backwards on a slow scrape."""
@@ -532,6 +536,7 @@ class ProcessCaptureWriter(CaptureSink):
                 self._calls.pop(n, None)
 
     def _on_done(self, msg: Done) -> None:
+        self._unwritten.merge(msg.unwritten)
         with self._state_lock:
             for cid in msg.capture_ids:
                 self._inflight.pop(cid, None)

@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from capsteer.capture.receipts import Receipt
 from capsteer.capture.sink import CaptureEnd, CaptureRequest
 
 log = logging.getLogger(__name__)
@@ -87,9 +88,11 @@ class Ready(NamedTuple):
 
 
 class Done(NamedTuple):
-    """Captures whose outcome the child published."""
+    """Captures whose outcome the child published, and the receipts of those whose
+    manifest could not be written (the parent keeps them for the server to ask)."""
 
     capture_ids: list[str]
+    unwritten: tuple[Receipt, ...] = ()
 
 
 class Reply(NamedTuple):

@@ -51,6 +51,7 @@ from capsteer.capture.writer.state import (
     OpenCapture,
     plan_key,
 )
+from capsteer.capture.writer.unwritten import UnwrittenOutcomes
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,7 @@ class Publishing:
     digest: str
     direct_io: bool
     clock: Callable[[], float]
+    unwritten: UnwrittenOutcomes
 
     def _release_sealed(self, cap: OpenCapture, n: int) -> None:
         n = min(n, cap.sealed_left)
@@ -100,6 +102,7 @@ class Publishing:
 
     def _finish(self, cap: OpenCapture, end: CaptureEnd) -> None:
         started = self.clock()
+        self.unwritten.retry(self.fs)
         try:
             if cap.dropped:
                 receipt = self._publish_status(cap, "dropped", f"dropped: {cap.dropped}")
@@ -115,6 +118,7 @@ class Publishing:
                 receipt = self._publish_status(cap, "error", f"{type(exc).__name__}: {exc}")
             except Exception:
                 receipt = Receipt(cap.req.capture_id, "error", cap.rel_dir, error=repr(exc))
+                self.unwritten.add(receipt)
         finally:
             self._release_sealed(cap, cap.sealed_left)
             cap.chunks.clear()
@@ -134,6 +138,11 @@ class Publishing:
                 written = True
         except OSError as exc:
             log.warning("capture %s: could not write %s manifest: %s", cap.req.capture_id, status, exc)
+            receipt = replace(self._receipt(cap, manifest), manifest=None,
+                              error=f"{message} (its {status} manifest could not be written "
+                                    f"either: {exc})")
+            self.unwritten.add(receipt, cap.path, self._outcome_name(cap), manifest)
+            return receipt
         if written and cap.staged:
             self._merge(cap)
         return self._receipt(cap, manifest)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 
 def run_vllm_serve(argv: list[str]) -> None:
     """Run `vllm serve ARGV` in this process: vLLM's own parser, validation and server.
@@ -64,3 +66,30 @@ def api_keys(app: object) -> list[str]:
     if not keys and os.environ.get("VLLM_API_KEY"):
         keys = [os.environ["VLLM_API_KEY"]]
     return [k for k in keys if k]
+
+
+@dataclass(frozen=True)
+class TokenizerSource:
+    """Where vLLM's API server gets its tokenizer and chat template (`--tokenizer`,
+    `--tokenizer-revision`, `--trust-remote-code`, `--chat-template`)."""
+
+    path: str
+    revision: str | None
+    trust_remote_code: bool
+    chat_template: str | None  # the template text (None: the tokenizer's own)
+
+
+def served_tokenizer(app: object, engine_client: object) -> TokenizerSource | None:
+    """The tokenizer vLLM's OpenAI server uses; None where the config does not say."""
+    from pathlib import Path
+
+    config = getattr(engine_client, "model_config", None)
+    path = getattr(config, "tokenizer", None) or getattr(config, "model", None)
+    if not isinstance(path, str) or getattr(config, "skip_tokenizer_init", False):
+        return None
+    template = getattr(getattr(app.state, "args", None), "chat_template", None)
+    if isinstance(template, str) and template and Path(template).is_file():
+        template = Path(template).read_text()
+    return TokenizerSource(path, getattr(config, "tokenizer_revision", None),
+                           bool(getattr(config, "trust_remote_code", False)),
+                           template if isinstance(template, str) and template else None)

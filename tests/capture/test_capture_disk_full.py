@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import numpy as np
@@ -15,8 +16,12 @@ import pytest
 import torch
 from capture_helpers import all_files, make_request, make_spec, temp_files
 
+import capsteer.capture.metrics as metrics
 from capsteer.capture import CaptureEnd, CaptureWriter, read
+from capsteer.capture.metrics import sample_value
 from capsteer.capture.published import verify_files
+from capsteer.capture.writer.process import ProcessCaptureWriter
+from capsteer.capture.writer.unwritten import RETRY_EVERY_S
 
 MIB = 1 << 20
 
@@ -103,3 +108,75 @@ def test_enospc_while_spilling_is_an_error_receipt(small_fs):
     _assert_nothing_partial(root)
     assert _capture(w, "after-spill", "packed", 512).status == "ok"
     w.shutdown()
+
+
+def _fill(fs_root: Path) -> Path:
+    """Fill the filesystem to the last page: even a manifest cannot be written."""
+    filler = fs_root / "filler"
+    free = os.statvfs(fs_root).f_bavail * os.statvfs(fs_root).f_frsize
+    filler.write_bytes(b"\0" * free)
+    n = 0
+    try:
+        while True:  # whatever the first write left
+            (fs_root / f"crumb-{n}").write_bytes(b"\0" * 4096)
+            n += 1
+    except OSError:
+        pass
+    return filler
+
+
+def _free(fs_root: Path) -> None:
+    for path in fs_root.iterdir():
+        if path.is_file():
+            path.unlink()
+
+
+def _send_capture(w, cid: str, rows: int = 256) -> None:
+    spec = make_spec(layers=[0])
+    w.open(make_request(cid, spec, rows, hidden=256))
+    w.write(cid, "resid_post", 0, np.arange(rows), torch.ones(rows, 256))
+    w.close(CaptureEnd(cid, tuple(range(rows + 1))))
+
+
+def _wait_unwritten(w, cid: str, timeout: float = 20.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = w.unwritten_receipts([cid])
+        if cid in got:
+            return got[cid]
+        time.sleep(0.05)
+    raise AssertionError(f"{cid}: no unwritten receipt after {timeout} s")
+
+
+@pytest.mark.parametrize("kind", ["threads", "process"])
+def test_a_full_disk_keeps_the_outcome_and_writes_it_later(small_fs, kind):
+    """Issue 60 item 2: when even the error manifest fails, the writer keeps the final
+    receipt (the server asks for it), and writes the manifest once space is back."""
+    root = small_fs / "captures"
+    root.mkdir()
+    w = (CaptureWriter(root, budget_bytes=64 * MIB, workers=1) if kind == "threads" else
+         ProcessCaptureWriter(root, budget_bytes=64 * MIB, workers=1, ring_bytes=1 << 20))
+    def errors() -> float:
+        snap = w.metrics_snapshot() if kind == "process" else metrics.snapshot()
+        return sample_value(snap, "capsteer_capture_requests_total", status="error") or 0.0
+    try:
+        errors_before = errors()
+        _fill(small_fs)
+        _send_capture(w, "no-room")
+        r = _wait_unwritten(w, "no-room")
+        assert r.status == "error" and r.manifest is None
+        assert "could not be written" in r.error and "No space left" in r.error, r.error
+        assert not list(root.rglob("manifest.json"))
+        assert errors() == errors_before + 1  # the metric and the receipt agree
+        _free(small_fs)
+        time.sleep(RETRY_EVERY_S + 0.1)
+        _send_capture(w, "room-again")  # its publish retries the kept manifest first
+        assert w.flush(30)
+        manifests = {json.loads(p.read_text())["capture_id"]: json.loads(p.read_text())
+                     for p in root.rglob("manifest.json")}
+        assert manifests["room-again"]["status"] == "ok"
+        assert manifests["no-room"]["status"] == "error"
+        assert "No space left" in manifests["no-room"]["error"]
+        _assert_nothing_partial(root)
+    finally:
+        w.shutdown(30)

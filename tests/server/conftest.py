@@ -7,6 +7,8 @@ keeps one process alive.
 
 from __future__ import annotations
 
+import os
+import subprocess
 from pathlib import Path
 
 import httpx
@@ -25,10 +27,31 @@ def server(engine_pool, model_dirs, server_root) -> ServerProcess:
     return main_server(engine_pool, model_dirs, server_root)
 
 
+@pytest.fixture(scope="session")
+def reject_capture_fs(server_root):
+    """The reject server's capture root on a small tmpfs of its own (where this process may
+    mount one), so a test can fill that disk for real; None elsewhere."""
+    root = server_root / "server-reject" / "captures"
+    root.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0:
+        yield None
+        return
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(root)],
+                         capture_output=True, text=True)
+    if res.returncode != 0:
+        yield None
+        return
+    try:
+        yield root
+    finally:
+        subprocess.run(["umount", "-l", str(root)], check=False)
+
+
 @pytest.fixture
-def reject_server(engine_pool, model_dirs, server_root) -> ServerProcess:
+def reject_server(engine_pool, model_dirs, server_root, reject_capture_fs) -> ServerProcess:
     """capsteer with the reject policy and a tiny budget (admission is the API's job), as a
-    dedicated capture server: every request without a capture field is captured."""
+    dedicated capture server: every request without a capture field is captured. Its
+    capture root is a 16 MiB tmpfs where one can be mounted (`reject_capture_fs`)."""
     return start_server(engine_pool, model_dirs, server_root, "server-reject", [
         "--capture-dir", str(server_root / "server-reject" / "captures"),
         "--steering-dir", str(server_root / "server-reject" / "vectors"),

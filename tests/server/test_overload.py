@@ -13,8 +13,9 @@ from capsteer.capture import read
 
 from .helpers import ALL_HOOKS, PROMPT, capture_dir
 
-# ~150 KiB estimated per request (2 keys x 512 B x ~150 positions): two fit in 300 KiB.
+# 2 keys x 512 B per position; with LONG new tokens ~135 KiB a request: two fit in 300 KiB.
 SMALL = {"hooks": ["resid_post"], "layers": [0, 1], "positions": "all"}
+LONG = 120
 
 
 def _body(capture: dict, max_tokens: int) -> dict:
@@ -42,7 +43,7 @@ def _burst(url: str, capture: dict, n: int, max_tokens: int = 16) -> list[httpx.
 @pytest.mark.uses_engine("server-reject")
 def test_reject_policy_answers_429_and_stays_healthy(reject_server):
     url = reject_server.url
-    responses = _burst(url, SMALL, 8)
+    responses = _burst(url, SMALL, 8, max_tokens=LONG)
     codes = [r.status_code for r in responses]
     assert 429 in codes and 200 in codes, codes
     assert set(codes) <= {200, 429}, codes
@@ -61,7 +62,7 @@ def test_reject_policy_answers_429_and_stays_healthy(reject_server):
     # are freed (vLLM validates before any engine sees a request).
     for _ in range(3):
         refused = httpx.post(url + "/v1/completions", timeout=60,
-                             json={**_body(SMALL, 16), "temperature": -1.0})
+                             json={**_body(SMALL, LONG), "temperature": -1.0})
         assert refused.status_code == 400, refused.text
         assert "x-capsteer-capture-id" not in refused.headers
     deadline = time.monotonic() + 30
