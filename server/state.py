@@ -1,4 +1,4 @@
-"""The capsteer part of one API process: settings, model shape, registry, trackers."""
+"""The capsteer part of one API process: settings, model shape, registries, trackers."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from capsteer.server.engine_link import EngineLink
 from capsteer.server.fields import ModelShape
 from capsteer.server.peers import PeerBoard
 from capsteer.server.tracker import CaptureTracker
+from capsteer.steering.readers.registry import ReaderRegistry
 from capsteer.steering.registry import VectorRegistry
 
 log = logging.getLogger("vllm.capsteer.server")
@@ -32,6 +33,7 @@ class CapsteerState:
     api_keys: list[str]
     global_capture: dict | None = None  # the capture object every request without one gets
     topology: Topology | None = None
+    readers: ReaderRegistry | None = None  # probes and SAEs under --readers-dir
 
     @classmethod
     def create(cls, app: object, settings: ServerSettings) -> CapsteerState:
@@ -43,6 +45,7 @@ class CapsteerState:
         Path(settings.capture_dir).mkdir(parents=True, exist_ok=True)
         registry = VectorRegistry(settings.steering_dir, hidden_size=model.hidden_size,
                                   num_layers=model.num_layers)
+        readers = ReaderRegistry(settings.readers_dir, hidden_size=model.hidden_size)
         global_capture = None
         if getattr(settings, "global_capture", None):
             global_capture = parse_capture_shorthand(settings.global_capture)
@@ -61,7 +64,7 @@ class CapsteerState:
                                  peers=peers, model=model.name)
         link = EngineLink(engine, tracker.settle_unreached, tracker.untrack)
         return cls(settings, model, shape, registry, tracker, link,
-                   api_keys(app), global_capture, topology)
+                   api_keys(app), global_capture, topology, readers)
 
 
 def admission_budget(settings: ServerSettings, topology: Topology) -> int:
