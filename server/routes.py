@@ -259,7 +259,8 @@ async def put_reader(name: str, request: Request, format: str | None = None,
         if path.stat().st_size == 0:
             return error_response(400, "empty body: send the reader file as the request body",
                                   "body")
-        info = await asyncio.to_thread(readers.put, name, path, format, activation=activation)
+        info = await asyncio.to_thread(readers.put, name, path, format,
+                                       activation=activation or None)  # `?activation=`: unset
     except ReaderNameError as exc:
         return from_exception(exc, "name")
     except ReaderFormatError as exc:
