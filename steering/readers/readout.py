@@ -33,8 +33,8 @@ from capsteer.capture.spec import PositionSpec, SpecError, parse_positions
 from capsteer.config import errors
 from capsteer.hooks import HookNameError, canonical_hook, resolve_layer
 from capsteer.steering.readers.formats import ReaderFormatError, check_probe
-from capsteer.steering.readers.kinds import LinearProbe
-from capsteer.steering.readers.registry import ReaderShape
+from capsteer.steering.readers.kinds import LinearProbe, Reader
+from capsteer.steering.readers.registry import ReaderRegistry, ReaderShape
 
 POSITIONS = ("all", "prompt", "generated")
 ITEM_KEYS = ("reader", "hook", "layer", "positions", "top_k", "threshold")
@@ -97,6 +97,18 @@ class ReadoutItem:
             probe = LinearProbe(weight, _unb64(p["bias"]), p["activation"], names)
         return cls(int(d["index"]), shape, probe, d["hook"], int(d["layer"]),
                    parse_positions(d["positions"]), d.get("top_k"), d.get("threshold"))
+
+
+def reader_of(item: ReadoutItem, registry: ReaderRegistry | None) -> Reader:
+    """The tensors an item reads with: its inline probe, or the registered reader it was
+    checked against (a reader replaced since then is a ReaderRegistryError, not a
+    silent switch)."""
+    if item.probe is not None:
+        return item.probe
+    if registry is None or item.reader.name is None:
+        raise ReadoutSpecError(f"readout[{item.index}].reader.name",
+                               "no reader registry to load it from")
+    return registry.get(item.reader.name, sha256=item.reader.sha256)
 
 
 def _b64(t: torch.Tensor) -> str:

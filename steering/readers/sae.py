@@ -269,6 +269,7 @@ def load_sae_dir(directory: Path, *, hidden_size: int) -> DecodedSAE:
     config = {"architecture": arch, "d_in": d_in, "d_sae": d_sae, "k": k,
               "normalize_activations": normalize, "apply_b_dec_to_input": apply_b_dec,
               "rescale_acts_by_decoder_norm": rescale,
+              "reshape_activations": _str_or_none(cfg.get("reshape_activations")) or "none",
               "hook_name": sae.hook_name, "model_name": _str_or_none(
                   metadata.get("model_name", cfg.get("model_name"))),
               "sae_lens_version": _str_or_none(

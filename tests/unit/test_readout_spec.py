@@ -10,13 +10,15 @@ import pytest
 import torch
 from sae_lens import StandardSAE, StandardSAEConfig
 
+from capsteer.steering.readers.kinds import LinearProbe, SparseAutoencoder
 from capsteer.steering.readers.readout import (
     DEFAULT_TOP_K,
     ReadoutItem,
     ReadoutSpecError,
     parse_readout,
+    reader_of,
 )
-from capsteer.steering.readers.registry import ReaderRegistry
+from capsteer.steering.readers.registry import ReaderRegistry, ReaderRegistryError
 
 D, LAYERS, D_SAE = 8, 4, 32
 W = np.random.default_rng(0).standard_normal((2, D)).astype(np.float32)
@@ -73,6 +75,12 @@ def test_inline_probe_and_wire_round_trip(registry):
     assert torch.equal(back.probe.bias, torch.tensor([1.0, 2.0]))
     assert (back.hook, back.layer, back.reader) == (item.hook, item.layer, item.reader)
     assert back.positions == item.positions
+    sae_item = parse([{"reader": {"name": "sae"}, "layer": -1, "positions": [3, -2],
+                       "top_k": 5, "threshold": 0.5}], registry)[0]
+    again = ReadoutItem.from_dict(json.loads(json.dumps(sae_item.to_dict())))
+    assert again.probe is None and again.reader == sae_item.reader
+    assert (again.layer, again.positions.explicit, again.top_k, again.threshold) == \
+        (LAYERS - 1, (-2, 3), 5, 0.5)
 
 
 BAD = {
@@ -132,3 +140,20 @@ def test_named_reader_without_a_registry_is_unknown():
     assert err.value.param == "readout[0].reader.name"
     (item,) = parse([{"reader": {"weight": W[0].tolist()}, "layer": 0}], None)
     assert item.reader.outputs == 1
+
+
+def test_reader_of_loads_what_was_checked(registry):
+    probe_item, sae_item, inline = parse([
+        {"reader": {"name": "probe"}, "layer": 0}, {"reader": {"name": "sae"}},
+        {"reader": {"weight": W.tolist()}, "layer": 1}], registry)
+    probe = reader_of(probe_item, registry)
+    assert isinstance(probe, LinearProbe) and torch.equal(probe.weight, torch.from_numpy(W))
+    assert probe.activation == "sigmoid"
+    sae = reader_of(sae_item, registry)
+    assert isinstance(sae, SparseAutoencoder) and sae.d_sae == D_SAE
+    assert reader_of(inline, None) is inline.probe
+    buf = io.BytesIO()
+    np.save(buf, W[0])
+    registry.put("probe", buf.getvalue())  # replaced after the request was checked
+    with pytest.raises(ReaderRegistryError, match="replaced"):
+        reader_of(probe_item, registry)
