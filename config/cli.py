@@ -76,6 +76,7 @@ SERVER_FLAGS: list[ServerFlag] = [
     _field_flag("plain_graphs", choices=("on", "off")),
     _field_flag("stack_room", choices=("on", "off")),
     _field_flag("steering_dir", metavar="DIR"),
+    _field_flag("readers_dir", metavar="DIR"),
     _field_flag("admin_key", metavar="KEY"),
     _field_flag("global_capture", metavar="SPEC"),
 ]

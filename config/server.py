@@ -142,8 +142,12 @@ class ServerSettings(BaseSettings):
     capture_wait_timeout: float = Field(60.0, description="seconds a capture_wait response "
                                         "may be held (then status pending)")
     steering_dir: str = Field("steering-vectors", description="named steering vectors")
+    readers_dir: str = Field("readers", description="named readers (linear probes, SAEs): "
+                             "uploads, and SAELens directories (cfg.json + "
+                             "sae_weights.safetensors) placed in it by name")
     admin_key: str | None = Field(None, description="required (X-Admin-Key header) to "
-                                  "change the vector registry; none: registry is open")
+                                  "change the vector and reader registries; none: they "
+                                  "are open")
     capture_default: dict[str, Any] = Field(default_factory=lambda: copy.deepcopy(DEFAULT_SPEC),
                                             description="capture spec fields a request "
                                             "leaves out (env: JSON)")
@@ -216,7 +220,8 @@ class ServerSettings(BaseSettings):
             raise ValueError(f"must be a positive, finite number of seconds; got {value}")
         return value
 
-    @field_validator("capture_dir", "steering_dir", "admin_key", "global_capture")
+    @field_validator("capture_dir", "steering_dir", "readers_dir", "admin_key",
+                     "global_capture")
     @classmethod
     def _check_non_empty(cls, value: str | None) -> str | None:
         # an empty admin key would silently open the registry: leave it out instead

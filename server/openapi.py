@@ -10,6 +10,9 @@ from typing import Any
 
 from capsteer.capture.spec import DTYPES, LAYOUTS, SPEC_KEYS
 from capsteer.hooks import ALIASES, HOOKS
+from capsteer.steering.readers.kinds import ACTIVATIONS
+from capsteer.steering.readers.readout import ITEM_KEYS
+from capsteer.steering.readers.readout import POSITIONS as READOUT_POSITIONS
 from capsteer.steering.spec import OPS, POSITIONS
 
 _HOOK = {"type": "string", "enum": [*HOOKS, *ALIASES]}
@@ -73,6 +76,30 @@ CAPTURE_RESULTS = {
         "positions": {"type": "integer"}, "error": {"type": ["string", "null"]},
     },
 }
+_INLINE_PROBE = {"type": "object", "required": ["weight"], "properties": {
+    "weight": {"description": "[k, hidden] or [hidden]", "type": "array"},
+    "bias": {"description": "[k]", "anyOf": [{"type": "array", "items": {"type": "number"}},
+                                             {"type": "number"}]},
+    "names": {"type": "array", "items": {"type": "string"}},
+    "activation": {"type": "string", "enum": list(ACTIVATIONS), "default": "none"}}}
+READOUT = {
+    "type": "array", "description": "Read scores inside the forward with registered readers "
+    "(GET /v1/readers) or an inline probe (api.md §7).",
+    "items": {"type": "object", "required": ["reader"], "additionalProperties": False,
+              "properties": {
+                  "reader": {"anyOf": [{"type": "object", "required": ["name"],
+                                        "properties": {"name": {"type": "string"}}},
+                                       _INLINE_PROBE]},
+                  "hook": _HOOK, "layer": {"type": "integer", "description":
+                                           "negative counts from the end; default: the "
+                                           "layer an SAE's hook_name records"},
+                  "positions": {"anyOf": [{"type": "string", "enum": list(READOUT_POSITIONS)},
+                                          {"type": "array", "items": {"type": "integer"}}],
+                                "default": "all"},
+                  "top_k": {"type": "integer", "minimum": 1, "description": "SAE only"},
+                  "threshold": {"type": "number", "default": 0.0,
+                                "description": "SAE only: keep features above it"}}}}
+assert set(READOUT["items"]["properties"]) == set(ITEM_KEYS)
 REQUEST_FIELDS = {"capture": CAPTURE, "capture_wait": CAPTURE_WAIT, "steering": STEERING,
                   "extra_body": {"type": "object", "description":
                                  "Accepted for curl users copying SDK code: its fields are "

@@ -2,14 +2,18 @@
 
 - GET /v1/capsteer/hooks: model geometry and the hook vocabulary.
 - GET/PUT/DELETE /v1/steering/vectors/{name}, GET /v1/steering/vectors: the registry.
+- GET/PUT/DELETE /v1/readers/{name}, GET /v1/readers: probes and SAEs (api.md §7).
 - GET /v1/captures/{capture_id}: a capture's receipt (the manifest is the truth).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
+import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +29,15 @@ from capsteer.hooks import ALIASES, HOOK_SEMANTICS_VERSION, HOOKS
 from capsteer.server.errors import error_response, from_exception
 from capsteer.server.state import CapsteerState
 from capsteer.steering.formats import VectorFormatError
+from capsteer.steering.readers.formats import FORMATS as READER_FORMATS
+from capsteer.steering.readers.formats import ReaderFormatError
+from capsteer.steering.readers.kinds import ACTIVATIONS, ARCHITECTURES
+from capsteer.steering.readers.registry import (
+    ReaderNameError,
+    ReaderNotFoundError,
+    ReaderRegistry,
+)
+from capsteer.steering.readers.sae import MAX_SAE_BYTES
 from capsteer.steering.registry import VectorNameError
 from capsteer.steering.spec import OPS, POSITIONS
 
@@ -50,7 +63,7 @@ _ERROR_SCHEMA = {"application/json": {"schema": {
             "message": {"type": "string"}, "type": {"type": "string"},
             "param": {"type": ["string", "null"]}, "code": {"type": "integer"}}}}}}}
 _WHY = {400: "a bad name, id or body (the error's `param` names it)",
-        401: "the admin key is missing or wrong", 404: "no such vector or capture"}
+        401: "the admin key is missing or wrong", 404: "no such vector, reader or capture"}
 
 
 def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
@@ -84,18 +97,21 @@ async def hooks(request: Request) -> dict[str, Any]:
                     "default_layout": state.settings.capture_layout,
                     "overload_policy": state.settings.capture_overload},
         "steering": {"ops": list(OPS), "positions": list(POSITIONS)},
+        "readers": {"kinds": ["probe", "sae"], "activations": list(ACTIVATIONS),
+                    "sae_architectures": list(ARCHITECTURES),
+                    "formats": list(READER_FORMATS)},
     }
 
 
 # ---- registry ----
-def _check_admin(request: Request) -> JSONResponse | None:
+def _check_admin(request: Request, what: str = "vector registry") -> JSONResponse | None:
     key = _state(request).settings.admin_key
     if not key:
         return None
     given = request.headers.get("x-admin-key", "")
     if not given or not hmac.compare_digest(given.encode(), key.encode()):
         return error_response(401, "this server needs its admin key in the X-Admin-Key header "
-                           "to change the vector registry", "X-Admin-Key")
+                           f"to change the {what}", "X-Admin-Key")
     return None
 
 
@@ -176,6 +192,110 @@ async def delete_vector(name: str, request: Request) -> Response:
         return from_exception(exc, "name")
     if not deleted:
         return error_response(404, f"no steering vector named {name!r}", "name")
+    return JSONResponse({"name": name, "deleted": True})
+
+
+# ---- readers ----
+_SPOOL_CHUNK = 8 << 20
+
+
+def _readers(request: Request) -> ReaderRegistry:
+    readers = _state(request).readers
+    assert readers is not None  # CapsteerState.create always makes one
+    return readers
+
+
+async def _spool_body(request: Request, directory: Path, limit: int) -> Path | None:
+    """The body in a temp file under `directory` (SAEs run to gigabytes: never held
+    whole in memory), or None once it passes `limit` bytes (the file is removed)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        return None
+    fd, name = tempfile.mkstemp(prefix=".upload.", suffix=".tmp", dir=directory)
+    path, size, pending = Path(name), 0, bytearray()
+    try:
+        with os.fdopen(fd, "wb") as f:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    path.unlink()
+                    return None
+                pending += chunk
+                if len(pending) >= _SPOOL_CHUNK:
+                    await asyncio.to_thread(f.write, bytes(pending))
+                    pending.clear()
+            await asyncio.to_thread(f.write, bytes(pending))
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
+    return path
+
+
+@router.get("/v1/readers")
+async def list_readers(request: Request) -> dict[str, Any]:
+    """Every registered reader, described (no weights)."""
+    items = await asyncio.to_thread(_readers(request).list)
+    return {"object": "list", "data": items}
+
+
+@router.put("/v1/readers/{name}", status_code=201, responses=_errors(400, 401))
+async def put_reader(name: str, request: Request, format: str | None = None,
+                     activation: str | None = None) -> Response:
+    """Register (or replace) a reader. A linear probe: safetensors or .npz (`weight`,
+    `bias`, or scikit-learn's `coef_`, `intercept_`), .npy, .pt or JSON; an SAE: a tar
+    or zip of SAELens's saved directory. Sniffed from its bytes unless `?format=` says;
+    `?activation=` (none, sigmoid, softmax) sets a probe's output activation."""
+    denied = _check_admin(request, "reader registry")
+    if denied is not None:
+        return denied
+    readers = _readers(request)
+    try:
+        path = await _spool_body(request, readers.root, MAX_SAE_BYTES)
+    except OSError as exc:
+        return error_response(500, f"could not store the upload: {exc}", "body")
+    if path is None:
+        return error_response(400, f"reader upload is over {MAX_SAE_BYTES} bytes", "body")
+    try:
+        if path.stat().st_size == 0:
+            return error_response(400, "empty body: send the reader file as the request body",
+                                  "body")
+        info = await asyncio.to_thread(readers.put, name, path, format,
+                                       activation=activation or None)  # `?activation=`: unset
+    except ReaderNameError as exc:
+        return from_exception(exc, "name")
+    except ReaderFormatError as exc:
+        return from_exception(exc, "body")
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+    return JSONResponse(info, status_code=201)
+
+
+@router.get("/v1/readers/{name}", responses=_errors(400, 404))
+async def get_reader(name: str, request: Request) -> Response:
+    """A reader's description: kind, `d_in` (the hook width it reads), `outputs` (probe)
+    or `d_sae` (SAE), architecture, activation and names, and `error` if this model
+    cannot use it."""
+    try:
+        info = await asyncio.to_thread(_readers(request).info, name)
+    except ReaderNameError as exc:
+        return from_exception(exc, "name")
+    except ReaderNotFoundError:
+        return error_response(404, f"no reader named {name!r}", "name")
+    return JSONResponse(info)
+
+
+@router.delete("/v1/readers/{name}", responses=_errors(400, 401, 404))
+async def delete_reader(name: str, request: Request) -> Response:
+    denied = _check_admin(request, "reader registry")
+    if denied is not None:
+        return denied
+    try:
+        deleted = await asyncio.to_thread(_readers(request).delete, name)
+    except ReaderNameError as exc:
+        return from_exception(exc, "name")
+    if not deleted:
+        return error_response(404, f"no reader named {name!r}", "name")
     return JSONResponse({"name": name, "deleted": True})
 
 

@@ -1,4 +1,4 @@
-"""The capsteer part of one API process: settings, model shape, registry, trackers."""
+"""The capsteer part of one API process: settings, model shape, registries, trackers."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from capsteer.server.fields import ModelShape
 from capsteer.server.peers import PeerBoard
 from capsteer.server.prompt_tokens import PromptCounter
 from capsteer.server.tracker import CaptureTracker
+from capsteer.steering.readers.registry import ReaderRegistry
 from capsteer.steering.registry import VectorRegistry
 
 log = logging.getLogger("vllm.capsteer.server")
@@ -34,6 +35,7 @@ class CapsteerState:
     global_capture: dict | None = None  # the capture object every request without one gets
     topology: Topology | None = None
     prompt_counter: PromptCounter | None = None  # the reject policy's exact prompt lengths
+    readers: ReaderRegistry | None = None  # probes and SAEs under --readers-dir
 
     @classmethod
     def create(cls, app: object, settings: ServerSettings) -> CapsteerState:
@@ -45,6 +47,7 @@ class CapsteerState:
         Path(settings.capture_dir).mkdir(parents=True, exist_ok=True)
         registry = VectorRegistry(settings.steering_dir, hidden_size=model.hidden_size,
                                   num_layers=model.num_layers)
+        readers = ReaderRegistry(settings.readers_dir, hidden_size=model.hidden_size)
         global_capture = None
         if getattr(settings, "global_capture", None):
             global_capture = parse_capture_shorthand(settings.global_capture)
@@ -68,7 +71,7 @@ class CapsteerState:
         if settings.capture_overload == "reject":
             counter = prompt_counter(served_tokenizer(app, engine))
         return cls(settings, model, shape, registry, tracker, link,
-                   api_keys(app), global_capture, topology, counter)
+                   api_keys(app), global_capture, topology, counter, readers)
 
 
 def prompt_counter(source: object) -> PromptCounter | None:

@@ -55,6 +55,7 @@ def main_server(pool: EnginePool, model_dirs, server_root: Path) -> ServerProces
     return start_server(pool, model_dirs, server_root, "server", [
         "--capture-dir", str(server_root / "server" / "captures"),
         "--steering-dir", str(server_root / "server" / "vectors"),
+        "--readers-dir", str(server_root / "server" / "readers"),
         "--capture-overload", "block", "--capture-budget", "64KiB",
         "--capture-writer-processes", "2",
         "--capture-wait-timeout", "60", "--admin-key", ADMIN_KEY])

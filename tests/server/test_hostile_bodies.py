@@ -69,6 +69,10 @@ def test_every_status_capsteers_endpoints_answer_is_in_the_openapi_schema(server
         ("delete", "/v1/steering/vectors/{name}", "/v1/steering/vectors/no-such-vector", None,
          None),
         ("put", "/v1/steering/vectors/{name}", "/v1/steering/vectors/empty", b"", None),
+        ("get", "/v1/readers/{name}", "/v1/readers/no-such-reader", None, 404),
+        ("get", "/v1/readers/{name}", "/v1/readers/bad%20name", None, 400),
+        ("delete", "/v1/readers/{name}", "/v1/readers/no-such-reader", None, 404),
+        ("put", "/v1/readers/{name}", "/v1/readers/empty", b"", 400),
         ("get", "/v1/captures/{capture_id}", "/v1/captures/cap-0000", None, 404),
         ("get", "/v1/captures/{capture_id}", "/v1/captures/bad%20id", None, 400),
     ]

@@ -117,7 +117,7 @@ def test_precedence_flag_env_file_default(tmp_path: Path,
                          "capture_ring": "default", "capture_staging_rows": "default",
                          "capture_wait_timeout": "file", "plain_graphs": "default",
                          "stack_room": "default", "steering_dir": "file",
-                         "admin_key": "env", "capture_default": "default",
+                         "readers_dir": "default", "admin_key": "env", "capture_default": "default",
                          "global_capture": "default"}
     assert r.config_file == path
 
@@ -380,7 +380,7 @@ def test_server_flags_shared_definition() -> None:
                            "--capture-io",
                            "--capture-budget", "--capture-ring", "--capture-staging-rows",
                            "--capture-wait-timeout", "--plain-graphs", "--stack-room",
-                           "--steering-dir",
+                           "--steering-dir", "--readers-dir",
                            "--admin-key", "--global-capture"]
     assert flags["--capture-layout"].choices == ("packed", "per_file")
     assert flags["--capture-overload"].choices == OVERLOAD_POLICIES
