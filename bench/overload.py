@@ -160,7 +160,7 @@ def promises(policy: str, load: dict[str, Any], n: int) -> list[str]:
         broken.append(f"{ok - load['verified']} ok captures failed verification")
     if receipts.get("pending", 0) or receipts.get("error", 0):
         broken.append(f"receipts not final or in error: {receipts}")
-    if (policy == "block" and codes.get("200", 0) != n) or (policy == "block" and ok != n):
+    if policy == "block" and (codes.get("200", 0) != n or ok != n):
         broken.append(f"block: not every capture ok: {codes} {receipts}")
     if policy == "drop" and codes.get("200", 0) != n:
         broken.append(f"drop: not every response 200: {codes}")
