@@ -150,6 +150,7 @@ PROC_TESTS: dict[str, tuple[str, ...]] = {
     "test_capture_reader_cli.py": ("test_verify_and_inspect_clean_tree",
                                    "test_export_refuses_plain_mistakes"),
     "test_capture_sharded.py": ("test_resume_after_a_crash_at_any_point",),
+    "test_capture_writer_memory.py": ("",),
     "test_capture_writer_pool.py": ("test_captures_spread_over_the_children",
                                     "test_a_capture_larger_than_its_share",
                                     "test_a_dead_child_ends_only", "test_the_workers_config"),
