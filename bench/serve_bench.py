@@ -303,9 +303,10 @@ def drive(config: str, url: str, model: str, a: argparse.Namespace, raw_dir: Pat
             "result_dir": str(result_dir)}
 
 
-def server_argv(config: str, model: Path, shape: str, a: argparse.Namespace, port: int,
-                work: Path) -> list[str]:
-    """The same engine flags for both configurations; capsteer adds its own directories."""
+def server_argv(config: str, model: Path, shape: str, a: argparse.Namespace, port: int) -> list[str]:
+    """The same engine flags for both configurations; capsteer adds its own directories, the
+    same paths for every server (the capture root is part of vLLM's compile-cache key: a
+    per-server path would recompile in every start)."""
     max_len = max(a.prompt + a.output_len, 17) + 32
     argv = [sys.executable, "-m", "capsteer.cli", "serve", str(model), "--host", "127.0.0.1",
             "--port", str(port), "--seed", "0", "--max-num-seqs", str(a.max_num_seqs)]
@@ -320,8 +321,8 @@ def server_argv(config: str, model: Path, shape: str, a: argparse.Namespace, por
     argv += a.server_flags
     if config == "vanilla":
         return [*argv, "--vanilla"]
-    return [*argv, "--capture-dir", str(work / "captures"), "--steering-dir",
-            str(work / "vectors"), "--admin-key", a.admin_key, *a.capsteer_flags]
+    return [*argv, "--capture-dir", str(a.work / "captures"), "--steering-dir",
+            str(a.work / "vectors"), "--admin-key", a.admin_key, *a.capsteer_flags]
 
 
 def model_for(shape: str, a: argparse.Namespace) -> Path:
@@ -346,28 +347,30 @@ def run_managed(a: argparse.Namespace) -> None:
         for shape in a.shapes:
             model = model_for(shape, a)
             order = CONFIGS if r % 2 == 1 else tuple(reversed(CONFIGS))
+            if a.deadline and time.time() + 2 * a.min_server_s > a.deadline:
+                print(f"--deadline: not starting {shape} round {r} (no time for both servers)",
+                      flush=True)
+                continue
             for config in order:
-                if a.deadline and time.time() + a.min_server_s > a.deadline:
-                    print(f"--deadline: not starting {config} {shape} round {r}", flush=True)
-                    continue
                 tag = f"r{r}-{shape}-{config}"
                 work = a.work / tag
-                shutil.rmtree(work, ignore_errors=True)
-                work.mkdir(parents=True)
-                argv = server_argv(config, model, shape, a, free_port(), work)
+                for d in (work, a.work / "captures", a.work / "vectors"):
+                    shutil.rmtree(d, ignore_errors=True)
+                    d.mkdir(parents=True)
+                argv = server_argv(config, model, shape, a, free_port())
                 port = argv[argv.index("--port") + 1]
                 print(f"{tag}: starting", flush=True)
                 # cwd: not the checkout, whose capsteer/ folder would shadow the package
                 server = ManagedServer(argv, url=f"http://127.0.0.1:{port}", log_path=work / "serve.log",
                                        cwd=work, start_timeout_s=a.start_timeout, stop_timeout_s=90)
                 try:
-                    got = drive(config, server.url, str(model), a, raw, tag, work / "captures")
+                    got = drive(config, server.url, str(model), a, raw, tag, a.work / "captures")
                 except BaseException:
                     print(server.log_tail(80), file=sys.stderr)
                     raise
                 finally:
                     server.close()
-                    shutil.rmtree(work / "captures", ignore_errors=True)
+                    shutil.rmtree(a.work / "captures", ignore_errors=True)
                 if a.device == "cuda":
                     perf_models.wait_gpu_free(0.9)
                 save_raw(raw, tag, r, shape, config, a, {**got, "ready_s": server.ready_s,
@@ -561,9 +564,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--admin-key", default=None, help="capsteer's admin key (managed: random)")
     ap.add_argument("--start-timeout", type=float, default=600.0)
     ap.add_argument("--client-timeout", type=float, default=1800.0)
-    ap.add_argument("--deadline", type=float, default=0.0, help="epoch s: start no server after "
-                    "it less --min-server-s")
-    ap.add_argument("--min-server-s", type=float, default=150.0)
+    ap.add_argument("--deadline", type=float, default=0.0, help="epoch seconds: a shape's "
+                    "servers start only with 2 x --min-server-s left before it")
+    ap.add_argument("--min-server-s", type=float, default=170.0,
+                    help="what one server takes: start, cases, stop")
     ap.add_argument("--work", type=Path, default=Path("/tmp/capsteer-serve-bench"))
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "bench/results") / "serve")
     ap.add_argument("--merge", type=Path, nargs="+", default=None, metavar="DIR",
@@ -599,7 +603,7 @@ def main(argv: list[str] | None = None) -> None:
                 got = drive(config, url.rstrip("/"), a.model_dir, a, a.out / "raw", tag, None)
                 save_raw(a.out / "raw", tag, a.round, a.shapes[0], config, a, got)
         else:
-            a.admin_key = a.admin_key or secrets.token_hex(8)
+            a.admin_key = a.admin_key or secrets.token_hex(8)  # its own servers: any key
             run_managed(a)
     doc = summarize(a.merge or [a.out], a.out, a.device_name if a.merge is None else None)
     print_report(doc)
