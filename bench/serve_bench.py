@@ -72,7 +72,7 @@ VECTOR_STD = 0.05  # small: a random-weight model keeps finite activations when 
 CASE_NAMES = ("plain", "short", "steer_all", *(f"distinct_{n}" for n in DISTINCT),
               "capture", "capture_wait")
 METRICS = ("completed", "failed", "duration", "request_throughput", "output_throughput",
-           "total_token_throughput", *(f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el")
+           "total_token_throughput", "max_concurrent_requests", *(f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el")
                                        for s in ("mean", "p50", "p99")))
 LATENCIES = tuple(f"{p}_{m}_ms" for m in ("ttft", "tpot", "itl") for p in ("p50", "p99"))
 # key -> (ratio row, column, target): the summary's serve_* keys
@@ -211,6 +211,7 @@ def distinct_run(args: argparse.Namespace, n: int, hidden: int) -> dict[str, Any
            "label": args.label, "model_id": args.model, "num_prompts": args.num_prompts,
            "max_concurrency": args.max_concurrency, "distinct_configs": n,
            "client": "vllm.benchmarks.serve.benchmark, per-request request_overrides",
+           "first_error": next((e for e in result.get("errors", []) if e), None),
            **{k: v for k, v in result.items() if k not in (
                "input_lens", "output_lens", "start_times", "ttfts", "itls", "generated_texts",
                "errors")}}
@@ -513,7 +514,8 @@ def plot(doc: dict[str, Any], png: Path) -> None:
     fig, axes = plt.subplots(1, max(len(shapes), 1), figsize=(6 * max(len(shapes), 1), 4.6),
                              squeeze=False)
     for ax, (shape, s) in zip(axes[0], shapes, strict=False):
-        rows = [(f"{r} tput", c["throughput"]) for r, c in s["ratios"].items() if "throughput" in c]
+        rows = [(f"{r} {'req/s' if r == 'short' else 'tok/s'}", c["throughput"])
+                for r, c in s["ratios"].items() if "throughput" in c]
         rows += [(f"plain {m[:-3]}", s["ratios"]["plain"][m]) for m in ("p99_ttft_ms", "p99_tpot_ms")
                  if m in s["ratios"].get("plain", {})]
         for i, (_label, c) in enumerate(rows):
@@ -524,7 +526,7 @@ def plot(doc: dict[str, Any], png: Path) -> None:
         ax.set_yticks(range(len(rows)), [r[0] for r in rows], fontsize=8)
         ax.invert_yaxis()
         ax.set_title(f"{shape}: rounds {s['rounds']}", fontsize=9)
-        ax.set_xlabel("capsteer / baseline (vanilla; distinct_N: the named run)", fontsize=8)
+        ax.set_xlabel("capsteer / vanilla (rows A/B: capsteer's A over its B)", fontsize=8)
     fig.suptitle(f"serve path, vllm bench serve, {doc['device']} {doc['date']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
