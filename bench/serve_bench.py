@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import datetime as dt
 import io
 import json
@@ -152,7 +153,11 @@ def client_main(plan_path: Path) -> None:
         args = parser.parse_args(job["argv"])
         before = capsteer_counts(plan["url"]) if plan["capsteer"] else {}
         t0 = time.monotonic()
-        result = distinct_run(args, job["distinct"], plan["hidden"]) if job["distinct"] else main(args)
+        # vLLM prints its arguments and report per case: into the case's log, not the call's
+        with open(Path(args.result_dir) / f"{job['case']}.log", "w") as log, \
+                contextlib.redirect_stdout(log):
+            result = distinct_run(args, job["distinct"], plan["hidden"]) if job["distinct"] \
+                else main(args)
         wall = time.monotonic() - t0
         counts: dict[str, float] = {}
         if plan["capsteer"]:
@@ -488,11 +493,12 @@ def summarize(dirs: list[Path], out: Path, device: str | None = None) -> dict[st
 def print_report(doc: dict[str, Any]) -> None:
     for shape, s in doc["shapes"].items():
         print(f"{shape}, paired rounds {s['rounds']}: capsteer / baseline (median, min-max)")
-        print(f"  {'case':<26}{'tput':>19}" + "".join(f"{m[:-3]:>19}" for m in LATENCIES))
+        print(f"  {'case':<25}" + "".join(f"{m:>20}" for m in ("tok/s (short: req/s)",
+                                                                 *(x[:-3] for x in LATENCIES))))
         for row, cols in s["ratios"].items():
             cells = [cols.get(c) for c in ("throughput", *LATENCIES)]
-            print(f"  {row:<26}" + "".join(
-                f"{c['value']:7.3f} {c['lo']:5.3f}-{c['hi']:5.3f}" if c else f"{'-':>19}"
+            print(f"  {row:<25}" + "".join(
+                f"{c['value']:>7.3g} ({c['lo']:.3g}-{c['hi']:.3g})".rjust(20) if c else f"{'-':>20}"
                 for c in cells))
     for key, v in doc["keys"].items():
         print(f"{key:30} {v['value']:.3f} ({v['lo']:.3f}-{v['hi']:.3f}) target "
