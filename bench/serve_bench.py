@@ -26,9 +26,11 @@ vanilla's short; tokens/s, or requests/s for short, and p50/p99 latencies); dist
 over distinct_1 (the one-config run of the same request path). A shape's figure is the
 median over rounds, its spread the rounds' min-max; a summary key takes the worst shape.
 
-    python bench/serve_bench.py --device cuda --round 1 --work /tmp/sb --out $OUT/serve
-    python bench/serve_bench.py --merge r1/serve r2/serve r3/serve --out DIR --summary
-    python bench/serve_bench.py --device cpu --num-prompts 8 --concurrency 4     (smoke)
+    python bench/serve_bench.py --device cuda --round 1 --work /tmp/sb --out /tmp/sb/out
+        --deadline $D                    (one GPU call per round: bench/README.md)
+    python bench/serve_bench.py --merge DIR [DIR ...] --out DIR --summary
+    python bench/serve_bench.py --device cpu --prompt 16 --output-len 4 --num-prompts 4
+        --concurrency 4 --short-prompts 8 --short-concurrency 4 --max-num-seqs 8   (smoke)
     python bench/serve_bench.py --attach vanilla=URL --model-dir DIR --out DIR  (running
         servers; again with --attach capsteer=URL --admin-key K: one summary of both)
 
@@ -367,8 +369,13 @@ def run_managed(a: argparse.Namespace) -> None:
                 port = argv[argv.index("--port") + 1]
                 print(f"{tag}: starting", flush=True)
                 # cwd: not the checkout, whose capsteer/ folder would shadow the package
-                server = ManagedServer(argv, url=f"http://127.0.0.1:{port}", log_path=work / "serve.log",
-                                       cwd=work, start_timeout_s=a.start_timeout, stop_timeout_s=90)
+                try:
+                    server = ManagedServer(argv, url=f"http://127.0.0.1:{port}",
+                                           log_path=work / "serve.log", cwd=work,
+                                           start_timeout_s=a.start_timeout, stop_timeout_s=90)
+                except RuntimeError as exc:  # the other shape's servers may still start
+                    print(f"{tag}: NO START\n{exc}", flush=True)
+                    break
                 try:
                     got = drive(config, server.url, str(model), a, raw, tag, a.work / "captures")
                 except BaseException:
