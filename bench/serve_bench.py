@@ -484,6 +484,9 @@ def summarize(dirs: list[Path], out: Path, device: str | None = None) -> dict[st
                      "target": float(target.split()[1]), "target_text": target,
                      "verdict": verdict(lo, hi, target, n), "rounds": n,
                      "method": f"paired by round; {row}, {col}; worst shape", "shapes": per}
+        if key == "serve_distinct_256":  # the same requests against the named one-config run
+            keys[key]["vs_steer_all"] = {s: v["ratios"].get("distinct_256/steer_all", {})
+                                         .get(col) for s, v in shapes.items()}
     devices = sorted({r["device"] for r in raws})
     doc = {"kind": "serve-bench", "date": max((r["date"] for r in raws), default=None),
            "device": device or ", ".join(devices), "devices": devices,
