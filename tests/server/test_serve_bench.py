@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 
 from .helpers import ADMIN_KEY, main_server, start_server
@@ -68,6 +69,9 @@ def test_serve_bench_every_case_and_key(engine_pool, model_dirs, server_root, be
         _vanilla_half(engine_pool, model_dirs, server_root, bench_out)
     capsteer = main_server(engine_pool, model_dirs, server_root)
     _harness(bench_out, model_dirs["qwen3"], f"capsteer={capsteer.url}", "--admin-key", ADMIN_KEY)
+    # the shared server's registry as the other tests know it
+    assert httpx.delete(capsteer.url + "/v1/steering/vectors/serve-bench",
+                        headers={"X-Admin-Key": ADMIN_KEY}, timeout=30).status_code == 200
     raw = _raw(bench_out, "capsteer")
     assert raw["failures"] == {}
     assert set(raw["cases"]) == CAPSTEER_CASES
