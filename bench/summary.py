@@ -1,4 +1,4 @@
-"""bench/results/summary.json: the issue-12 figures, each with where it came from.
+"""bench/results/summary.json: the issue-12 and issue-63 figures, each with where it came from.
 
 Top level: `device` and `date` of the latest update, one number (or null) per key, and
 `commands` (key -> the command that produced it). `provenance` (key -> date, device,
@@ -12,7 +12,8 @@ keys it measured.
     python bench/summary.py plot [--png PATH]      # every key against its target, one PNG
 
 `update` reads result files (perf_method's *-perf-method.json, extract_bench's
-*-extract*.json, storage.py's *-storage.json, throughput.py's *-p6*.json); CPU results are
+*-extract*.json, storage.py's *-storage.json, throughput.py's *-p6*.json, serve_bench.py's
+serve-bench.json); CPU results are
 refused (the summary holds GPU figures; CPU keeps its own result files) unless --allow-cpu.
 """
 
@@ -29,7 +30,14 @@ from typing import Any
 KEYS = ("p1_plain", "p2_steer_prefill", "p2_steer_decode", "p3_capture_one_layer",
         "p3_capture_all_vs_disk", "p4_extract_one_layer_vs_vllm", "p4_extract_vs_hf_8b",
         "p5_write_vs_disk", "p6_seconds", "plain_identity")
-TARGETS = {"p1_plain": ">= 0.99", "p2_steer_prefill": ">= 0.95", "p2_steer_decode": ">= 0.95",
+# Issue 63: through HTTP with `vllm bench serve` (serve_bench.py); ratios to vanilla `vllm
+# serve` unless said (distinct_256: to the one-config run; short: requests/s).
+SERVE_TARGETS = {"serve_plain": ">= 0.98", "serve_steer_all": ">= 0.95",
+                 "serve_distinct_256": ">= 0.90", "serve_capture_one_layer": ">= 0.90",
+                 "serve_capture_one_layer_wait": ">= 0.90", "serve_short_rps": ">= 0.95",
+                 "serve_ttft_p99_plain": "<= 1.05", "serve_tpot_p99_plain": "<= 1.05"}
+KEYS += tuple(SERVE_TARGETS)
+TARGETS = {**SERVE_TARGETS, "p1_plain": ">= 0.99", "p2_steer_prefill": ">= 0.95", "p2_steer_decode": ">= 0.95",
            "p3_capture_one_layer": ">= 0.90", "p3_capture_all_vs_disk": ">= 0.80",
            "p4_extract_one_layer_vs_vllm": ">= 0.90", "p4_extract_vs_hf_8b": ">= 10",
            "p5_write_vs_disk": ">= 0.80", "p6_seconds": "<= 2.5",
@@ -61,6 +69,9 @@ def updates_from(path: Path) -> Update:
                                    "target": 0.8, "verdict": r["verdict"],
                                    "method": "paired rounds",
                                    "rounds": [e["ratio"] for e in r["rounds"]]}
+    elif doc.get("kind") == "serve-bench":  # serve_bench.py: keys ready-made
+        for key, v in doc["keys"].items():
+            out[key] = {**base, **v}
     elif doc.get("p6"):  # throughput.py --p6
         rows = [r for r in doc["rows"] if r["config"] == "capture"]
         times = [t for r in rows for t in r["times_s"]]
@@ -171,7 +182,7 @@ def plot(summary: dict[str, Any], png: Path) -> None:
     ax.legend(handles=[Patch(color=c, label=v) for v, c in
                        [*VERDICT_COLORS.items(), ("unresolved", "#f9a825")]],
               loc="lower right", fontsize=8)
-    ax.set_title(f"issue 12 on GPU, bench/results/summary.json of {summary.get('date')} "
+    ax.set_title(f"issues 12 and 63 on GPU, bench/results/summary.json of {summary.get('date')} "
                  "(each key's device and date: its provenance)", fontsize=9)
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,73 @@
+"""bench/serve_bench.py's arithmetic: ratios paired by round, the spread over rounds, the
+worst shape for a key, verdicts (floors and ceilings), and bench/summary.py taking the keys."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+def _load(name: str):
+    """A bench script as a module (bench/ is scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(f"_bench_{name}", BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+sb = _load("serve_bench")
+
+
+def _row(tput: float, ttft: float) -> dict:
+    return {"completed": 8, "failed": 0, "output_throughput": tput, "request_throughput": tput / 10,
+            "p50_ttft_ms": ttft, "p99_ttft_ms": ttft, "p50_tpot_ms": 2.0, "p99_tpot_ms": 2.0,
+            "p50_itl_ms": 2.0, "p99_itl_ms": 2.0}
+
+
+def _write(raw: Path, r: int, shape: str, config: str, cases: dict) -> None:
+    raw.mkdir(parents=True, exist_ok=True)
+    (raw / f"r{r}-{shape}-{config}.json").write_text(json.dumps({
+        "kind": "serve-bench-raw", "round": r, "shape": shape, "config": config,
+        "device": "NVIDIA H100", "date": "2026-12-07", "command": "c", "workload": {},
+        "cases": cases, "failures": {}}))
+
+
+def test_keys_pair_rounds_and_take_the_worst_shape(tmp_path):
+    # shape a: capsteer's plain at 0.99, 1.00, 0.97 of vanilla; shape b at 0.90 in every round
+    for r, (fa, fb) in enumerate([(0.99, 0.9), (1.0, 0.9), (0.97, 0.9)], start=1):
+        for shape, f in (("a", fa), ("b", fb)):
+            base = 100.0 * r  # each round's host speed differs; pairing cancels it
+            _write(tmp_path / "raw", r, shape, "vanilla",
+                   {"plain": _row(base, 10.0), "short": _row(base, 1.0)})
+            _write(tmp_path / "raw", r, shape, "capsteer", {
+                "plain": _row(base * f, 10.0 / f), "short": _row(base, 1.0),
+                "distinct_1": _row(base, 10.0), "distinct_256": _row(base * 0.95, 10.0)})
+    doc = sb.summarize([tmp_path], tmp_path)
+    plain = doc["shapes"]["a"]["ratios"]["plain"]["throughput"]
+    assert plain["by_round"] == [0.99, 1.0, 0.97] and plain["value"] == 0.99
+    key = doc["keys"]["serve_plain"]
+    assert (key["value"], key["lo"], key["hi"], key["verdict"]) == (0.9, 0.9, 0.9, "missed")
+    ttft = doc["keys"]["serve_ttft_p99_plain"]  # a ceiling: the worst shape is the highest
+    assert round(ttft["value"], 4) == round(1 / 0.9, 4) and ttft["verdict"] == "missed"
+    d256 = doc["keys"]["serve_distinct_256"]
+    assert round(d256["value"], 6) == 0.95 and d256["verdict"] == "met"
+    assert "serve_steer_all" not in doc["keys"]  # not measured: no key, never a guess
+    summary = _load("summary")
+    update = summary.updates_from(tmp_path / "serve-bench.json")
+    merged = summary.merge({}, update)
+    assert merged["serve_plain"] == 0.9 and merged["provenance"]["serve_plain"]["verdict"] == "missed"
+
+
+def test_verdicts_need_three_rounds_and_every_round_on_one_side():
+    assert sb.verdict(0.99, 1.02, ">= 0.98", 3) == "met"
+    assert sb.verdict(0.97, 1.02, ">= 0.98", 3) == "unresolved"
+    assert sb.verdict(0.90, 0.97, ">= 0.98", 3) == "missed"
+    assert sb.verdict(0.99, 1.02, ">= 0.98", 2) == "unresolved"
+    assert sb.verdict(0.99, 1.04, "<= 1.05", 3) == "met"
+    assert sb.verdict(1.01, 1.09, "<= 1.05", 3) == "unresolved"
+    assert sb.verdict(1.06, 1.09, "<= 1.05", 3) == "missed"
