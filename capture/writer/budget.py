@@ -29,8 +29,8 @@ DEFAULT_BUDGET_BYTES = 4 << 30
 
 # Each writer process's shared-memory ring (on a GPU a second, page-locked one takes the
 # engine's device copies): 1 GiB lets a P6 burst over two writer processes never wait for
-# ring space. Pages become resident as rows first reach them and stay so, up to the ring's
-# size, when idle too (docs/operations.md; figures: docs/performance.md).
+# ring space. Pages become resident as rows first reach them, up to the ring's size, and
+# go back when the writer is idle (docs/operations.md; figures: docs/performance.md).
 DEFAULT_RING_BYTES = 1 << 30
 MIN_RING_BYTES = 1 << 20  # the settings refuse less; a direct caller is rounded up
 

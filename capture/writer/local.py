@@ -100,7 +100,7 @@ class CaptureWriter(Publishing, CaptureSink):
             log.warning("swept %d stale capture temp files under %s", len(self.swept), self.root)
         self.budget = Budget(budget_bytes, policy)
         self.receipts = ReceiptBoard(keep_receipts)
-        self.unwritten = UnwrittenOutcomes(keep_receipts)
+        self.unwritten = UnwrittenOutcomes()  # kept even where receipts are not
         self._caps: dict[str, OpenCapture] = {}
         self._caps_lock = threading.Lock()
         self._pool = WorkerThreads(workers or default_workers())

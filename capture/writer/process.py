@@ -21,22 +21,17 @@ keeps serving on that writer: no capture is left pending and none is silently lo
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import math
 import mmap
 import os
-import socket
 import struct
 import subprocess
-import sys
-import sysconfig
 import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import replace
-from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +39,6 @@ import numpy as np
 import torch
 
 from capsteer.capture.layouts import copy_rows
-from capsteer.capture.manifest import ENGINE_PID_ENV
 from capsteer.capture.publish import check_digest
 from capsteer.capture.receipts import Receipt
 from capsteer.capture.sink import CaptureEnd, CaptureRequest, CaptureSink
@@ -58,7 +52,6 @@ from capsteer.capture.writer.local import CaptureWriter
 from capsteer.capture.writer.protocol import (
     Abort,
     Close,
-    ControlLink,
     Done,
     Flush,
     Many,
@@ -73,6 +66,7 @@ from capsteer.capture.writer.protocol import (
     loads,
 )
 from capsteer.capture.writer.ring import HEADER, PAGE, DeviceRows, align, place
+from capsteer.capture.writer.spawn import spawn_child
 from capsteer.capture.writer.unwritten import UnwrittenOutcomes
 
 log = logging.getLogger(__name__)
@@ -81,11 +75,6 @@ _MADV_POPULATE_WRITE = 23  # Linux >= 5.14; Python's mmap module does not name i
 _CALL_TIMEOUT_S = 30.0
 _MAX_BATCH = 256  # ring writes per message at most
 IDLE_TRIM_S = 30.0  # the child hands freed heap back to the system after this long idle
-
-# The child's copies run on its calling threads: no OpenMP or BLAS team that would spin
-# on other cores after each parallel region.
-_ONE_THREAD_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-
 
 class ProcessCaptureWriter(CaptureSink):
     """A `CaptureSink` whose `CaptureWriter` runs in a child process (see module doc).
@@ -131,31 +120,9 @@ class ProcessCaptureWriter(CaptureSink):
         self._deferred = False
         self._outbox: list[Any] = []
         self._opens: collections.deque[Open] = collections.deque()  # queued without a lock
-        ours, theirs = socket.socketpair()
-        self._conn = Connection(ours.detach())
-        child_fd = theirs.detach()
-        # Diagnostics (stats, metrics) on a socket of their own, answered by a thread of the
-        # child: a scrape never waits behind queued rows or for the sink thread's lock.
-        ctl_ours, ctl_theirs = socket.socketpair()
-        self._ctl = ControlLink(Connection(ctl_ours.detach()))
-        ctl_fd = ctl_theirs.detach()
         config = {"root": str(self.root), "ring_bytes": self.ring_bytes,
                   "idle_trim_s": idle_trim_s, **self._writer_kwargs}
-        env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", ENGINE_PID_ENV: str(os.getpid()),
-               **_ONE_THREAD_ENV}
-        try:
-            # `-m` puts the working directory first on sys.path: the standard library's
-            # folder adds nothing there, where a checkout's capsteer/ folder could shadow
-            # the installed package.
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "capsteer.capture.writer.child",
-                 "--sock-fd", str(child_fd), "--ctl-fd", str(ctl_fd), "--ring-fd", str(self._fd),
-                 "--config", json.dumps(config)],
-                pass_fds=(child_fd, ctl_fd, self._fd), env=env, stdin=subprocess.DEVNULL,
-                cwd=sysconfig.get_paths()["stdlib"])
-        finally:
-            os.close(child_fd)
-            os.close(ctl_fd)
+        self.proc, self._conn, self._ctl = spawn_child(config, self._fd)
         self._send_lock = threading.Lock()
         self._state_lock = threading.Lock()
         self._inflight: dict[str, CaptureRequest] = {}  # opened, not reported done by the child
@@ -176,6 +143,10 @@ class ProcessCaptureWriter(CaptureSink):
         self.device_full = 0  # reservations refused for want of device ring space
         self.send_s = 0.0  # seconds serializing and sending messages to the child
         self.sends = 0  # messages sent to the child
+        self.ring_releases = 0  # times the idle copy ring's pages went back to the system
+        self._idle_trim_s = idle_trim_s
+        self._last_send = time.monotonic()
+        self._released = False  # the copy ring holds no pages since the last send
         self._reader = threading.Thread(target=self._read_loop, name="capsteer-writer-link", daemon=True)
         self._reader.start()
 
@@ -375,6 +346,20 @@ class ProcessCaptureWriter(CaptureSink):
             return
         self._send_or_defer(Abort(capture_id, reason))
 
+    def release_idle_ring(self) -> bool:
+        """Punch the copy ring's pages out of the shared memory (both processes' RSS) once
+        the child took out every row written into it: rows leave the pages they crossed
+        resident, where the child's heap trim does not reach. False while rows are in
+        flight. The device ring stays: page-locked for the GPU."""
+        with self._send_lock:
+            if (self._fallback is not None or self._pending or self._outbox
+                    or self._consumed() != self._head):
+                return False
+            self._mm.madvise(mmap.MADV_REMOVE, HEADER, self.ring_bytes)
+            self.ring_releases += 1
+            self._released = True
+            return True
+
     # ------------------------------------------------------------ diagnostics
     def stats(self) -> dict[str, Any] | None:
         """The child writer's stats (CaptureWriter.stats) plus this link's counters."""
@@ -382,7 +367,7 @@ class ProcessCaptureWriter(CaptureSink):
                "ring_waits": self.ring_waits, "ring_wait_s": round(self.ring_wait_s, 6),
                "inline_writes": self.inline_writes, "copy_s": round(self.copy_s, 6),
                "send_s": round(self.send_s, 6), "sends": self.sends,
-               "device_writes": self.device_writes,
+               "device_writes": self.device_writes, "ring_releases": self.ring_releases,
                "device_full": self.device_full}
         if self._fallback is not None:
             return {**self._fallback.stats(), **own}
@@ -505,6 +490,7 @@ class ProcessCaptureWriter(CaptureSink):
             return  # the failover already gave every capture of this message its outcome
         started = time.perf_counter()
         self.sends += 1
+        self._last_send, self._released = time.monotonic(), False
         try:
             self._conn.send_bytes(dumps(msg))
         except OSError as exc:
@@ -559,6 +545,12 @@ class ProcessCaptureWriter(CaptureSink):
             Done: self._on_done, Reply: self._on_reply, Ready: self._on_ready}
         try:
             while True:
+                # idle_trim_s after the last send (when the child trims its heap): the ring
+                wait = self._idle_trim_s - (time.monotonic() - self._last_send)
+                if not self._conn.poll(self._idle_trim_s if self._released else max(0.05, wait)):
+                    if not self._released and wait <= 0.05:
+                        self.release_idle_ring()
+                    continue
                 msg = loads(self._conn.recv_bytes())
                 handler = handlers.get(type(msg))
                 if handler is not None:

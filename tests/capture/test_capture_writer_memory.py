@@ -91,6 +91,9 @@ def test_writer_process_memory_is_flat_over_bursts_and_shrinks_when_idle(root):
         while w.stats()["heap_trims"] == trims:  # idle_trim_s after the last message
             assert time.monotonic() < deadline, "the idle child never trimmed its heap"
             time.sleep(0.2)
+        while w.ring_releases == 0:  # the parent punches the idle ring's pages out
+            assert time.monotonic() < deadline, "the idle ring's pages were never released"
+            time.sleep(0.2)
         idle = memory_kib(pid)
         published = manifests(root)
         assert len(published) == 3 * CAPTURES  # every capture ok (block spilled, lost none)
@@ -113,5 +116,6 @@ def test_writer_process_memory_is_flat_over_bursts_and_shrinks_when_idle(root):
         # object arenas: 10-12% of the heap on a 2-core CPU machine).
         assert idle["RssAnon"] < after[2]["RssAnon"], report
         assert idle["RssAnon"] <= 1.20 * start["RssAnon"], report
+        assert idle["RssShmem"] < 1024, report  # and the ring's pages went back
     finally:
         w.shutdown(timeout=30)
