@@ -8,8 +8,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from capsteer.capture.paths import CAPTURE_ID_RE
 from capsteer.capture.spec import DTYPES, LAYOUTS, SPEC_KEYS
 from capsteer.hooks import ALIASES, HOOKS
+from capsteer.steering.formats import FORMATS
+from capsteer.steering.registry import NAME_RE
 from capsteer.steering.spec import OPS, POSITIONS
 
 _HOOK = {"type": "string", "enum": [*HOOKS, *ALIASES]}
@@ -73,6 +76,102 @@ CAPTURE_RESULTS = {
         "positions": {"type": "integer"}, "error": {"type": ["string", "null"]},
     },
 }
+
+# ---- capsteer's own endpoints (server/routes.py) ----
+_ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type", "code"], "properties": {
+        "message": {"type": "string"}, "type": {"type": "string"},
+        "param": {"type": ["string", "null"]}, "code": {"type": "integer"}}}}}
+_WHY = {400: "a bad name, id, parameter or body (the error's `param` names it)",
+        401: "the admin key is missing or wrong", 404: "no such vector or capture"}
+
+
+def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI entries for the OpenAI-shaped errors an endpoint answers."""
+    return {status: {"description": _WHY[status],
+                     "content": {"application/json": {"schema": _ERROR}}}
+            for status in statuses}
+
+
+def json_body(schema: dict[str, Any], description: str = "Successful Response") -> dict:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+VECTOR_NAME = {"pattern": f"^(?!.*\\.tmp$){NAME_RE.pattern}$",
+               "description": "1-64 of A-Z a-z 0-9 . _ -, first a letter or digit, not "
+                              "ending in .tmp"}
+CAPTURE_ID = {"pattern": f"^{CAPTURE_ID_RE.pattern}$"}
+PUT_FORMAT = {"enum": [*FORMATS, None], "description": "the upload's format; sniffed from "
+              "its first bytes when not given"}
+GET_FORMAT = {"enum": ["json", "safetensors", None], "description": "json (default): the "
+              "description and values; safetensors: the stored file"}
+_NUMBERS = {"type": "array", "items": {"type": "number"}}
+_NULLABLE_NUMBER = {"type": ["number", "null"]}
+VECTOR_INFO = {
+    "type": "object", "required": ["name", "kind", "hidden_size", "bytes", "error"],
+    "properties": {
+        "name": {"type": "string"}, "kind": {"enum": ["single", "per_layer", None]},
+        "layers": {"type": ["array", "null"], "items": {"type": "integer"}},
+        "hidden_size": {"type": ["integer", "null"]},
+        "source_format": {"type": ["string", "null"]}, "created": _NULLABLE_NUMBER,
+        "sha256": {"type": ["string", "null"]}, "bytes": {"type": "integer"},
+        "norm": _NULLABLE_NUMBER,
+        "norms": {"type": ["object", "null"], "additionalProperties": {"type": "number"}},
+        "error": {"type": ["string", "null"],
+                  "description": "why this model cannot use the vector, if it cannot"},
+    },
+}
+VECTOR_LIST = {"type": "object", "required": ["object", "data"], "properties": {
+    "object": {"const": "list"}, "data": {"type": "array", "items": VECTOR_INFO}}}
+VECTOR_DELETED = {"type": "object", "required": ["name", "deleted"], "properties": {
+    "name": {"type": "string"}, "deleted": {"const": True}}}
+VECTOR_DOWNLOAD = {"description": "the vector's description with its values (`vector`, or "
+                                  "`vectors` by layer), or the stored safetensors file",
+                   "content": {
+                       "application/json": {"schema": {"allOf": [VECTOR_INFO, {
+                           "type": "object", "properties": {
+                               "vector": _NUMBERS,
+                               "vectors": {"type": "object", "additionalProperties": _NUMBERS}}}]}},
+                       "application/octet-stream": {"schema": {"type": "string",
+                                                               "format": "binary"}}}}
+VECTOR_UPLOAD = {"required": True, "description": "The vector file: safetensors, .pt, .npy, "
+                 "JSON or a GGUF control vector, at most 256 MiB",
+                 "content": {
+                     "application/octet-stream": {"schema": {"type": "string",
+                                                             "format": "binary"}},
+                     "application/json": {"schema": {"anyOf": [
+                         _NUMBERS,
+                         {"type": "object", "required": ["vector"], "properties": {
+                             "vector": _NUMBERS}, "additionalProperties": False},
+                         {"type": "object", "required": ["layers"], "properties": {
+                             "layers": {"type": "object", "additionalProperties": _NUMBERS}},
+                          "additionalProperties": False}]}}}}
+HOOKS_INFO = {
+    "type": "object",
+    "required": ["model", "num_layers", "hidden_size", "dtype", "hook_semantics_version",
+                 "hooks", "capture", "steering"],
+    "properties": {
+        "model": {"type": "string"}, "architecture": {"type": ["string", "null"]},
+        "family": {"type": ["string", "null"]}, "family_notes": {"type": ["string", "null"]},
+        "num_layers": {"type": "integer"}, "hidden_size": {"type": "integer"},
+        "dtype": {"type": "string"}, "hook_semantics_version": {"type": ["string", "integer"]},
+        "hooks": {"type": "array", "items": {
+            "type": "object", "required": ["name", "aliases", "description", "layers"],
+            "properties": {"name": {"type": "string", "enum": list(HOOKS)},
+                           "aliases": {"type": "array", "items": {"type": "string"}},
+                           "description": {"type": "string"},
+                           "hf_reference": {"type": ["string", "null"]},
+                           "hf_module": {"type": ["string", "null"]},
+                           "layers": {"type": "array", "items": {"type": "integer"}}}}},
+        "capture": {"type": "object"}, "steering": {"type": "object"},
+    },
+}
+CAPTURE_RECEIPT: dict[str, Any] = {"allOf": [CAPTURE_RESULTS, {
+    "type": "object", "required": ["capture_id", "status"]}, {
+    "type": "object", "properties": {
+        "timings": {"type": "object", "additionalProperties": {"type": "number"}},
+        "manifest_data": {"type": "object", "description": "manifest.json (api.md §5)"}}}]}
+
 REQUEST_FIELDS = {"capture": CAPTURE, "capture_wait": CAPTURE_WAIT, "steering": STEERING,
                   "extra_body": {"type": "object", "description":
                                  "Accepted for curl users copying SDK code: its fields are "
