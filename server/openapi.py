@@ -6,6 +6,7 @@ vLLM parses the body), so the generated schema is extended after the fact.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from capsteer.capture.paths import CAPTURE_ID_RE
@@ -16,6 +17,10 @@ from capsteer.steering.registry import NAME_RE
 from capsteer.steering.spec import OPS, POSITIONS
 
 _HOOK = {"type": "string", "enum": [*HOOKS, *ALIASES]}
+MAX_ABS = 1e30  # steering.spec's and steering.formats' bound on every number
+_NUMBER = {"type": "number", "minimum": -MAX_ABS, "maximum": MAX_ABS}
+# A steering vector: `document` sets its length to the served model's hidden size.
+VECTOR = {"type": "array", "items": _NUMBER, "description": "hidden_size numbers"}
 _LAYERS = {"description": '"all" | [ints] | "a-b" | "a:b"; negative counts from the end',
            "anyOf": [{"type": "string"}, {"type": "integer"},
                      {"type": "array", "items": {"type": "integer"}}]}
@@ -53,15 +58,15 @@ STEERING = {
         "properties": {
             "hook": _HOOK, "layer": {"type": "integer"}, "layers": _LAYERS,
             "vector": {"anyOf": [
-                {"type": "array", "items": {"type": "number"}},
+                VECTOR,
                 {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}},
                 {"type": "object", "required": ["b64"], "properties": {
                     "b64": {"type": "string"},
                     "dtype": {"type": "string", "enum": ["float32", "float16", "float64",
                                                          "bfloat16"]}}}]},
-            "scale": {"type": "number", "default": 1.0},
+            "scale": {**_NUMBER, "default": 1.0},
             "op": {"type": "string", "enum": list(OPS), "default": "add"},
-            "value": {"type": "number", "description": "clamp target"},
+            "value": {**_NUMBER, "description": "clamp target"},
             "positions": {"type": "string", "enum": list(POSITIONS), "default": "all"},
         }}}},
 }
@@ -105,7 +110,7 @@ PUT_FORMAT = {"enum": [*FORMATS, None], "description": "the upload's format; sni
               "its first bytes when not given"}
 GET_FORMAT = {"enum": ["json", "safetensors", None], "description": "json (default): the "
               "description and values; safetensors: the stored file"}
-_NUMBERS = {"type": "array", "items": {"type": "number"}}
+_NUMBERS = VECTOR
 _NULLABLE_NUMBER = {"type": ["number", "null"]}
 VECTOR_INFO = {
     "type": "object", "required": ["name", "kind", "hidden_size", "bytes", "error"],
@@ -192,13 +197,35 @@ def extend_schema(schema: dict[str, Any]) -> dict[str, Any]:
     return schema
 
 
+def with_width(schema: dict[str, Any], hidden_size: int) -> dict[str, Any]:
+    """A copy of `schema` whose steering vectors have the served model's width, so a
+    client (or a schema-driven test) can tell the vector a server takes."""
+    out = copy.deepcopy(schema)
+    stack: list[Any] = [out]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if node == VECTOR:
+                node.update(minItems=hidden_size, maxItems=hidden_size,
+                            description=f"{hidden_size} numbers (the model's hidden size)")
+                continue
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return out
+
+
 def document(app: Any) -> None:
     """Wrap the app's schema builder once (FastAPI caches the result)."""
     original = app.openapi
 
     def openapi() -> dict[str, Any]:
         if getattr(app, "_capsteer_schema", None) is None:
-            app._capsteer_schema = extend_schema(original())
+            schema = extend_schema(original())
+            state = getattr(app.state, "capsteer", None)
+            if state is not None:
+                schema = with_width(schema, state.model.hidden_size)
+            app._capsteer_schema = schema
         return app._capsteer_schema
 
     app.openapi = openapi
