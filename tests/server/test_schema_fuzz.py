@@ -11,6 +11,7 @@ to fuzz, and a 4096-token generation would only spend the time."""
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Callable
 
 import httpx
@@ -18,7 +19,7 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-from schemathesis import BaseSchema, Case, GenerationMode
+from schemathesis import BaseSchema, Case, GenerationMode, Response
 from schemathesis.checks import (
     content_type_conformance,
     not_a_server_error,
@@ -52,12 +53,14 @@ def _put_known_vector(url: str) -> None:
     assert r.status_code == 201, r.text
 
 
-def fuzz(schema: BaseSchema, examples: int, send: Callable[[Case], object]) -> list[str]:
-    """`examples` cases of each operation of `schema`, positive and negative ones, each
-    sent by `send` (which validates the answer); the failures, one line each. Driven by
-    hand rather than by schemathesis's pytest plugin, whose lazy schemas need a pytest
-    internal that pytest 9.2 no longer has."""
+def fuzz(schema: BaseSchema, examples: int, send: Callable[[Case], Response],
+         ) -> tuple[list[str], Counter[tuple[str, int]]]:
+    """Up to `examples` cases of each operation of `schema`, positive and negative ones,
+    each sent by `send` (which validates the answer): the failures, one line each, and how
+    often each (operation, status) came back. Driven by hand rather than by schemathesis's
+    pytest plugin, whose lazy schemas need a pytest internal that pytest 9.2 lacks."""
     failures = []
+    seen: Counter[tuple[str, int]] = Counter()
     for result in schema.get_all_operations():
         operation = result.ok()
         cases = st.one_of(operation.as_strategy(GenerationMode.POSITIVE),
@@ -66,22 +69,29 @@ def fuzz(schema: BaseSchema, examples: int, send: Callable[[Case], object]) -> l
         @settings(max_examples=examples, phases=[Phase.explicit, Phase.generate], **FUZZ)
         @given(case=cases)
         def run(case: Case) -> None:
-            send(case)
+            seen[f"{case.method} {case.path}", send(case).status_code] += 1
 
         try:
             run()
         except Exception as exc:  # every operation runs; all failures are reported
             failures.append(f"{operation.method.upper()} {operation.path}: {exc}")
-    return failures
+    print(sorted(seen.items()))  # shown with -s or on failure: what the run reached
+    return failures, seen
 
 
 def test_capsteers_endpoints_conform_to_their_schema(server):
     _put_known_vector(server.url)
     schema = schemathesis.openapi.from_url(server.url + "/openapi.json").include(
         path_regex=CAPSTEER_PATHS)
-    failures = fuzz(schema, 40, lambda case: case.call_and_validate(
+    failures, seen = fuzz(schema, 100, lambda case: case.call_and_validate(
         headers=HEADERS, checks=CHECKS, timeout=60))
     assert not failures, "\n\n".join(failures)
+    # it reached the handlers' logic, not just their argument checks
+    vector = "/v1/steering/vectors/{name}"
+    for key in ((f"PUT {vector}", 201), (f"PUT {vector}", 400), (f"GET {vector}", 200),
+                (f"GET {vector}", 404), (f"DELETE {vector}", 200),
+                ("GET /v1/captures/{capture_id}", 404), ("GET /v1/capsteer/hooks", 200)):
+        assert seen[key], (key, sorted(seen.items()))
 
 
 def _capsteer_only(body: object, path: str) -> object:
@@ -104,12 +114,14 @@ def test_capsteers_generation_fields_conform_to_the_schema(server):
     schema = schemathesis.openapi.from_url(server.url + "/openapi.json").include(
         path_regex=GENERATION_PATHS)
 
-    def send(case: Case) -> None:
+    def send(case: Case) -> Response:
         case.body = _capsteer_only(case.body, case.path)
-        case.call_and_validate(headers=HEADERS, checks=CHECKS, timeout=120)
+        return case.call_and_validate(headers=HEADERS, checks=CHECKS, timeout=120)
 
-    failures = fuzz(schema, 25, send)
+    failures, seen = fuzz(schema, 60, send)
     assert not failures, "\n\n".join(failures)
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        assert seen[f"POST {path}", 200] and seen[f"POST {path}", 400], sorted(seen.items())
 
 
 def test_real_receipts_and_vectors_conform_to_the_schema(server):
