@@ -21,9 +21,12 @@ MAX_ABS = 1e30  # steering.spec's and steering.formats' bound on every number
 _NUMBER = {"type": "number", "minimum": -MAX_ABS, "maximum": MAX_ABS}
 # A steering vector: `document` sets its length to the served model's hidden size.
 VECTOR = {"type": "array", "items": _NUMBER, "description": "hidden_size numbers"}
+# `for_model` bounds these by the served model: its layers, its context.
+LAYER = {"type": "integer", "description": "a layer; negative counts from the end"}
+POSITION = {"type": "integer",
+            "description": "a token position; negative counts back from the prompt's end"}
 _LAYERS = {"description": '"all" | [ints] | "a-b" | "a:b"; negative counts from the end',
-           "anyOf": [{"type": "string"}, {"type": "integer"},
-                     {"type": "array", "items": {"type": "integer"}}]}
+           "anyOf": [{"type": "string"}, LAYER, {"type": "array", "items": LAYER}]}
 CAPTURE = {
     "description": "Capture activations to the server's capture root (api.md §2). "
                    "`true` means the server's default spec.",
@@ -31,14 +34,14 @@ CAPTURE = {
         {"type": "boolean"},
         {"type": "object", "additionalProperties": False, "properties": {
             "hooks": {"anyOf": [{"type": "array", "items": _HOOK}, _HOOK,
-                                {"type": "object", "additionalProperties": _LAYERS}]},
+                                {"type": "object", "propertyNames": _HOOK,
+                                 "additionalProperties": _LAYERS}]},
             "layers": _LAYERS,
             "positions": {"description": '"all" | "prompt" | "generated" | "last_prompt" | '
                                          '"last" | [ints] (negative: from the end of the prompt)',
                           "anyOf": [{"type": "string", "enum": ["all", "prompt", "generated",
                                                                 "last_prompt", "last"]},
-                                    {"type": "integer"},
-                                    {"type": "array", "items": {"type": "integer"}}]},
+                                    POSITION, {"type": "array", "items": POSITION}]},
             "layout": {"type": "string", "enum": list(LAYOUTS)},
             "dtype": {"type": "string", "enum": list(DTYPES)},
             "tag": {"type": "string", "pattern": "^[A-Za-z0-9._-]{1,64}$"},
@@ -53,10 +56,16 @@ STEERING = {
     "type": "object", "description": "Steer the residual stream per request (api.md §2).",
     "required": ["vectors"], "additionalProperties": False,
     "properties": {"vectors": {"type": "array", "items": {
-        "type": "object", "required": ["vector"],
-        "not": {"required": ["layer", "layers"]},  # one of them, as the server checks
+        "type": "object", "required": ["vector"], "additionalProperties": False,
+        "not": {"required": ["layer", "layers"]},  # not both, as the server checks
+        # one of them, unless the vector is a registered name (a per-layer entry then
+        # steers every layer it holds); a clamp needs its value
+        "anyOf": [{"required": ["layer"]}, {"required": ["layers"]},
+                  {"properties": {"vector": {"type": "object", "required": ["name"]}}}],
+        "if": {"required": ["op"], "properties": {"op": {"const": "clamp"}}},
+        "then": {"required": ["value"]},
         "properties": {
-            "hook": _HOOK, "layer": {"type": "integer"}, "layers": _LAYERS,
+            "hook": _HOOK, "layer": LAYER, "layers": _LAYERS,
             "vector": {"anyOf": [
                 VECTOR,
                 {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}},
@@ -185,29 +194,42 @@ _GENERATION = {"/v1/chat/completions": ("ChatCompletionRequest", "ChatCompletion
                "/v1/completions": ("CompletionRequest", "CompletionResponse")}
 
 
+# capture_wait: true holds the response for a capture, so it needs one (server/fields.py)
+WAIT_NEEDS_CAPTURE = {
+    "if": {"required": ["capture_wait"], "properties": {"capture_wait": {"const": True}}},
+    "then": {"required": ["capture"], "properties": {"capture": {"not": {"const": False}}}}}
+
+
 def extend_schema(schema: dict[str, Any]) -> dict[str, Any]:
     """Add the capsteer fields to the chat/completions request and response schemas."""
     components = schema.setdefault("components", {}).setdefault("schemas", {})
     for request_name, response_name in _GENERATION.values():
         if request_name in components:
             components[request_name].setdefault("properties", {}).update(REQUEST_FIELDS)
+            components[request_name].setdefault("allOf", []).append(WAIT_NEEDS_CAPTURE)
         if response_name in components:
             components[response_name].setdefault("properties", {})["capture_results"] = \
                 CAPTURE_RESULTS
     return schema
 
 
-def with_width(schema: dict[str, Any], hidden_size: int) -> dict[str, Any]:
-    """A copy of `schema` whose steering vectors have the served model's width, so a
-    client (or a schema-driven test) can tell the vector a server takes."""
+def for_model(schema: dict[str, Any], hidden_size: int, num_layers: int,
+              max_model_len: int) -> dict[str, Any]:
+    """A copy of `schema` with the served model's bounds: a steering vector's width, the
+    layer indices, the positions a context holds; so a client (or a schema-driven test)
+    can tell what this server takes."""
+    bounds = [(VECTOR, {"minItems": hidden_size, "maxItems": hidden_size,
+                        "description": f"{hidden_size} numbers (the model's hidden size)"}),
+              (LAYER, {"minimum": -num_layers, "maximum": num_layers - 1}),
+              (POSITION, {"minimum": -max_model_len, "maximum": max_model_len - 1})]
     out = copy.deepcopy(schema)
     stack: list[Any] = [out]
     while stack:
         node = stack.pop()
         if isinstance(node, dict):
-            if node == VECTOR:
-                node.update(minItems=hidden_size, maxItems=hidden_size,
-                            description=f"{hidden_size} numbers (the model's hidden size)")
+            bound = next((extra for marker, extra in bounds if node == marker), None)
+            if bound is not None:
+                node.update(bound)
                 continue
             stack.extend(node.values())
         elif isinstance(node, list):
@@ -224,7 +246,9 @@ def document(app: Any) -> None:
             schema = extend_schema(original())
             state = getattr(app.state, "capsteer", None)
             if state is not None:
-                schema = with_width(schema, state.model.hidden_size)
+                shape = state.shape
+                schema = for_model(schema, shape.hidden_size, shape.num_layers,
+                                   shape.max_model_len)
             app._capsteer_schema = schema
         return app._capsteer_schema
 

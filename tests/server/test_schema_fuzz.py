@@ -83,7 +83,7 @@ def test_capsteers_endpoints_conform_to_their_schema(server):
     _put_known_vector(server.url)
     schema = schemathesis.openapi.from_url(server.url + "/openapi.json").include(
         path_regex=CAPSTEER_PATHS)
-    failures, seen = fuzz(schema, 100, lambda case: case.call_and_validate(
+    failures, seen = fuzz(schema, 150, lambda case: case.call_and_validate(
         headers=HEADERS, checks=CHECKS, timeout=60))
     assert not failures, "\n\n".join(failures)
     # it reached the handlers' logic, not just their argument checks
@@ -132,7 +132,7 @@ def test_capsteers_generation_fields_conform_to_the_schema(server):
         return case.call_and_validate(base_url=server.url, headers=HEADERS, checks=CHECKS,
                                       timeout=120)
 
-    failures, seen = fuzz(schema, 60, send)
+    failures, seen = fuzz(schema, 150, send)
     assert not failures, "\n\n".join(failures)
     for path in ("/v1/completions", "/v1/chat/completions"):
         assert seen[f"POST {path}", 200] and seen[f"POST {path}", 400], sorted(seen.items())

@@ -94,3 +94,66 @@ def test_other_methods_get_405_naming_every_allowed_one(app, path, allowed):
             assert r.headers["allow"] == allowed
             error = r.json()["error"]
             assert error["code"] == 405 and method in error["message"]
+
+
+def _steering_item_errors(item: dict) -> list[str]:
+    import jsonschema  # vLLM's dependency; only this test validates with it
+
+    from capsteer.server.openapi import STEERING
+    schema = {**STEERING, "properties": {"vectors": STEERING["properties"]["vectors"]}}
+    validator = jsonschema.Draft202012Validator(schema)
+    return [e.message for e in validator.iter_errors({"vectors": [item]})]
+
+
+def test_the_steering_item_schema_says_what_the_parser_requires():
+    """Found by schemathesis: an item with neither `layer` nor `layers` read as schema-valid,
+    and the server refuses it (unless the vector is a registered name)."""
+    from capsteer.steering.spec import SteeringSpecError, parse_steering_spec
+
+    cases = [
+        ({"vector": [0.5] * 8}, False),  # the parser: layer is required (or layers)
+        ({"vector": [0.5] * 8, "layer": 0}, True),
+        ({"vector": [0.5] * 8, "layers": "all"}, True),
+        ({"vector": [0.5] * 8, "layer": 0, "layers": [1]}, False),
+        ({"vector": {"name": "happy"}}, True),  # a per-layer entry's every layer
+        ({"vector": [0.5] * 8, "layer": 0, "op": "clamp"}, False),  # clamp needs a value
+        ({"vector": [0.5] * 8, "layer": 0, "op": "clamp", "value": 1.0}, True),
+        ({"vector": [0.5] * 8, "layer": 0, "junk": 1}, False),  # unknown fields: refused
+    ]
+    for item, valid in cases:
+        assert (not _steering_item_errors(item)) == valid, (item, _steering_item_errors(item))
+        if "name" in item["vector"]:
+            continue  # needs the registry to resolve
+        try:
+            parse_steering_spec({"vectors": [item]}, num_layers=2, hidden_size=8)
+            parsed = True
+        except SteeringSpecError:
+            parsed = False
+        assert parsed == valid, item
+
+
+def test_the_served_schema_bounds_what_the_model_bounds():
+    """Found by schemathesis: layer 5621902 and position -2459562 were schema-valid and
+    refused (the model has few layers and a finite context); so was capture_wait without
+    a capture. The served schema now says all three."""
+    import jsonschema  # vLLM's dependency; only these tests validate with it
+
+    from capsteer.server.openapi import CAPTURE, STEERING, WAIT_NEEDS_CAPTURE, for_model
+
+    fields = for_model({"capture": CAPTURE, "steering": STEERING, "wait": WAIT_NEEDS_CAPTURE},
+                       hidden_size=8, num_layers=4, max_model_len=512)
+    body = {"type": "object", "properties": {"capture": fields["capture"],
+                                             "steering": fields["steering"]},
+            "allOf": [fields["wait"]]}
+    ok = jsonschema.Draft202012Validator(body).is_valid
+    vector = [0.5] * 8
+    assert ok({"steering": {"vectors": [{"vector": vector, "layer": -4}]}})
+    assert not ok({"steering": {"vectors": [{"vector": vector, "layer": 4}]}})
+    assert not ok({"steering": {"vectors": [{"vector": vector[:7], "layer": 0}]}})
+    assert ok({"capture": {"layers": [0, 3], "positions": [-512, 511]}})
+    assert not ok({"capture": {"layers": [5]}})
+    assert not ok({"capture": {"positions": [512]}})
+    assert not ok({"capture": {"positions": -513}})
+    assert ok({"capture": True, "capture_wait": True}) and ok({"capture_wait": False})
+    assert not ok({"capture_wait": True}) and not ok({"capture": False, "capture_wait": True})
+    assert "minimum" not in str(CAPTURE)  # for_model changed a copy
