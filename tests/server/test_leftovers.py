@@ -68,3 +68,4 @@ def test_the_next_start_sweeps_what_a_killed_server_left(engine_pool, model_dirs
     line = next((x for x in log.splitlines() if "swept what" in x), None)
     assert line is not None, fresh.log_tail()
     assert f"pid {pgid}" in line and all(name in line for name in mine), line
+    print(f"left by the killed server: {mine}\n{line}")  # shown with -s
