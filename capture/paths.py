@@ -15,13 +15,13 @@ from capsteer.capture.spec import SpecError, validate_slug
 DEFAULT_TAG = "default"
 # Like a tag, a bit longer (vLLM request ids can be long), never starting with "."
 # (temp names do) so a capture directory can never look like a temp file.
-_ID_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
+CAPTURE_ID_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
 _DATE_RE = re.compile(r"\d{4}-\d{2}-\d{2}")
 
 
 def validate_capture_id(capture_id: object) -> str:
     """Return `capture_id` if it is a safe directory name, else raise SpecError."""
-    if not isinstance(capture_id, str) or not _ID_RE.fullmatch(capture_id):
+    if not isinstance(capture_id, str) or not CAPTURE_ID_RE.fullmatch(capture_id):
         raise SpecError("capture_id", f"{capture_id!r} must match [A-Za-z0-9_-][A-Za-z0-9._-]{{0,127}}")
     return capture_id
 

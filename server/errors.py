@@ -11,7 +11,7 @@ from capsteer.config.errors import CapsteerError
 
 # The `type` OpenAI's SDK maps to its exception classes.
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-               413: "BadRequestError", 429: "RateLimitError", 503: "ServiceUnavailableError"}
+               405: "MethodNotAllowedError", 413: "BadRequestError", 429: "RateLimitError", 503: "ServiceUnavailableError"}
 
 
 def error_object(status: int, message: str, param: str | None) -> dict:

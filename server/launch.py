@@ -20,6 +20,7 @@ from capsteer.config.cli import SERVER_FLAGS, add_server_flags, overrides_from_a
 from capsteer.config.server import ENV_VAR, ConfigError, resolve_settings
 from capsteer.engine_ext.lifeline import mark_launcher
 from capsteer.engine_ext.vllm.version import hooks_code_hash
+from capsteer.server.leftovers import sweep_and_log
 from capsteer.server.peers import RUNTIME_ENV, make_runtime_dir
 
 WORKER_CLS = "capsteer.engine_ext.worker.CapsteerWorker"
@@ -287,6 +288,7 @@ def _run(args: argparse.Namespace, passthrough: list[str] | None = None) -> int:
     os.environ.setdefault(PAYLOAD_KEY_ENV, secrets.token_hex(16))
     mark_launcher()  # the engine processes vLLM starts exit if this process is killed
     if RUNTIME_ENV not in os.environ:  # shared by the API server processes vLLM starts
+        sweep_and_log()  # what a predecessor killed by SIGKILL left (server/leftovers.py)
         os.environ[RUNTIME_ENV] = make_runtime_dir()
     host = _flag_value(extra, ("--host",)) or "127.0.0.1"
     port = _flag_value(extra, ("--port",)) or "8000"

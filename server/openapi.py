@@ -6,19 +6,30 @@ vLLM parses the body), so the generated schema is extended after the fact.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
+from capsteer.capture.paths import CAPTURE_ID_RE
 from capsteer.capture.spec import DTYPES, LAYOUTS, SPEC_KEYS
 from capsteer.hooks import ALIASES, HOOKS
+from capsteer.steering.formats import FORMATS
 from capsteer.steering.readers.kinds import ACTIVATIONS
 from capsteer.steering.readers.readout import ITEM_KEYS
 from capsteer.steering.readers.readout import POSITIONS as READOUT_POSITIONS
+from capsteer.steering.registry import NAME_RE
 from capsteer.steering.spec import OPS, POSITIONS
 
 _HOOK = {"type": "string", "enum": [*HOOKS, *ALIASES]}
+MAX_ABS = 1e30  # steering.spec's and steering.formats' bound on every number
+_NUMBER = {"type": "number", "minimum": -MAX_ABS, "maximum": MAX_ABS}
+# A steering vector: `document` sets its length to the served model's hidden size.
+VECTOR = {"type": "array", "items": _NUMBER, "description": "hidden_size numbers"}
+# `for_model` bounds these by the served model: its layers, its context.
+LAYER = {"type": "integer", "description": "a layer; negative counts from the end"}
+POSITION = {"type": "integer",
+            "description": "a token position; negative counts back from the prompt's end"}
 _LAYERS = {"description": '"all" | [ints] | "a-b" | "a:b"; negative counts from the end',
-           "anyOf": [{"type": "string"}, {"type": "integer"},
-                     {"type": "array", "items": {"type": "integer"}}]}
+           "anyOf": [{"type": "string"}, LAYER, {"type": "array", "items": LAYER}]}
 CAPTURE = {
     "description": "Capture activations to the server's capture root (api.md §2). "
                    "`true` means the server's default spec.",
@@ -26,14 +37,14 @@ CAPTURE = {
         {"type": "boolean"},
         {"type": "object", "additionalProperties": False, "properties": {
             "hooks": {"anyOf": [{"type": "array", "items": _HOOK}, _HOOK,
-                                {"type": "object", "additionalProperties": _LAYERS}]},
+                                {"type": "object", "propertyNames": _HOOK,
+                                 "additionalProperties": _LAYERS}]},
             "layers": _LAYERS,
             "positions": {"description": '"all" | "prompt" | "generated" | "last_prompt" | '
                                          '"last" | [ints] (negative: from the end of the prompt)',
                           "anyOf": [{"type": "string", "enum": ["all", "prompt", "generated",
                                                                 "last_prompt", "last"]},
-                                    {"type": "integer"},
-                                    {"type": "array", "items": {"type": "integer"}}]},
+                                    POSITION, {"type": "array", "items": POSITION}]},
             "layout": {"type": "string", "enum": list(LAYOUTS)},
             "dtype": {"type": "string", "enum": list(DTYPES)},
             "tag": {"type": "string", "pattern": "^[A-Za-z0-9._-]{1,64}$"},
@@ -48,20 +59,26 @@ STEERING = {
     "type": "object", "description": "Steer the residual stream per request (api.md §2).",
     "required": ["vectors"], "additionalProperties": False,
     "properties": {"vectors": {"type": "array", "items": {
-        "type": "object", "required": ["vector"],
-        "not": {"required": ["layer", "layers"]},  # one of them, as the server checks
+        "type": "object", "required": ["vector"], "additionalProperties": False,
+        "not": {"required": ["layer", "layers"]},  # not both, as the server checks
+        # one of them, unless the vector is a registered name (a per-layer entry then
+        # steers every layer it holds); a clamp needs its value
+        "anyOf": [{"required": ["layer"]}, {"required": ["layers"]},
+                  {"properties": {"vector": {"type": "object", "required": ["name"]}}}],
+        "if": {"required": ["op"], "properties": {"op": {"const": "clamp"}}},
+        "then": {"required": ["value"]},
         "properties": {
-            "hook": _HOOK, "layer": {"type": "integer"}, "layers": _LAYERS,
+            "hook": _HOOK, "layer": LAYER, "layers": _LAYERS,
             "vector": {"anyOf": [
-                {"type": "array", "items": {"type": "number"}},
+                VECTOR,
                 {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}},
                 {"type": "object", "required": ["b64"], "properties": {
                     "b64": {"type": "string"},
                     "dtype": {"type": "string", "enum": ["float32", "float16", "float64",
                                                          "bfloat16"]}}}]},
-            "scale": {"type": "number", "default": 1.0},
+            "scale": {**_NUMBER, "default": 1.0},
             "op": {"type": "string", "enum": list(OPS), "default": "add"},
-            "value": {"type": "number", "description": "clamp target"},
+            "value": {**_NUMBER, "description": "clamp target"},
             "positions": {"type": "string", "enum": list(POSITIONS), "default": "all"},
         }}}},
 }
@@ -100,6 +117,102 @@ READOUT = {
                   "threshold": {"type": "number", "default": 0.0,
                                 "description": "SAE only: keep features above it"}}}}
 assert set(READOUT["items"]["properties"]) == set(ITEM_KEYS)
+
+# ---- capsteer's own endpoints (server/routes.py) ----
+_ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type", "code"], "properties": {
+        "message": {"type": "string"}, "type": {"type": "string"},
+        "param": {"type": ["string", "null"]}, "code": {"type": "integer"}}}}}
+_WHY = {400: "a bad name, id, parameter or body (the error's `param` names it)",
+        401: "the admin key is missing or wrong", 404: "no such vector, reader or capture"}
+
+
+def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI entries for the OpenAI-shaped errors an endpoint answers."""
+    return {status: {"description": _WHY[status],
+                     "content": {"application/json": {"schema": _ERROR}}}
+            for status in statuses}
+
+
+def json_body(schema: dict[str, Any], description: str = "Successful Response") -> dict:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+VECTOR_NAME = {"pattern": f"^(?!.*\\.tmp$){NAME_RE.pattern}$",
+               "description": "1-64 of A-Z a-z 0-9 . _ -, first a letter or digit, not "
+                              "ending in .tmp"}
+CAPTURE_ID = {"pattern": f"^{CAPTURE_ID_RE.pattern}$"}
+PUT_FORMAT = {"enum": [*FORMATS, None], "description": "the upload's format; sniffed from "
+              "its first bytes when not given"}
+GET_FORMAT = {"enum": ["json", "safetensors", None], "description": "json (default): the "
+              "description and values; safetensors: the stored file"}
+_NUMBERS = VECTOR
+_NULLABLE_NUMBER = {"type": ["number", "null"]}
+VECTOR_INFO = {
+    "type": "object", "required": ["name", "kind", "hidden_size", "bytes", "error"],
+    "properties": {
+        "name": {"type": "string"}, "kind": {"enum": ["single", "per_layer", None]},
+        "layers": {"type": ["array", "null"], "items": {"type": "integer"}},
+        "hidden_size": {"type": ["integer", "null"]},
+        "source_format": {"type": ["string", "null"]}, "created": _NULLABLE_NUMBER,
+        "sha256": {"type": ["string", "null"]}, "bytes": {"type": "integer"},
+        "norm": _NULLABLE_NUMBER,
+        "norms": {"type": ["object", "null"], "additionalProperties": {"type": "number"}},
+        "error": {"type": ["string", "null"],
+                  "description": "why this model cannot use the vector, if it cannot"},
+    },
+}
+VECTOR_LIST = {"type": "object", "required": ["object", "data"], "properties": {
+    "object": {"const": "list"}, "data": {"type": "array", "items": VECTOR_INFO}}}
+VECTOR_DELETED = {"type": "object", "required": ["name", "deleted"], "properties": {
+    "name": {"type": "string"}, "deleted": {"const": True}}}
+VECTOR_DOWNLOAD = {"description": "the vector's description with its values (`vector`, or "
+                                  "`vectors` by layer), or the stored safetensors file",
+                   "content": {
+                       "application/json": {"schema": {"allOf": [VECTOR_INFO, {
+                           "type": "object", "properties": {
+                               "vector": _NUMBERS,
+                               "vectors": {"type": "object", "additionalProperties": _NUMBERS}}}]}},
+                       "application/octet-stream": {"schema": {"type": "string",
+                                                               "format": "binary"}}}}
+VECTOR_UPLOAD = {"required": True, "description": "The vector file: safetensors, .pt, .npy, "
+                 "JSON or a GGUF control vector, at most 256 MiB",
+                 "content": {
+                     "application/octet-stream": {"schema": {"type": "string",
+                                                             "format": "binary"}},
+                     "application/json": {"schema": {"anyOf": [
+                         _NUMBERS,
+                         {"type": "object", "required": ["vector"], "properties": {
+                             "vector": _NUMBERS}, "additionalProperties": False},
+                         {"type": "object", "required": ["layers"], "properties": {
+                             "layers": {"type": "object", "additionalProperties": _NUMBERS}},
+                          "additionalProperties": False}]}}}}
+HOOKS_INFO = {
+    "type": "object",
+    "required": ["model", "num_layers", "hidden_size", "dtype", "hook_semantics_version",
+                 "hooks", "capture", "steering"],
+    "properties": {
+        "model": {"type": "string"}, "architecture": {"type": ["string", "null"]},
+        "family": {"type": ["string", "null"]}, "family_notes": {"type": ["string", "null"]},
+        "num_layers": {"type": "integer"}, "hidden_size": {"type": "integer"},
+        "dtype": {"type": "string"}, "hook_semantics_version": {"type": ["string", "integer"]},
+        "hooks": {"type": "array", "items": {
+            "type": "object", "required": ["name", "aliases", "description", "layers"],
+            "properties": {"name": {"type": "string", "enum": list(HOOKS)},
+                           "aliases": {"type": "array", "items": {"type": "string"}},
+                           "description": {"type": "string"},
+                           "hf_reference": {"type": ["string", "null"]},
+                           "hf_module": {"type": ["string", "null"]},
+                           "layers": {"type": "array", "items": {"type": "integer"}}}}},
+        "capture": {"type": "object"}, "steering": {"type": "object"},
+    },
+}
+CAPTURE_RECEIPT: dict[str, Any] = {"allOf": [CAPTURE_RESULTS, {
+    "type": "object", "required": ["capture_id", "status"]}, {
+    "type": "object", "properties": {
+        "timings": {"type": "object", "additionalProperties": {"type": "number"}},
+        "manifest_data": {"type": "object", "description": "manifest.json (api.md §5)"}}}]}
+
 REQUEST_FIELDS = {"capture": CAPTURE, "capture_wait": CAPTURE_WAIT, "steering": STEERING,
                   "extra_body": {"type": "object", "description":
                                  "Accepted for curl users copying SDK code: its fields are "
@@ -108,16 +221,47 @@ _GENERATION = {"/v1/chat/completions": ("ChatCompletionRequest", "ChatCompletion
                "/v1/completions": ("CompletionRequest", "CompletionResponse")}
 
 
+# capture_wait: true holds the response for a capture, so it needs one (server/fields.py)
+WAIT_NEEDS_CAPTURE = {
+    "if": {"required": ["capture_wait"], "properties": {"capture_wait": {"const": True}}},
+    "then": {"required": ["capture"], "properties": {"capture": {"not": {"const": False}}}}}
+
+
 def extend_schema(schema: dict[str, Any]) -> dict[str, Any]:
     """Add the capsteer fields to the chat/completions request and response schemas."""
     components = schema.setdefault("components", {}).setdefault("schemas", {})
     for request_name, response_name in _GENERATION.values():
         if request_name in components:
             components[request_name].setdefault("properties", {}).update(REQUEST_FIELDS)
+            components[request_name].setdefault("allOf", []).append(WAIT_NEEDS_CAPTURE)
         if response_name in components:
             components[response_name].setdefault("properties", {})["capture_results"] = \
                 CAPTURE_RESULTS
     return schema
+
+
+def for_model(schema: dict[str, Any], hidden_size: int, num_layers: int,
+              max_model_len: int) -> dict[str, Any]:
+    """A copy of `schema` with the served model's bounds: a steering vector's width, the
+    layer indices, the positions a context holds; so a client (or a schema-driven test)
+    can tell what this server takes."""
+    bounds = [(VECTOR, {"minItems": hidden_size, "maxItems": hidden_size,
+                        "description": f"{hidden_size} numbers (the model's hidden size)"}),
+              (LAYER, {"minimum": -num_layers, "maximum": num_layers - 1}),
+              (POSITION, {"minimum": -max_model_len, "maximum": max_model_len - 1})]
+    out = copy.deepcopy(schema)
+    stack: list[Any] = [out]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            bound = next((extra for marker, extra in bounds if node == marker), None)
+            if bound is not None:
+                node.update(bound)
+                continue
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return out
 
 
 def document(app: Any) -> None:
@@ -126,7 +270,13 @@ def document(app: Any) -> None:
 
     def openapi() -> dict[str, Any]:
         if getattr(app, "_capsteer_schema", None) is None:
-            app._capsteer_schema = extend_schema(original())
+            schema = extend_schema(original())
+            state = getattr(app.state, "capsteer", None)
+            if state is not None:
+                shape = state.shape
+                schema = for_model(schema, shape.hidden_size, shape.num_layers,
+                                   shape.max_model_len)
+            app._capsteer_schema = schema
         return app._capsteer_schema
 
     app.openapi = openapi

@@ -18,16 +18,19 @@ import tempfile
 from pathlib import Path
 
 from capsteer.capture.publish import pid_alive
+from capsteer.server.leftovers import RUNTIME_PREFIX, write_owner
 
 log = logging.getLogger("vllm.capsteer.server")
 RUNTIME_ENV = "CAPSTEER_SERVE_RUNTIME_DIR"  # set by `capsteer serve`, inherited by API servers
 
 
 def make_runtime_dir() -> str:
-    """A directory shared by this server's processes, removed when the launcher exits."""
+    """A directory shared by this server's processes, removed when the launcher exits; its
+    owner file lets the next server sweep it (and vLLM's shared memory) after a SIGKILL."""
     import atexit
 
-    path = tempfile.mkdtemp(prefix="capsteer-serve-")
+    path = tempfile.mkdtemp(prefix=RUNTIME_PREFIX)
+    write_owner(Path(path))
     atexit.register(shutil.rmtree, path, ignore_errors=True)
     return path
 

@@ -15,9 +15,10 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
+from fastapi import Path as PathParam
 from fastapi.responses import JSONResponse, Response
 
 from capsteer.capture.layouts import MANIFEST_FILE
@@ -26,6 +27,7 @@ from capsteer.capture.receipts import find_receipt, pending
 from capsteer.capture.spec import DTYPES, LAYOUTS, POSITION_KINDS, SpecError
 from capsteer.engine_ext import families
 from capsteer.hooks import ALIASES, HOOK_SEMANTICS_VERSION, HOOKS
+from capsteer.server import openapi as docs
 from capsteer.server.errors import error_response, from_exception
 from capsteer.server.state import CapsteerState
 from capsteer.steering.formats import VectorFormatError
@@ -57,22 +59,22 @@ def _state(request: Request) -> CapsteerState:
     return request.app.state.capsteer
 
 
-_ERROR_SCHEMA = {"application/json": {"schema": {
-    "type": "object", "required": ["error"], "properties": {"error": {
-        "type": "object", "required": ["message", "type", "code"], "properties": {
-            "message": {"type": "string"}, "type": {"type": "string"},
-            "param": {"type": ["string", "null"]}, "code": {"type": "integer"}}}}}}}
-_WHY = {400: "a bad name, id or body (the error's `param` names it)",
-        401: "the admin key is missing or wrong", 404: "no such vector, reader or capture"}
+# The checks stay the handlers' own (an OpenAI-shaped 400 naming the parameter); the schema
+# only says what they accept, so clients and schema-driven tests know it.
+VectorName = Annotated[str, PathParam(json_schema_extra=docs.VECTOR_NAME)]
+CaptureId = Annotated[str, PathParam(json_schema_extra=docs.CAPTURE_ID)]
+PutFormat = Annotated[str | None, Query(json_schema_extra=docs.PUT_FORMAT)]
+GetFormat = Annotated[str | None, Query(json_schema_extra=docs.GET_FORMAT)]
+GET_FORMATS = ("json", "safetensors")
 
 
-def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    """OpenAPI entries for the OpenAI-shaped errors an endpoint answers."""
-    return {status: {"description": _WHY[status], "content": _ERROR_SCHEMA}
-            for status in statuses}
+def _responses(ok: dict[str, Any], *errors: int, status: int = 200,
+               ) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI entries: the success body's schema and the OpenAI-shaped errors."""
+    return {status: ok, **docs.errors(*errors)}
 
 
-@router.get("/v1/capsteer/hooks")
+@router.get("/v1/capsteer/hooks", responses=_responses(docs.json_body(docs.HOOKS_INFO)))
 async def hooks(request: Request) -> dict[str, Any]:
     """Model geometry and what can be captured and steered."""
     state = _state(request)
@@ -115,7 +117,7 @@ def _check_admin(request: Request, what: str = "vector registry") -> JSONRespons
     return None
 
 
-@router.get("/v1/steering/vectors")
+@router.get("/v1/steering/vectors", responses=_responses(docs.json_body(docs.VECTOR_LIST)))
 async def list_vectors(request: Request) -> dict[str, Any]:
     """Every registered vector (no values)."""
     items = await asyncio.to_thread(_state(request).registry.list)
@@ -136,8 +138,10 @@ async def _body_up_to(request: Request, limit: int) -> bytes | None:
     return bytes(data)
 
 
-@router.put("/v1/steering/vectors/{name}", status_code=201, responses=_errors(400, 401))
-async def put_vector(name: str, request: Request, format: str | None = None) -> Response:
+@router.put("/v1/steering/vectors/{name}", status_code=201,
+            responses=_responses(docs.json_body(docs.VECTOR_INFO), 400, 401, status=201),
+            openapi_extra={"requestBody": docs.VECTOR_UPLOAD})
+async def put_vector(name: VectorName, request: Request, format: PutFormat = None) -> Response:
     """Register (or replace) a vector. Body: safetensors, .pt, .npy, JSON or a GGUF control
     vector (llama.cpp / repeng), sniffed from its bytes unless `?format=` says."""
     denied = _check_admin(request)
@@ -157,10 +161,13 @@ async def put_vector(name: str, request: Request, format: str | None = None) -> 
     return JSONResponse(info, status_code=201)
 
 
-@router.get("/v1/steering/vectors/{name}", responses=_errors(400, 404))
-async def get_vector(name: str, request: Request, format: str | None = None) -> Response:
+@router.get("/v1/steering/vectors/{name}", responses=_responses(docs.VECTOR_DOWNLOAD, 400, 404))
+async def get_vector(name: VectorName, request: Request, format: GetFormat = None) -> Response:
     """A vector's description and values (`?format=safetensors`: the stored file)."""
     registry = _state(request).registry
+    if format not in (None, "", *GET_FORMATS):
+        return error_response(400, f"unknown format {format!r}: give one of "
+                              f"{', '.join(GET_FORMATS)}", "format")
     try:
         info = await asyncio.to_thread(registry.info, name)
         vectors = await asyncio.to_thread(registry.get, name)
@@ -172,8 +179,11 @@ async def get_vector(name: str, request: Request, format: str | None = None) -> 
         return from_exception(exc, "name")
     if format == "safetensors":
         path = Path(registry.root) / f"{name}.safetensors"
-        return Response(await asyncio.to_thread(path.read_bytes),
-                        media_type="application/octet-stream")
+        try:
+            data = await asyncio.to_thread(path.read_bytes)
+        except FileNotFoundError:  # deleted since its info was read
+            return error_response(404, f"no steering vector named {name!r}", "name")
+        return Response(data, media_type="application/octet-stream")
     if vectors.single is not None:
         info["vector"] = vectors.single.tolist()
     else:
@@ -181,8 +191,10 @@ async def get_vector(name: str, request: Request, format: str | None = None) -> 
     return JSONResponse(info)
 
 
-@router.delete("/v1/steering/vectors/{name}", responses=_errors(400, 401, 404))
-async def delete_vector(name: str, request: Request) -> Response:
+@router.delete("/v1/steering/vectors/{name}",
+               responses=_responses(docs.json_body(docs.VECTOR_DELETED), 400, 401, 404))
+async def delete_vector(name: VectorName, request: Request) -> Response:
+    """Remove a vector from the registry (needs the admin key when one is set)."""
     denied = _check_admin(request)
     if denied is not None:
         return denied
@@ -238,7 +250,7 @@ async def list_readers(request: Request) -> dict[str, Any]:
     return {"object": "list", "data": items}
 
 
-@router.put("/v1/readers/{name}", status_code=201, responses=_errors(400, 401))
+@router.put("/v1/readers/{name}", status_code=201, responses=docs.errors(400, 401))
 async def put_reader(name: str, request: Request, format: str | None = None,
                      activation: str | None = None) -> Response:
     """Register (or replace) a reader. A linear probe: safetensors or .npz (`weight`,
@@ -271,7 +283,7 @@ async def put_reader(name: str, request: Request, format: str | None = None,
     return JSONResponse(info, status_code=201)
 
 
-@router.get("/v1/readers/{name}", responses=_errors(400, 404))
+@router.get("/v1/readers/{name}", responses=docs.errors(400, 404))
 async def get_reader(name: str, request: Request) -> Response:
     """A reader's description: kind, `d_in` (the hook width it reads), `outputs` (probe)
     or `d_sae` (SAE), architecture, activation and names, and `error` if this model
@@ -285,7 +297,7 @@ async def get_reader(name: str, request: Request) -> Response:
     return JSONResponse(info)
 
 
-@router.delete("/v1/readers/{name}", responses=_errors(400, 401, 404))
+@router.delete("/v1/readers/{name}", responses=docs.errors(400, 401, 404))
 async def delete_reader(name: str, request: Request) -> Response:
     denied = _check_admin(request, "reader registry")
     if denied is not None:
@@ -300,8 +312,9 @@ async def delete_reader(name: str, request: Request) -> Response:
 
 
 # ---- receipts ----
-@router.get("/v1/captures/{capture_id}", responses=_errors(400, 404))
-async def capture_receipt(capture_id: str, request: Request) -> Response:
+@router.get("/v1/captures/{capture_id}",
+            responses=_responses(docs.json_body(docs.CAPTURE_RECEIPT), 400, 404))
+async def capture_receipt(capture_id: CaptureId, request: Request) -> Response:
     """Status, directory, files and the manifest of one capture."""
     state = _state(request)
     try:
@@ -325,3 +338,24 @@ async def capture_receipt(capture_id: str, request: Request) -> Response:
         except (OSError, ValueError):
             pass
     return JSONResponse(out)
+
+
+# ---- other methods ----
+def _refuse_method(allowed: tuple[str, ...]):
+    async def refuse(request: Request) -> Response:
+        response = error_response(405, f"{request.method} is not allowed here; this path "
+                                  f"answers {', '.join(allowed)}")
+        response.headers["Allow"] = ", ".join(allowed)
+        return response
+    return refuse
+
+
+# Starlette answers a method no route of a path takes with the `Allow` of the first route it
+# tried only (PUT for the registry's GET/PUT/DELETE path), and not OpenAI-shaped: these
+# answer every other method with the path's whole list.
+_OTHER_METHODS = ("POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD", "TRACE")
+for _path, _allowed in {"/v1/capsteer/hooks": ("GET",), "/v1/steering/vectors": ("GET",),
+                        "/v1/steering/vectors/{name}": ("GET", "PUT", "DELETE"),
+                        "/v1/captures/{capture_id}": ("GET",)}.items():
+    router.add_api_route(_path, _refuse_method(_allowed), include_in_schema=False,
+                         methods=[m for m in _OTHER_METHODS if m not in _allowed])
