@@ -49,6 +49,11 @@ class RequestBook:
             except Exception as exc:  # a payload must never stop the engine
                 self._hooks_refused(req_id, prompt, payload, exc)
                 continue
+            missing = self._unavailable_hook(hooks)
+            if missing is not None:  # the front ends refuse it first; never a silent no-op
+                hooks.release(self.runtime)
+                self._hooks_refused(req_id, prompt, payload, ValueError(missing))
+                continue
             refusal = self._beyond_stop(hooks)
             if refusal is not None:
                 hooks.release(self.runtime)
@@ -75,6 +80,15 @@ class RequestBook:
                     del self.opened[next(iter(self.opened))]
                 sink.open(self._capture_request(req_id, prompt, hooks))
                 hooks.group = sink.group_of(hooks.capture_id)  # the writer pool's child
+
+    def _unavailable_hook(self, hooks: RequestHooks) -> str | None:
+        """Why a request's hooks name a point this model does not have (a parallel
+        block's resid_mid), or None."""
+        points = self.sites.unavailable_points
+        asked = set(hooks.points) | {(kind, site) for kind, site, _ in hooks.entries}
+        if not points or not asked & points:
+            return None
+        return "; ".join(reason for _, reason in self.sites.unavailable)
 
     def _hooks_refused(self, req_id: str, prompt, payload: Mapping, exc: Exception) -> None:
         """A payload this worker cannot serve runs without hooks, never silently: logged,

@@ -64,8 +64,19 @@ async def hooks(request: Request) -> dict[str, Any]:
     """Model geometry and what can be captured and steered."""
     state = _state(request)
     model = state.model
-    where = families.hf_modules(model.family) if model.family else {}
-    layers = list(range(model.num_layers))  # every supported family has every hook everywhere
+    missing = model.unavailable
+    where = families.hf_modules(model.family, parallel="resid_mid" in missing) \
+        if model.family else {}
+    every = list(range(model.num_layers))
+
+    def entry(h: str) -> dict[str, Any]:
+        out = {"name": h, "aliases": [a for a, c in ALIASES.items() if c == h],
+               "description": HOOK_DOCS[h][0], "hf_reference": HOOK_DOCS[h][1],
+               "hf_module": where.get(h), "layers": [] if h in missing else every}
+        if h in missing:  # asked for anyway: a 400 with this reason
+            out["unavailable"] = missing[h]
+        return out
+
     return {
         "model": model.name,
         "architecture": model.architecture,
@@ -75,9 +86,7 @@ async def hooks(request: Request) -> dict[str, Any]:
         "hidden_size": model.hidden_size,
         "dtype": str(model.dtype).removeprefix("torch."),
         "hook_semantics_version": HOOK_SEMANTICS_VERSION,
-        "hooks": [{"name": h, "aliases": [a for a, c in ALIASES.items() if c == h],
-                   "description": HOOK_DOCS[h][0], "hf_reference": HOOK_DOCS[h][1],
-                   "hf_module": where.get(h), "layers": layers} for h in HOOKS],
+        "hooks": [entry(h) for h in HOOKS],
         "capture": {"positions": [k for k in POSITION_KINDS if k != "explicit"] + ["[ints]"],
                     "layouts": list(LAYOUTS), "dtypes": list(DTYPES),
                     "default": state.settings.capture_default,

@@ -2,20 +2,25 @@
 
 One engine per family (fp32 demo model, compiled, 4 layers, hidden 128), many requests
 each. Families run through different layouts (engine_ext/families.py): vLLM's deferred
-norms (Llama-likes, Phi-3, MoE), post-normed sublayers (Gemma 2/3), and HF-shaped layers
-that add the residual themselves (OLMo 2 via vLLM's Transformers backend, Granite).
+norms (Llama-likes, Phi-3, MoE, gpt-oss), post-normed sublayers (Gemma 2/3), and HF-shaped
+layers that add the residual themselves (OLMo 2, GPT-NeoX and Starcoder2 via vLLM's
+Transformers backend; Granite, GPT-2 and Cohere natively). GPT-NeoX (Pythia's
+use_parallel_residual) and Cohere are parallel blocks: they have no resid_mid, and a
+request naming it is refused with the reason.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
+from capsteer.capture.spec import SpecError
 from capsteer.demo_model import FAMILIES
 from capsteer.engine import Request
 from capsteer.hooks import HOOKS
-from capsteer.reference import hf_greedy
-from capsteer.steering.spec import parse_steering_spec
+from capsteer.reference import hf_activations, hf_greedy
+from capsteer.steering.spec import SteeringSpecError, parse_steering_spec
 
 from .helpers import (
     ALL_HOOKS,
@@ -39,22 +44,59 @@ NEW_FAMILIES = [f for f in FAMILIES if f not in ("qwen3", "llama", "qwen2")]
 # final norm, and both sublayer outputs.
 STEER_POINTS = [("resid_post", 1), ("resid_pre", 2), ("resid_mid", 0), ("attn_out", 2),
                 ("mlp_out", 1), ("resid_post", 3)]
+PARALLEL = ("gpt_neox", "cohere")  # parallel blocks: no resid_mid
+
+
+def _steer_points(engine) -> list[tuple[str, int]]:
+    """STEER_POINTS; a parallel block steers the first layer's input instead of resid_mid."""
+    return [("resid_pre", 0) if h in engine.unavailable else (h, layer)
+            for h, layer in STEER_POINTS]
 
 
 @pytest.mark.parametrize("engine_name", NEW_FAMILIES)
 def test_every_hook_layer_position_equals_hf(engine_pool, model_dirs, hf_models, engine_name):
     engine = capsteer_engine(engine_pool, model_dirs, engine_name)
+    assert ("resid_mid" in engine.unavailable) == (engine_name in PARALLEL)
+    hooks = [h for h in HOOKS if h not in engine.unavailable]
+    every = {**ALL_HOOKS, "hooks": hooks}
     results = engine.generate([
-        Request(prompt_token_ids=token_prompt(1, 12), sampling=greedy(6), capture=ALL_HOOKS),
+        Request(prompt_token_ids=token_prompt(1, 12), sampling=greedy(6), capture=every),
         # 150 prompt tokens, max_num_batched_tokens=64: three prefill chunks; longer than
-        # Gemma's 64-token sliding window.
-        Request(prompt_token_ids=token_prompt(2, 150), sampling=greedy(4), capture=ALL_HOOKS),
+        # the 64-token sliding windows (Gemma 2/3, Starcoder2, gpt-oss).
+        Request(prompt_token_ids=token_prompt(2, 150), sampling=greedy(4), capture=every),
     ])
     for res in results:
         caps = res.captures
-        assert sorted(caps.tensors) == sorted((h, layer) for h in HOOKS for layer in range(LAYERS))
+        assert sorted(caps.tensors) == sorted((h, layer) for h in hooks for layer in range(LAYERS))
         np.testing.assert_array_equal(caps.positions, np.arange(len(fed_tokens(res))))
         assert assert_matches_hf(hf_models[engine_name], res) > 0
+
+
+@pytest.mark.parametrize("engine_name", PARALLEL)
+def test_parallel_block_refuses_resid_mid_by_name(engine_pool, model_dirs, hf_models,
+                                                  engine_name):
+    """No stream exists between a parallel block's sublayers: capture or steering of
+    resid_mid is refused with the reason, by the engine and by the HF reference alike,
+    and resid_post = resid_pre + attn_out + mlp_out holds."""
+    engine = capsteer_engine(engine_pool, model_dirs, engine_name)
+    prompt = token_prompt(3, 10)
+    with pytest.raises(SpecError, match="parallel block") as info:
+        engine.generate([Request(prompt_token_ids=prompt, sampling=greedy(2),
+                                 capture={"hooks": ["resid_pre", "post_attn"], "layers": "all"})])
+    assert info.value.field == "capture.hooks.resid_mid"
+    with pytest.raises(SteeringSpecError, match="parallel block") as info:
+        engine.generate([Request(prompt_token_ids=prompt, sampling=greedy(2),
+                                 steering=_steering("resid_mid", 1))])
+    assert info.value.field == "steering.vectors[0].hook"
+    spec = parse_steering_spec(_steering("resid_mid", 1), num_layers=LAYERS, hidden_size=HIDDEN)
+    with pytest.raises(ValueError, match="parallel block"):
+        hf_greedy(hf_models[engine_name], prompt, 1, steering=spec)
+    ref = hf_activations(hf_models[engine_name], prompt)
+    for layer in range(LAYERS):
+        assert ("resid_mid", layer) not in ref
+        torch.testing.assert_close(ref[("resid_post", layer)], ref[("resid_pre", layer)]
+                                   + ref[("attn_out", layer)] + ref[("mlp_out", layer)],
+                                   atol=1e-4, rtol=1e-4)
 
 
 def _steering(hook: str, layer: int) -> dict:
@@ -70,20 +112,21 @@ def test_add_steering_equals_hf_hook(engine_pool, model_dirs, hf_models, engine_
     log-prob of each fed token within 1e-3 of HF's."""
     engine = capsteer_engine(engine_pool, model_dirs, engine_name)
     hf = hf_models[engine_name]
+    points = _steer_points(engine)
     prompt = token_prompt(21, 9)
     sampling = greedy(MAX_TOKENS, logprobs=5)
     plain, *steered = engine.generate(
         [Request(prompt_token_ids=prompt, sampling=sampling)]
         + [Request(prompt_token_ids=prompt, sampling=sampling, steering=_steering(h, layer))
-           for h, layer in STEER_POINTS])
+           for h, layer in points])
     references = [hf_greedy(hf, prompt, MAX_TOKENS, steering=parse_steering_spec(
-        _steering(h, layer), num_layers=LAYERS, hidden_size=HIDDEN)) for h, layer in STEER_POINTS]
+        _steering(h, layer), num_layers=LAYERS, hidden_size=HIDDEN)) for h, layer in points]
     forced = engine.generate([
         Request(prompt_token_ids=prompt + ref_tokens,
                 sampling={"max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0},
                 steering=_steering(h, layer))
-        for (h, layer), (ref_tokens, _) in zip(STEER_POINTS, references, strict=True)])
-    for point, res, (ref_tokens, ref_lps), tf in zip(STEER_POINTS, steered, references, forced,
+        for (h, layer), (ref_tokens, _) in zip(points, references, strict=True)])
+    for point, res, (ref_tokens, ref_lps), tf in zip(points, steered, references, forced,
                                                       strict=True):
         for step, (token, ref_lp) in enumerate(zip(ref_tokens, ref_lps, strict=True)):
             got = tf.prompt_logprobs[len(prompt) + step][token]

@@ -11,11 +11,12 @@ from capsteer.engine_ext.runtime import hook_point, site_count
 from capsteer.hooks import HOOKS
 
 
-def _coverage(family: families.Family, materialized: bool, num_layers: int) -> dict:
+def _coverage(family: families.Family, materialized: bool, num_layers: int,
+              parallel: bool = False) -> dict:
     """(kind, site) -> how many taps read it."""
     seen: dict[tuple[int, int], int] = {}
     placed = [(2 * layer + tap.offset, tap) for layer in range(num_layers)
-              for tap in families.layer_taps(family, materialized)]
+              for tap in families.layer_taps(family, materialized, parallel)]
     placed.append((2 * num_layers, families.final_tap(family, materialized)))
     for site, tap in placed:
         for kind in (families.SUB, families.STREAM):
@@ -27,12 +28,36 @@ def _coverage(family: families.Family, materialized: bool, num_layers: int) -> d
 @pytest.mark.parametrize("family", families.FAMILIES, ids=lambda f: f.name)
 @pytest.mark.parametrize("materialized", [False, True], ids=["deferred", "materialized"])
 def test_every_hook_is_read_exactly_once(family, materialized):
+    """...and a parallel block's resid_mid by none (it is refused by name instead)."""
     num_layers = 3
-    seen = _coverage(family, materialized, num_layers)
+    parallel = family.parallel is not False
+    seen = _coverage(family, materialized, num_layers, parallel)
+    missing = families.unavailable_hooks(family, _Config(use_parallel_residual=True))
+    assert set(missing) == ({"resid_mid"} if parallel else set())
     for hook in HOOKS:
         for layer in range(num_layers):
-            assert seen.get(hook_point(hook, layer)) == 1, (hook, layer)
+            assert seen.get(hook_point(hook, layer), 0) == (hook not in missing), (hook, layer)
     assert all(site < site_count(num_layers) for _, site in seen)
+
+
+class _Config:
+    """An HF config's attributes, as `is_parallel` reads them."""
+
+    def __init__(self, **attrs: object) -> None:
+        self.__dict__.update(attrs)
+
+
+def test_parallel_residual_follows_the_checkpoint():
+    neox = families.family_for("GPTNeoXForCausalLM")
+    assert families.is_parallel(neox, _Config(use_parallel_residual=True))
+    assert not families.is_parallel(neox, _Config(use_parallel_residual=False))
+    assert families.unavailable_hooks(neox, _Config(use_parallel_residual=False)) == {}
+    cohere = families.family_for("CohereForCausalLM")
+    reason = families.unavailable_hooks(cohere, _Config())["resid_mid"]
+    assert "parallel block" in reason and "resid_post = resid_pre + attn_out + mlp_out" in reason
+    assert families.hf_modules(cohere, parallel=True)["resid_mid"] is None
+    with pytest.raises(ValueError, match="parallel block"):
+        families.layer_taps(families.family_for("LlamaForCausalLM"), False, parallel=True)
 
 
 def test_layouts_read_the_documented_modules():
@@ -70,5 +95,5 @@ def test_refusals_name_the_reason(arch, kind):
 
 
 def test_unknown_architecture_has_no_row_and_no_named_refusal():
-    assert families.family_for("GPT2LMHeadModel") is None
-    assert families.refusal_reason("GPT2LMHeadModel") is None
+    assert families.family_for("BloomForCausalLM") is None
+    assert families.refusal_reason("BloomForCausalLM") is None
