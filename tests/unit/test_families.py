@@ -97,3 +97,44 @@ def test_refusals_name_the_reason(arch, kind):
 def test_unknown_architecture_has_no_row_and_no_named_refusal():
     assert families.family_for("BloomForCausalLM") is None
     assert families.refusal_reason("BloomForCausalLM") is None
+
+
+def test_a_parallel_blocks_resid_mid_is_a_400_and_listed_as_unavailable():
+    """What the server does with a hook the model lacks: the request's field names it (a
+    400 with the reason), and /v1/capsteer/hooks lists no layers for it, with the reason."""
+    import torch
+
+    from capsteer.engine_ext.vllm.topology import ServedModel
+    from capsteer.server.fields import FieldError, ModelShape, parse_hook_fields
+    from capsteer.server.routes import hook_entries
+
+    cohere = families.family_for("CohereForCausalLM")
+    missing = families.unavailable_hooks(cohere, _Config())
+    shape = ModelShape(4, 8, 512, 4, missing)
+
+    def fields(body: dict):
+        return parse_hook_fields(body, shape, lookup=None, default_layout="packed",
+                                 capture_default=None)
+
+    assert fields({"capture": {"hooks": ["resid_pre", "attn_out", "mlp_out", "resid_post"]}})
+    for hooks in (["resid_pre", "resid_mid"], ["post_attn"], {"resid_mid": [1]}):
+        with pytest.raises(FieldError, match="parallel block") as info:
+            fields({"capture": {"hooks": hooks}})
+        assert info.value.field == "capture.hooks.resid_mid"
+    with pytest.raises(FieldError, match="parallel block") as info:
+        fields({"steering": {"vectors": [{"hook": "resid_pre", "layer": 0, "vector": [0.0] * 8},
+                                         {"hook": "post_attn", "layer": 0,
+                                          "vector": [1.0] * 8}]}})
+    assert info.value.field == "steering.vectors[1].hook"
+    served = ServedModel("m", 4, 8, 512, torch.float32, "CohereForCausalLM", cohere, missing)
+    entries = {e["name"]: e for e in hook_entries(served)}
+    assert entries["resid_mid"]["layers"] == [] and entries["resid_mid"]["hf_module"] is None
+    assert "parallel block" in entries["resid_mid"]["unavailable"]
+    for hook in ("resid_pre", "attn_out", "mlp_out", "resid_post"):
+        assert entries[hook]["layers"] == [0, 1, 2, 3] and "unavailable" not in entries[hook]
+    assert entries["attn_out"]["hf_module"] == "model.layers[L].self_attn output"
+    gpt2 = families.family_for("GPT2LMHeadModel")
+    plain = {e["name"]: e for e in hook_entries(
+        ServedModel("m", 2, 8, 512, torch.float32, "GPT2LMHeadModel", gpt2))}
+    assert plain["resid_mid"]["layers"] == [0, 1]
+    assert plain["resid_mid"]["hf_module"] == "transformer.h[L].ln_2 input"
