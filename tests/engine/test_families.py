@@ -88,6 +88,21 @@ def test_parallel_block_refuses_resid_mid_by_name(engine_pool, model_dirs, hf_mo
         engine.generate([Request(prompt_token_ids=prompt, sampling=greedy(2),
                                  steering=_steering("resid_mid", 1))])
     assert info.value.field == "steering.vectors[0].hook"
+    # A payload that went around the front ends' check: the worker refuses it too (the
+    # capture ends with the reason, the steering is not applied), never a silent no-op.
+    checked, engine.unavailable = engine.unavailable, {}
+    try:
+        plain, captured, steered = engine.generate([
+            Request(prompt_token_ids=prompt, sampling=greedy(4)),
+            Request(prompt_token_ids=prompt, sampling=greedy(4),
+                    capture={"hooks": ["resid_mid", "resid_pre"], "layers": "all"}),
+            Request(prompt_token_ids=prompt, sampling=greedy(4),
+                    steering=_steering("resid_mid", 1))])
+    finally:
+        engine.unavailable = checked
+    assert captured.captures.error is not None and "parallel block" in captured.captures.error
+    assert not captured.captures.tensors
+    assert captured.token_ids == steered.token_ids == plain.token_ids
     spec = parse_steering_spec(_steering("resid_mid", 1), num_layers=LAYERS, hidden_size=HIDDEN)
     with pytest.raises(ValueError, match="parallel block"):
         hf_greedy(hf_models[engine_name], prompt, 1, steering=spec)
