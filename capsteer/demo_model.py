@@ -41,6 +41,9 @@ FAMILIES = ("qwen3", "llama", "qwen2", "mistral", "gemma", "gemma2", "gemma3", "
             "granite", "qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "gpt2", "gpt_neox",
             "starcoder2", "cohere", "gpt_oss")
 REFUSED_FAMILIES = ("jamba", "bert")
+# Architectures without a family row that vLLM runs through its Transformers backend:
+# capsteer offers them resid_pre / resid_post only (engine_ext/families.py).
+STREAM_ONLY_FAMILIES = ("phi",)
 
 
 _LAYER_NORM = re.compile(r"\.ln_(\d+|f)\.weight$")  # GPT-2's norms: ln_1, ln_2, ln_f
@@ -158,6 +161,10 @@ def _config(family: str, shape: DemoShape, vocab_size: int, eos_id: int, bos_id:
             **{**head, **common, "intermediate_size": shape.intermediate_size // 2,
                "rms_norm_eps": 1e-5},
             num_local_experts=4, num_experts_per_tok=2, sliding_window=64),
+        # Phi-2 (stream-only: no family row): parallel block, partial rotary, LayerNorm.
+        "phi": lambda: transformers.PhiConfig(
+            **plain, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                      "partial_rotary_factor": 0.5}),
         # Refused families: a hybrid attention/state-space decoder and an encoder.
         "jamba": lambda: transformers.JambaConfig(
             **{k: v for k, v in common.items() if k != "rms_norm_eps"}, num_experts=1,
@@ -223,7 +230,8 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
     """Register `capsteer demo-model`."""
     p = subparsers.add_parser("demo-model", help="write a random-weight demo model")
     p.add_argument("out_dir")
-    p.add_argument("--family", choices=FAMILIES + REFUSED_FAMILIES, default="qwen3")
+    p.add_argument("--family", choices=FAMILIES + STREAM_ONLY_FAMILIES + REFUSED_FAMILIES,
+                   default="qwen3")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     for field, default in DemoShape().__dict__.items():

@@ -19,7 +19,6 @@ from capsteer.capture.paths import relative_dir
 from capsteer.capture.receipts import Receipt, receipt_at
 from capsteer.capture.sink import CapturedActivations
 from capsteer.capture.spec import CaptureSpec, SpecError, parse_capture_spec
-from capsteer.engine_ext import families
 from capsteer.engine_ext.lifeline import mark_launcher
 from capsteer.engine_ext.payload import (
     EXTRA_ARGS_KEY,
@@ -159,7 +158,10 @@ class Engine:
         # Start-up cost: vLLM loads when an Engine is made, not at `import capsteer.engine`.
         from vllm import LLM
 
-        from capsteer.engine_ext.vllm.refusals import refuse_at_vllm_config_step
+        from capsteer.engine_ext.vllm.refusals import (
+            hooks_unavailable,
+            refuse_at_vllm_config_step,
+        )
 
         extra = dict(llm_kwargs.pop("additional_config", None) or {})
         extra["capsteer"] = {"hooks_code": hooks_code_hash(), **dict(capsteer_config or {})}
@@ -170,7 +172,7 @@ class Engine:
         self.num_layers = int(hf.num_hidden_layers)
         self.hidden_size = int(hf.hidden_size)
         # Hooks this model does not have (a parallel block's resid_mid): refused by name.
-        self.unavailable = families.unavailable_hooks_of(hf)
+        self.unavailable = hooks_unavailable(self.llm.llm_engine.model_config)
         self.dtype = self.llm.llm_engine.model_config.dtype  # what the model runs in
         self.num_stages = int(self.llm.llm_engine.vllm_config.parallel_config
                               .pipeline_parallel_size)

@@ -15,7 +15,12 @@ from contextlib import contextmanager
 
 import torch
 
-from capsteer.engine_ext.families import Family, family_for, unavailable_hooks
+from capsteer.engine_ext.families import (
+    TRANSFORMERS_STREAM,
+    Family,
+    family_for,
+    unavailable_hooks,
+)
 from capsteer.steering.spec import SteeringSpec
 
 
@@ -48,12 +53,16 @@ SUB_HOOKS = ("attn_out", "mlp_out")
 
 
 def hf_family(model) -> Family:
-    """The family row (engine_ext/families.py) naming this HF model's hook modules."""
+    """The family row (engine_ext/families.py) naming this HF model's hook modules; the
+    stream-only layout for an architecture without one."""
     names = list(getattr(model.config, "architectures", None) or ()) or [type(model).__name__]
-    family = family_for(names[0])
-    if family is None:
-        raise ValueError(f"no capsteer family for {names[0]}")
-    return family
+    return family_for(names[0]) or TRANSFORMERS_STREAM  # as vLLM's Transformers backend
+
+
+def _missing(model, family: Family) -> dict[str, str]:
+    """The hooks this model lacks (the stream-only layout's reasons name the architecture,
+    so they read the top-level config)."""
+    return unavailable_hooks(family, model.config)
 
 
 def decoder_layers(model, family: Family):
@@ -101,7 +110,7 @@ def _steering_handles(model, spec: SteeringSpec | None, prompt_len: int, sublaye
     if not (spec and spec.ops):
         return []
     family = hf_family(model)
-    missing = unavailable_hooks(family, model.config)
+    missing = _missing(model, family)
     handles = []
     layers = decoder_layers(model, family)
     last = len(layers) - 1
@@ -166,7 +175,7 @@ def hf_activations(
     post_attention_layernorm, OLMo 2's resid_mid is the MLP's input.
     """
     family = hf_family(model)
-    has_mid = "resid_mid" not in unavailable_hooks(family, model.config)
+    missing = _missing(model, family)
     out: dict[tuple[str, int], torch.Tensor] = {}
 
     def keep(key, tensor):
@@ -175,15 +184,17 @@ def hf_activations(
     layers = decoder_layers(model, family)
     handles = _steering_handles(model, steering, prompt_len, sublayer=True)
     for i, layer in enumerate(layers):
-        handles.append(_sub(layer, family.attn_out).register_forward_hook(
-            lambda m, a, o, i=i: keep(("attn_out", i), _first(o))))
-        handles.append(_sub(layer, family.mlp_out).register_forward_hook(
-            lambda m, a, o, i=i: keep(("mlp_out", i), _first(o))))
+        if "attn_out" not in missing:
+            handles.append(_sub(layer, family.attn_out).register_forward_hook(
+                lambda m, a, o, i=i: keep(("attn_out", i), _first(o))))
+        if "mlp_out" not in missing:
+            handles.append(_sub(layer, family.mlp_out).register_forward_hook(
+                lambda m, a, o, i=i: keep(("mlp_out", i), _first(o))))
     handles += _steering_handles(model, steering, prompt_len, sublayer=False)
     for i, layer in enumerate(layers):
         handles.append(layer.register_forward_pre_hook(
             lambda m, a, k, i=i: keep(("resid_pre", i), _layer_input(a, k)), with_kwargs=True))
-        if has_mid:
+        if "resid_mid" not in missing:
             handles.append(_sub(layer, family.resid_mid).register_forward_pre_hook(
                 lambda m, a, k, i=i: keep(("resid_mid", i), _layer_input(a, k)),
                 with_kwargs=True))

@@ -108,12 +108,14 @@ def _forward(hooks, steer: torch.Tensor | None = None,
     return captured
 
 
-def _steer_site(local: list[int], parallel: bool = False) -> int:
+def _steer_site(local: list[int], parallel: bool = False, stream_only: bool = False) -> int:
     """A stream site whose previous site is local too (so the added vector is measurable
     on this worker), with a later local site when there is one (so its effect is). A
     parallel block has a stream at even sites only, each produced from the one before
-    the previous."""
-    if parallel:
+    the previous; a stream-only model has even sites only."""
+    if stream_only:
+        pairs = [t for t in local if t >= 2 and t % 2 == 0 and t - 2 in local]
+    elif parallel:
         pairs = [t for t in local if t >= 2 and t % 2 == 0 and {t - 2, t - 1} <= set(local)]
     else:
         pairs = [t for t in local if t >= 1 and t - 1 in local]
@@ -160,7 +162,8 @@ def run_canary(hooks) -> None:
     tol = _tolerance(runtime.dtype)
     sites = hooks.sites
     parallel = sites.parallel
-    site = _steer_site(local, parallel)
+    stream_only = any(hook == "attn_out" for hook, _ in sites.unavailable)
+    site = _steer_site(local, parallel, stream_only)
     base = _forward(hooks, steer_site=site)
     for key, value in base.items():
         if value.shape[0] != n or not torch.isfinite(value).all():
@@ -171,8 +174,9 @@ def run_canary(hooks) -> None:
         return float((a - b).norm()) <= tol * max(float(b.norm()), 1e-6)
 
     mult = sites.residual_multiplier
-    _check_identities(base, runtime.local_sites, runtime.num_layers, close, multiplier=mult,
-                      parallel=parallel)
+    if not stream_only:  # a stream-only model has no sublayer values to add up
+        _check_identities(base, runtime.local_sites, runtime.num_layers, close,
+                          multiplier=mult, parallel=parallel)
     if 0 in runtime.local_sites:
         embedded = eager_embedding(hooks.worker.model_runner, n, sites.embedding_multiplier,
                                    sites.position_embedding).float().cpu()
@@ -183,11 +187,19 @@ def run_canary(hooks) -> None:
     scale = 8.0 * float(base[(STREAM, site)].abs().mean()) + 1.0
     vec = torch.linspace(-1.0, 1.0, runtime.hidden_size) * scale
     steered = _forward(hooks, steer=vec, steer_site=site)
-    _check_identities(steered, runtime.local_sites, runtime.num_layers, close, steered_site=site,
-                      multiplier=mult, parallel=parallel)
+    if not stream_only:
+        _check_identities(steered, runtime.local_sites, runtime.num_layers, close,
+                          steered_site=site, multiplier=mult, parallel=parallel)
     # Within one forward (dummy batches may differ between runs): the stream entering
-    # the site is what came before plus exactly the steering vector.
-    if parallel:
+    # the site is what came before plus exactly the steering vector. A stream-only model
+    # has no sublayer values to rebuild it from: the unsteered forward gives it, where
+    # both forwards saw the same input.
+    if stream_only:
+        if not close(steered[(STREAM, site - 2)], base[(STREAM, site - 2)]):
+            raise CanaryFailed("the two canary forwards saw different inputs; steering "
+                               "cannot be checked on this stream-only model")
+        produced = base[(STREAM, site)]
+    elif parallel:
         produced = steered[(STREAM, site - 2)] + steered[(SUB, site - 1)] + steered[(SUB, site)]
     else:
         produced = steered[(STREAM, site - 1)] + mult * steered[(SUB, site)]

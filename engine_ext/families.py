@@ -135,6 +135,20 @@ FAMILIES: tuple[Family, ...] = (
                  "has sinks and alternates sliding-window and full layers"),
 )
 
+# Any other architecture vLLM runs through its Transformers backend (HF's own module
+# tree), whose decoder layers at `model.layers` take the stream as `hidden_states` and
+# return it: only the stream between layers is known there, so it offers resid_pre and
+# resid_post, each read at a layer's input (the last layer's at its output), and refuses
+# the rest by name. Not in FAMILIES: family_for never returns it.
+TRANSFORMERS_STREAM = Family(
+    "transformers_stream", (), deferred_mid_norm=None,
+    notes="an architecture without a capsteer family row, served through vLLM's "
+          "Transformers backend: resid_pre / resid_post only (the stream entering and "
+          "leaving each HF decoder layer)")
+_STREAM_ONLY = ("{hook} is not offered for {arch}: it has no capsteer family row, so only "
+                "the stream between its HF decoder layers is known (it is served through "
+                "vLLM's Transformers backend); use resid_pre or resid_post")
+
 # Refused by name, with the reason the message gives.
 _HYBRID = ("layers mix attention with state-space / linear-attention mixers whose recurrent "
            "state lives outside the token rows; capsteer's hook points, prefix-cache rules "
@@ -184,15 +198,22 @@ def parallel_mid_reason(family: Family) -> str:
 
 def unavailable_hooks(family: Family, config: object) -> dict[str, str]:
     """Hooks this checkpoint does not have, each with the reason a request naming it gets
-    (a 400): a parallel block has no resid_mid."""
+    (a 400): a parallel block has no resid_mid; a stream-only model has no sublayers."""
+    if family is TRANSFORMERS_STREAM:
+        names = list(getattr(config, "architectures", None) or ()) or ["this model"]
+        return {h: _STREAM_ONLY.format(hook=h, arch=names[0])
+                for h in ("resid_mid", "attn_out", "mlp_out")}
     return {"resid_mid": parallel_mid_reason(family)} if is_parallel(family, config) else {}
 
 
-def unavailable_hooks_of(config: object) -> dict[str, str]:
-    """`unavailable_hooks` for an HF config (its first architecture's family; none for
-    an architecture capsteer refuses, which never starts)."""
+def unavailable_hooks_of(config: object, transformers_backend: bool = False) -> dict[str, str]:
+    """`unavailable_hooks` for an HF config (its first architecture's family, or the
+    stream-only layout for one without a row that vLLM's Transformers backend runs; none
+    for an architecture capsteer refuses, which never starts)."""
     names = list(getattr(config, "architectures", None) or ())
     family = family_for(names[0]) if names else None
+    if family is None and transformers_backend:
+        return unavailable_hooks(TRANSFORMERS_STREAM, config)
     text = getattr(config, "text_config", None) or config
     return unavailable_hooks(family, text) if family is not None else {}
 
@@ -201,6 +222,10 @@ def hf_modules(family: Family, parallel: bool = False) -> dict[str, str | None]:
     """Where each hook is, in HF transformers' module tree (the reference it equals);
     None for a hook the model does not have."""
     layer = f"{family.hf_base}.{family.layers}[L]"
+    if family is TRANSFORMERS_STREAM:
+        return {"resid_pre": f"{layer} input (hidden_states[L])", "resid_mid": None,
+                "resid_post": f"{layer} output (hidden_states[L+1] for L < last)",
+                "attn_out": None, "mlp_out": None}
     first = (" (hidden_states[0] = token + position embedding)"
              if family.position_embedding else "")
     return {"resid_pre": f"{layer} input (hidden_states[L]){first}",
@@ -243,6 +268,8 @@ def layer_taps(family: Family, materialized: bool, parallel: bool = False) -> tu
     """The taps of one decoder layer. `materialized`: vLLM runs HF-shaped layers (its
     Transformers backend, or a native class that adds the residual itself). `parallel`:
     a parallel block, whose site 2L+1 has attn_out and no stream."""
+    if family is TRANSFORMERS_STREAM:  # the stream between layers only
+        return (Tap("", "input", 0, STREAM_BIT),)
     if not materialized and family.deferred_mid_norm is not None:
         if parallel:
             raise ValueError(f"{family.name}: a parallel block has no fused mid norm to read")
@@ -256,7 +283,11 @@ def layer_taps(family: Family, materialized: bool, parallel: bool = False) -> tu
 
 
 def final_tap(family: Family, materialized: bool) -> Tap:
-    """The final norm (under the inner model): its input is resid_post of the last layer."""
+    """The final norm (under the inner model): its input is resid_post of the last layer.
+    The stream-only layout reads it at the last decoder layer's output instead (its final
+    norm has no name capsteer knows)."""
+    if family is TRANSFORMERS_STREAM:
+        return Tap("", "output", 0, STREAM_BIT)
     if not materialized and family.deferred_mid_norm is not None:
         return Tap("norm", "pair", 0, BOTH)
     return Tap("norm", "input", 0, STREAM_BIT)

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from capsteer.engine_ext import families
+from capsteer.engine_ext.runtime import hook_point
 from capsteer.engine_ext.tap_op import new_site_key
 from capsteer.engine_ext.vllm.refusals import (
     check_architecture,
@@ -47,10 +48,10 @@ class ModelSites:
 
     @property
     def unavailable_points(self) -> frozenset[tuple[int, int]]:
-        """(kind, site) no tap reads: the stream between a parallel block's sublayers."""
-        if not self.parallel:
-            return frozenset()
-        return frozenset((families.STREAM, 2 * layer + 1) for layer in range(self.num_layers))
+        """(kind, site) no tap reads: the stream between a parallel block's sublayers, the
+        sublayers of a stream-only model."""
+        return frozenset(hook_point(hook, layer) for hook, _ in self.unavailable
+                         for layer in range(self.num_layers))
 
 
 def _missing(module: object) -> bool:
@@ -140,6 +141,9 @@ def find_sites(model: nn.Module, stop_at_layer: int | None = None) -> ModelSites
     layers = getattr(inner, family.layers, None)
     final = getattr(inner, family.final_norm, None)
     arch = model_architecture(model)
+    stop = len(layers) if layers is not None and stop_at_layer is None else stop_at_layer
+    if family is families.TRANSFORMERS_STREAM:
+        final = _stream_layers_problem(arch, layers) or layers[stop - 1]
     if layers is None or final is None:
         raise UnsupportedError(f"{arch}: no decoder layers ({family.layers}) or final norm "
                                f"({family.final_norm}) found where the {family.name} "
@@ -151,7 +155,6 @@ def find_sites(model: nn.Module, stop_at_layer: int | None = None) -> ModelSites
             raise UnsupportedError(f"{arch}: no position embedding "
                                    f"{family.position_embedding!r}, which resid_pre(0) adds")
     taps: list[tuple[int, nn.Module, families.Tap]] = []
-    stop = len(layers) if stop_at_layer is None else stop_at_layer
     for i, layer in enumerate(layers):
         if _missing(layer) or i >= stop:
             continue  # another pipeline stage runs this layer, or the forward stops before
@@ -171,8 +174,31 @@ def find_sites(model: nn.Module, stop_at_layer: int | None = None) -> ModelSites
                       residual_multiplier=_config_float(model, family.residual_multiplier),
                       embedding_multiplier=_config_float(model, family.embedding_multiplier),
                       parallel=parallel,
-                      unavailable=tuple(families.unavailable_hooks(family, config).items()),
+                      unavailable=tuple(families.unavailable_hooks(
+                          family, model.config if family is families.TRANSFORMERS_STREAM
+                          else config).items()),
                       position_embedding=position)
+
+
+def _stream_layers_problem(arch: str, layers: object) -> None:
+    """Refuse (UnsupportedError) a stream-only model whose decoder layers are not an
+    `nn.ModuleList` at `model.layers` taking the stream first as `hidden_states`."""
+    if not isinstance(layers, nn.ModuleList) or not len(layers):
+        raise UnsupportedError(
+            f"capsteer cannot hook architecture {arch}: it has no capsteer family row and "
+            "its HF model keeps no decoder layers at model.layers, where the stream-only "
+            "layout (resid_pre / resid_post) reads them")
+    for layer in layers:
+        if _missing(layer):
+            continue
+        params = [p.name for p in inspect.signature(layer.forward).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        if params[:1] != ["hidden_states"]:
+            raise UnsupportedError(
+                f"capsteer cannot hook architecture {arch}: it has no capsteer family row "
+                f"and its decoder layer {type(layer).__name__}.forward does not take the "
+                "stream as its first argument, hidden_states")
+    return None
 
 
 def _hidden_states_arg(forward: Callable) -> tuple[int, str | None]:

@@ -9,7 +9,11 @@ from dataclasses import dataclass, field
 import torch
 
 from capsteer.engine_ext import families
-from capsteer.engine_ext.vllm.refusals import data_parallel_problem
+from capsteer.engine_ext.vllm.refusals import (
+    data_parallel_problem,
+    hooks_unavailable,
+    served_family,
+)
 from capsteer.engine_ext.vllm.version import UnsupportedError
 
 
@@ -58,8 +62,8 @@ def served_model(engine_client: object) -> ServedModel:
     return ServedModel(name=str(config.served_model_name or config.model),
                        num_layers=int(hf.num_hidden_layers), hidden_size=int(hf.hidden_size),
                        max_model_len=int(config.max_model_len), dtype=config.dtype,
-                       architecture=arch, family=families.family_for(arch),
-                       unavailable=families.unavailable_hooks_of(config.hf_config))
+                       architecture=arch, family=served_family(config),
+                       unavailable=hooks_unavailable(config))
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from capsteer.capture.spec import SpecError
-from capsteer.demo_model import FAMILIES
+from capsteer.demo_model import FAMILIES, STREAM_ONLY_FAMILIES
 from capsteer.engine import Request
 from capsteer.hooks import HOOKS
 from capsteer.reference import hf_activations, hf_greedy
@@ -40,6 +40,9 @@ pytestmark = pytest.mark.engine
 
 # test_equivalence already compares every hook of these three with HF.
 NEW_FAMILIES = [f for f in FAMILIES if f not in ("qwen3", "llama", "qwen2")]
+# Phi-2 has no family row: vLLM's Transformers backend runs it, capsteer offers
+# resid_pre / resid_post only.
+STREAM_ONLY = list(STREAM_ONLY_FAMILIES)
 # One steering point per way a hook is read: stream at a layer input / resid_mid module /
 # final norm, and both sublayer outputs.
 STEER_POINTS = [("resid_post", 1), ("resid_pre", 2), ("resid_mid", 0), ("attn_out", 2),
@@ -48,15 +51,17 @@ PARALLEL = ("gpt_neox", "cohere")  # parallel blocks: no resid_mid
 
 
 def _steer_points(engine) -> list[tuple[str, int]]:
-    """STEER_POINTS; a parallel block steers the first layer's input instead of resid_mid."""
-    return [("resid_pre", 0) if h in engine.unavailable else (h, layer)
-            for h, layer in STEER_POINTS]
+    """STEER_POINTS; a hook the model lacks is replaced by the first layer's input."""
+    points = [("resid_pre", 0) if h in engine.unavailable else (h, layer)
+              for h, layer in STEER_POINTS]
+    return list(dict.fromkeys(points))
 
 
-@pytest.mark.parametrize("engine_name", NEW_FAMILIES)
+@pytest.mark.parametrize("engine_name", NEW_FAMILIES + STREAM_ONLY)
 def test_every_hook_layer_position_equals_hf(engine_pool, model_dirs, hf_models, engine_name):
     engine = capsteer_engine(engine_pool, model_dirs, engine_name)
-    assert ("resid_mid" in engine.unavailable) == (engine_name in PARALLEL)
+    assert ("resid_mid" in engine.unavailable) == (engine_name in (*PARALLEL, *STREAM_ONLY))
+    assert ("attn_out" in engine.unavailable) == (engine_name in STREAM_ONLY)
     hooks = [h for h in HOOKS if h not in engine.unavailable]
     every = {**ALL_HOOKS, "hooks": hooks}
     results = engine.generate([
@@ -114,12 +119,31 @@ def test_parallel_block_refuses_resid_mid_by_name(engine_pool, model_dirs, hf_mo
                                    atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("engine_name", STREAM_ONLY)
+def test_a_model_without_a_family_row_offers_the_stream_only(engine_pool, model_dirs,
+                                                               engine_name):
+    """An architecture without a row that vLLM serves through its Transformers backend
+    starts (its canary passed) with resid_pre / resid_post; asking for a sublayer or
+    resid_mid is refused with the reason."""
+    engine = capsteer_engine(engine_pool, model_dirs, engine_name)
+    assert sorted(engine.unavailable) == ["attn_out", "mlp_out", "resid_mid"]
+    prompt = token_prompt(4, 10)
+    for hook in ("attn_out", "mlp_out", "resid_mid"):
+        with pytest.raises(SpecError, match="Transformers backend") as info:
+            engine.generate([Request(prompt_token_ids=prompt, sampling=greedy(2),
+                                     capture={"hooks": [hook], "layers": "all"})])
+        assert info.value.field == f"capture.hooks.{hook}"
+        with pytest.raises(SteeringSpecError, match="PhiForCausalLM"):
+            engine.generate([Request(prompt_token_ids=prompt, sampling=greedy(2),
+                                     steering=_steering(hook, 1))])
+
+
 def _steering(hook: str, layer: int) -> dict:
     return {"vectors": [{"hook": hook, "layer": layer, "vector": vector(7 * layer + len(hook)),
                          "scale": 8.0}]}
 
 
-@pytest.mark.parametrize("engine_name", FAMILIES)
+@pytest.mark.parametrize("engine_name", FAMILIES + STREAM_ONLY_FAMILIES)
 def test_add_steering_equals_hf_hook(engine_pool, model_dirs, hf_models, engine_name):
     """At every kind of point: the same 32 greedy tokens as an HF forward hook adding the
     same vector, top-5 log-probs within 1e-3; then teacher-forced, so a near tie can

@@ -138,3 +138,28 @@ def test_a_parallel_blocks_resid_mid_is_a_400_and_listed_as_unavailable():
         ServedModel("m", 2, 8, 512, torch.float32, "GPT2LMHeadModel", gpt2))}
     assert plain["resid_mid"]["layers"] == [0, 1]
     assert plain["resid_mid"]["hf_module"] == "transformer.h[L].ln_2 input"
+
+
+def test_the_stream_only_layout_reads_each_stream_site_once():
+    """A model without a row that the Transformers backend runs: every layer's input is
+    resid_pre, the last layer's output resid_post; its sublayers and resid_mid are
+    refused by name, as the architecture without a row served natively is refused."""
+    from capsteer.engine_ext.vllm.refusals import architecture_problem
+
+    stream = families.TRANSFORMERS_STREAM
+    num_layers = 3
+    placed = [(2 * layer + tap.offset, tap) for layer in range(num_layers)
+              for tap in families.layer_taps(stream, True)]
+    placed.append((2 * num_layers, families.final_tap(stream, True)))
+    assert [(site, tap.read) for site, tap in placed] == [(0, "input"), (2, "input"),
+                                                          (4, "input"), (6, "output")]
+    missing = families.unavailable_hooks(stream, _Config(architectures=["PhiForCausalLM"]))
+    assert sorted(missing) == ["attn_out", "mlp_out", "resid_mid"]
+    assert "not offered for PhiForCausalLM" in missing["attn_out"]
+    assert families.unavailable_hooks_of(_Config(architectures=["PhiForCausalLM"]), True) \
+        == missing
+    assert families.unavailable_hooks_of(_Config(architectures=["PhiForCausalLM"])) == {}
+    assert families.hf_modules(stream)["attn_out"] is None
+    assert architecture_problem("PhiForCausalLM", None, transformers_backend=True) is None
+    assert "no hook layout" in architecture_problem("PhiForCausalLM", None)
+    assert "hybrid" in architecture_problem("JambaForCausalLM", None, transformers_backend=True)

@@ -216,6 +216,11 @@ def test_the_launching_process_refuses_from_vllms_resolved_config():
     assert config_architecture_problem(config(None)) is None  # cannot tell: the workers check
     assert config_architecture_problem(SimpleNamespace()) is None
     assert "GPTJForCausalLM: no hook layout" in config_architecture_problem(config("GPTJForCausalLM"))
+    # without a row but run by vLLM's Transformers backend: the stream-only layout
+    backend = config("PhiForCausalLM")
+    backend._model_info.architecture = "TransformersForCausalLM"
+    assert config_architecture_problem(backend) is None
+    assert "no hook layout" in config_architecture_problem(config("PhiForCausalLM"))
     assert "LlamaForCausalLM: hybrid state-space model" in config_architecture_problem(
         config("LlamaForCausalLM", is_hybrid=True))  # a marker refuses a known name too
     assert "LlamaForCausalLM: multimodal model" in config_architecture_problem(
