@@ -142,8 +142,9 @@ def find_sites(model: nn.Module, stop_at_layer: int | None = None) -> ModelSites
     final = getattr(inner, family.final_norm, None)
     arch = model_architecture(model)
     stop = len(layers) if layers is not None and stop_at_layer is None else stop_at_layer
-    if family is families.TRANSFORMERS_STREAM:
-        final = _stream_layers_problem(arch, layers) or layers[stop - 1]
+    if family is families.TRANSFORMERS_STREAM:  # resid_post(last) is the last layer's output
+        _check_stream_layers(arch, layers)
+        final = layers[stop - 1]
     if layers is None or final is None:
         raise UnsupportedError(f"{arch}: no decoder layers ({family.layers}) or final norm "
                                f"({family.final_norm}) found where the {family.name} "
@@ -180,7 +181,7 @@ def find_sites(model: nn.Module, stop_at_layer: int | None = None) -> ModelSites
                       position_embedding=position)
 
 
-def _stream_layers_problem(arch: str, layers: object) -> None:
+def _check_stream_layers(arch: str, layers: object) -> None:
     """Refuse (UnsupportedError) a stream-only model whose decoder layers are not an
     `nn.ModuleList` at `model.layers` taking the stream first as `hidden_states`."""
     if not isinstance(layers, nn.ModuleList) or not len(layers):
@@ -198,7 +199,6 @@ def _stream_layers_problem(arch: str, layers: object) -> None:
                 f"capsteer cannot hook architecture {arch}: it has no capsteer family row "
                 f"and its decoder layer {type(layer).__name__}.forward does not take the "
                 "stream as its first argument, hidden_states")
-    return None
 
 
 def _hidden_states_arg(forward: Callable) -> tuple[int, str | None]:
