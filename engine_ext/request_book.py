@@ -14,6 +14,7 @@ from capsteer.capture import metrics
 from capsteer.capture.sink import CaptureEnd, CaptureRequest, CaptureSink
 from capsteer.engine_ext.payload import decode_payload, payload_is_trusted
 from capsteer.engine_ext.plan import RequestHooks, shared_site_set
+from capsteer.engine_ext.runtime import hook_point
 from capsteer.engine_ext.vllm.batch import finished_requests, new_requests
 
 logger = logging.getLogger("vllm.capsteer")  # under vLLM's configured logger
@@ -84,11 +85,13 @@ class RequestBook:
     def _unavailable_hook(self, hooks: RequestHooks) -> str | None:
         """Why a request's hooks name a point this model does not have (a parallel
         block's resid_mid), or None."""
-        points = self.sites.unavailable_points
-        asked = set(hooks.points) | {(kind, site) for kind, site, _ in hooks.entries}
-        if not points or not asked & points:
+        if not self.sites.unavailable:
             return None
-        return "; ".join(reason for _, reason in self.sites.unavailable)
+        asked = set(hooks.points) | {(kind, site) for kind, site, _ in hooks.entries}
+        reasons = [reason for hook, reason in self.sites.unavailable
+                   if any(hook_point(hook, layer) in asked
+                          for layer in range(self.sites.num_layers))]
+        return "; ".join(reasons) or None
 
     def _hooks_refused(self, req_id: str, prompt, payload: Mapping, exc: Exception) -> None:
         """A payload this worker cannot serve runs without hooks, never silently: logged,
