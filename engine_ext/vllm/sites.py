@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 from capsteer.engine_ext import families
-from capsteer.engine_ext.runtime import hook_point
 from capsteer.engine_ext.tap_op import new_site_key
 from capsteer.engine_ext.vllm.refusals import (
     check_architecture,
@@ -45,13 +44,6 @@ class ModelSites:
     @property
     def local_sites(self) -> frozenset[int]:
         return frozenset(site for site, _, _ in self.taps)
-
-    @property
-    def unavailable_points(self) -> frozenset[tuple[int, int]]:
-        """(kind, site) no tap reads: the stream between a parallel block's sublayers, the
-        sublayers of a stream-only model."""
-        return frozenset(hook_point(hook, layer) for hook, _ in self.unavailable
-                         for layer in range(self.num_layers))
 
 
 def _missing(module: object) -> bool:
