@@ -136,6 +136,14 @@ def test_a_model_without_a_family_row_offers_the_stream_only(engine_pool, model_
         with pytest.raises(SteeringSpecError, match="PhiForCausalLM"):
             engine.generate([Request(prompt_token_ids=prompt, sampling=greedy(2),
                                      steering=_steering(hook, 1))])
+    checked, engine.unavailable = engine.unavailable, {}  # as a payload around the front end
+    try:
+        (res,) = engine.generate([Request(prompt_token_ids=prompt, sampling=greedy(2),
+                                          capture={"hooks": ["mlp_out"], "layers": [3]})])
+    finally:
+        engine.unavailable = checked
+    assert res.captures.error is not None and "mlp_out is not offered" in res.captures.error
+    assert "attn_out" not in res.captures.error  # only the hooks it asked for
 
 
 def _steering(hook: str, layer: int) -> dict:
