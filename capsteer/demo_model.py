@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,8 +38,15 @@ class DemoShape:
 # Every family capsteer hooks (engine_ext/families.py), plus two it refuses by design
 # (hybrid state-space and encoder-only) so their refusal can be tried.
 FAMILIES = ("qwen3", "llama", "qwen2", "mistral", "gemma", "gemma2", "gemma3", "phi3", "olmo2",
-            "granite", "qwen2_moe", "qwen3_moe", "mixtral", "olmoe")
+            "granite", "qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "gpt2", "gpt_neox",
+            "starcoder2", "cohere", "gpt_oss")
 REFUSED_FAMILIES = ("jamba", "bert")
+# Architectures without a family row that vLLM runs through its Transformers backend:
+# capsteer offers them resid_pre / resid_post only (engine_ext/families.py).
+STREAM_ONLY_FAMILIES = ("phi",)
+
+
+_LAYER_NORM = re.compile(r"\.ln_(\d+|f)\.weight$")  # GPT-2's norms: ln_1, ln_2, ln_f
 
 
 def _corpus(seed: int, n_lines: int = 3000) -> list[str]:
@@ -101,8 +109,10 @@ def _config(family: str, shape: DemoShape, vocab_size: int, eos_id: int, bos_id:
     # test prompts makes the local layers really local.
     gemma = dict(head, hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=shape.head_dim,
                  sliding_window=64)
-    if family.startswith("gemma"):  # Gemma ties its embeddings (vLLM's classes require it)
+    if family.startswith("gemma") or family == "cohere":  # vLLM's classes require it
         common["tie_word_embeddings"] = True
+    # LayerNorm families: no rms_norm_eps, each names its epsilon its own way.
+    plain = {k: v for k, v in common.items() if k != "rms_norm_eps"}
     builders = {
         "qwen3": lambda: transformers.Qwen3Config(**head, **common),
         "qwen2": lambda: transformers.Qwen2Config(**common),
@@ -129,6 +139,32 @@ def _config(family: str, shape: DemoShape, vocab_size: int, eos_id: int, bos_id:
         # vLLM's OLMoE hard-codes its norms' eps to 1e-5, the real checkpoints' value.
         "olmoe": lambda: transformers.OlmoeConfig(num_experts=4, num_experts_per_tok=2,
                                                   **{**common, "rms_norm_eps": 1e-5}),
+        # GPT-2: learned positions, LayerNorm, Conv1D weights, tied embeddings.
+        "gpt2": lambda: transformers.GPT2Config(
+            vocab_size=vocab_size, n_positions=shape.max_position_embeddings,
+            n_embd=shape.hidden_size, n_layer=shape.num_layers, n_head=shape.num_heads,
+            n_inner=shape.intermediate_size, bos_token_id=bos_id, eos_token_id=eos_id,
+            pad_token_id=bos_id, tie_word_embeddings=True),
+        # Pythia's block: parallel attention + MLP, a quarter of each head rotated.
+        "gpt_neox": lambda: transformers.GPTNeoXConfig(
+            **{k: v for k, v in plain.items() if k != "num_key_value_heads"},
+            use_parallel_residual=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                             "partial_rotary_factor": 0.25}),
+        # Sliding window shorter than the test prompts, as for Gemma.
+        "starcoder2": lambda: transformers.Starcoder2Config(**plain, sliding_window=64),
+        # Parallel block, one LayerNorm; logits scaled by logit_scale (0.0625 in
+        # Command-R, which leaves random weights' logits nearly flat).
+        "cohere": lambda: transformers.CohereConfig(**plain, logit_scale=0.5),
+        # MoE with attention sinks, alternating sliding-window (64) and full layers.
+        "gpt_oss": lambda: transformers.GptOssConfig(
+            **{**head, **common, "intermediate_size": shape.intermediate_size // 2,
+               "rms_norm_eps": 1e-5},
+            num_local_experts=4, num_experts_per_tok=2, sliding_window=64),
+        # Phi-2 (stream-only: no family row): parallel block, partial rotary, LayerNorm.
+        "phi": lambda: transformers.PhiConfig(
+            **plain, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                      "partial_rotary_factor": 0.5}),
         # Refused families: a hybrid attention/state-space decoder and an encoder.
         "jamba": lambda: transformers.JambaConfig(
             **{k: v for k, v in common.items() if k != "rms_norm_eps"}, num_experts=1,
@@ -178,7 +214,7 @@ def write_demo_model(
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):
             noise = torch.randn(param.shape, generator=gen, device=device, dtype=init_dtype)
-            if name.endswith("norm.weight"):
+            if name.endswith("norm.weight") or _LAYER_NORM.search(name):
                 param.copy_(1.0 + 0.1 * noise)
             else:
                 param.copy_(0.1 * noise)
@@ -194,7 +230,8 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
     """Register `capsteer demo-model`."""
     p = subparsers.add_parser("demo-model", help="write a random-weight demo model")
     p.add_argument("out_dir")
-    p.add_argument("--family", choices=FAMILIES + REFUSED_FAMILIES, default="qwen3")
+    p.add_argument("--family", choices=FAMILIES + STREAM_ONLY_FAMILIES + REFUSED_FAMILIES,
+                   default="qwen3")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     for field, default in DemoShape().__dict__.items():

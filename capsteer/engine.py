@@ -158,7 +158,10 @@ class Engine:
         # Start-up cost: vLLM loads when an Engine is made, not at `import capsteer.engine`.
         from vllm import LLM
 
-        from capsteer.engine_ext.vllm.refusals import refuse_at_vllm_config_step
+        from capsteer.engine_ext.vllm.refusals import (
+            hooks_unavailable,
+            refuse_at_vllm_config_step,
+        )
 
         extra = dict(llm_kwargs.pop("additional_config", None) or {})
         extra["capsteer"] = {"hooks_code": hooks_code_hash(), **dict(capsteer_config or {})}
@@ -168,6 +171,8 @@ class Engine:
         hf = self.llm.llm_engine.model_config.hf_config
         self.num_layers = int(hf.num_hidden_layers)
         self.hidden_size = int(hf.hidden_size)
+        # Hooks this model does not have (a parallel block's resid_mid): refused by name.
+        self.unavailable = hooks_unavailable(self.llm.llm_engine.model_config)
         self.dtype = self.llm.llm_engine.model_config.dtype  # what the model runs in
         self.num_stages = int(self.llm.llm_engine.vllm_config.parallel_config
                               .pipeline_parallel_size)
@@ -194,12 +199,13 @@ class Engine:
     def parse(self, req: Request) -> tuple[CaptureSpec | None, SteeringSpec | None]:
         capture = None
         if req.capture not in (None, False):
-            capture = parse_capture_spec(req.capture, num_layers=self.num_layers)
+            capture = parse_capture_spec(req.capture, num_layers=self.num_layers,
+                                         unavailable=self.unavailable)
             if int(req.sampling.get("n", 1) or 1) > 1:
                 raise SpecError("capture", "one capture per request: use n=1 (send n requests)")
         steering = parse_steering_spec(
             req.steering, num_layers=self.num_layers, hidden_size=self.hidden_size,
-            lookup=self.vector_lookup)
+            lookup=self.vector_lookup, unavailable=self.unavailable)
         return capture, steering
 
     def generate(self, requests: Sequence[Request], *, timeout: float = 120.0) -> list[Result]:

@@ -4,7 +4,8 @@ The ground truth capsteer is checked against: the same weights run by
 transformers, with forward hooks reading (or changing) the same points.
 resid_pre[L] = hidden_states[L]; resid_post[L] = stream leaving layer L (before
 the final norm for the last layer); resid_mid[L], attn_out[L], mlp_out[L] = the
-input / outputs of the family's modules (engine_ext/families.py).
+input / outputs of the family's modules (engine_ext/families.py). A parallel block
+(GPT-NeoX, Cohere) has no resid_mid: it is neither read nor steerable here.
 """
 
 from __future__ import annotations
@@ -14,7 +15,12 @@ from contextlib import contextmanager
 
 import torch
 
-from capsteer.engine_ext.families import Family, family_for
+from capsteer.engine_ext.families import (
+    TRANSFORMERS_STREAM,
+    Family,
+    family_for,
+    unavailable_hooks,
+)
 from capsteer.steering.spec import SteeringSpec
 
 
@@ -47,12 +53,21 @@ SUB_HOOKS = ("attn_out", "mlp_out")
 
 
 def hf_family(model) -> Family:
-    """The family row (engine_ext/families.py) naming this HF model's hook modules."""
+    """The family row (engine_ext/families.py) naming this HF model's hook modules; the
+    stream-only layout for an architecture without one."""
     names = list(getattr(model.config, "architectures", None) or ()) or [type(model).__name__]
-    family = family_for(names[0])
-    if family is None:
-        raise ValueError(f"no capsteer family for {names[0]}")
-    return family
+    return family_for(names[0]) or TRANSFORMERS_STREAM  # as vLLM's Transformers backend
+
+
+def _missing(model, family: Family) -> dict[str, str]:
+    """The hooks this model lacks (the stream-only layout's reasons name the architecture,
+    so they read the top-level config)."""
+    return unavailable_hooks(family, model.config)
+
+
+def decoder_layers(model, family: Family):
+    """The HF model's decoder layers (`model.layers`, GPT-2's `transformer.h`)."""
+    return getattr(model.base_model, family.layers)
 
 
 def _sub(layer, path: str):
@@ -92,11 +107,16 @@ def _steering_handles(model, spec: SteeringSpec | None, prompt_len: int, sublaye
     stream in place at the input of the family's resid_mid module: the layer's residual
     is that same tensor, so the add and the MLP both see it, as in capsteer.
     """
-    family = hf_family(model) if spec and spec.ops else None
+    if not (spec and spec.ops):
+        return []
+    family = hf_family(model)
+    missing = _missing(model, family)
     handles = []
-    layers = model.model.layers
+    layers = decoder_layers(model, family)
     last = len(layers) - 1
-    for op in (spec.ops if spec else ()):
+    for op in spec.ops:
+        if op.hook in missing:
+            raise ValueError(missing[op.hook])
         if (op.hook in SUB_HOOKS) != sublayer:
             continue
         hook, index = op.hook, op.layer
@@ -155,24 +175,29 @@ def hf_activations(
     post_attention_layernorm, OLMo 2's resid_mid is the MLP's input.
     """
     family = hf_family(model)
+    missing = _missing(model, family)
     out: dict[tuple[str, int], torch.Tensor] = {}
 
     def keep(key, tensor):
         out[key] = tensor[0].detach().clone()
 
-    layers = model.model.layers
+    layers = decoder_layers(model, family)
     handles = _steering_handles(model, steering, prompt_len, sublayer=True)
     for i, layer in enumerate(layers):
-        handles.append(_sub(layer, family.attn_out).register_forward_hook(
-            lambda m, a, o, i=i: keep(("attn_out", i), _first(o))))
-        handles.append(_sub(layer, family.mlp_out).register_forward_hook(
-            lambda m, a, o, i=i: keep(("mlp_out", i), _first(o))))
+        if "attn_out" not in missing:
+            handles.append(_sub(layer, family.attn_out).register_forward_hook(
+                lambda m, a, o, i=i: keep(("attn_out", i), _first(o))))
+        if "mlp_out" not in missing:
+            handles.append(_sub(layer, family.mlp_out).register_forward_hook(
+                lambda m, a, o, i=i: keep(("mlp_out", i), _first(o))))
     handles += _steering_handles(model, steering, prompt_len, sublayer=False)
     for i, layer in enumerate(layers):
         handles.append(layer.register_forward_pre_hook(
             lambda m, a, k, i=i: keep(("resid_pre", i), _layer_input(a, k)), with_kwargs=True))
-        handles.append(_sub(layer, family.resid_mid).register_forward_pre_hook(
-            lambda m, a, k, i=i: keep(("resid_mid", i), _layer_input(a, k)), with_kwargs=True))
+        if "resid_mid" not in missing:
+            handles.append(_sub(layer, family.resid_mid).register_forward_pre_hook(
+                lambda m, a, k, i=i: keep(("resid_mid", i), _layer_input(a, k)),
+                with_kwargs=True))
         if i + 1 < len(layers):  # the same point as resid_pre(i+1)
             handles.append(layers[i + 1].register_forward_pre_hook(
                 lambda m, a, k, i=i: keep(("resid_post", i), _layer_input(a, k)),

@@ -287,11 +287,14 @@ def parse_capture_spec(
     num_layers: int,
     default_layout: str = "packed",
     default: Mapping[str, Any] | None = None,
+    unavailable: Mapping[str, str] | None = None,
 ) -> CaptureSpec:
     """Validate a request's `capture` value (True or an object per api.md §2).
 
     `True` means the server default spec. Fields a request leaves out come from
     `default` (then DEFAULT_SPEC); `layers` is inherited only when `hooks` is a list.
+    `unavailable`: hooks the served model does not have (a parallel block's resid_mid),
+    each with the reason its 400 gives.
     """
     base: Mapping[str, Any] = DEFAULT_SPEC if default is None else default
     if obj is True:
@@ -326,6 +329,9 @@ def parse_capture_spec(
             hooks.setdefault(_hook_name(name, "capture.hooks"), set()).update(layers)
     else:
         raise SpecError("capture.hooks", f"expected a list or an object, got {hooks_value!r}")
+    missing = sorted(set(hooks) & set(unavailable or {}))
+    if unavailable and missing:
+        raise SpecError(f"capture.hooks.{missing[0]}", unavailable[missing[0]])
 
     positions = parse_positions(obj["positions"] if "positions" in obj else base.get("positions", "all"))
     layout = parse_layout(obj["layout"] if "layout" in obj else base.get("layout", default_layout))

@@ -5,8 +5,10 @@ every row at every site:
 - every site is reached, and every captured value is finite;
 - the stream identities hold: resid_mid = resid_pre + attn_out and
   resid_post = resid_mid + mlp_out (captures are copies, not views that a fused
-  in-place kernel changed afterwards);
-- resid_pre(0) equals the embedding of the input ids computed eagerly;
+  in-place kernel changed afterwards); in a parallel block, which has no resid_mid,
+  resid_post = resid_pre + attn_out + mlp_out;
+- resid_pre(0) equals the embedding of the input ids computed eagerly (plus the
+  learned position embedding where the family has one);
 - steering adds exactly its vector at its site and changes what follows.
 """
 
@@ -50,11 +52,13 @@ def _stream_hook(site: int) -> tuple[str, int]:
     return ("resid_pre", site // 2) if site % 2 == 0 else ("resid_mid", site // 2)
 
 
-def _canary_request(runtime, steer: torch.Tensor | None, steer_site: int) -> RequestHooks:
-    """A synthetic request capturing every hook at every layer and position (this
-    worker copies those at its own sites)."""
+def _canary_request(runtime, steer: torch.Tensor | None, steer_site: int,
+                    unavailable: frozenset[str] = frozenset()) -> RequestHooks:
+    """A synthetic request capturing every hook the model has at every layer and
+    position (this worker copies those at its own sites)."""
     payload = {"capture": parse_capture_spec(
-        {"hooks": list(HOOKS), "layers": "all", "positions": "all"},
+        {"hooks": [h for h in HOOKS if h not in unavailable], "layers": "all",
+         "positions": "all"},
         num_layers=runtime.num_layers).to_dict(), "capture_id": "cap-canary"}
     if steer is not None:
         hook, layer = _stream_hook(steer_site)
@@ -71,7 +75,8 @@ def _forward(hooks, steer: torch.Tensor | None = None,
              steer_site: int = 2) -> dict[tuple[int, int], torch.Tensor]:
     """One dummy forward through the real step path; captured rows per (kind, site)."""
     runtime, n = hooks.runtime, CANARY_TOKENS
-    request = _canary_request(runtime, steer, steer_site)
+    request = _canary_request(runtime, steer, steer_site,
+                              frozenset(h for h, _ in hooks.sites.unavailable))
     try:
         plan = build_step_plan([request.req_id], np.array([0, n]), np.array([0]),
                                {request.req_id: request}, None)
@@ -103,10 +108,17 @@ def _forward(hooks, steer: torch.Tensor | None = None,
     return captured
 
 
-def _steer_site(local: list[int]) -> int:
+def _steer_site(local: list[int], parallel: bool = False, stream_only: bool = False) -> int:
     """A stream site whose previous site is local too (so the added vector is measurable
-    on this worker), with a later local site when there is one (so its effect is)."""
-    pairs = [t for t in local if t >= 1 and t - 1 in local]
+    on this worker), with a later local site when there is one (so its effect is). A
+    parallel block has a stream at even sites only, each produced from the one before
+    the previous; a stream-only model has even sites only."""
+    if stream_only:
+        pairs = [t for t in local if t >= 2 and t % 2 == 0 and t - 2 in local]
+    elif parallel:
+        pairs = [t for t in local if t >= 2 and t % 2 == 0 and {t - 2, t - 1} <= set(local)]
+    else:
+        pairs = [t for t in local if t >= 1 and t - 1 in local]
     later = [t for t in pairs if t < local[-1]]
     if not pairs:
         raise CanaryFailed(f"this worker's sites {local} leave no stream site to check "
@@ -115,13 +127,21 @@ def _steer_site(local: list[int]) -> int:
 
 
 def _check_identities(captured: dict, local: frozenset[int], num_layers: int, close,
-                      steered_site: int | None = None, multiplier: float = 1.0) -> None:
+                      steered_site: int | None = None, multiplier: float = 1.0,
+                      parallel: bool = False) -> None:
     """resid_mid = resid_pre + m attn_out and resid_post = resid_mid + m mlp_out (m is the
     family's residual multiplier, 1 but for Granite), wherever this worker holds every site
-    involved (except where steering adds to the stream)."""
+    involved (except where steering adds to the stream); a parallel block's
+    resid_post = resid_pre + attn_out + mlp_out."""
     m = "" if multiplier == 1.0 else f"{multiplier:g} * "
     for layer in range(num_layers):
         a, b, c = 2 * layer, 2 * layer + 1, 2 * layer + 2
+        if parallel:
+            if {a, b, c} <= local and c != steered_site and not close(
+                    captured[(STREAM, c)],
+                    captured[(STREAM, a)] + captured[(SUB, b)] + captured[(SUB, c)]):
+                raise CanaryFailed(f"layer {layer}: resid_post != resid_pre + attn_out + mlp_out")
+            continue
         if {a, b} <= local and b != steered_site and not close(
                 captured[(STREAM, b)], captured[(STREAM, a)] + multiplier * captured[(SUB, b)]):
             raise CanaryFailed(f"layer {layer}: resid_mid != resid_pre + {m}attn_out")
@@ -140,7 +160,10 @@ def run_canary(hooks) -> None:
     n = CANARY_TOKENS
     local = sorted(runtime.local_sites)
     tol = _tolerance(runtime.dtype)
-    site = _steer_site(local)
+    sites = hooks.sites
+    parallel = sites.parallel
+    stream_only = any(hook == "attn_out" for hook, _ in sites.unavailable)
+    site = _steer_site(local, parallel, stream_only)
     base = _forward(hooks, steer_site=site)
     for key, value in base.items():
         if value.shape[0] != n or not torch.isfinite(value).all():
@@ -150,12 +173,13 @@ def run_canary(hooks) -> None:
     def close(a: torch.Tensor, b: torch.Tensor) -> bool:
         return float((a - b).norm()) <= tol * max(float(b.norm()), 1e-6)
 
-    sites = hooks.sites
     mult = sites.residual_multiplier
-    _check_identities(base, runtime.local_sites, runtime.num_layers, close, multiplier=mult)
+    if not stream_only:  # a stream-only model has no sublayer values to add up
+        _check_identities(base, runtime.local_sites, runtime.num_layers, close,
+                          multiplier=mult, parallel=parallel)
     if 0 in runtime.local_sites:
-        embedded = eager_embedding(hooks.worker.model_runner, n,
-                                           sites.embedding_multiplier).float().cpu()
+        embedded = eager_embedding(hooks.worker.model_runner, n, sites.embedding_multiplier,
+                                   sites.position_embedding).float().cpu()
         if not close(base[(STREAM, 0)], embedded):
             raise CanaryFailed("resid_pre(0) differs from the eagerly computed embedding")
 
@@ -163,11 +187,22 @@ def run_canary(hooks) -> None:
     scale = 8.0 * float(base[(STREAM, site)].abs().mean()) + 1.0
     vec = torch.linspace(-1.0, 1.0, runtime.hidden_size) * scale
     steered = _forward(hooks, steer=vec, steer_site=site)
-    _check_identities(steered, runtime.local_sites, runtime.num_layers, close, steered_site=site,
-                      multiplier=mult)
+    if not stream_only:
+        _check_identities(steered, runtime.local_sites, runtime.num_layers, close,
+                          steered_site=site, multiplier=mult, parallel=parallel)
     # Within one forward (dummy batches may differ between runs): the stream entering
-    # the site is what came before plus exactly the steering vector.
-    produced = steered[(STREAM, site - 1)] + mult * steered[(SUB, site)]
+    # the site is what came before plus exactly the steering vector. A stream-only model
+    # has no sublayer values to rebuild it from: the unsteered forward gives it, where
+    # both forwards saw the same input.
+    if stream_only:
+        if not close(steered[(STREAM, site - 2)], base[(STREAM, site - 2)]):
+            raise CanaryFailed("the two canary forwards saw different inputs; steering "
+                               "cannot be checked on this stream-only model")
+        produced = base[(STREAM, site)]
+    elif parallel:
+        produced = steered[(STREAM, site - 2)] + steered[(SUB, site - 1)] + steered[(SUB, site)]
+    else:
+        produced = steered[(STREAM, site - 1)] + mult * steered[(SUB, site)]
     want = vec.to(runtime.dtype).float().expand(n, -1)
     added = steered[(STREAM, site)] - produced
     hook, layer = _stream_hook(site)

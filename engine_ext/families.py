@@ -23,6 +23,12 @@ exist in vLLM:
 Steering edits the value where it is read: the sublayer output in place, or the
 stream in place (a materialized layer's residual is the same tensor, so the add
 and the next sublayer both see the steered stream).
+
+A *parallel* block (GPT-NeoX with use_parallel_residual, Cohere) feeds resid_pre to
+both sublayers and adds both outputs at once: resid_post = resid_pre + attn_out +
+mlp_out. No stream exists between the sublayers, so resid_mid is refused by name
+(`unavailable_hooks`) rather than given an invented value; site 2L+1 then carries
+attn_out only.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ class Family:
     architectures: tuple[str, ...]  # the config's `architectures` names it covers
     attn_out: str = "self_attn"  # module whose output is attn_out (added to the stream)
     resid_mid: str = "post_attention_layernorm"  # module whose input is resid_mid
+    # (a parallel block has none: see `parallel`)
     mlp_out: str = "mlp"  # module whose output is mlp_out (MoE: the whole block)
     # vLLM's fused add+norm whose input is resid_mid, for vLLM's native deferred layers;
     # None: vLLM's layers add the residual themselves (materialized, read at the modules).
@@ -54,6 +61,19 @@ class Family:
     residual_multiplier: str | None = None
     moe: bool = False
     notes: str = ""
+    # Attention and MLP both read resid_pre and are added together (no resid_mid): True,
+    # or the config attribute that says so (GPT-NeoX's use_parallel_residual).
+    parallel: bool | str = False
+    # Where the decoder sits in vLLM's native class (the Transformers backend always
+    # holds HF's base model at `model`) and what its layer list and final norm are called
+    # (HF's names, which vLLM's classes keep). GPT-2: transformer.h, transformer.ln_f.
+    inner: str = "model"
+    layers: str = "layers"
+    final_norm: str = "norm"
+    hf_base: str = "model"  # HF's base-model attribute (its base_model_prefix), for the docs
+    # Module under the inner model whose output, looked up by position, is added to the
+    # token embedding (GPT-2's learned `wpe`): part of resid_pre(0).
+    position_embedding: str | None = None
 
 
 _GEMMA_NORMED = dict(attn_out="post_attention_layernorm", resid_mid="pre_feedforward_layernorm",
@@ -91,7 +111,43 @@ FAMILIES: tuple[Family, ...] = (
            notes="mlp_out is the whole MoE block output (vLLM's block_sparse_moe)"),
     Family("olmoe", ("OlmoeForCausalLM",), moe=True,
            notes="mlp_out is the whole MoE block output"),
+    Family("gpt2", ("GPT2LMHeadModel",), attn_out="attn", resid_mid="ln_2", mlp_out="mlp",
+           deferred_mid_norm=None, inner="transformer", layers="h", final_norm="ln_f",
+           hf_base="transformer", position_embedding="wpe",
+           notes="LayerNorm; learned positions: resid_pre(0) is the token embedding plus "
+                 "the position embedding (wpe); resid_mid is ln_2's input"),
+    Family("gpt_neox", ("GPTNeoXForCausalLM",), attn_out="attention",
+           deferred_mid_norm=None, final_norm="final_layer_norm", hf_base="gpt_neox",
+           parallel="use_parallel_residual",
+           notes="LayerNorm, partial rotary; with use_parallel_residual (Pythia, GPT-NeoX-20B) "
+                 "attention and MLP both read resid_pre and resid_post = resid_pre + "
+                 "attn_out + mlp_out, so resid_mid does not exist and is refused; served "
+                 "through vLLM's Transformers backend (HF's modules)"),
+    Family("starcoder2", ("Starcoder2ForCausalLM",), deferred_mid_norm=None,
+           notes="LayerNorm, non-gated MLP; served through vLLM's Transformers backend "
+                 "(HF's modules)"),
+    Family("cohere", ("CohereForCausalLM",), deferred_mid_norm=None, parallel=True,
+           notes="parallel block: attention and MLP both read resid_pre (one LayerNorm) and "
+                 "resid_post = resid_pre + attn_out + mlp_out, so resid_mid does not exist "
+                 "and is refused"),
+    Family("gpt_oss", ("GptOssForCausalLM",), moe=True,
+           notes="mlp_out is the whole MoE block output (router and experts); attention "
+                 "has sinks and alternates sliding-window and full layers"),
 )
+
+# Any other architecture vLLM runs through its Transformers backend (HF's own module
+# tree), whose decoder layers at `model.layers` take the stream as `hidden_states` and
+# return it: only the stream between layers is known there, so it offers resid_pre and
+# resid_post, each read at a layer's input (the last layer's at its output), and refuses
+# the rest by name. Not in FAMILIES: family_for never returns it.
+TRANSFORMERS_STREAM = Family(
+    "transformers_stream", (), deferred_mid_norm=None,
+    notes="an architecture without a capsteer family row, served through vLLM's "
+          "Transformers backend: resid_pre / resid_post only (the stream entering and "
+          "leaving each HF decoder layer)")
+_STREAM_ONLY = ("{hook} is not offered for {arch}: it has no capsteer family row, so only "
+                "the stream between its HF decoder layers is known (it is served through "
+                "vLLM's Transformers backend); use resid_pre or resid_post")
 
 # Refused by name, with the reason the message gives.
 _HYBRID = ("layers mix attention with state-space / linear-attention mixers whose recurrent "
@@ -126,11 +182,54 @@ def family_for(architecture: str) -> Family | None:
     return _BY_ARCH.get(architecture)
 
 
-def hf_modules(family: Family) -> dict[str, str]:
-    """Where each hook is, in HF transformers' module tree (the reference it equals)."""
-    layer = "model.layers[L]"
-    return {"resid_pre": f"{layer} input (hidden_states[L])",
-            "resid_mid": f"{layer}.{family.resid_mid} input",
+def is_parallel(family: Family, config: object) -> bool:
+    """Whether this checkpoint's blocks are parallel (`config`: its HF text config)."""
+    if isinstance(family.parallel, bool):
+        return family.parallel
+    return bool(getattr(config, family.parallel, False))
+
+
+def parallel_mid_reason(family: Family) -> str:
+    return (f"resid_mid does not exist in the {family.name} family's parallel block: "
+            "attention and MLP both read resid_pre and their outputs are added to it at "
+            "once (resid_post = resid_pre + attn_out + mlp_out); use resid_pre, attn_out, "
+            "mlp_out or resid_post")
+
+
+def unavailable_hooks(family: Family, config: object) -> dict[str, str]:
+    """Hooks this checkpoint does not have, each with the reason a request naming it gets
+    (a 400): a parallel block has no resid_mid; a stream-only model has no sublayers."""
+    if family is TRANSFORMERS_STREAM:
+        names = list(getattr(config, "architectures", None) or ()) or ["this model"]
+        return {h: _STREAM_ONLY.format(hook=h, arch=names[0])
+                for h in ("resid_mid", "attn_out", "mlp_out")}
+    return {"resid_mid": parallel_mid_reason(family)} if is_parallel(family, config) else {}
+
+
+def unavailable_hooks_of(config: object, transformers_backend: bool = False) -> dict[str, str]:
+    """`unavailable_hooks` for an HF config (its first architecture's family, or the
+    stream-only layout for one without a row that vLLM's Transformers backend runs; none
+    for an architecture capsteer refuses, which never starts)."""
+    names = list(getattr(config, "architectures", None) or ())
+    family = family_for(names[0]) if names else None
+    if family is None and transformers_backend:
+        return unavailable_hooks(TRANSFORMERS_STREAM, config)
+    text = getattr(config, "text_config", None) or config
+    return unavailable_hooks(family, text) if family is not None else {}
+
+
+def hf_modules(family: Family, parallel: bool = False) -> dict[str, str | None]:
+    """Where each hook is, in HF transformers' module tree (the reference it equals);
+    None for a hook the model does not have."""
+    layer = f"{family.hf_base}.{family.layers}[L]"
+    if family is TRANSFORMERS_STREAM:
+        return {"resid_pre": f"{layer} input (hidden_states[L])", "resid_mid": None,
+                "resid_post": f"{layer} output (hidden_states[L+1] for L < last)",
+                "attn_out": None, "mlp_out": None}
+    first = (" (hidden_states[0] = token + position embedding)"
+             if family.position_embedding else "")
+    return {"resid_pre": f"{layer} input (hidden_states[L]){first}",
+            "resid_mid": None if parallel else f"{layer}.{family.resid_mid} input",
             "resid_post": f"{layer} output (hidden_states[L+1] for L < last)",
             "attn_out": f"{layer}.{family.attn_out} output",
             "mlp_out": f"{layer}.{family.mlp_out} output"}
@@ -165,20 +264,30 @@ class Tap:
     kinds: int
 
 
-def layer_taps(family: Family, materialized: bool) -> tuple[Tap, ...]:
+def layer_taps(family: Family, materialized: bool, parallel: bool = False) -> tuple[Tap, ...]:
     """The taps of one decoder layer. `materialized`: vLLM runs HF-shaped layers (its
-    Transformers backend, or a native class that adds the residual itself)."""
+    Transformers backend, or a native class that adds the residual itself). `parallel`:
+    a parallel block, whose site 2L+1 has attn_out and no stream."""
+    if family is TRANSFORMERS_STREAM:  # the stream between layers only
+        return (Tap("", "input", 0, STREAM_BIT),)
     if not materialized and family.deferred_mid_norm is not None:
+        if parallel:
+            raise ValueError(f"{family.name}: a parallel block has no fused mid norm to read")
         return (Tap("input_layernorm", "pair", 0, BOTH),
                 Tap(family.deferred_mid_norm, "pair", 1, BOTH))
+    mid = () if parallel else (Tap(family.resid_mid, "input", 1, STREAM_BIT),)
     return (Tap("", "input", 0, STREAM_BIT),
             Tap(family.attn_out, "output", 1, SUB_BIT),
-            Tap(family.resid_mid, "input", 1, STREAM_BIT),
+            *mid,
             Tap(family.mlp_out, "output", 2, SUB_BIT))
 
 
 def final_tap(family: Family, materialized: bool) -> Tap:
-    """The final norm (under the inner model): its input is resid_post of the last layer."""
+    """The final norm (under the inner model): its input is resid_post of the last layer.
+    The stream-only layout reads it at the last decoder layer's output instead (its final
+    norm has no name capsteer knows)."""
+    if family is TRANSFORMERS_STREAM:
+        return Tap("", "output", 0, STREAM_BIT)
     if not materialized and family.deferred_mid_norm is not None:
         return Tap("norm", "pair", 0, BOTH)
     return Tap("norm", "input", 0, STREAM_BIT)

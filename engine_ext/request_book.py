@@ -14,6 +14,7 @@ from capsteer.capture import metrics
 from capsteer.capture.sink import CaptureEnd, CaptureRequest, CaptureSink
 from capsteer.engine_ext.payload import decode_payload, payload_is_trusted
 from capsteer.engine_ext.plan import RequestHooks, shared_site_set
+from capsteer.engine_ext.runtime import hook_point
 from capsteer.engine_ext.vllm.batch import finished_requests, new_requests
 
 logger = logging.getLogger("vllm.capsteer")  # under vLLM's configured logger
@@ -49,6 +50,11 @@ class RequestBook:
             except Exception as exc:  # a payload must never stop the engine
                 self._hooks_refused(req_id, prompt, payload, exc)
                 continue
+            missing = self._unavailable_hook(hooks)
+            if missing is not None:  # the front ends refuse it first; never a silent no-op
+                hooks.release(self.runtime)
+                self._hooks_refused(req_id, prompt, payload, ValueError(missing))
+                continue
             refusal = self._beyond_stop(hooks)
             if refusal is not None:
                 hooks.release(self.runtime)
@@ -75,6 +81,17 @@ class RequestBook:
                     del self.opened[next(iter(self.opened))]
                 sink.open(self._capture_request(req_id, prompt, hooks))
                 hooks.group = sink.group_of(hooks.capture_id)  # the writer pool's child
+
+    def _unavailable_hook(self, hooks: RequestHooks) -> str | None:
+        """Why a request's hooks name a point this model does not have (a parallel
+        block's resid_mid), or None."""
+        if not self.sites.unavailable:
+            return None
+        asked = set(hooks.points) | {(kind, site) for kind, site, _ in hooks.entries}
+        reasons = [reason for hook, reason in self.sites.unavailable
+                   if any(hook_point(hook, layer) in asked
+                          for layer in range(self.sites.num_layers))]
+        return "; ".join(reasons) or None
 
     def _hooks_refused(self, req_id: str, prompt, payload: Mapping, exc: Exception) -> None:
         """A payload this worker cannot serve runs without hooks, never silently: logged,

@@ -9,6 +9,7 @@ becomes `SamplingParams.extra_args` in every worker) and `cache_salt`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import uuid
 from collections.abc import Mapping
@@ -39,6 +40,8 @@ class ModelShape:
     hidden_size: int
     max_model_len: int
     dtype_itemsize: int
+    # Hooks the model does not have (a parallel block's resid_mid) -> the 400's reason.
+    unavailable: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
 @dataclass
@@ -123,7 +126,8 @@ def parse_hook_fields(
     raw_capture = body.get("capture")
     if raw_capture is not None and raw_capture is not False:
         capture = parse_capture_spec(raw_capture, num_layers=shape.num_layers,
-                                     default_layout=default_layout, default=capture_default)
+                                     default_layout=default_layout, default=capture_default,
+                                     unavailable=shape.unavailable)
         _check_positions_fit(capture, shape.max_model_len)
         n = body.get("n", 1)
         if n is not None and str(n).strip() != "1":  # vLLM reads "1" as 1
@@ -145,7 +149,8 @@ def parse_hook_fields(
     if raw_steering is not None:
         try:
             steering = parse_steering_spec(raw_steering, num_layers=shape.num_layers,
-                                           hidden_size=shape.hidden_size, lookup=lookup)
+                                           hidden_size=shape.hidden_size, lookup=lookup,
+                                           unavailable=shape.unavailable)
         except SteeringSpecError as exc:
             raise FieldError(exc.field, exc.reason) from None
     if _lax_true(body.get("use_beam_search")) and (

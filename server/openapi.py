@@ -203,8 +203,11 @@ HOOKS_INFO = {
                            "description": {"type": "string"},
                            "hf_reference": {"type": ["string", "null"]},
                            "hf_module": {"type": ["string", "null"]},
-                           "layers": {"type": "array", "items": {"type": "integer"}}}}},
+                           "layers": {"type": "array", "items": {"type": "integer"}},
+                           "unavailable": {"type": "string", "description": "why this "
+                                           "model has no such hook (layers is empty)"}}}},
         "capture": {"type": "object"}, "steering": {"type": "object"},
+        "readers": {"type": "object"},
     },
 }
 CAPTURE_RECEIPT: dict[str, Any] = {"allOf": [CAPTURE_RESULTS, {

@@ -26,6 +26,7 @@ from capsteer.capture.paths import find_capture_dirs, validate_capture_id
 from capsteer.capture.receipts import find_receipt, pending
 from capsteer.capture.spec import DTYPES, LAYOUTS, POSITION_KINDS, SpecError
 from capsteer.engine_ext import families
+from capsteer.engine_ext.vllm.topology import ServedModel
 from capsteer.hooks import ALIASES, HOOK_SEMANTICS_VERSION, HOOKS
 from capsteer.server import openapi as docs
 from capsteer.server.errors import error_response, from_exception
@@ -74,13 +75,30 @@ def _responses(ok: dict[str, Any], *errors: int, status: int = 200,
     return {status: ok, **docs.errors(*errors)}
 
 
+def hook_entries(model: ServedModel) -> list[dict[str, Any]]:
+    """Per hook: what it is, the HF module it equals and the layers that have it (none,
+    with the reason a request naming it gets, for a hook the model lacks: a parallel
+    block's resid_mid)."""
+    missing = model.unavailable
+    where = families.hf_modules(model.family, parallel="resid_mid" in missing) \
+        if model.family else {}
+    every = list(range(model.num_layers))
+    entries = []
+    for h in HOOKS:
+        entry = {"name": h, "aliases": [a for a, c in ALIASES.items() if c == h],
+                 "description": HOOK_DOCS[h][0], "hf_reference": HOOK_DOCS[h][1],
+                 "hf_module": where.get(h), "layers": [] if h in missing else every}
+        if h in missing:
+            entry["unavailable"] = missing[h]
+        entries.append(entry)
+    return entries
+
+
 @router.get("/v1/capsteer/hooks", responses=_responses(docs.json_body(docs.HOOKS_INFO)))
 async def hooks(request: Request) -> dict[str, Any]:
     """Model geometry and what can be captured and steered."""
     state = _state(request)
     model = state.model
-    where = families.hf_modules(model.family) if model.family else {}
-    layers = list(range(model.num_layers))  # every supported family has every hook everywhere
     return {
         "model": model.name,
         "architecture": model.architecture,
@@ -90,9 +108,7 @@ async def hooks(request: Request) -> dict[str, Any]:
         "hidden_size": model.hidden_size,
         "dtype": str(model.dtype).removeprefix("torch."),
         "hook_semantics_version": HOOK_SEMANTICS_VERSION,
-        "hooks": [{"name": h, "aliases": [a for a, c in ALIASES.items() if c == h],
-                   "description": HOOK_DOCS[h][0], "hf_reference": HOOK_DOCS[h][1],
-                   "hf_module": where.get(h), "layers": layers} for h in HOOKS],
+        "hooks": hook_entries(model),
         "capture": {"positions": [k for k in POSITION_KINDS if k != "explicit"] + ["[ints]"],
                     "layouts": list(LAYOUTS), "dtypes": list(DTYPES),
                     "default": state.settings.capture_default,

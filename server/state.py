@@ -43,7 +43,8 @@ class CapsteerState:
         topology = served_topology(engine)  # refuses DP layouts capsteer cannot serve
         model = served_model(engine)
         itemsize = torch.empty((), dtype=model.dtype).element_size()
-        shape = ModelShape(model.num_layers, model.hidden_size, model.max_model_len, itemsize)
+        shape = ModelShape(model.num_layers, model.hidden_size, model.max_model_len, itemsize,
+                           dict(model.unavailable))
         Path(settings.capture_dir).mkdir(parents=True, exist_ok=True)
         registry = VectorRegistry(settings.steering_dir, hidden_size=model.hidden_size,
                                   num_layers=model.num_layers)
@@ -52,7 +53,8 @@ class CapsteerState:
         if getattr(settings, "global_capture", None):
             global_capture = parse_capture_shorthand(settings.global_capture)
             try:  # refuse to start on a spec every request would fail
-                parse_capture_spec(global_capture, num_layers=model.num_layers)
+                parse_capture_spec(global_capture, num_layers=model.num_layers,
+                                   unavailable=model.unavailable)
             except SpecError as exc:
                 raise ValueError(f"capsteer: --global-capture {settings.global_capture!r}: "
                                  f"{exc}") from None

@@ -244,9 +244,11 @@ def _resolve_vectors(
 
 def parse_steering_spec(
     obj: object, *, num_layers: int, hidden_size: int, lookup: VectorLookup | None = None,
-    max_ops: int = 4096,
+    max_ops: int = 4096, unavailable: Mapping[str, str] | None = None,
 ) -> SteeringSpec | None:
-    """Validate a request's `steering` value; None when it asks for nothing."""
+    """Validate a request's `steering` value; None when it asks for nothing.
+    `unavailable`: hooks the served model does not have, each with the reason its 400
+    gives (a parallel block's resid_mid)."""
     if obj is None:
         return None
     if not isinstance(obj, Mapping):
@@ -270,6 +272,8 @@ def parse_steering_spec(
             hook = canonical_hook(item.get("hook", "resid_post"))
         except HookNameError as exc:
             raise SteeringSpecError(field + ".hook", str(exc)) from None
+        if unavailable and hook in unavailable:
+            raise SteeringSpecError(field + ".hook", unavailable[hook])
         op = item.get("op", "add")
         if op not in OPS:
             raise SteeringSpecError(field + ".op", f"must be one of {', '.join(OPS)}")

@@ -132,7 +132,8 @@ def capture_root(tmp_path_factory) -> str:
 # Engines and servers in the order their tests run (one alive at a time).
 ENGINE_ORDER = ("qwen3", "qwen3-durable", "qwen3-eager", "llama", "qwen2", "mistral", "gemma",
                 "gemma2", "gemma3", "phi3", "olmo2", "granite", "qwen2_moe", "qwen3_moe", "mixtral",
-                "olmoe", "vanilla", "qwen3-bf16", "vanilla-bf16", "other", "extract",
+                "olmoe", "gpt2", "gpt_neox", "starcoder2", "cohere", "gpt_oss", "phi", "vanilla",
+                "qwen3-bf16", "vanilla-bf16", "other", "extract",
                 "qwen3-tp2", "qwen3-pp2",
                 "server-vanilla", "server", "server-reject", "server-dp2", "quickstart")
 SERVERS = frozenset({"server-vanilla", "server", "server-reject", "server-dp2", "quickstart"})

@@ -21,6 +21,7 @@ import torch
 from capsteer.capture.digests import entry_digest
 from capsteer.capture.spec import CaptureSpec
 from capsteer.config import errors
+from capsteer.engine_ext import families
 from capsteer.engine_ext.runtime import hook_point, layers_needed
 
 # One logger for the whole job, whichever runner drives it (users filter on this name).
@@ -141,6 +142,15 @@ def model_num_layers(model: str) -> int:
     config = AutoConfig.from_pretrained(model)
     config = getattr(config, "text_config", None) or config
     return int(config.num_hidden_layers)
+
+
+def model_unavailable_hooks(model: str) -> dict[str, str]:
+    """Hooks the model's family row says it lacks (a parallel block's resid_mid), from its
+    config: a job asking for one is refused before any engine starts. (A model without a
+    row is checked by the engine, which knows whether vLLM's Transformers backend runs it.)"""
+    from transformers import AutoConfig  # start-up cost (~2 s): Ray's reads never need it
+
+    return families.unavailable_hooks_of(AutoConfig.from_pretrained(model))
 
 
 def warn_if_narrower(capture_dtype: str, model_dtype: Any) -> None:

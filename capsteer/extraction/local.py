@@ -30,6 +30,7 @@ from capsteer.extraction.job import (
     job_config,
     job_dir_bytes,
     model_num_layers,
+    model_unavailable_hooks,
     read_records,
     shard_files,
     warn_if_narrower,
@@ -76,7 +77,8 @@ def extract(
     num_layers = model_num_layers(model)
     spec = parse_capture_spec(
         {"hooks": [hooks] if isinstance(hooks, str) else list(hooks), "layers": layers,
-         "positions": positions, "dtype": capture_dtype}, num_layers=num_layers)
+         "positions": positions, "dtype": capture_dtype}, num_layers=num_layers,
+        unavailable=model_unavailable_hooks(model))
     check_job(out, spec)
     check_digest(digest)
     if not todo:

@@ -44,6 +44,7 @@ from capsteer.extraction.job import (
     job_dir_bytes,
     logger,
     model_num_layers,
+    model_unavailable_hooks,
     read_records,
     scan_ids,
     shard_files,
@@ -366,7 +367,8 @@ def extract_on_ray(
     num_layers = model_num_layers(model)
     spec = parse_capture_spec(
         {"hooks": [hooks] if isinstance(hooks, str) else list(hooks), "layers": layers,
-         "positions": positions, "dtype": capture_dtype}, num_layers=num_layers)
+         "positions": positions, "dtype": capture_dtype}, num_layers=num_layers,
+        unavailable=model_unavailable_hooks(model))
     check_job(out, spec)
     if Path(model).exists():  # replicas may run elsewhere (another cwd, another node)
         model = str(Path(model).resolve())

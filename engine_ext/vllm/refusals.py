@@ -58,15 +58,18 @@ def _marker_refusal(model: nn.Module) -> str | None:
                           bool(is_pooling_model(model)))
 
 
-def architecture_problem(arch: str, reason: str | None) -> str | None:
-    """The refusal message for `arch` (None where a family hooks it), given the reason
-    its name or vLLM's markers already gave: one wording for the engine's parent process,
-    which refuses before any worker starts, and the workers, which check the model built."""
+def architecture_problem(arch: str, reason: str | None,
+                         transformers_backend: bool = False) -> str | None:
+    """The refusal message for `arch` (None where a family hooks it, or where vLLM's
+    Transformers backend runs an architecture without a row: the stream-only layout),
+    given the reason its name or vLLM's markers already gave: one wording for the
+    engine's parent process, which refuses before any worker starts, and the workers,
+    which check the model built."""
     reason = families.refusal_reason(arch) or reason  # the name's reason says more
     if reason is not None:
         return (f"capsteer cannot hook architecture {arch}: {reason}. Refusing to start rather "
                 "than serve capture/steering requests with hooks that would never fire.")
-    if families.family_for(arch) is None:
+    if families.family_for(arch) is None and not transformers_backend:
         return (f"capsteer cannot hook architecture {arch}: no hook layout is known for it "
                 f"(supported families: {families.supported_names()}; see docs/engine.md). "
                 "Refusing to start rather than serve capture/steering requests with hooks "
@@ -75,14 +78,33 @@ def architecture_problem(arch: str, reason: str | None) -> str | None:
 
 
 def check_architecture(model: nn.Module) -> families.Family:
-    """The family whose hook layout this model has, or UnsupportedError naming why not."""
+    """The family whose hook layout this model has (the stream-only layout for an
+    architecture without a row that the Transformers backend runs), or UnsupportedError
+    naming why not."""
     arch = model_architecture(model)
-    problem = architecture_problem(arch, _marker_refusal(model))
+    backend = is_transformers_backend(model)
+    problem = architecture_problem(arch, _marker_refusal(model), backend)
     if problem is not None:
         raise UnsupportedError(problem)
+    return families.family_for(arch) or families.TRANSFORMERS_STREAM
+
+
+def served_family(model_config: object) -> families.Family | None:
+    """The family the workers will use, from vLLM's resolved model config (None where
+    the architecture is refused or not known)."""
+    arch = _config_architecture(model_config) or ""
     family = families.family_for(arch)
-    assert family is not None  # architecture_problem refused every other name
+    if family is None and arch and families.refusal_reason(arch) is None \
+            and _uses_transformers_backend(model_config):
+        return families.TRANSFORMERS_STREAM
     return family
+
+
+def hooks_unavailable(model_config: object) -> dict[str, str]:
+    """The hooks the served model does not have, each with the reason its 400 gives."""
+    return families.unavailable_hooks_of(
+        getattr(model_config, "hf_config", None),
+        served_family(model_config) is families.TRANSFORMERS_STREAM)
 
 
 def config_architecture_problem(model_config: object) -> str | None:
@@ -102,7 +124,7 @@ def config_architecture_problem(model_config: object) -> str | None:
         bool(getattr(info, "supports_multimodal", False)),
         bool(getattr(info, "is_hybrid", False)),
         pooling or bool(getattr(info, "is_pooling_model", False)))
-    return architecture_problem(arch, reason)
+    return architecture_problem(arch, reason, _uses_transformers_backend(model_config))
 
 
 def _config_architecture(model_config: object) -> str | None:
@@ -139,7 +161,7 @@ def engine_config_problem(config: object) -> str | None:
     problem = config_architecture_problem(model_config)
     if problem is not None or parallel is None:
         return problem
-    family = families.family_for(_config_architecture(model_config) or "")
+    family = served_family(model_config)
     if family is None:
         return None
     materialized = family.deferred_mid_norm is None or _uses_transformers_backend(model_config)

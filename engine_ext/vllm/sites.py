@@ -35,6 +35,11 @@ class ModelSites:
     materialized: bool
     residual_multiplier: float = 1.0  # sublayer outputs enter the stream times this
     embedding_multiplier: float = 1.0  # applied after embed_input_ids (Granite)
+    parallel: bool = False  # parallel block: no stream at 2L+1 (families.unavailable_hooks)
+    # Hooks this checkpoint does not have -> the reason a request naming one is refused.
+    unavailable: tuple[tuple[str, str], ...] = ()
+    # Added to the token embedding by position before layer 0 (GPT-2's wpe), else None.
+    position_embedding: nn.Module | None = None
 
     @property
     def local_sites(self) -> frozenset[int]:
@@ -54,12 +59,23 @@ def _submodule(root: nn.Module, path: str) -> nn.Module | None:
     return module
 
 
+def _text_config(model: nn.Module) -> object:
+    config = getattr(model, "config", None)
+    return getattr(config, "text_config", None) or config
+
+
 def _config_float(model: nn.Module, name: str | None) -> float:
     if name is None:
         return 1.0
-    config = getattr(model, "config", None)
-    config = getattr(config, "text_config", None) or config
-    return float(getattr(config, name))
+    return float(getattr(_text_config(model), name))
+
+
+def inner_model(model: nn.Module) -> nn.Module | None:
+    """The decoder under the causal-LM wrapper: the family's attribute in vLLM's native
+    class (GPT-2: `transformer`), `model` in the Transformers backend (HF's base model)."""
+    family = families.family_for(model_architecture(model))
+    name = "model" if family is None or is_transformers_backend(model) else family.inner
+    return getattr(model, name, None)
 
 
 def stop_forward_problem(model: nn.Module) -> str | None:
@@ -69,9 +85,9 @@ def stop_forward_problem(model: nn.Module) -> str | None:
     (the pipeline-parallel slice) and then the final norm; lowering `end_layer` before
     the model is compiled makes the compiled forward (and its CUDA graphs) stop there.
     The Transformers backend loops over every layer, so it cannot."""
-    inner = getattr(model, "model", None)
+    inner = inner_model(model)
     if inner is None or not isinstance(getattr(inner, "end_layer", None), int):
-        return f"{model_architecture(model)} has no model.end_layer"
+        return f"{model_architecture(model)} has no end_layer on its decoder"
     try:
         source = inspect.getsource(type(inner).forward)
     except (OSError, TypeError):
@@ -85,7 +101,8 @@ def stop_forward_at(model: nn.Module, stop_at_layer: int) -> None:
     """Run layers [0, stop_at_layer) and then the final norm (before compilation only:
     a compiled forward keeps the loop it was traced with). Check stop_forward_problem
     first; the sites then follow from find_sites(model, stop_at_layer)."""
-    inner = model.model
+    inner = inner_model(model)
+    assert inner is not None  # stop_forward_problem found it
     if not 0 < stop_at_layer <= inner.end_layer or inner.start_layer != 0:
         raise ValueError(f"cannot stop at layer {stop_at_layer} of layers "
                          f"[{inner.start_layer}, {inner.end_layer})")
@@ -95,7 +112,7 @@ def stop_forward_at(model: nn.Module, stop_at_layer: int) -> None:
 def forward_layers(model: nn.Module) -> int | None:
     """How many decoder layers this worker's forward runs (vLLM's pipeline slice, which
     stop_forward_at lowers), or None where the model keeps no such slice."""
-    inner = getattr(model, "model", None)
+    inner = inner_model(model)
     start, end = getattr(inner, "start_layer", None), getattr(inner, "end_layer", None)
     return end - start if isinstance(start, int) and isinstance(end, int) else None
 
@@ -110,18 +127,31 @@ def find_sites(model: nn.Module, stop_at_layer: int | None = None) -> ModelSites
     vLLM's fused add+norm) instead of 2N."""
     family = check_architecture(model)
     materialized = is_transformers_backend(model) or family.deferred_mid_norm is None
-    inner = getattr(model, "model", None)
-    layers = getattr(inner, "layers", None)
-    final = getattr(inner, "norm", None)
+    config = _text_config(model)
+    parallel = families.is_parallel(family, config)
+    inner = inner_model(model)
+    layers = getattr(inner, family.layers, None)
+    final = getattr(inner, family.final_norm, None)
     arch = model_architecture(model)
+    stop = len(layers) if layers is not None and stop_at_layer is None else stop_at_layer
+    if family is families.TRANSFORMERS_STREAM:  # resid_post(last) is the last layer's output
+        _check_stream_layers(arch, layers)
+        final = layers[stop - 1]
     if layers is None or final is None:
-        raise UnsupportedError(f"{arch}: no model.layers / model.norm found")
+        raise UnsupportedError(f"{arch}: no decoder layers ({family.layers}) or final norm "
+                               f"({family.final_norm}) found where the {family.name} "
+                               "family keeps them")
+    position = None
+    if family.position_embedding is not None:
+        position = getattr(inner, family.position_embedding, None)
+        if position is None:
+            raise UnsupportedError(f"{arch}: no position embedding "
+                                   f"{family.position_embedding!r}, which resid_pre(0) adds")
     taps: list[tuple[int, nn.Module, families.Tap]] = []
-    stop = len(layers) if stop_at_layer is None else stop_at_layer
     for i, layer in enumerate(layers):
         if _missing(layer) or i >= stop:
             continue  # another pipeline stage runs this layer, or the forward stops before
-        for tap in families.layer_taps(family, materialized):
+        for tap in families.layer_taps(family, materialized, parallel):
             module = _submodule(layer, tap.module)
             if module is None:
                 raise UnsupportedError(
@@ -132,11 +162,35 @@ def find_sites(model: nn.Module, stop_at_layer: int | None = None) -> ModelSites
         taps.append((2 * stop, final, families.final_tap(family, materialized)))
     if not taps:
         raise UnsupportedError(f"{arch}: this worker holds no decoder layer")
-    config = getattr(model, "config", None)
-    hidden = int(getattr(getattr(config, "text_config", None) or config, "hidden_size", 0))
+    hidden = int(getattr(config, "hidden_size", 0))
     return ModelSites(tuple(taps), len(layers), hidden, family, materialized,
                       residual_multiplier=_config_float(model, family.residual_multiplier),
-                      embedding_multiplier=_config_float(model, family.embedding_multiplier))
+                      embedding_multiplier=_config_float(model, family.embedding_multiplier),
+                      parallel=parallel,
+                      unavailable=tuple(families.unavailable_hooks(
+                          family, model.config if family is families.TRANSFORMERS_STREAM
+                          else config).items()),
+                      position_embedding=position)
+
+
+def _check_stream_layers(arch: str, layers: object) -> None:
+    """Refuse (UnsupportedError) a stream-only model whose decoder layers are not an
+    `nn.ModuleList` at `model.layers` taking the stream first as `hidden_states`."""
+    if not isinstance(layers, nn.ModuleList) or not len(layers):
+        raise UnsupportedError(
+            f"capsteer cannot hook architecture {arch}: it has no capsteer family row and "
+            "its HF model keeps no decoder layers at model.layers, where the stream-only "
+            "layout (resid_pre / resid_post) reads them")
+    for layer in layers:
+        if _missing(layer):
+            continue
+        params = [p.name for p in inspect.signature(layer.forward).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        if params[:1] != ["hidden_states"]:
+            raise UnsupportedError(
+                f"capsteer cannot hook architecture {arch}: it has no capsteer family row "
+                f"and its decoder layer {type(layer).__name__}.forward does not take the "
+                "stream as its first argument, hidden_states")
 
 
 def _hidden_states_arg(forward: Callable) -> tuple[int, str | None]:

@@ -3,12 +3,17 @@ the model, data-parallel engines and API servers behind an API server."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import torch
 
 from capsteer.engine_ext import families
-from capsteer.engine_ext.vllm.refusals import data_parallel_problem
+from capsteer.engine_ext.vllm.refusals import (
+    data_parallel_problem,
+    hooks_unavailable,
+    served_family,
+)
 from capsteer.engine_ext.vllm.version import UnsupportedError
 
 
@@ -45,6 +50,8 @@ class ServedModel:
     dtype: torch.dtype
     architecture: str = ""
     family: families.Family | None = None  # None only where the engine itself refused it
+    # Hooks this checkpoint does not have (a parallel block's resid_mid) -> why: a 400.
+    unavailable: Mapping[str, str] = field(default_factory=dict)
 
 
 def served_model(engine_client: object) -> ServedModel:
@@ -55,7 +62,8 @@ def served_model(engine_client: object) -> ServedModel:
     return ServedModel(name=str(config.served_model_name or config.model),
                        num_layers=int(hf.num_hidden_layers), hidden_size=int(hf.hidden_size),
                        max_model_len=int(config.max_model_len), dtype=config.dtype,
-                       architecture=arch, family=families.family_for(arch))
+                       architecture=arch, family=served_family(config),
+                       unavailable=hooks_unavailable(config))
 
 
 @dataclass(frozen=True)

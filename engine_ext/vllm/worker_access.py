@@ -72,17 +72,24 @@ def dummy_forward(runner: object, num_tokens: int) -> None:
         runner._dummy_run(num_tokens)
 
 
-def eager_embedding(runner: object, num_tokens: int, multiplier: float = 1.0) -> torch.Tensor:
+def eager_embedding(runner: object, num_tokens: int, multiplier: float = 1.0,
+                    position_embedding: nn.Module | None = None) -> torch.Tensor:
     """The stream entering layer 0 for the dummy run's input ids, computed outside any
     compiled graph: the model's own embedding (Gemma's sqrt(hidden) scale included)
-    times the family's embedding multiplier (Granite scales after embed_input_ids)."""
-    ids = runner.input_ids.gpu[:num_tokens] if runner_kind(runner) == "v1" else (
-        runner.input_buffers.input_ids[:num_tokens])
+    times the family's embedding multiplier (Granite scales after embed_input_ids),
+    plus the learned position embedding at the dummy run's positions (GPT-2's wpe)."""
+    v1 = runner_kind(runner) == "v1"
+    ids = runner.input_ids.gpu[:num_tokens] if v1 else runner.input_buffers.input_ids[:num_tokens]
     model = runner.model
     with torch.no_grad():
         embed = getattr(model, "embed_input_ids", None)
         out = embed(ids) if embed is not None else model.model.embed_tokens(ids)
-        return out * multiplier if multiplier != 1.0 else out
+        out = out * multiplier if multiplier != 1.0 else out
+        if position_embedding is not None:
+            positions = runner.positions if v1 else runner.input_buffers.positions
+            positions = getattr(positions, "gpu", positions)[:num_tokens]
+            out = out + position_embedding(positions)
+        return out
 
 
 # The loops that run an engine process's steps on one thread for the process's life:

@@ -189,11 +189,11 @@ def test_sae_lens_trains_an_sae_from_the_export(resumed_job, tmp_path):
 STOPPED_HOOKS = ["resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out"]
 
 
-@pytest.fixture(scope="module", params=["qwen3", "granite"])
+@pytest.fixture(scope="module", params=["qwen3", "granite", "gpt2"])
 def stopped_job(request, tmp_path_factory, model_dirs, engine_pool):
     """A job of every hook at layer 1 of the 4-layer demo model, whose forward therefore
     stops after layer 1 (qwen3: vLLM's fused add+norm layout; granite: layers that add
-    their residual themselves), run on an engine the test then asks about itself:
+    their residual themselves; gpt2: its decoder at `transformer.h`, final norm `ln_f`), run on an engine the test then asks about itself:
     (family, job dir, records, worker stats, a request capturing beyond the stop)."""
     from capsteer.capture.spec import parse_capture_spec
     from capsteer.engine import Engine, Request

@@ -2,20 +2,25 @@
 
 One engine per family (fp32 demo model, compiled, 4 layers, hidden 128), many requests
 each. Families run through different layouts (engine_ext/families.py): vLLM's deferred
-norms (Llama-likes, Phi-3, MoE), post-normed sublayers (Gemma 2/3), and HF-shaped layers
-that add the residual themselves (OLMo 2 via vLLM's Transformers backend, Granite).
+norms (Llama-likes, Phi-3, MoE, gpt-oss), post-normed sublayers (Gemma 2/3), and HF-shaped
+layers that add the residual themselves (OLMo 2, GPT-NeoX and Starcoder2 via vLLM's
+Transformers backend; Granite, GPT-2 and Cohere natively). GPT-NeoX (Pythia's
+use_parallel_residual) and Cohere are parallel blocks: they have no resid_mid, and a
+request naming it is refused with the reason.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
-from capsteer.demo_model import FAMILIES
+from capsteer.capture.spec import SpecError
+from capsteer.demo_model import FAMILIES, STREAM_ONLY_FAMILIES
 from capsteer.engine import Request
 from capsteer.hooks import HOOKS
-from capsteer.reference import hf_greedy
-from capsteer.steering.spec import parse_steering_spec
+from capsteer.reference import hf_activations, hf_greedy
+from capsteer.steering.spec import SteeringSpecError, parse_steering_spec
 
 from .helpers import (
     ALL_HOOKS,
@@ -35,26 +40,110 @@ pytestmark = pytest.mark.engine
 
 # test_equivalence already compares every hook of these three with HF.
 NEW_FAMILIES = [f for f in FAMILIES if f not in ("qwen3", "llama", "qwen2")]
+# Phi-2 has no family row: vLLM's Transformers backend runs it, capsteer offers
+# resid_pre / resid_post only.
+STREAM_ONLY = list(STREAM_ONLY_FAMILIES)
 # One steering point per way a hook is read: stream at a layer input / resid_mid module /
 # final norm, and both sublayer outputs.
 STEER_POINTS = [("resid_post", 1), ("resid_pre", 2), ("resid_mid", 0), ("attn_out", 2),
                 ("mlp_out", 1), ("resid_post", 3)]
+PARALLEL = ("gpt_neox", "cohere")  # parallel blocks: no resid_mid
 
 
-@pytest.mark.parametrize("engine_name", NEW_FAMILIES)
+def _steer_points(engine) -> list[tuple[str, int]]:
+    """STEER_POINTS; a hook the model lacks is replaced by the first layer's input."""
+    points = [("resid_pre", 0) if h in engine.unavailable else (h, layer)
+              for h, layer in STEER_POINTS]
+    return list(dict.fromkeys(points))
+
+
+@pytest.mark.parametrize("engine_name", NEW_FAMILIES + STREAM_ONLY)
 def test_every_hook_layer_position_equals_hf(engine_pool, model_dirs, hf_models, engine_name):
     engine = capsteer_engine(engine_pool, model_dirs, engine_name)
+    assert ("resid_mid" in engine.unavailable) == (engine_name in (*PARALLEL, *STREAM_ONLY))
+    assert ("attn_out" in engine.unavailable) == (engine_name in STREAM_ONLY)
+    hooks = [h for h in HOOKS if h not in engine.unavailable]
+    every = {**ALL_HOOKS, "hooks": hooks}
     results = engine.generate([
-        Request(prompt_token_ids=token_prompt(1, 12), sampling=greedy(6), capture=ALL_HOOKS),
+        Request(prompt_token_ids=token_prompt(1, 12), sampling=greedy(6), capture=every),
         # 150 prompt tokens, max_num_batched_tokens=64: three prefill chunks; longer than
-        # Gemma's 64-token sliding window.
-        Request(prompt_token_ids=token_prompt(2, 150), sampling=greedy(4), capture=ALL_HOOKS),
+        # the 64-token sliding windows (Gemma 2/3, Starcoder2, gpt-oss).
+        Request(prompt_token_ids=token_prompt(2, 150), sampling=greedy(4), capture=every),
     ])
     for res in results:
         caps = res.captures
-        assert sorted(caps.tensors) == sorted((h, layer) for h in HOOKS for layer in range(LAYERS))
+        assert sorted(caps.tensors) == sorted((h, layer) for h in hooks for layer in range(LAYERS))
         np.testing.assert_array_equal(caps.positions, np.arange(len(fed_tokens(res))))
         assert assert_matches_hf(hf_models[engine_name], res) > 0
+
+
+@pytest.mark.parametrize("engine_name", PARALLEL)
+def test_parallel_block_refuses_resid_mid_by_name(engine_pool, model_dirs, hf_models,
+                                                  engine_name):
+    """No stream exists between a parallel block's sublayers: capture or steering of
+    resid_mid is refused with the reason, by the engine and by the HF reference alike,
+    and resid_post = resid_pre + attn_out + mlp_out holds."""
+    engine = capsteer_engine(engine_pool, model_dirs, engine_name)
+    prompt = token_prompt(3, 10)
+    with pytest.raises(SpecError, match="parallel block") as info:
+        engine.generate([Request(prompt_token_ids=prompt, sampling=greedy(2),
+                                 capture={"hooks": ["resid_pre", "post_attn"], "layers": "all"})])
+    assert info.value.field == "capture.hooks.resid_mid"
+    with pytest.raises(SteeringSpecError, match="parallel block") as info:
+        engine.generate([Request(prompt_token_ids=prompt, sampling=greedy(2),
+                                 steering=_steering("resid_mid", 1))])
+    assert info.value.field == "steering.vectors[0].hook"
+    # A payload that went around the front ends' check: the worker refuses it too (the
+    # capture ends with the reason, the steering is not applied), never a silent no-op.
+    checked, engine.unavailable = engine.unavailable, {}
+    try:
+        plain, captured, steered = engine.generate([
+            Request(prompt_token_ids=prompt, sampling=greedy(4)),
+            Request(prompt_token_ids=prompt, sampling=greedy(4),
+                    capture={"hooks": ["resid_mid", "resid_pre"], "layers": "all"}),
+            Request(prompt_token_ids=prompt, sampling=greedy(4),
+                    steering=_steering("resid_mid", 1))])
+    finally:
+        engine.unavailable = checked
+    assert captured.captures.error is not None and "parallel block" in captured.captures.error
+    assert not captured.captures.tensors
+    assert captured.token_ids == steered.token_ids == plain.token_ids
+    spec = parse_steering_spec(_steering("resid_mid", 1), num_layers=LAYERS, hidden_size=HIDDEN)
+    with pytest.raises(ValueError, match="parallel block"):
+        hf_greedy(hf_models[engine_name], prompt, 1, steering=spec)
+    ref = hf_activations(hf_models[engine_name], prompt)
+    for layer in range(LAYERS):
+        assert ("resid_mid", layer) not in ref
+        torch.testing.assert_close(ref[("resid_post", layer)], ref[("resid_pre", layer)]
+                                   + ref[("attn_out", layer)] + ref[("mlp_out", layer)],
+                                   atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("engine_name", STREAM_ONLY)
+def test_a_model_without_a_family_row_offers_the_stream_only(engine_pool, model_dirs,
+                                                               engine_name):
+    """An architecture without a row that vLLM serves through its Transformers backend
+    starts (its canary passed) with resid_pre / resid_post; asking for a sublayer or
+    resid_mid is refused with the reason."""
+    engine = capsteer_engine(engine_pool, model_dirs, engine_name)
+    assert sorted(engine.unavailable) == ["attn_out", "mlp_out", "resid_mid"]
+    prompt = token_prompt(4, 10)
+    for hook in ("attn_out", "mlp_out", "resid_mid"):
+        with pytest.raises(SpecError, match="Transformers backend") as info:
+            engine.generate([Request(prompt_token_ids=prompt, sampling=greedy(2),
+                                     capture={"hooks": [hook], "layers": "all"})])
+        assert info.value.field == f"capture.hooks.{hook}"
+        with pytest.raises(SteeringSpecError, match="PhiForCausalLM"):
+            engine.generate([Request(prompt_token_ids=prompt, sampling=greedy(2),
+                                     steering=_steering(hook, 1))])
+    checked, engine.unavailable = engine.unavailable, {}  # as a payload around the front end
+    try:
+        (res,) = engine.generate([Request(prompt_token_ids=prompt, sampling=greedy(2),
+                                          capture={"hooks": ["mlp_out"], "layers": [3]})])
+    finally:
+        engine.unavailable = checked
+    assert res.captures.error is not None and "mlp_out is not offered" in res.captures.error
+    assert "attn_out" not in res.captures.error  # only the hooks it asked for
 
 
 def _steering(hook: str, layer: int) -> dict:
@@ -62,7 +151,7 @@ def _steering(hook: str, layer: int) -> dict:
                          "scale": 8.0}]}
 
 
-@pytest.mark.parametrize("engine_name", FAMILIES)
+@pytest.mark.parametrize("engine_name", FAMILIES + STREAM_ONLY_FAMILIES)
 def test_add_steering_equals_hf_hook(engine_pool, model_dirs, hf_models, engine_name):
     """At every kind of point: the same 32 greedy tokens as an HF forward hook adding the
     same vector, top-5 log-probs within 1e-3; then teacher-forced, so a near tie can
@@ -70,20 +159,21 @@ def test_add_steering_equals_hf_hook(engine_pool, model_dirs, hf_models, engine_
     log-prob of each fed token within 1e-3 of HF's."""
     engine = capsteer_engine(engine_pool, model_dirs, engine_name)
     hf = hf_models[engine_name]
+    points = _steer_points(engine)
     prompt = token_prompt(21, 9)
     sampling = greedy(MAX_TOKENS, logprobs=5)
     plain, *steered = engine.generate(
         [Request(prompt_token_ids=prompt, sampling=sampling)]
         + [Request(prompt_token_ids=prompt, sampling=sampling, steering=_steering(h, layer))
-           for h, layer in STEER_POINTS])
+           for h, layer in points])
     references = [hf_greedy(hf, prompt, MAX_TOKENS, steering=parse_steering_spec(
-        _steering(h, layer), num_layers=LAYERS, hidden_size=HIDDEN)) for h, layer in STEER_POINTS]
+        _steering(h, layer), num_layers=LAYERS, hidden_size=HIDDEN)) for h, layer in points]
     forced = engine.generate([
         Request(prompt_token_ids=prompt + ref_tokens,
                 sampling={"max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0},
                 steering=_steering(h, layer))
-        for (h, layer), (ref_tokens, _) in zip(STEER_POINTS, references, strict=True)])
-    for point, res, (ref_tokens, ref_lps), tf in zip(STEER_POINTS, steered, references, forced,
+        for (h, layer), (ref_tokens, _) in zip(points, references, strict=True)])
+    for point, res, (ref_tokens, ref_lps), tf in zip(points, steered, references, forced,
                                                       strict=True):
         for step, (token, ref_lp) in enumerate(zip(ref_tokens, ref_lps, strict=True)):
             got = tf.prompt_logprobs[len(prompt) + step][token]

@@ -37,15 +37,16 @@ def engine_process_started(proc: subprocess.CompletedProcess) -> bool:
 
 
 @pytest.fixture(scope="module")
-def gpt2_dir(tmp_path_factory, model_dirs) -> str:
+def unknown_dir(tmp_path_factory, model_dirs) -> str:
+    """A GPT-J checkpoint: vLLM serves it natively; capsteer has no family row for it."""
     import transformers
 
-    out = tmp_path_factory.mktemp("gpt2")
+    out = tmp_path_factory.mktemp("gptj")
     tok = transformers.AutoTokenizer.from_pretrained(model_dirs["qwen3"])
     tok.save_pretrained(out)
-    cfg = transformers.GPT2Config(vocab_size=len(tok), n_embd=128, n_layer=2, n_head=4,
-                                  n_positions=512, eos_token_id=tok.eos_token_id)
-    transformers.GPT2LMHeadModel(cfg).save_pretrained(out)
+    cfg = transformers.GPTJConfig(vocab_size=len(tok), n_embd=128, n_layer=2, n_head=4,
+                                  rotary_dim=16, n_positions=512, eos_token_id=tok.eos_token_id)
+    transformers.GPTJForCausalLM(cfg).save_pretrained(out)
     return str(out)
 
 
@@ -62,7 +63,7 @@ FEATURE_CASES = {
 
 
 @pytest.fixture(scope="module")
-def refused(tmp_path_factory, gpt2_dir) -> dict[str, subprocess.CompletedProcess]:
+def refused(tmp_path_factory, unknown_dir) -> dict[str, subprocess.CompletedProcess]:
     """Every refused start of this module, run four at a time: each is a Python process
     that imports vLLM and exits at its config step, ~10 s apiece in a row."""
     from capsteer.demo_model import write_demo_model
@@ -71,7 +72,7 @@ def refused(tmp_path_factory, gpt2_dir) -> dict[str, subprocess.CompletedProcess
     models = {family: str(write_demo_model(root / family, family, seed=1))
               for family in ("jamba", "bert", "qwen3_moe", "olmo2", "qwen3")}
     runs: dict[str, tuple[list[str], Path]] = {
-        "gpt2": (engine_argv(gpt2_dir), root),
+        "unknown": (engine_argv(unknown_dir), root),
         "engine-jamba": (engine_argv(models["jamba"]), root),
         "engine-bert": (engine_argv(models["bert"]), root),
     }
@@ -101,10 +102,10 @@ def refused(tmp_path_factory, gpt2_dir) -> dict[str, subprocess.CompletedProcess
 
 
 def test_unsupported_architecture_is_refused(refused):
-    proc = refused["gpt2"]
+    proc = refused["unknown"]
     assert "ENGINE STARTED" not in proc.stdout
     assert proc.returncode != 0
-    assert "capsteer cannot hook architecture GPT2LMHeadModel" in proc.stdout + proc.stderr
+    assert "capsteer cannot hook architecture GPTJForCausalLM" in proc.stdout + proc.stderr
     assert not engine_process_started(proc)  # refused at vLLM's config step, no weights loaded
 
 

@@ -178,3 +178,21 @@ def test_a_resumed_job_must_hold_only_this_inputs_ids(tmp_path):
     check_resumed_ids(tmp_path, {"1", "3"}, {"1", "3", "4"})
     with pytest.raises(ValueError, match=r"1 request id\(s\) this input does not have \(e.g. '2'\)"):
         check_resumed_ids(tmp_path, {"1", "2"}, {"1", "3"})
+
+
+def test_a_job_asking_for_a_hook_the_model_lacks_is_refused_before_any_engine(tmp_path):
+    """Cohere's parallel block has no resid_mid: the job stops at its spec, naming the
+    hook and why, before an engine (and its start-up) is made."""
+    from capsteer.capture.spec import SpecError
+    from capsteer.demo_model import DemoShape, write_demo_model
+    from capsteer.extraction.local import extract
+
+    shape = DemoShape(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
+                      intermediate_size=96, vocab_size=300)
+    model = write_demo_model(tmp_path / "cohere", "cohere", seed=1, shape=shape)
+    (tmp_path / "in.jsonl").write_text('{"id": "a", "prompt": "hello"}\n')
+    with pytest.raises(SpecError, match="parallel block") as info:
+        extract(str(model), tmp_path / "in.jsonl", tmp_path / "job",
+                hooks=["resid_pre", "resid_mid"], progress=False)
+    assert info.value.field == "capture.hooks.resid_mid"
+    assert not (tmp_path / "job").exists()

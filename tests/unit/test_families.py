@@ -11,11 +11,12 @@ from capsteer.engine_ext.runtime import hook_point, site_count
 from capsteer.hooks import HOOKS
 
 
-def _coverage(family: families.Family, materialized: bool, num_layers: int) -> dict:
+def _coverage(family: families.Family, materialized: bool, num_layers: int,
+              parallel: bool = False) -> dict:
     """(kind, site) -> how many taps read it."""
     seen: dict[tuple[int, int], int] = {}
     placed = [(2 * layer + tap.offset, tap) for layer in range(num_layers)
-              for tap in families.layer_taps(family, materialized)]
+              for tap in families.layer_taps(family, materialized, parallel)]
     placed.append((2 * num_layers, families.final_tap(family, materialized)))
     for site, tap in placed:
         for kind in (families.SUB, families.STREAM):
@@ -27,12 +28,36 @@ def _coverage(family: families.Family, materialized: bool, num_layers: int) -> d
 @pytest.mark.parametrize("family", families.FAMILIES, ids=lambda f: f.name)
 @pytest.mark.parametrize("materialized", [False, True], ids=["deferred", "materialized"])
 def test_every_hook_is_read_exactly_once(family, materialized):
+    """...and a parallel block's resid_mid by none (it is refused by name instead)."""
     num_layers = 3
-    seen = _coverage(family, materialized, num_layers)
+    parallel = family.parallel is not False
+    seen = _coverage(family, materialized, num_layers, parallel)
+    missing = families.unavailable_hooks(family, _Config(use_parallel_residual=True))
+    assert set(missing) == ({"resid_mid"} if parallel else set())
     for hook in HOOKS:
         for layer in range(num_layers):
-            assert seen.get(hook_point(hook, layer)) == 1, (hook, layer)
+            assert seen.get(hook_point(hook, layer), 0) == (hook not in missing), (hook, layer)
     assert all(site < site_count(num_layers) for _, site in seen)
+
+
+class _Config:
+    """An HF config's attributes, as `is_parallel` reads them."""
+
+    def __init__(self, **attrs: object) -> None:
+        self.__dict__.update(attrs)
+
+
+def test_parallel_residual_follows_the_checkpoint():
+    neox = families.family_for("GPTNeoXForCausalLM")
+    assert families.is_parallel(neox, _Config(use_parallel_residual=True))
+    assert not families.is_parallel(neox, _Config(use_parallel_residual=False))
+    assert families.unavailable_hooks(neox, _Config(use_parallel_residual=False)) == {}
+    cohere = families.family_for("CohereForCausalLM")
+    reason = families.unavailable_hooks(cohere, _Config())["resid_mid"]
+    assert "parallel block" in reason and "resid_post = resid_pre + attn_out + mlp_out" in reason
+    assert families.hf_modules(cohere, parallel=True)["resid_mid"] is None
+    with pytest.raises(ValueError, match="parallel block"):
+        families.layer_taps(families.family_for("LlamaForCausalLM"), False, parallel=True)
 
 
 def test_layouts_read_the_documented_modules():
@@ -70,5 +95,71 @@ def test_refusals_name_the_reason(arch, kind):
 
 
 def test_unknown_architecture_has_no_row_and_no_named_refusal():
-    assert families.family_for("GPT2LMHeadModel") is None
-    assert families.refusal_reason("GPT2LMHeadModel") is None
+    assert families.family_for("BloomForCausalLM") is None
+    assert families.refusal_reason("BloomForCausalLM") is None
+
+
+def test_a_parallel_blocks_resid_mid_is_a_400_and_listed_as_unavailable():
+    """What the server does with a hook the model lacks: the request's field names it (a
+    400 with the reason), and /v1/capsteer/hooks lists no layers for it, with the reason."""
+    import torch
+
+    from capsteer.engine_ext.vllm.topology import ServedModel
+    from capsteer.server.fields import FieldError, ModelShape, parse_hook_fields
+    from capsteer.server.routes import hook_entries
+
+    cohere = families.family_for("CohereForCausalLM")
+    missing = families.unavailable_hooks(cohere, _Config())
+    shape = ModelShape(4, 8, 512, 4, missing)
+
+    def fields(body: dict):
+        return parse_hook_fields(body, shape, lookup=None, default_layout="packed",
+                                 capture_default=None)
+
+    assert fields({"capture": {"hooks": ["resid_pre", "attn_out", "mlp_out", "resid_post"]}})
+    for hooks in (["resid_pre", "resid_mid"], ["post_attn"], {"resid_mid": [1]}):
+        with pytest.raises(FieldError, match="parallel block") as info:
+            fields({"capture": {"hooks": hooks}})
+        assert info.value.field == "capture.hooks.resid_mid"
+    with pytest.raises(FieldError, match="parallel block") as info:
+        fields({"steering": {"vectors": [{"hook": "resid_pre", "layer": 0, "vector": [0.0] * 8},
+                                         {"hook": "post_attn", "layer": 0,
+                                          "vector": [1.0] * 8}]}})
+    assert info.value.field == "steering.vectors[1].hook"
+    served = ServedModel("m", 4, 8, 512, torch.float32, "CohereForCausalLM", cohere, missing)
+    entries = {e["name"]: e for e in hook_entries(served)}
+    assert entries["resid_mid"]["layers"] == [] and entries["resid_mid"]["hf_module"] is None
+    assert "parallel block" in entries["resid_mid"]["unavailable"]
+    for hook in ("resid_pre", "attn_out", "mlp_out", "resid_post"):
+        assert entries[hook]["layers"] == [0, 1, 2, 3] and "unavailable" not in entries[hook]
+    assert entries["attn_out"]["hf_module"] == "model.layers[L].self_attn output"
+    gpt2 = families.family_for("GPT2LMHeadModel")
+    plain = {e["name"]: e for e in hook_entries(
+        ServedModel("m", 2, 8, 512, torch.float32, "GPT2LMHeadModel", gpt2))}
+    assert plain["resid_mid"]["layers"] == [0, 1]
+    assert plain["resid_mid"]["hf_module"] == "transformer.h[L].ln_2 input"
+
+
+def test_the_stream_only_layout_reads_each_stream_site_once():
+    """A model without a row that the Transformers backend runs: every layer's input is
+    resid_pre, the last layer's output resid_post; its sublayers and resid_mid are
+    refused by name, as the architecture without a row served natively is refused."""
+    from capsteer.engine_ext.vllm.refusals import architecture_problem
+
+    stream = families.TRANSFORMERS_STREAM
+    num_layers = 3
+    placed = [(2 * layer + tap.offset, tap) for layer in range(num_layers)
+              for tap in families.layer_taps(stream, True)]
+    placed.append((2 * num_layers, families.final_tap(stream, True)))
+    assert [(site, tap.read) for site, tap in placed] == [(0, "input"), (2, "input"),
+                                                          (4, "input"), (6, "output")]
+    missing = families.unavailable_hooks(stream, _Config(architectures=["PhiForCausalLM"]))
+    assert sorted(missing) == ["attn_out", "mlp_out", "resid_mid"]
+    assert "not offered for PhiForCausalLM" in missing["attn_out"]
+    assert families.unavailable_hooks_of(_Config(architectures=["PhiForCausalLM"]), True) \
+        == missing
+    assert families.unavailable_hooks_of(_Config(architectures=["PhiForCausalLM"])) == {}
+    assert families.hf_modules(stream)["attn_out"] is None
+    assert architecture_problem("PhiForCausalLM", None, transformers_backend=True) is None
+    assert "no hook layout" in architecture_problem("PhiForCausalLM", None)
+    assert "hybrid" in architecture_problem("JambaForCausalLM", None, transformers_backend=True)

@@ -192,11 +192,11 @@ def test_version_and_architecture_refused():
     with pytest.raises(UnsupportedError, match=r"supports vLLM 0\.26\.x and 0\.32\.x"):
         check_vllm_version("0.30.1")
 
-    class GPT2LMHeadModel(nn.Module):
+    class GPTJForCausalLM(nn.Module):
         pass
 
-    with pytest.raises(UnsupportedError, match="cannot hook architecture GPT2LMHeadModel"):
-        check_architecture(GPT2LMHeadModel())
+    with pytest.raises(UnsupportedError, match="cannot hook architecture GPTJForCausalLM"):
+        check_architecture(GPTJForCausalLM())
 
 
 def test_the_launching_process_refuses_from_vllms_resolved_config():
@@ -215,7 +215,12 @@ def test_the_launching_process_refuses_from_vllms_resolved_config():
     assert config_architecture_problem(config("LlamaForCausalLM")) is None
     assert config_architecture_problem(config(None)) is None  # cannot tell: the workers check
     assert config_architecture_problem(SimpleNamespace()) is None
-    assert "GPT2LMHeadModel: no hook layout" in config_architecture_problem(config("GPT2LMHeadModel"))
+    assert "GPTJForCausalLM: no hook layout" in config_architecture_problem(config("GPTJForCausalLM"))
+    # without a row but run by vLLM's Transformers backend: the stream-only layout
+    backend = config("PhiForCausalLM")
+    backend._model_info.architecture = "TransformersForCausalLM"
+    assert config_architecture_problem(backend) is None
+    assert "no hook layout" in config_architecture_problem(config("PhiForCausalLM"))
     assert "LlamaForCausalLM: hybrid state-space model" in config_architecture_problem(
         config("LlamaForCausalLM", is_hybrid=True))  # a marker refuses a known name too
     assert "LlamaForCausalLM: multimodal model" in config_architecture_problem(
@@ -259,7 +264,7 @@ def test_the_launching_process_refuses_engine_features_from_the_config():
     assert "granite family under pipeline parallelism" in engine_config_problem(
         config("GraniteForCausalLM", pipeline_parallel_size=2))
     assert engine_config_problem(config("GraniteForCausalLM")) is None
-    assert "no hook layout" in engine_config_problem(config("GPT2LMHeadModel"))
+    assert "no hook layout" in engine_config_problem(config("GPTJForCausalLM"))
     # data parallelism: served, a dense model passes (its engines reach the workers as
     # DP=1 engines) and a mixture-of-experts model is refused, as its workers would
     served = {"frontend": "server"}
@@ -272,7 +277,7 @@ def test_the_launching_process_refuses_engine_features_from_the_config():
         config(section=served, data_parallel_size=2, data_parallel_backend="ray"))
     # the workers' order: a feature before the architecture
     assert "speculative decoding" in engine_config_problem(
-        config("GPT2LMHeadModel", speculative=object()))
+        config("GPTJForCausalLM", speculative=object()))
     # vLLM's Transformers backend materializes every family, as in the workers
     backend = config(pipeline_parallel_size=2)
     backend.model_config._model_info.architecture = "TransformersForCausalLM"
