@@ -18,7 +18,6 @@ import json
 import os
 import re
 import struct
-import tempfile
 import threading
 import time
 from collections import OrderedDict
@@ -38,12 +37,12 @@ from capsteer.steering.formats import (
     decode_vectors,
 )
 from capsteer.steering.spec import SteeringSpecError
+from capsteer.steering.store import fsync_dir, publish_atomic, remove_stale_temps
 
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 SUFFIX = ".safetensors"
 FILE_KIND = "capsteer-steering-vector/1"
 _LAYER_TENSOR_RE = re.compile(r"layer\.(\d{1,6})")
-_STALE_TMP_SECONDS = 3600.0
 
 
 class VectorNameError(errors.InvalidInput, ValueError):
@@ -91,7 +90,7 @@ class VectorRegistry:
         self._cache: OrderedDict[str, tuple[tuple, _Stored]] = OrderedDict()
         self._cache_entries = cache_entries
         self._lock = threading.Lock()
-        self._remove_stale_temp_files()
+        remove_stale_temps(self.root)
 
     # --- public API ---------------------------------------------------------------
 
@@ -125,7 +124,8 @@ class VectorRegistry:
         }
         from safetensors.numpy import save
 
-        self._write_atomic(path, save(tensors, metadata=metadata))
+        blob = save(tensors, metadata=metadata)
+        publish_atomic(self.root, path, lambda tmp: Path(tmp).write_bytes(blob))
         return self.info(name)
 
     def get(self, name: str) -> DecodedVectors:
@@ -178,7 +178,7 @@ class VectorRegistry:
         finally:
             with self._lock:
                 self._cache.pop(name, None)
-        self._fsync_dir()
+        fsync_dir(self.root)
         return True
 
     def lookup(self, name: str) -> np.ndarray | Mapping[int, np.ndarray]:
@@ -293,43 +293,6 @@ class VectorRegistry:
             return f"vector {name!r}: stored values are not all finite (damaged file?)"
         return None
 
-    def _write_atomic(self, path: Path, blob: bytes) -> None:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".tmp", dir=self.root)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(blob)
-                f.flush()
-                os.fsync(f.fileno())
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-            raise
-        self._fsync_dir()
-
-    def _fsync_dir(self) -> None:
-        fd = os.open(self.root, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-        try:
-            os.fsync(fd)
-        except OSError:  # some filesystems cannot fsync a directory; the rename stands
-            pass
-        finally:
-            os.close(fd)
-
-    def _remove_stale_temp_files(self) -> None:
-        """Temp files left by a writer that died; young ones may still be in use."""
-        cutoff = time.time() - _STALE_TMP_SECONDS
-        with os.scandir(self.root) as entries:
-            for entry in entries:
-                if entry.name.startswith(".") and entry.name.endswith(".tmp"):
-                    try:
-                        if entry.stat().st_mtime < cutoff:
-                            os.unlink(entry.path)
-                    except OSError:
-                        pass
 
 
 def _norm(vec: np.ndarray) -> float:

@@ -54,10 +54,10 @@ from capsteer.steering.readers.sae import (
     remove_tree,
 )
 from capsteer.steering.registry import NAME_RE
+from capsteer.steering.store import fsync_dir, publish_atomic, remove_stale_temps
 
 SUFFIX = ".safetensors"
 FILE_KIND = "capsteer-reader/1"
-_STALE_TMP_SECONDS = 3600.0
 _HEADER_LIMIT = 100_000_000
 
 
@@ -111,7 +111,7 @@ class ReaderRegistry:
         self._cache: OrderedDict[str, tuple[tuple, dict[str, Any]]] = OrderedDict()
         self._cache_entries = cache_entries
         self._lock = threading.Lock()
-        self._remove_stale_temp_files()
+        remove_stale_temps(self.root, remove_tree)
 
     # --- public API ---------------------------------------------------------------
 
@@ -179,7 +179,10 @@ class ReaderRegistry:
                     "created": repr(time.time()), "sha256": digest,
                     "d_in": str(self.hidden_size), "outputs": str(outputs),
                     "config": json.dumps(config)}
-        self._write_atomic(path, {k: v.contiguous() for k, v in tensors.items()}, metadata)
+        from safetensors.torch import save_file  # torch's writer; only puts need it
+
+        contiguous = {k: v.contiguous() for k, v in tensors.items()}
+        publish_atomic(self.root, path, lambda tmp: save_file(contiguous, tmp, metadata=metadata))
         return self.info(name)
 
     def info(self, name: str) -> dict[str, Any]:
@@ -258,7 +261,7 @@ class ReaderRegistry:
         with self._lock:
             self._cache.pop(name, None)
         if found:
-            self._fsync_dir()
+            fsync_dir(self.root)
         return found
 
     # --- internals ----------------------------------------------------------------
@@ -338,49 +341,6 @@ class ReaderRegistry:
                     sha256=_dir_identity(directory))
         return info
 
-    def _write_atomic(self, path: Path, tensors: dict[str, torch.Tensor],
-                      metadata: dict[str, str]) -> None:
-        from safetensors.torch import save_file  # torch's writer; only puts need it
-
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".tmp", dir=self.root)
-        os.close(fd)
-        try:
-            save_file(tensors, tmp, metadata=metadata)
-            with open(tmp, "rb+") as f:
-                os.fsync(f.fileno())
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-            raise
-        self._fsync_dir()
-
-    def _fsync_dir(self) -> None:
-        fd = os.open(self.root, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-        try:
-            os.fsync(fd)
-        except OSError:  # some filesystems cannot fsync a directory; the rename stands
-            pass
-        finally:
-            os.close(fd)
-
-    def _remove_stale_temp_files(self) -> None:
-        """Temp files and scratch directories left by a writer that died."""
-        cutoff = time.time() - _STALE_TMP_SECONDS
-        with os.scandir(self.root) as entries:
-            for entry in entries:
-                if entry.name.startswith(".") and entry.name.endswith(".tmp"):
-                    try:
-                        if entry.stat(follow_symlinks=False).st_mtime < cutoff:
-                            if entry.is_dir(follow_symlinks=False):
-                                remove_tree(Path(entry.path))
-                            else:
-                                os.unlink(entry.path)
-                    except OSError:
-                        pass
 
 
 def _head(path: Path, n: int = 4096) -> bytes:

@@ -14,6 +14,8 @@ import torch
 from sae_lens import JumpReLUSAE, JumpReLUSAEConfig, TopKSAE, TopKSAEConfig
 from safetensors.numpy import save as st_save
 
+from tests.upload_bodies import npy_bytes, npz_bytes, pt_bytes
+
 from .helpers import ADMIN_KEY
 
 pytestmark = [pytest.mark.server, pytest.mark.uses_engine("server")]
@@ -23,30 +25,15 @@ W = np.random.default_rng(0).standard_normal((3, HIDDEN)).astype(np.float32)
 B = np.arange(3, dtype=np.float32)
 
 
-def _npz(**arrays) -> bytes:
-    buf = io.BytesIO()
-    np.savez(buf, **arrays)
-    return buf.getvalue()
 
-
-def _pt(obj) -> bytes:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
-
-
-def _npy(arr) -> bytes:
-    buf = io.BytesIO()
-    np.save(buf, arr)
-    return buf.getvalue()
 
 
 PROBES = {
     "safetensors": lambda: st_save({"weight": W, "bias": B}),
-    "npz": lambda: _npz(weight=W, bias=B),
-    "npz-sklearn": lambda: _npz(coef_=W, intercept_=B),
-    "pt": lambda: _pt({"weight": torch.from_numpy(W), "bias": torch.from_numpy(B)}),
-    "npy": lambda: _npy(W),
+    "npz": lambda: npz_bytes(weight=W, bias=B),
+    "npz-sklearn": lambda: npz_bytes(coef_=W, intercept_=B),
+    "pt": lambda: pt_bytes({"weight": torch.from_numpy(W), "bias": torch.from_numpy(B)}),
+    "npy": lambda: npy_bytes(W),
     "json": lambda: json.dumps({"weight": W.tolist(), "bias": B.tolist(),
                                 "names": ["a", "b", "c"], "activation": "softmax"}).encode(),
 }
@@ -104,11 +91,11 @@ def test_sae_archive_round_trip(server, http, tmp_path, fmt):
 
 
 BAD = {
-    "wrong-width": (lambda: _npz(weight=np.zeros((2, HIDDEN + 1), np.float32)), "weight"),
+    "wrong-width": (lambda: npz_bytes(weight=np.zeros((2, HIDDEN + 1), np.float32)), "weight"),
     "nan": (lambda: json.dumps({"weight": [[float("nan")] * HIDDEN]}).encode(), "weight"),
     "inf-bias": (lambda: st_save({"weight": W, "bias": np.array([0, np.inf, 0], np.float32)}),
                  "bias"),
-    "activation": (lambda: _npz(weight=W, activation=np.array("tanh")), "activation"),
+    "activation": (lambda: npz_bytes(weight=W, activation=np.array("tanh")), "activation"),
     "garbage": (lambda: b"\x00garbage", "body"),
     "empty": (lambda: b"", "body"),
 }

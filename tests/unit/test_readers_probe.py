@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import time
@@ -21,6 +20,7 @@ from capsteer.steering.readers.registry import (
     ReaderRegistry,
     ReaderRegistryError,
 )
+from tests.upload_bodies import npy_bytes, npz_bytes, pt_bytes
 
 D = 12
 RNG = np.random.default_rng(0)
@@ -32,22 +32,7 @@ def _registry(tmp_path, hidden: int = D) -> ReaderRegistry:
     return ReaderRegistry(tmp_path / "readers", hidden_size=hidden)
 
 
-def _npz(**arrays) -> bytes:
-    buf = io.BytesIO()
-    np.savez(buf, **arrays)
-    return buf.getvalue()
 
-
-def _pt(obj) -> bytes:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
-
-
-def _npy(arr) -> bytes:
-    buf = io.BytesIO()
-    np.save(buf, arr)
-    return buf.getvalue()
 
 
 UPLOADS = {
@@ -55,10 +40,10 @@ UPLOADS = {
                                     metadata={"activation": "softmax",
                                               "names": json.dumps(["a", "b", "c"])}),
                     "softmax", ("a", "b", "c")),
-    "npz": (lambda: _npz(weight=W, bias=B, names=np.array(["a", "b", "c"])), "none",
+    "npz": (lambda: npz_bytes(weight=W, bias=B, names=np.array(["a", "b", "c"])), "none",
             ("a", "b", "c")),
-    "npz-sklearn": (lambda: _npz(coef_=W, intercept_=B), "none", None),
-    "pt": (lambda: _pt({"weight": torch.from_numpy(W), "bias": torch.from_numpy(B)}), "none",
+    "npz-sklearn": (lambda: npz_bytes(coef_=W, intercept_=B), "none", None),
+    "pt": (lambda: pt_bytes({"weight": torch.from_numpy(W), "bias": torch.from_numpy(B)}), "none",
            None),
     "json": (lambda: json.dumps({"weight": W.tolist(), "bias": B.tolist(),
                                  "names": ["a", "b", "c"], "activation": "sigmoid"}).encode(),
@@ -84,7 +69,7 @@ def test_probe_uploads_round_trip_exactly(tmp_path, fmt):
 
 def test_npy_is_a_weight_without_bias(tmp_path):
     registry = _registry(tmp_path)
-    info = registry.put("v", _npy(W[0]), activation="sigmoid")
+    info = registry.put("v", npy_bytes(W[0]), activation="sigmoid")
     assert info["outputs"] == 1 and info["activation"] == "sigmoid"
     probe = registry.get("v")
     assert probe.weight.shape == (1, D) and torch.equal(probe.bias, torch.zeros(1))
@@ -118,7 +103,7 @@ def test_scikit_learn_logistic_regression_scores_as_predict_proba(tmp_path, n_cl
     model, x = _fit(n_classes)
     activation = "sigmoid" if n_classes == 2 else "softmax"
     if how == "npz":
-        blob = _npz(coef_=model.coef_, intercept_=model.intercept_, classes_=model.classes_)
+        blob = npz_bytes(coef_=model.coef_, intercept_=model.intercept_, classes_=model.classes_)
     else:
         blob = json.dumps({"coef_": model.coef_.tolist(), "intercept_": model.intercept_.tolist(),
                            "classes_": model.classes_.tolist()}).encode()
@@ -140,19 +125,19 @@ def test_scikit_learn_logistic_regression_scores_as_predict_proba(tmp_path, n_cl
 
 BAD = {
     "wide": (lambda: json.dumps({"weight": np.zeros((2, D + 1)).tolist()}).encode(), "weight"),
-    "nan-weight": (lambda: _npz(weight=np.full((2, D), np.nan)), "weight"),
+    "nan-weight": (lambda: npz_bytes(weight=np.full((2, D), np.nan)), "weight"),
     "inf-bias": (lambda: st_save({"weight": W, "bias": np.array([1, np.inf, 0], np.float32)}),
                  "bias"),
-    "bias-shape": (lambda: _npz(weight=W, bias=np.zeros(5)), "bias"),
-    "no-weight": (lambda: _npz(other=W), "weight"),
-    "both-keys": (lambda: _npz(weight=W, coef_=W), "weight"),
+    "bias-shape": (lambda: npz_bytes(weight=W, bias=np.zeros(5)), "bias"),
+    "no-weight": (lambda: npz_bytes(other=W), "weight"),
+    "both-keys": (lambda: npz_bytes(weight=W, coef_=W), "weight"),
     "names-count": (lambda: json.dumps({"weight": W.tolist(), "names": ["a"]}).encode(),
                     "names"),
     "activation": (lambda: json.dumps({"weight": W.tolist(), "activation": "tanh"}).encode(),
                    "activation"),
     "unknown-key": (lambda: json.dumps({"weight": W.tolist(), "scale": 2}).encode(), "scale"),
-    "3d": (lambda: _npy(np.zeros((2, 2, D))), "weight"),
-    "pickle": (lambda: _pt({"weight": torch.from_numpy(W), "note": object()}), "body"),
+    "3d": (lambda: npy_bytes(np.zeros((2, 2, D))), "weight"),
+    "pickle": (lambda: pt_bytes({"weight": torch.from_numpy(W), "note": object()}), "body"),
     "garbage": (lambda: b"\x00\x01not a probe at all", "body"),
 }
 
@@ -171,24 +156,24 @@ def test_names_formats_and_missing_entries(tmp_path):
     registry = _registry(tmp_path)
     for bad in ("", "../x", "a/b", ".hidden", "x.tmp", "a" * 65):
         with pytest.raises(ReaderNameError):
-            registry.put(bad, _npy(W[0]))
+            registry.put(bad, npy_bytes(W[0]))
     with pytest.raises(ReaderNotFoundError) as err:
         registry.get("absent")
     assert err.value.status == 404 and isinstance(err.value, KeyError)
     with pytest.raises(KeyError):
         registry.lookup("../etc")
     with pytest.raises(ReaderFormatError) as fmt_err:
-        registry.put("x", _npy(W[0]), fmt="pickle")
+        registry.put("x", npy_bytes(W[0]), fmt="pickle")
     assert fmt_err.value.param == "format"
     assert sniff_format(b"{\"weight\": [1]}") == "json"
 
 
 def test_registry_is_the_directory_and_publishes_atomically(tmp_path):
     registry = _registry(tmp_path)
-    registry.put("a", _npz(weight=W, bias=B))
+    registry.put("a", npz_bytes(weight=W, bias=B))
     other = _registry(tmp_path)  # another process on the same directory
     assert other.names() == ["a"] and torch.equal(other.get("a").weight, torch.from_numpy(W))
-    registry.put("a", _npy(W[1]))  # replaced: the other process sees the new one
+    registry.put("a", npy_bytes(W[1]))  # replaced: the other process sees the new one
     assert other.info("a")["outputs"] == 1
     assert sorted(os.listdir(registry.root)) == ["a.safetensors"]  # no temp files left
     assert [i["name"] for i in other.list()] == ["a"]
@@ -198,7 +183,7 @@ def test_registry_is_the_directory_and_publishes_atomically(tmp_path):
 
 
 def test_a_reader_for_another_width_is_described_but_refused(tmp_path):
-    _registry(tmp_path).put("narrow", _npz(weight=W))
+    _registry(tmp_path).put("narrow", npz_bytes(weight=W))
     wide = _registry(tmp_path, hidden=D * 2)
     info = wide.info("narrow")
     assert info["d_in"] == D and "hidden size" in info["error"]
@@ -210,8 +195,8 @@ def test_a_reader_for_another_width_is_described_but_refused(tmp_path):
 
 def test_replaced_reader_is_detected_by_its_sha256(tmp_path):
     registry = _registry(tmp_path)
-    shape = registry.put("r", _npy(W[0])) and registry.shape("r")
-    registry.put("r", _npy(W[1]))
+    shape = registry.put("r", npy_bytes(W[0])) and registry.shape("r")
+    registry.put("r", npy_bytes(W[1]))
     with pytest.raises(ReaderRegistryError, match="replaced"):
         registry.get("r", sha256=shape.sha256)
 
