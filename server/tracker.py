@@ -12,8 +12,8 @@ the writer that reached it: for captures whose request ended ASK_AFTER_S ago and
 still have no manifest, the poller asks the engine's workers (at most once per
 ASK_AFTER_S) and resolves them from the answer, so every receipt is final within
 about 2 × ASK_AFTER_S of the writer giving up. Those receipts are kept here for
-`GET /v1/captures/{id}` until the writer manages to write them to disk. Under several API server
-processes each has its own table and budget; `peers` lets a receipt lookup in one
+`GET /v1/captures/{id}` until the writer manages to write them to disk. Under several
+API server processes each has its own table and budget; `peers` lets a receipt lookup in one
 see captures pending in another.
 """
 
@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,12 +30,12 @@ from capsteer.capture.manifest import publish_unreached
 from capsteer.capture.paths import relative_dir
 from capsteer.capture.receipts import Receipt, find_receipt, pending, receipt_at
 from capsteer.capture.spec import CaptureSpec
+from capsteer.capture.writer.unwritten import UnwrittenOutcomes
 from capsteer.server.peers import PeerBoard
 
 log = logging.getLogger("vllm.capsteer.server")
 SEARCH_AFTER_S = 10.0
 ASK_AFTER_S = 1.0
-KEEP_UNWRITTEN = 10_000
 AskUnwritten = Callable[[Sequence[str]], Awaitable[dict[str, Receipt]]]
 
 
@@ -68,7 +67,7 @@ class CaptureTracker:
         self._searched_at = 0.0
         self.ask_unwritten: AskUnwritten | None = None  # set once the engine link exists
         self._asked_at = 0.0
-        self._unwritten: OrderedDict[str, Receipt] = OrderedDict()
+        self._unwritten = UnwrittenOutcomes()  # the workers' answers, for receipt lookups
 
     # ---- admission ----
     def try_reserve(self, capture_id: str, spec: CaptureSpec, nbytes: int,
@@ -120,7 +119,7 @@ class CaptureTracker:
 
     def unwritten(self, capture_id: str) -> Receipt | None:
         """A final receipt the engine reported whose manifest is not on disk (yet)."""
-        return self._unwritten.get(capture_id)
+        return self._unwritten.get([capture_id]).get(capture_id)
 
     def is_tracked(self, capture_id: str) -> bool:
         """In flight here or, under several API servers, in another one."""
@@ -196,9 +195,7 @@ class CaptureTracker:
         for capture_id, receipt in got.items():
             log.warning("capsteer: capture %s ended %s but its manifest could not be written: "
                         "%s", capture_id, receipt.status, receipt.error)
-            self._unwritten[capture_id] = receipt
-            while len(self._unwritten) > KEEP_UNWRITTEN:
-                self._unwritten.popitem(last=False)
+        self._unwritten.merge(got.values())
         return got
 
     @staticmethod

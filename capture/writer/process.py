@@ -76,6 +76,7 @@ _CALL_TIMEOUT_S = 30.0
 _MAX_BATCH = 256  # ring writes per message at most
 IDLE_TRIM_S = 30.0  # the child hands freed heap back to the system after this long idle
 
+
 class ProcessCaptureWriter(CaptureSink):
     """A `CaptureSink` whose `CaptureWriter` runs in a child process (see module doc).
 

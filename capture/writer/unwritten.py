@@ -2,7 +2,7 @@
 
 The manifest on disk is the outcome every process reads. When even a capture's error
 manifest cannot be written, the writer keeps the outcome here: the server asks the
-engine's workers for it (`CaptureSink.unwritten`), so the receipt still becomes final
+engine's workers for it (`CaptureSink.unwritten_receipts`), so the receipt still becomes final
 and its reserved bytes are freed, and each later publish tries to write the kept
 manifests again, so the disk catches up once space is back.
 """
@@ -88,7 +88,3 @@ class UnwrittenOutcomes:
             log.info("capsteer: wrote %d capture manifests that had failed for want of space",
                      written)
         return written
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._receipts)
