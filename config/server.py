@@ -266,11 +266,19 @@ class ServerSettings(BaseSettings):
         with _resolving(_Resolution(init_only=True)):
             return cls(**known)
 
+    @property
+    def readout_dir(self) -> str:
+        """Where workers leave readout results for the server (beside the captures: a
+        dot-directory no capture path can name)."""
+        return os.path.join(os.path.abspath(self.capture_dir), ".readouts")
+
     def worker_config(self) -> dict[str, Any]:
         """The part the engine workers need (passed through vLLM's additional_config)."""
         config: dict[str, Any] = {"capture_dir": os.path.abspath(self.capture_dir),
                                   "capture_budget": self.capture_budget,
-                                  "capture_overload": self.capture_overload}
+                                  "capture_overload": self.capture_overload,
+                                  "readers_dir": os.path.abspath(self.readers_dir),
+                                  "readout_dir": self.readout_dir}
         if self.capture_digest != DEFAULT_DIGEST:
             config["capture_digest"] = self.capture_digest
         if self.capture_writer != "process":

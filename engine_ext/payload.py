@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from capsteer.capture.spec import CaptureSpec
+from capsteer.steering.readers.readout import ReadoutItem
 from capsteer.steering.spec import SteeringSpec
 
 EXTRA_ARGS_KEY = "capsteer"
@@ -73,6 +74,22 @@ def new_capture_id() -> str:
     return "cap-" + uuid.uuid4().hex
 
 
+def new_readout_id() -> str:
+    return "ro-" + uuid.uuid4().hex
+
+
+def readout_wire(readout_id: str, items: list[ReadoutItem]) -> str:
+    """A request's readout as the JSON text its payload carries."""
+    return json.dumps({"id": readout_id, "items": [item.to_dict() for item in items]},
+                      separators=(",", ":"))
+
+
+def parse_readout_payload(wire: str | Mapping) -> tuple[str, list[ReadoutItem]]:
+    """The readout id and items of a payload's `readout` (readout_wire's text)."""
+    data = json.loads(wire) if isinstance(wire, str) else wire
+    return str(data["id"]), [ReadoutItem.from_dict(d) for d in data["items"]]
+
+
 def needs_end_report(capture: CaptureSpec, prompt_len: int | None) -> bool:
     """Whether a durable capture's kept positions depend on the output length, so the
     caller must report it (`capsteer_end_captures`). Prompt-only captures close in the
@@ -84,14 +101,17 @@ def needs_end_report(capture: CaptureSpec, prompt_len: int | None) -> bool:
 def build_payload(
     capture: CaptureSpec | None, steering: SteeringSpec | None, capture_id: str | None = None,
     durable: bool = False, dir_time: float | None = None, await_end: bool | None = None,
-    record_id: str | None = None,
+    record_id: str | None = None, readout: list[ReadoutItem] | None = None,
+    readout_id: str | None = None,
 ) -> HookPayload | None:
     """extra_args + cache_salt. Captured prompts never reuse cached blocks (unique
     salt); steered prompts share blocks only with identical steering. `await_end`
     (default: `durable`) promises the worker an end report for a durable capture.
     `record_id` is the id the capture records (manifest `request_id`, sharded index
-    `id`); without it, the engine's own request id."""
-    if capture is None and (steering is None or steering.is_noop):
+    `id`); without it, the engine's own request id. A `readout` (results under
+    `readout_id`) never reuses cached blocks either: a cached token is never fed, so it
+    would have no scores."""
+    if capture is None and not readout and (steering is None or steering.is_noop):
         return None
     payload: dict[str, Any] = {}
     salt = None
@@ -112,4 +132,9 @@ def build_payload(
         if record_id is not None:
             payload["record_id"] = record_id
         salt = f"capsteer-capture-{capture_id}"
+    if readout:
+        readout_id = readout_id or new_readout_id()
+        payload["readout"] = readout_wire(readout_id, readout)
+        if capture is None:
+            salt = f"capsteer-readout-{readout_id}"
     return HookPayload({EXTRA_ARGS_KEY: sign_payload(payload)}, salt, capture_id)

@@ -18,8 +18,9 @@ import torch
 
 from capsteer.capture.paths import validate_capture_id
 from capsteer.capture.spec import CaptureSpec
-from capsteer.engine_ext.payload import decode_payload
+from capsteer.engine_ext.payload import decode_payload, parse_readout_payload
 from capsteer.engine_ext.runtime import STREAM, SUB, HookRuntime, StepPlan, hook_point
+from capsteer.steering.readers.readout import ReadoutItem
 from capsteer.steering.spec import SteeringSpec
 
 PROMPT, GENERATED = 0, 1
@@ -68,6 +69,12 @@ class RequestHooks:
     # Kept positions can lie past the prompt (see needs_output_length); decided on arrival,
     # where a payload the engine cannot use is refused without stopping the engine.
     reaches_output: bool = False
+    # A readout: its id (the results file's name), items, and the points its rows are
+    # copied from (routed like a capture's, to the worker's ReadoutSink).
+    readout_id: str | None = None
+    readout_items: tuple[ReadoutItem, ...] = ()
+    readout_points: dict[tuple[int, int], tuple[tuple[str, int], ...]] = field(
+        default_factory=dict)
 
     @classmethod
     def capture_only(cls, req_id: str, payload: Mapping, prompt_len: int) -> RequestHooks:
@@ -105,6 +112,10 @@ class RequestHooks:
                 if point[1] in runtime.local_sites:  # other pipeline stages copy the rest
                     points[point].append((hook, layer))
             hooks.points = {p: tuple(keys) for p, keys in points.items()}
+        if payload.get("readout"):
+            hooks.readout_id, items = parse_readout_payload(payload["readout"])
+            hooks.readout_items = tuple(items)
+            hooks.readout_points = _local_points(((i.hook, i.layer) for i in items), runtime)
         try:
             wire = payload.get("steering")
             if wire:
@@ -118,14 +129,16 @@ class RequestHooks:
                 hooks.entries = runtime.acquire_entries(
                     key, lambda: compose_entries(SteeringSpec.from_wire(wire), runtime.hidden_size))
                 hooks.steering_key = key
-            hooks.shared_slot = hooks.capture is None and bool(hooks.entries)
+            hooks.shared_slot = hooks.capture is None and hooks.readout_id is None \
+                and bool(hooks.entries)
             hooks.slot = runtime.alloc_slot(hooks.entries, hooks.steering_key,
                                             shared=hooks.shared_slot)
         except Exception:
             hooks.release(runtime)  # nothing half-registered stays behind
             raise
         hooks.sites = shared_site_set(frozenset([site for _, site, _ in hooks.entries]
-                                                 + [site for _, site in hooks.points]))
+                                                 + [site for _, site in hooks.points]
+                                                 + [site for _, site in hooks.readout_points]))
         return hooks
 
     @property
@@ -145,6 +158,17 @@ class RequestHooks:
             runtime.release_entries(self.steering_key)
         self.entries = {}
         self.steering_key = None
+
+
+def _local_points(keys, runtime: HookRuntime) -> dict[tuple[int, int], tuple[tuple[str, int], ...]]:
+    """(kind, site) -> the (hook, layer) keys read there, for this worker's own sites (other
+    pipeline stages copy the rest)."""
+    points: dict[tuple[int, int], list[tuple[str, int]]] = defaultdict(list)
+    for hook, layer in keys:
+        point = hook_point(hook, layer)
+        if point[1] in runtime.local_sites and (hook, layer) not in points[point]:
+            points[point].append((hook, layer))
+    return {p: tuple(k) for p, k in points.items() if k}
 
 
 _SITE_SETS: dict[frozenset[int], frozenset[int]] = {}
@@ -224,8 +248,8 @@ def build_step_plan(
         if slot in uniform_slots and all(h.slot == slot for _, h in found):
             # A shared row is only ever a steering-only request's: nothing is copied.
             return StepPlan(active_sites=found[0][1].sites, uniform_slot=slot)
-    looped = [(i, h) for i, h in found
-              if h.capture is not None or (host_steering and h.entries)]
+    looped = [(i, h) for i, h in found if h.capture is not None or h.readout_id is not None
+              or (host_steering and h.entries)]
     if any(h.group for _, h in looped):
         # Each writer's rows of a point next to each other in the staging buffer: one GPU
         # copy into that writer's ring instead of one per request (stable: batch order within).
@@ -263,6 +287,18 @@ def build_step_plan(
             if len(sel):
                 steer_rows[(kind, site)].append(sel)
                 steer_ents[(kind, site)].append(np.full(len(sel), entry, dtype=np.int64))
+        if hooks.readout_id is not None:
+            # One row set for all the request's items (device mode ranks rows per request);
+            # each item keeps its own positions in the sink.
+            mask = np.zeros(len(pos), dtype=bool)
+            for item in hooks.readout_items:
+                mask |= item.positions.candidate(pos, hooks.prompt_len)
+            if mask.any():
+                for point, keys in hooks.readout_points.items():
+                    routes.append(CaptureRoute(hooks.readout_id, point, keys, cap_count[point],
+                                               pos[mask], rows[mask], hooks.slot))
+                    cap_rows[point].append(rows[mask])
+                    cap_count[point] += int(mask.sum())
         if hooks.capture is None:
             continue
         hooks.fed_len = max(hooks.fed_len, int(pos[-1]) + 1)

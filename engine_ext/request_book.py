@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 from capsteer.capture import metrics
 from capsteer.capture.sink import CaptureEnd, CaptureRequest, CaptureSink
-from capsteer.engine_ext.payload import decode_payload, payload_is_trusted
+from capsteer.engine_ext.payload import decode_payload, parse_readout_payload, payload_is_trusted
 from capsteer.engine_ext.plan import RequestHooks, shared_site_set
 from capsteer.engine_ext.runtime import hook_point
 from capsteer.engine_ext.vllm.batch import finished_requests, new_requests
@@ -59,10 +59,13 @@ class RequestBook:
             if refusal is not None:
                 hooks.release(self.runtime)
                 logger.error("capsteer: request %s runs without hooks: %s", req_id, refusal)
+                self._fail_readout(payload, refusal)
                 if hooks.capture is not None and self.capture_rank:
                     self._open_and_abort(req_id, prompt, hooks, refusal)
                 continue
             self.requests[req_id] = hooks
+            if hooks.readout_id is not None:
+                self._start_readout(hooks)
             if hooks.capture is not None and not self.capture_rank:
                 hooks.capture = None  # the stream is replicated across TP ranks: rank 0 writes
                 hooks.points = {}
@@ -82,12 +85,40 @@ class RequestBook:
                 sink.open(self._capture_request(req_id, prompt, hooks))
                 hooks.group = sink.group_of(hooks.capture_id)  # the writer pool's child
 
+    def _start_readout(self, hooks: RequestHooks) -> None:
+        """Load the readout's readers and open its results file (on the rank that writes);
+        one that cannot start runs without it and the server answers why."""
+        readout_id = hooks.readout_id
+        if not self.capture_rank:  # the stream is replicated across TP ranks: rank 0 reads
+            hooks.readout_id, hooks.readout_points = None, {}
+            return
+        try:
+            self.readouts.start(readout_id, hooks.readout_items, hooks.prompt_len)
+        except Exception as exc:  # a reader replaced or unreadable: never stop the engine
+            logger.error("capsteer: request %s runs without its readout: %s", hooks.req_id, exc)
+            self.readouts.fail(readout_id, f"capsteer: {exc}", len(hooks.readout_items))
+            hooks.readout_id, hooks.readout_points = None, {}
+            return
+        self.sinks[readout_id] = self.readouts
+
+    def _fail_readout(self, payload: Mapping, reason: str) -> None:
+        """A refused payload's readout, if any, ends with its reason for the server."""
+        if not (self.capture_rank and payload.get("readout")):
+            return
+        try:
+            readout_id, items = parse_readout_payload(payload["readout"])
+        except Exception:  # nothing the server could be told about
+            logger.exception("capsteer: an unreadable readout payload")
+            return
+        self.readouts.fail(readout_id, reason, len(items))
+
     def _unavailable_hook(self, hooks: RequestHooks) -> str | None:
         """Why a request's hooks name a point this model does not have (a parallel
         block's resid_mid), or None."""
         if not self.sites.unavailable:
             return None
-        asked = set(hooks.points) | {(kind, site) for kind, site, _ in hooks.entries}
+        asked = set(hooks.points) | set(hooks.readout_points) | {
+            (kind, site) for kind, site, _ in hooks.entries}
         reasons = [reason for hook, reason in self.sites.unavailable
                    if any(hook_point(hook, layer) in asked
                           for layer in range(self.sites.num_layers))]
@@ -103,6 +134,7 @@ class RequestBook:
         if self.capture_rank and payload.get("steering"):
             metrics.STEERING_REFUSED.inc()
         self._refuse_capture(req_id, prompt, payload, f"capsteer: {exc}")
+        self._fail_readout(payload, f"capsteer: {exc}")
 
     def _refuse_capture(self, req_id: str, prompt, payload: Mapping, reason: str) -> None:
         """A capture the worker cannot serve (e.g. the steering table is full) still ends,
@@ -148,6 +180,9 @@ class RequestBook:
         if hooks is None:
             return
         hooks.release(self.runtime)
+        if hooks.readout_id is not None:
+            self.sinks.pop(hooks.readout_id, None)
+            self._run_on_sink_thread(lambda rid=hooks.readout_id: self.readouts.finish(rid))
         if hooks.capture is None:
             return
         prompt = self.prompts.pop(req_id, ())
@@ -228,8 +263,10 @@ class RequestBook:
                 self.early_closes += 1
             hooks.capture = None
             hooks.points = {}
-            hooks.sites = shared_site_set(frozenset(site for _, site, _ in hooks.entries))
-            if not hooks.entries:  # nothing left to do for it: a plain request from now on
+            hooks.sites = shared_site_set(frozenset(
+                [site for _, site, _ in hooks.entries]
+                + [site for _, site in hooks.readout_points]))
+            if not hooks.entries and hooks.readout_id is None:  # a plain request from now on
                 del self.requests[hooks.req_id]
                 hooks.release(self.runtime)
                 self.detached.add(hooks.req_id)

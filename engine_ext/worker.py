@@ -26,6 +26,7 @@ from capsteer.engine_ext.harvest import Harvester
 from capsteer.engine_ext.lifeline import watch_launcher
 from capsteer.engine_ext.payload import PAYLOAD_KEY_ENV
 from capsteer.engine_ext.plan import RequestHooks
+from capsteer.engine_ext.readouts import ReadoutSink
 from capsteer.engine_ext.request_book import CaptureEnding, RequestBook
 from capsteer.engine_ext.runtime import HookRuntime, StepPlan, hook_point
 from capsteer.engine_ext.step_feed import StepFeed
@@ -118,6 +119,9 @@ class EngineHooks(RequestBook, StepFeed, Delivery):
         self.sharded = sharded_sink(self.config.section, self.model_name,
                                     self.sites.hidden_size, dtype) \
             if self.capture_rank else None
+        # Readouts' rows go to their readers, the scores to the server (engine_ext.readouts).
+        self.readouts = ReadoutSink(self.config.readout_dir, self.config.readers_dir,
+                                    self.sites.hidden_size, worker.device)
         self.sinks: dict[str, CaptureSink] = {}  # capture_id -> the sink its request chose
         self.requests: dict[str, RequestHooks] = {}
         self.prompts: dict[str, tuple[int, ...]] = {}

@@ -19,6 +19,12 @@ from typing import Any
 from capsteer.capture.spec import CaptureSpec, SpecError, parse_capture_spec
 from capsteer.capture.writer.budget import estimate_bytes
 from capsteer.engine_ext.payload import EXTRA_ARGS_KEY, build_payload
+from capsteer.steering.readers.readout import (
+    ReaderLookup,
+    ReadoutItem,
+    ReadoutSpecError,
+    parse_readout,
+)
 from capsteer.steering.spec import (
     SteeringSpec,
     SteeringSpecError,
@@ -26,7 +32,7 @@ from capsteer.steering.spec import (
     parse_steering_spec,
 )
 
-HOOK_FIELDS = ("capture", "capture_wait", "steering")
+HOOK_FIELDS = ("capture", "capture_wait", "steering", "readout")
 
 
 # Bad input: HTTP 400 with an OpenAI-shaped error naming `field`. The capture spec's own
@@ -53,10 +59,13 @@ class HookFields:
     steering: SteeringSpec | None
     stream: bool
     client_wants_usage: bool
+    readout: list[ReadoutItem] | None = None
+    client_wants_token_ids: bool = False
 
     @property
     def active(self) -> bool:
-        return self.capture is not None or (self.steering is not None and not self.steering.is_noop)
+        return self.capture is not None or bool(self.readout) or (
+            self.steering is not None and not self.steering.is_noop)
 
 
 def lift_extra_body(body: dict[str, Any]) -> dict[str, Any]:
@@ -119,6 +128,7 @@ def _prompt_count(prompt: object) -> int:
 def parse_hook_fields(
     body: dict[str, Any], shape: ModelShape, *, lookup: VectorLookup | None,
     default_layout: str, capture_default: Mapping[str, Any] | None,
+    readers: ReaderLookup | None = None,
 ) -> HookFields:
     """Validate the capsteer fields of an (extra_body-lifted) request body."""
     refuse_reserved_args(body)  # also when the fields ask for nothing (capture: false)
@@ -157,12 +167,41 @@ def parse_hook_fields(
             capture is not None or (steering is not None and not steering.is_noop)):
         # vLLM's beam search runs its own sampling params, without capsteer's payload
         raise FieldError("use_beam_search", "capture and steering do not run under beam search")
+    readout = None
+    if body.get("readout") is not None:
+        try:
+            readout = parse_readout(body["readout"], num_layers=shape.num_layers,
+                                    hidden_size=shape.hidden_size, lookup=readers)
+        except ReadoutSpecError as exc:
+            raise FieldError(exc.field, exc.reason) from None
+        _check_readout_request(body, readout, capture, shape)
     stream = body.get("stream") is True
     options = body.get("stream_options")
     if options is not None and not isinstance(options, Mapping):
         raise FieldError("stream_options", f"must be an object, got {type(options).__name__}")
     wants_usage = isinstance(options, Mapping) and options.get("include_usage") is True
-    return HookFields(capture, wait, steering, stream, wants_usage)
+    return HookFields(capture, wait, steering, stream, wants_usage, readout,
+                      body.get("return_token_ids") is True)
+
+
+def _check_readout_request(body: Mapping[str, Any], readout: list[ReadoutItem],
+                           capture: CaptureSpec | None, shape: ModelShape) -> None:
+    """What a readout needs of the rest of the request (400 naming the field otherwise)."""
+    for item in readout:
+        if item.hook in shape.unavailable:
+            raise FieldError(f"readout[{item.index}].hook", shape.unavailable[item.hook])
+    if capture is not None:
+        raise FieldError("readout", "a request reads out or captures, not both yet: send the "
+                         "capture as a request of its own")
+    n = body.get("n", 1)
+    if n is not None and str(n).strip() != "1":
+        raise FieldError("n", "readout needs n=1 (one sequence per request)")
+    if body.get("best_of") not in (None, 1):
+        raise FieldError("best_of", "readout needs best_of=1")
+    if _prompt_count(body.get("prompt")) > 1:
+        raise FieldError("prompt", "readout needs one prompt per request")
+    if _lax_true(body.get("use_beam_search")):
+        raise FieldError("use_beam_search", "readout does not run under beam search")
 
 
 def response_id(body: dict[str, Any], path: str, header_id: str | None) -> str:
@@ -178,7 +217,8 @@ def response_id(body: dict[str, Any], path: str, header_id: str | None) -> str:
 
 
 def rewrite_body(body: dict[str, Any], hooks: HookFields, capture_id: str | None,
-                 dir_time: float | None = None, record_id: str | None = None) -> dict[str, Any]:
+                 dir_time: float | None = None, record_id: str | None = None,
+                 readout_id: str | None = None) -> dict[str, Any]:
     """The body stock vLLM accepts: capsteer fields out, `vllm_xargs` and `cache_salt` in.
     `dir_time` dates the capture's directory (default: now); `record_id` is the id the
     capture records (the response's id). `body` passed `parse_hook_fields`, which refused
@@ -186,9 +226,12 @@ def rewrite_body(body: dict[str, Any], hooks: HookFields, capture_id: str | None
     out = {k: v for k, v in body.items() if k not in HOOK_FIELDS}
     payload = build_payload(hooks.capture, hooks.steering, capture_id=capture_id,
                             durable=hooks.capture is not None, dir_time=dir_time,
-                            record_id=record_id)
+                            record_id=record_id, readout=hooks.readout, readout_id=readout_id)
     if payload is None:
         return out
+    if hooks.readout:
+        # Token ids place each score (dropped again unless the client asked for them).
+        out["return_token_ids"] = True
     xargs = out.get("vllm_xargs")
     if xargs is None:
         xargs = {}

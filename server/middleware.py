@@ -24,9 +24,10 @@ import logging
 import secrets
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 from capsteer.config.server import ServerSettings
-from capsteer.engine_ext.payload import EXTRA_ARGS_KEY, new_capture_id
+from capsteer.engine_ext.payload import EXTRA_ARGS_KEY, new_capture_id, new_readout_id
 from capsteer.server import metrics, openapi, routes
 from capsteer.server.errors import error_body, exception_body
 from capsteer.server.fields import (
@@ -39,8 +40,10 @@ from capsteer.server.fields import (
     response_id,
     rewrite_body,
 )
+from capsteer.server.readouts import ReadoutResponder
 from capsteer.server.responses import CaptureResponder
 from capsteer.server.state import CapsteerState
+from capsteer.steering.readers.results import results_path
 
 log = logging.getLogger("vllm.capsteer.server")
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
@@ -212,8 +215,10 @@ class CapsteerMiddleware:
             hooks = parse_hook_fields(
                 body, state.shape, lookup=state.registry.lookup,
                 default_layout=state.settings.capture_layout,
-                capture_default=state.settings.capture_default)
+                capture_default=state.settings.capture_default,
+                readers=state.readers.lookup if state.readers is not None else None)
             capture_id = new_capture_id() if hooks.capture is not None else None
+            readout_id = new_readout_id() if hooks.readout else None
             dir_time = time.time()
             record_id = None
             if capture_id is not None:
@@ -222,7 +227,7 @@ class CapsteerMiddleware:
                 record_id = response_id(body, scope.get("path", ""),
                                         None if header is None else header.decode("latin-1"))
             encoded = json.dumps(rewrite_body(body, hooks, capture_id, dir_time,
-                                              record_id)).encode()
+                                              record_id, readout_id)).encode()
         except FieldError as exc:
             await send_json(send, *exception_body(exc))
             return
@@ -255,6 +260,10 @@ class CapsteerMiddleware:
         if hooks.steering is not None and not hooks.steering.is_noop:
             metrics.STEERING_REQUESTS.inc()
         inner_scope = with_content_length(scope, len(encoded))
+        if readout_id is not None:
+            await self._with_readout(inner_scope, replay(encoded, receive), send, hooks,
+                                     readout_id)
+            return
         if capture_id is None:
             await self.app(inner_scope, replay(encoded, receive), send)
             return
@@ -264,6 +273,19 @@ class CapsteerMiddleware:
             receipt=lambda cid: state.tracker.wait(cid, state.settings.capture_wait_timeout))
         try:
             await self.app(inner_scope, replay(encoded, receive), responder.send)
+        finally:
+            responder.finish()
+
+    async def _with_readout(self, scope: Scope, receive: Receive, send: Send, hooks,
+                            readout_id: str) -> None:
+        """Run the request with its scores added on the way back (server/readouts.py)."""
+        root = Path(self.state.settings.readout_dir)
+        root.mkdir(parents=True, exist_ok=True)
+        responder = ReadoutResponder(send, path=results_path(root, readout_id),
+                                     items=hooks.readout,
+                                     client_wants_token_ids=hooks.client_wants_token_ids)
+        try:
+            await self.app(scope, receive, responder.send)
         finally:
             responder.finish()
 

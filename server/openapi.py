@@ -217,6 +217,7 @@ CAPTURE_RECEIPT: dict[str, Any] = {"allOf": [CAPTURE_RESULTS, {
         "manifest_data": {"type": "object", "description": "manifest.json (api.md §5)"}}}]}
 
 REQUEST_FIELDS = {"capture": CAPTURE, "capture_wait": CAPTURE_WAIT, "steering": STEERING,
+                  "readout": READOUT,
                   "extra_body": {"type": "object", "description":
                                  "Accepted for curl users copying SDK code: its fields are "
                                  "read as if given at the top level."}}

@@ -303,7 +303,8 @@ def test_worker_config() -> None:
     wc = load_settings({"capture_dir": "caps", "capture_budget": "1KiB",
                         "capture_overload": "drop"}).worker_config()
     assert wc == {"capture_dir": os.path.abspath("caps"), "capture_budget": 1024,
-                  "capture_overload": "drop"}
+                  "capture_overload": "drop", "readers_dir": os.path.abspath("readers"),
+                  "readout_dir": os.path.join(os.path.abspath("caps"), ".readouts")}
     blake = ServerSettings(capture_digest="blake3").worker_config()
     assert blake["capture_digest"] == "blake3"  # the workers' writer records it
     assert "capture_io" not in wc  # buffered: the workers' default

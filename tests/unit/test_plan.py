@@ -1108,7 +1108,7 @@ def test_steering_a_worker_cannot_apply_is_counted_not_silent():
             sharded=None, runtime=rt, model_name="m", stage=0, num_stages=1,
             device_driven=False, sites=SimpleNamespace(hidden_size=HIDDEN, num_layers=LAYERS))
         for name in ("_sink_for", "_capture_request", "_run_on_sink_thread", "_refuse_capture",
-                     "_open_and_abort", "_hooks_refused"):
+                     "_open_and_abort", "_hooks_refused", "_fail_readout"):
             setattr(w, name, MethodType(getattr(EngineHooks, name), w))
         return w
 

@@ -1,0 +1,157 @@
+"""Readouts in the worker: the rows a request reads at a hook go through its readers (probe
+scores, SAE features) instead of to storage, and only the scores leave for the server.
+
+A readout rides the capture path: the plan routes its rows like a capture's
+(`RequestHooks.readout_points`), and `ReadoutSink` is the sink they are delivered to. It
+computes on the rows' device (the model's GPU in host mode; after the harvester's copy in
+device mode) and appends each step's records to the request's results file
+(steering/readers/results.py), which the server reads while it streams the response.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from capsteer.capture.sink import CaptureEnd, CaptureRequest, CaptureSink
+from capsteer.steering.readers import results
+from capsteer.steering.readers.kinds import (
+    LinearProbe,
+    Reader,
+    probe_scores,
+    sae_encode,
+    sae_top_k,
+)
+from capsteer.steering.readers.readout import ReadoutItem, reader_of
+from capsteer.steering.readers.registry import ReaderRegistry
+
+logger = logging.getLogger("vllm.capsteer")
+_READERS_KEPT = 32  # loaded readers kept on the device (an SAE can be hundreds of MB)
+
+
+@dataclass
+class _Readout:
+    """One request's readout: its items by the (hook, layer) they read, its results file."""
+
+    items: dict[tuple[str, int], list[tuple[ReadoutItem, Reader]]]
+    prompt_len: int
+    fd: int
+    emitted: dict[int, set[int]] = field(default_factory=dict)  # item -> positions sent
+    pending: list[bytes] = field(default_factory=list)
+
+
+class ReadoutSink(CaptureSink):
+    """Computes readers on delivered rows and appends the results (see module docstring)."""
+
+    copies_rows = True  # rows are read before `write` returns
+
+    def __init__(self, root: str | None, readers_dir: str | None, hidden_size: int,
+                 device: torch.device | str) -> None:
+        self.root = Path(root) if root else None
+        self.registry = ReaderRegistry(readers_dir, hidden_size=hidden_size) \
+            if readers_dir else None
+        self.device = torch.device(device)
+        self.live: dict[str, _Readout] = {}
+        self._readers: OrderedDict[tuple, Reader] = OrderedDict()
+
+    # ---- the worker's calls ----
+    def start(self, readout_id: str, items: Sequence[ReadoutItem], prompt_len: int) -> None:
+        """Load the items' readers (raises what a client must hear) and open the file."""
+        if self.root is None:
+            raise RuntimeError("this engine has no readout directory (readouts need "
+                               "`capsteer serve`)")
+        by_point: dict[tuple[str, int], list[tuple[ReadoutItem, Reader]]] = {}
+        for item in items:
+            by_point.setdefault((item.hook, item.layer), []).append((item, self._reader(item)))
+        self.root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(results.results_path(self.root, readout_id),
+                     os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        self.live[readout_id] = _Readout(by_point, prompt_len, fd)
+
+    def fail(self, readout_id: str, reason: str, items: int = 1) -> None:
+        """Tell the server this readout will get no results (it answers the reason)."""
+        if self.root is None:
+            return
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            results.append(results.results_path(self.root, readout_id),
+                           b"".join(results.error_record(i, reason) for i in range(items)))
+        except OSError:
+            logger.exception("capsteer: readout %s: could not report its failure", readout_id)
+
+    def finish(self, readout_id: str) -> None:
+        state = self.live.pop(readout_id, None)
+        if state is not None:
+            self._flush(state)
+            os.close(state.fd)
+
+    def _reader(self, item: ReadoutItem) -> Reader:
+        if item.probe is not None:
+            return item.probe.to(self.device)
+        key = (item.reader.name, item.reader.sha256)
+        found = self._readers.get(key)
+        if found is None:
+            found = reader_of(item, self.registry).to(self.device)
+            self._readers[key] = found
+            while len(self._readers) > _READERS_KEPT:
+                self._readers.popitem(last=False)
+        else:
+            self._readers.move_to_end(key)
+        return found
+
+    # ---- the sink contract ----
+    def open(self, request: CaptureRequest) -> None:
+        raise TypeError("readouts start with ReadoutSink.start, not open")
+
+    def write(self, capture_id: str, hook: str, layer: int, positions: np.ndarray,
+              rows: torch.Tensor) -> None:
+        state = self.live.get(capture_id)
+        if state is None:
+            return
+        for item, reader in state.items.get((hook, layer), ()):
+            emitted = state.emitted.setdefault(item.index, set())
+            keep = item.positions.candidate(positions, state.prompt_len)
+            keep &= ~np.isin(positions, np.fromiter(emitted, np.int64, len(emitted)))
+            if not keep.any():
+                continue
+            at = np.flatnonzero(keep)
+            pos = positions[at].tolist()
+            emitted.update(pos)
+            x = rows[torch.from_numpy(at).to(rows.device)].to(self.device, torch.float32)
+            state.pending.append(_record(item, reader, pos, x))
+
+    def end_step(self) -> None:
+        for state in self.live.values():
+            self._flush(state)
+
+    def close(self, end: CaptureEnd) -> None:
+        self.finish(end.capture_id)
+
+    def abort(self, capture_id: str, reason: str) -> None:
+        self.finish(capture_id)
+
+    @staticmethod
+    def _flush(state: _Readout) -> None:
+        if state.pending:
+            os.write(state.fd, b"".join(state.pending))
+            state.pending.clear()
+
+
+def _record(item: ReadoutItem, reader: Reader, positions: list[int], x: torch.Tensor) -> bytes:
+    """One item's results for rows `x` ([n, d], float32, on the reader's device)."""
+    if isinstance(reader, LinearProbe):
+        scores = probe_scores(x, reader.weight, reader.bias, reader.activation)
+        return results.probe_record(item.index, positions, scores.cpu().tolist())
+    ids, values = sae_top_k(sae_encode(x, reader), int(item.top_k or 1),
+                            float(item.threshold or 0.0))
+    features = [[(f, v) for f, v in zip(row_ids, row_values, strict=True) if f >= 0]
+                for row_ids, row_values in zip(ids.cpu().tolist(), values.cpu().tolist(),
+                                               strict=True)]
+    return results.sae_record(item.index, positions, features)

@@ -1,0 +1,238 @@
+"""Readouts through the server: probe scores and SAE features per token, inline and
+streamed, equal to HF activations read by the same probe and by SAELens's own
+`SAE.encode`; bad readout input is a 400 naming the field."""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+
+import numpy as np
+import pytest
+import torch
+from sae_lens import (
+    JumpReLUSAE,
+    JumpReLUSAEConfig,
+    StandardSAE,
+    StandardSAEConfig,
+    TopKSAE,
+    TopKSAEConfig,
+)
+
+from capsteer.reference import hf_activations
+from tests.upload_bodies import npz_bytes
+
+from .helpers import ADMIN_KEY, PROMPT
+
+pytestmark = [pytest.mark.server, pytest.mark.uses_engine("server")]
+HIDDEN = 128
+D_SAE = 256
+ADMIN = {"X-Admin-Key": ADMIN_KEY}
+RNG = np.random.default_rng(11)
+W = (RNG.standard_normal((3, HIDDEN)) / np.sqrt(HIDDEN)).astype(np.float32)
+B = RNG.standard_normal(3).astype(np.float32)
+SAES = {
+    "relu": lambda: StandardSAE(StandardSAEConfig(d_in=HIDDEN, d_sae=D_SAE)),
+    "jumprelu": lambda: JumpReLUSAE(JumpReLUSAEConfig(d_in=HIDDEN, d_sae=D_SAE)),
+    "topk": lambda: TopKSAE(TopKSAEConfig(d_in=HIDDEN, d_sae=D_SAE, k=12)),
+}
+
+
+def _sae(arch: str):
+    """A SAELens SAE with random weights everywhere (b_dec and b_enc too), seeded."""
+    torch.manual_seed({"relu": 1, "jumprelu": 2, "topk": 3}[arch])
+    sae = SAES[arch]()
+    with torch.no_grad():
+        for name, param in sae.named_parameters():
+            if name == "threshold":
+                param.copy_(torch.rand_like(param) * 0.2)
+            elif name in ("b_dec", "b_enc"):
+                param.copy_(torch.randn_like(param) * 0.1)
+    return sae.eval()
+
+
+def _tar(directory) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tf:
+        tf.add(directory, arcname="sae")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def readers(tmp_path_factory):
+    """Readers uploaded once: a sigmoid probe and one SAE per architecture."""
+    saes = {arch: _sae(arch) for arch in SAES}
+    bodies = {"probe": npz_bytes(weight=W, bias=B)}
+    for arch, sae in saes.items():
+        directory = tmp_path_factory.mktemp(f"sae-{arch}")
+        sae.save_model(directory)
+        bodies[f"sae-{arch}"] = _tar(directory)
+    return saes, bodies
+
+
+def _upload(http, bodies) -> None:
+    for name, body in bodies.items():
+        params = {"activation": "sigmoid"} if name == "probe" else {}
+        r = http.put(f"/v1/readers/ro-{name}", content=body, headers=ADMIN, params=params)
+        assert r.status_code == 201, r.text
+
+
+ITEMS = [
+    {"reader": {"name": "ro-probe"}, "hook": "resid_post", "layer": 1},
+    {"reader": {"name": "ro-sae-relu"}, "hook": "resid_post", "layer": 0, "top_k": 5},
+    {"reader": {"name": "ro-sae-jumprelu"}, "hook": "mlp_out", "layer": -1, "top_k": 8,
+     "positions": "generated"},
+    {"reader": {"name": "ro-sae-topk"}, "hook": "resid_pre", "layer": 1, "top_k": 12,
+     "threshold": 0.05, "positions": "prompt"},
+    {"reader": {"weight": W[:1].tolist(), "bias": B[:1].tolist()}, "hook": "attn_out",
+     "layer": 0, "positions": [0, 3, -1]},
+]
+
+
+def _chat(client, items, **kw):
+    return client.chat.completions.create(
+        model=client.models.list().data[0].id, messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=6, temperature=0, extra_body={"readout": items}, **kw)
+
+
+def _check_against_hf(hf_model, saes, results):
+    """Every item's values equal HF's activations read by the same probe / SAELens."""
+    tokens = results[0]["token_ids"]
+    positions = results[0]["positions"]
+    assert positions == list(range(len(positions)))  # `all`: every fed position
+    acts = hf_activations(hf_model, tokens)
+    prompt_len = None
+    for item, got in zip(ITEMS, results, strict=True):
+        assert "error" not in got, got
+        assert got["token_ids"] == [tokens[p] for p in got["positions"]]
+        x = acts[(got["hook"], got["layer"])][got["positions"]].float()
+        if "scores" in got:
+            weight = W if item["reader"].get("name") else W[:1]
+            bias = B if item["reader"].get("name") else B[:1]
+            ref = x @ torch.from_numpy(weight).T + torch.from_numpy(bias)
+            if item["reader"].get("name") == "ro-probe":
+                ref = torch.sigmoid(ref)
+            scale = max(1.0, float(ref.abs().max()))
+            assert np.allclose(got["scores"], ref.numpy(), atol=1e-4 * scale), got
+            continue
+        arch = item["reader"]["name"].removeprefix("ro-sae-")
+        with torch.no_grad():
+            ref = saes[arch].encode(x)
+        k, threshold = item["top_k"], item.get("threshold", 0.0)
+        for row, pairs in zip(ref, got["features"], strict=True):
+            values, ids = torch.sort(row, descending=True)
+            want = [(int(i), float(v)) for i, v in zip(ids[:k], values[:k], strict=True)
+                    if v > threshold]
+            assert [f for f, _ in pairs] == [f for f, _ in want], (pairs, want)
+            scale = max(1.0, max((abs(v) for _, v in want), default=1.0))
+            assert np.allclose([v for _, v in pairs], [v for _, v in want], atol=1e-4 * scale)
+        if got["hook"] == "resid_pre":  # positions "prompt"
+            prompt_len = len(got["positions"])
+    return prompt_len
+
+
+def test_readout_equals_hf_and_streams_the_same(server, client, http, hf_models, readers):
+    saes, bodies = readers
+    _upload(http, bodies)
+    done = _chat(client, ITEMS)
+    results = done.model_extra["readout_results"]
+    assert [r["item"] for r in results] == list(range(len(ITEMS)))
+    assert "prompt_token_ids" not in (done.model_extra or {})  # not asked for: not added
+    prompt_len = _check_against_hf(hf_models["qwen3"], saes, results)
+    fed = len(results[0]["positions"])
+    assert fed == prompt_len + done.usage.completion_tokens - 1
+    assert results[2]["positions"] == list(range(prompt_len, fed))  # generated
+    assert results[4]["positions"] == [0, 3, prompt_len - 1]  # explicit, -1 = prompt's last
+    assert any(r["features"] and r["features"][0] for r in results[1:4])  # features fired
+
+    # Streaming: each chunk carries the scores of the steps that produced its tokens.
+    stream = _chat(client, ITEMS, stream=True)
+    seen = {i: {"positions": [], "token_ids": [], "values": []} for i in range(len(ITEMS))}
+    generated = 0
+    for chunk in stream:
+        extra = chunk.model_extra or {}
+        if not chunk.choices:
+            continue
+        ids = (chunk.choices[0].model_extra or {}).get("token_ids")
+        assert ids is None  # the client did not ask for token ids
+        for entry in extra.get("readout", []):
+            assert "error" not in entry, entry
+            # Scores of positions fed so far: the prompt, then each token but the newest.
+            assert all(p < prompt_len + max(generated, 1) for p in entry["positions"]), \
+                (entry["positions"], generated)
+            into = seen[entry["item"]]
+            into["positions"] += entry["positions"]
+            into["token_ids"] += entry["token_ids"]
+            into["values"] += entry.get("scores", entry.get("features"))
+        if chunk.choices[0].delta.content or chunk.choices[0].finish_reason:
+            generated += 1
+    for i, full in enumerate(results):
+        got = seen[i]
+        assert got["positions"] == full["positions"]
+        assert got["token_ids"] == full["token_ids"]
+        key = "scores" if "scores" in full else "features"
+        assert _flat(got["values"]) == pytest.approx(_flat(full[key]), abs=1e-5)
+
+
+def _flat(values) -> list[float]:
+    if isinstance(values, (list, tuple)):
+        return [v for part in values for v in _flat(part)]
+    return [float(values)]
+
+
+def test_readout_leaves_plain_requests_alone(server, client, http, readers):
+    _upload(http, readers[1])
+    model = client.models.list().data[0].id
+
+    def plain():
+        return client.completions.create(model=model, prompt=PROMPT, max_tokens=8,
+                                         temperature=0, logprobs=1)
+
+    alone = plain()
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(4) as pool:
+        busy = [pool.submit(_chat, client, ITEMS) for _ in range(2)]
+        beside = pool.submit(plain)
+        for f in busy:
+            assert "error" not in f.result().model_extra["readout_results"][0]
+        beside = beside.result()
+    assert beside.choices[0].text == alone.choices[0].text
+    assert np.allclose(beside.choices[0].logprobs.token_logprobs,
+                       alone.choices[0].logprobs.token_logprobs, atol=1e-5)
+
+
+BAD = [
+    ([{"reader": {"name": "absent"}, "layer": 0}], "readout[0].reader.name"),
+    ([{"reader": {"name": "ro-sae-topk"}, "layer": 0, "top_k": 0}], "readout[0].top_k"),
+    ([{"reader": {"name": "ro-sae-topk"}, "layer": 0, "top_k": D_SAE + 1}], "readout[0].top_k"),
+    ([{"reader": {"name": "ro-probe"}, "layer": 0, "top_k": 3}], "readout[0].top_k"),
+    ([{"reader": {"weight": [[0.5] * (HIDDEN + 1)]}, "layer": 0}], "readout[0].reader.weight"),
+    ([{"reader": {"weight": [[float("nan")] * HIDDEN]}, "layer": 0}],
+     "readout[0].reader.weight"),
+    ([{"reader": {"name": "ro-probe"}, "layer": 99}], "readout[0].layer"),
+    ([{"reader": {"name": "ro-probe"}, "layer": 0, "hook": "nope"}], "readout[0].hook"),
+    ("probe", "readout"),
+]
+
+
+@pytest.mark.parametrize("items,param", BAD, ids=[p for _, p in BAD])
+def test_bad_readout_is_a_400_naming_the_field(server, http, readers, items, param):
+    _upload(http, readers[1])
+    body = {"model": http.get("/v1/models").json()["data"][0]["id"], "max_tokens": 2,
+            "messages": [{"role": "user", "content": "hi"}], "readout": items}
+    r = http.post("/v1/chat/completions", content=json.dumps(body),  # NaN as JSON allows it
+                  headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.text
+
+
+def test_readout_with_capture_or_n_is_refused(server, http, readers):
+    _upload(http, readers[1])
+    base = {"model": http.get("/v1/models").json()["data"][0]["id"], "max_tokens": 2,
+            "prompt": "hi", "readout": [{"reader": {"name": "ro-probe"}, "layer": 0}]}
+    r = http.post("/v1/completions", json={**base, "capture": {"hooks": ["resid_post"]}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "readout", r.text
+    r = http.post("/v1/completions", json={**base, "n": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
