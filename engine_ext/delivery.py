@@ -40,6 +40,11 @@ class Delivery:
             return
         self.runtime.reset_dense()
         self.dense_live = False
+        if self.readouts.live:
+            plan = self._launch_readouts(plan, sinks)
+            if not plan.routes and not plan.token_owners:
+                self._close_complete_captures()
+                return
         owners = [(self.requests[rid], pos) for rid, pos in plan.token_owners]
         direct, staged = self._copy_to_sinks(plan, sinks) if self.device_rows else ([], plan)
         spans, packed = staged_row_spans(plan, staged.routes)  # the harvester's share
@@ -61,6 +66,18 @@ class Delivery:
         self.harvester.submit_copy(self.runtime.staging, spans, self.runtime.token_stage,
                                    self.num_tokens_gathered, deliver)
         self._close_complete_captures()
+
+    def _launch_readouts(self, plan: StepPlan, sinks: dict[str, CaptureSink]) -> StepPlan:
+        """Readout routes are read on the GPU where the forward left them; only their
+        scores cross the bus (engine_ext.readouts). Returns the plan of the other routes."""
+        mine = [r for r in plan.routes if sinks[r.capture_id] is self.readouts]
+        if not mine:
+            return plan
+        staging = self.runtime.staging
+        self.harvester.submit_call(self.readouts.launch(
+            [(r, staging[_staging_span(plan, r)]) for r in mine]))
+        return replace(plan, routes=[r for r in plan.routes
+                                     if sinks[r.capture_id] is not self.readouts])
 
     def _copy_to_sinks(self, plan: StepPlan, sinks: dict[str, CaptureSink]):
         """Enqueue each route's rows GPU -> its sink's page-locked shared memory (on the

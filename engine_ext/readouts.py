@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -112,6 +112,36 @@ class ReadoutSink(CaptureSink):
 
     def write(self, capture_id: str, hook: str, layer: int, positions: np.ndarray,
               rows: torch.Tensor) -> None:
+        for state, item, pos, out in self._compute(capture_id, hook, layer, positions, rows):
+            state.pending.append(_encode(item, pos, [t.cpu() for t in out]))
+
+    def launch(self, routes: Sequence[tuple[object, torch.Tensor]]) -> Callable[[], None]:
+        """Device mode: run the readers on each route's rows where they sit (the staging
+        buffer, on the GPU, right after the forward), copy only the results to the host,
+        and return what writes them once the copy landed (for the harvester's thread)."""
+        done = []
+        for route, rows in routes:
+            for hook, layer in route.keys:
+                for state, item, pos, out in self._compute(route.capture_id, hook, layer,
+                                                            route.positions, rows):
+                    done.append((state, item, pos,
+                                 [t.to("cpu", non_blocking=True) for t in out]))
+        landed = torch.cuda.Event() if self.device.type == "cuda" else None
+        if landed is not None:
+            landed.record()
+
+        def write_results() -> None:
+            if landed is not None:
+                landed.synchronize()
+            for state, item, pos, out in done:
+                state.pending.append(_encode(item, pos, out))
+            self.end_step()
+        return write_results
+
+    def _compute(self, capture_id: str, hook: str, layer: int, positions: np.ndarray,
+                 rows: torch.Tensor):
+        """(state, item, positions, result tensors on the rows' device) per item read at
+        (hook, layer) with positions not sent before (a recompute feeds them again)."""
         state = self.live.get(capture_id)
         if state is None:
             return
@@ -124,11 +154,12 @@ class ReadoutSink(CaptureSink):
             at = np.flatnonzero(keep)
             pos = positions[at].tolist()
             emitted.update(pos)
-            x = rows[torch.from_numpy(at).to(rows.device)].to(self.device, torch.float32)
-            state.pending.append(_record(item, reader, pos, x))
+            index = torch.from_numpy(at)
+            x = (rows if len(at) == len(positions) else rows[index.to(rows.device)])
+            yield state, item, pos, _run(item, reader, x.to(self.device, torch.float32))
 
     def end_step(self) -> None:
-        for state in self.live.values():
+        for state in list(self.live.values()):  # the step thread may start one meanwhile
             self._flush(state)
 
     def close(self, end: CaptureEnd) -> None:
@@ -144,14 +175,19 @@ class ReadoutSink(CaptureSink):
             state.pending.clear()
 
 
-def _record(item: ReadoutItem, reader: Reader, positions: list[int], x: torch.Tensor) -> bytes:
-    """One item's results for rows `x` ([n, d], float32, on the reader's device)."""
+def _run(item: ReadoutItem, reader: Reader, x: torch.Tensor) -> list[torch.Tensor]:
+    """One item's results for rows `x` ([n, d], float32, on the reader's device): a probe's
+    scores [n, k], or an SAE's top-k feature ids and values [n, top_k] (id -1: dropped)."""
     if isinstance(reader, LinearProbe):
-        scores = probe_scores(x, reader.weight, reader.bias, reader.activation)
-        return results.probe_record(item.index, positions, scores.cpu().tolist())
+        return [probe_scores(x, reader.weight, reader.bias, reader.activation)]
     ids, values = sae_top_k(sae_encode(x, reader), int(item.top_k or 1),
                             float(item.threshold or 0.0))
+    return [ids, values]
+
+
+def _encode(item: ReadoutItem, positions: list[int], out: list[torch.Tensor]) -> bytes:
+    if len(out) == 1:
+        return results.probe_record(item.index, positions, out[0].tolist())
     features = [[(f, v) for f, v in zip(row_ids, row_values, strict=True) if f >= 0]
-                for row_ids, row_values in zip(ids.cpu().tolist(), values.cpu().tolist(),
-                                               strict=True)]
+                for row_ids, row_values in zip(out[0].tolist(), out[1].tolist(), strict=True)]
     return results.sae_record(item.index, positions, features)
