@@ -67,6 +67,12 @@ STEERING_REFUSED = Counter(
     "full): they ran unsteered. Counted by tensor-parallel rank 0 of each pipeline stage.",
     registry=REGISTRY,
 )
+# Counted by the engine workers that run the readers (TP rank 0 of each pipeline stage).
+READOUT_ROWS = Counter(
+    "capsteer_readout_rows_total",
+    "Tokens read by readout readers (linear probes, SAEs): one per token and readout item.",
+    registry=REGISTRY,
+)
 FSYNC_SECONDS = Histogram(
     "capsteer_fsync_seconds",
     "Duration of each fsync (files and directories) done by the capture writer.",

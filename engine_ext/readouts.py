@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from capsteer.capture import metrics
 from capsteer.capture.sink import CaptureEnd, CaptureRequest, CaptureSink
 from capsteer.steering.readers import results
 from capsteer.steering.readers.kinds import (
@@ -154,6 +155,7 @@ class ReadoutSink(CaptureSink):
             at = np.flatnonzero(keep)
             pos = positions[at].tolist()
             emitted.update(pos)
+            metrics.READOUT_ROWS.inc(len(at))
             index = torch.from_numpy(at)
             x = (rows if len(at) == len(positions) else rows[index.to(rows.device)])
             yield state, item, pos, _run(item, reader, x.to(self.device, torch.float32))

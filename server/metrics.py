@@ -65,7 +65,7 @@ def api_counts() -> tuple[float, float]:
     return steering, rejected
 
 
-def api_snapshot(vectors: int, admitted_bytes: int = 0) -> dict[str, Any]:
+def api_snapshot(vectors: int, admitted_bytes: int = 0, readers: int = 0) -> dict[str, Any]:
     """The API servers' part, shaped like capture_metrics.snapshot() so it merges with the
     workers' (a 429 is one capture request with status "rejected"). `admitted_bytes`: what
     the reject policy holds reserved in the API process answering the scrape."""
@@ -81,6 +81,9 @@ def api_snapshot(vectors: int, admitted_bytes: int = 0) -> dict[str, Any]:
         "capsteer_steering_vectors": one(
             "gauge", "Named vectors in the steering registry.",
             "capsteer_steering_vectors", float(vectors)),
+        "capsteer_readers": one(
+            "gauge", "Readers (linear probes, SAEs) in the reader registry.",
+            "capsteer_readers", float(readers)),
         "capsteer_capture_rejected": one(
             "counter", "Captures refused up front because the in-flight budget was exhausted.",
             "capsteer_capture_rejected_total", rejected),
@@ -100,10 +103,11 @@ REGISTRY = CollectorRegistry(auto_describe=False)
 REGISTRY.register(capture_metrics.SnapshotCollector(lambda: [api_snapshot(0)]))
 
 
-def render(worker_snapshots: list[dict], vectors: int, admitted_bytes: int = 0) -> bytes:
+def render(worker_snapshots: list[dict], vectors: int, admitted_bytes: int = 0,
+           readers: int = 0) -> bytes:
     """Text exposition of the summed worker snapshots and the API servers' counts."""
     merged = CollectorRegistry(auto_describe=False)
-    sources = [*worker_snapshots, api_snapshot(vectors, admitted_bytes)]
+    sources = [*worker_snapshots, api_snapshot(vectors, admitted_bytes, readers)]
     merged.register(capture_metrics.SnapshotCollector(lambda: sources))
     return generate_latest(merged)
 

@@ -307,8 +307,10 @@ class CapsteerMiddleware:
         if start.get("status") == 200:
             snapshots = await self.state.link.metrics_snapshots()
             body[:] = metrics.strip_capsteer(bytes(body))
+            readers = self.state.readers
             body.extend(metrics.render(snapshots, self.state.registry.count(),
-                                       self.state.tracker.reserved_bytes))
+                                       self.state.tracker.reserved_bytes,
+                                       len(readers.names()) if readers is not None else 0))
         out_headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
         out_headers.append((b"content-length", str(len(body)).encode()))
         await send({"type": "http.response.start", "status": start.get("status", 500),

@@ -205,7 +205,10 @@ HOOKS_INFO = {
                            "hf_module": {"type": ["string", "null"]},
                            "layers": {"type": "array", "items": {"type": "integer"}},
                            "unavailable": {"type": "string", "description": "why this "
-                                           "model has no such hook (layers is empty)"}}}},
+                                           "model has no such hook (layers is empty)"},
+                           "readers": {"type": "array", "items": {"type": "string"},
+                                       "description": "registered readers (probes, SAEs) a "
+                                       "readout can use on this hook"}}}},
         "capture": {"type": "object"}, "steering": {"type": "object"},
         "readers": {"type": "object"},
     },

@@ -99,6 +99,13 @@ async def hooks(request: Request) -> dict[str, Any]:
     """Model geometry and what can be captured and steered."""
     state = _state(request)
     model = state.model
+    entries = hook_entries(model)
+    # Every registered reader reads any hook of its width (the stream's, for all hooks here).
+    usable = [r["name"] for r in (await asyncio.to_thread(state.readers.list)
+                                  if state.readers is not None else [])
+              if r["error"] is None and r["d_in"] == model.hidden_size]
+    for entry in entries:
+        entry["readers"] = usable if entry["layers"] else []
     return {
         "model": model.name,
         "architecture": model.architecture,
@@ -108,7 +115,7 @@ async def hooks(request: Request) -> dict[str, Any]:
         "hidden_size": model.hidden_size,
         "dtype": str(model.dtype).removeprefix("torch."),
         "hook_semantics_version": HOOK_SEMANTICS_VERSION,
-        "hooks": hook_entries(model),
+        "hooks": entries,
         "capture": {"positions": [k for k in POSITION_KINDS if k != "explicit"] + ["[ints]"],
                     "layouts": list(LAYOUTS), "dtypes": list(DTYPES),
                     "default": state.settings.capture_default,

@@ -161,8 +161,8 @@ def test_captures_from_both_ranks_once_each_equal_hf(dp_server, hf_models):
         names = _families(after)
         capsteer = [f for f in names if f.startswith("capsteer_")]
         assert len(names) == len(set(names)), sorted(f for f in names if names.count(f) > 1)
-        assert len(capsteer) == 14, capsteer  # graph replays: an empty family on CPU
-        assert len(re.findall(r"^# TYPE capsteer_", after, re.M)) == 14
+        assert len(capsteer) == 16, capsteer  # graph replays: an empty family on CPU
+        assert len(re.findall(r"^# TYPE capsteer_", after, re.M)) == 16
         # Both engines' ring waits in one sample (a CPU engine has no harvest slot).
         waits = re.findall(r"^capsteer_capture_engine_wait_seconds_total\{(.*)\} ", after, re.M)
         assert waits == ['wait="writer_ring"'], waits

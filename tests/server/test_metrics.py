@@ -14,6 +14,7 @@ CAPTURE_METRICS = ("capsteer_capture_requests_total", "capsteer_capture_bytes_to
                    "capsteer_capture_inflight_bytes", "capsteer_capture_dropped_total",
                    "capsteer_capture_rejected_total", "capsteer_fsync_seconds",
                    "capsteer_steering_requests_total", "capsteer_steering_vectors",
+                   "capsteer_readout_rows_total", "capsteer_readers",
                    "capsteer_steering_refused_total", "capsteer_graph_replays_total",
                    "capsteer_capture_engine_wait_seconds_total")
 

@@ -23,7 +23,7 @@ from sae_lens import (
 from capsteer.reference import hf_activations
 from tests.upload_bodies import npz_bytes
 
-from .helpers import ADMIN_KEY, PROMPT
+from .helpers import ADMIN_KEY, PROMPT, metric_value, scrape
 
 pytestmark = [pytest.mark.server, pytest.mark.uses_engine("server")]
 HIDDEN = 128
@@ -135,8 +135,13 @@ def _check_against_hf(hf_model, saes, results):
 def test_readout_equals_hf_and_streams_the_same(server, client, http, hf_models, readers):
     saes, bodies = readers
     _upload(http, bodies)
+    rows_before = metric_value(scrape(server.url), "capsteer_readout_rows_total")
     done = _chat(client, ITEMS)
     results = done.model_extra["readout_results"]
+    after = scrape(server.url)
+    assert metric_value(after, "capsteer_readout_rows_total") - rows_before == \
+        sum(len(r["positions"]) for r in results)
+    assert metric_value(after, "capsteer_readers") == len(http.get("/v1/readers").json()["data"])
     assert [r["item"] for r in results] == list(range(len(ITEMS)))
     assert "prompt_token_ids" not in (done.model_extra or {})  # not asked for: not added
     prompt_len = _check_against_hf(hf_models["qwen3"], saes, results)
@@ -145,6 +150,8 @@ def test_readout_equals_hf_and_streams_the_same(server, client, http, hf_models,
     assert results[2]["positions"] == list(range(prompt_len, fed))  # generated
     assert results[4]["positions"] == [0, 3, prompt_len - 1]  # explicit, -1 = prompt's last
     assert any(r["features"] and r["features"][0] for r in results[1:4])  # features fired
+    hooks = {h["name"]: h for h in http.get("/v1/capsteer/hooks").json()["hooks"]}
+    assert {"ro-probe", "ro-sae-topk"} <= set(hooks["resid_post"]["readers"])
 
     # Streaming: each chunk carries the scores of the steps that produced its tokens.
     stream = _chat(client, ITEMS, stream=True)

@@ -46,6 +46,8 @@ CAPSTEER_METRICS = {
     "capsteer_steering_requests_total",
     "capsteer_steering_refused_total",
     "capsteer_steering_vectors",
+    "capsteer_readout_rows_total",
+    "capsteer_readers",
     "capsteer_graph_replays_total",
     "capsteer_capture_engine_wait_seconds_total",
 }
