@@ -73,9 +73,8 @@ class Delivery:
         mine = [r for r in plan.routes if sinks[r.capture_id] is self.readouts]
         if not mine:
             return plan
-        staging = self.runtime.staging
         self.harvester.submit_call(self.readouts.launch(
-            [(r, staging[_staging_span(plan, r)]) for r in mine]))
+            [(r, _staging_span(plan, r)) for r in mine], self.runtime.staging))
         return replace(plan, routes=[r for r in plan.routes
                                      if sinks[r.capture_id] is not self.readouts])
 

@@ -11,11 +11,13 @@ device mode) and appends each step's records to the request's results file
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -114,19 +116,36 @@ class ReadoutSink(CaptureSink):
     def write(self, capture_id: str, hook: str, layer: int, positions: np.ndarray,
               rows: torch.Tensor) -> None:
         for state, item, pos, out in self._compute(capture_id, hook, layer, positions, rows):
-            state.pending.append(_encode(item, pos, [t.cpu() for t in out]))
+            state.pending.append(_encode(item, pos, [t.cpu().numpy() for t in out]))
 
-    def launch(self, routes: Sequence[tuple[object, torch.Tensor]]) -> Callable[[], None]:
-        """Device mode: run the readers on each route's rows where they sit (the staging
-        buffer, on the GPU, right after the forward), copy only the results to the host,
-        and return what writes them once the copy landed (for the harvester's thread)."""
-        done = []
-        for route, rows in routes:
-            for hook, layer in route.keys:
-                for state, item, pos, out in self._compute(route.capture_id, hook, layer,
-                                                            route.positions, rows):
-                    done.append((state, item, pos,
-                                 [t.to("cpu", non_blocking=True) for t in out]))
+    def launch(self, routes: Sequence[tuple[Any, slice]],
+               staging: torch.Tensor) -> Callable[[], None]:
+        """Device mode: run the readers on the step's readout rows where they sit (the
+        staging buffer, on the GPU, right after the forward), one computation per point
+        and reader for every request reading it, copy only the results to the host, and
+        return what writes them once the copy landed (for the harvester's thread)."""
+        by_point: dict[tuple[int, int], list[tuple[Any, slice]]] = {}
+        for route, span in routes:
+            by_point.setdefault(route.point, []).append((route, span))
+        jobs = []
+        for group in by_point.values():
+            uses: dict[int, list] = {}  # id(reader) -> [reader, top_k, threshold, uses]
+            for route, span in group:
+                state = self.live.get(route.capture_id)
+                for key in (route.keys if state is not None else ()):
+                    for item, reader in state.items.get(key, ()):
+                        use = uses.setdefault(id(reader), [reader, 1, math.inf, []])
+                        if item.top_k is not None:
+                            use[1] = max(use[1], item.top_k)
+                            use[2] = min(use[2], float(item.threshold or 0.0))
+                        use[3].append((state, item, route, span))
+            if not uses:
+                continue
+            first = min(span.start for _, span in group)
+            block = staging[first: max(span.stop for _, span in group)].to(torch.float32)
+            for reader, top_k, threshold, items in uses.values():
+                out = _run(reader, block, top_k, threshold)
+                jobs.append((first, [t.to("cpu", non_blocking=True) for t in out], items))
         landed = torch.cuda.Event() if self.device.type == "cuda" else None
         if landed is not None:
             landed.record()
@@ -134,31 +153,44 @@ class ReadoutSink(CaptureSink):
         def write_results() -> None:
             if landed is not None:
                 landed.synchronize()
-            for state, item, pos, out in done:
-                state.pending.append(_encode(item, pos, out))
+            for first, out, items in jobs:
+                host = [t.numpy() for t in out]
+                for state, item, route, span in items:
+                    at = self._new_positions(state, item, route.positions)
+                    if len(at):
+                        rows = span.start - first + at
+                        state.pending.append(_encode(item, route.positions[at].tolist(),
+                                                     [h[rows] for h in host]))
             self.end_step()
         return write_results
 
+    @staticmethod
+    def _new_positions(state: _Readout, item: ReadoutItem, positions: np.ndarray) -> np.ndarray:
+        """Indices into `positions` the item reads and has not sent before (a recompute
+        after preemption feeds positions again), now marked sent."""
+        emitted = state.emitted.setdefault(item.index, set())
+        keep = item.positions.candidate(positions, state.prompt_len)
+        keep &= ~np.isin(positions, np.fromiter(emitted, np.int64, len(emitted)))
+        at = np.flatnonzero(keep)
+        emitted.update(positions[at].tolist())
+        metrics.READOUT_ROWS.inc(len(at))
+        return at
+
     def _compute(self, capture_id: str, hook: str, layer: int, positions: np.ndarray,
                  rows: torch.Tensor):
-        """(state, item, positions, result tensors on the rows' device) per item read at
-        (hook, layer) with positions not sent before (a recompute feeds them again)."""
+        """Host mode: (state, item, positions, result tensors) per item read at (hook,
+        layer), for its positions not sent before."""
         state = self.live.get(capture_id)
         if state is None:
             return
         for item, reader in state.items.get((hook, layer), ()):
-            emitted = state.emitted.setdefault(item.index, set())
-            keep = item.positions.candidate(positions, state.prompt_len)
-            keep &= ~np.isin(positions, np.fromiter(emitted, np.int64, len(emitted)))
-            if not keep.any():
+            at = self._new_positions(state, item, positions)
+            if not len(at):
                 continue
-            at = np.flatnonzero(keep)
-            pos = positions[at].tolist()
-            emitted.update(pos)
-            metrics.READOUT_ROWS.inc(len(at))
-            index = torch.from_numpy(at)
-            x = (rows if len(at) == len(positions) else rows[index.to(rows.device)])
-            yield state, item, pos, _run(item, reader, x.to(self.device, torch.float32))
+            x = rows if len(at) == len(positions) else rows[torch.from_numpy(at).to(rows.device)]
+            out = _run(reader, x.to(self.device, torch.float32), item.top_k or 1,
+                       float(item.threshold or 0.0))
+            yield state, item, positions[at].tolist(), out
 
     def end_step(self) -> None:
         for state in list(self.live.values()):  # the step thread may start one meanwhile
@@ -177,19 +209,30 @@ class ReadoutSink(CaptureSink):
             state.pending.clear()
 
 
-def _run(item: ReadoutItem, reader: Reader, x: torch.Tensor) -> list[torch.Tensor]:
-    """One item's results for rows `x` ([n, d], float32, on the reader's device): a probe's
-    scores [n, k], or an SAE's top-k feature ids and values [n, top_k] (id -1: dropped)."""
+_ROWS_PER_PASS = 4096  # an SAE's [rows, d_sae] pre-activations stay ~256 MiB at 16k
+
+
+def _run(reader: Reader, x: torch.Tensor, top_k: int, threshold: float) -> list[torch.Tensor]:
+    """Results for rows `x` ([n, d], float32, on the reader's device): a probe's scores
+    [n, k], or an SAE's `top_k` largest features above `threshold` as ids and values
+    [n, top_k] (largest first; id -1 where none is left)."""
     if isinstance(reader, LinearProbe):
         return [probe_scores(x, reader.weight, reader.bias, reader.activation)]
-    ids, values = sae_top_k(sae_encode(x, reader), int(item.top_k or 1),
-                            float(item.threshold or 0.0))
-    return [ids, values]
+    parts = [sae_top_k(sae_encode(x[i: i + _ROWS_PER_PASS], reader), top_k, threshold)
+             for i in range(0, x.shape[0], _ROWS_PER_PASS)]
+    if len(parts) == 1:
+        return list(parts[0])
+    return [torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])]
 
 
-def _encode(item: ReadoutItem, positions: list[int], out: list[torch.Tensor]) -> bytes:
+def _encode(item: ReadoutItem, positions: list[int], out: list[np.ndarray]) -> bytes:
+    """One item's record; SAE results computed for a larger top_k or lower threshold
+    (items sharing one pass) are cut to the item's own."""
     if len(out) == 1:
         return results.probe_record(item.index, positions, out[0].tolist())
-    features = [[(f, v) for f, v in zip(row_ids, row_values, strict=True) if f >= 0]
-                for row_ids, row_values in zip(out[0].tolist(), out[1].tolist(), strict=True)]
+    k, threshold = int(item.top_k or 1), float(item.threshold or 0.0)
+    features = [[(f, v) for f, v in zip(row_ids, row_values, strict=True)
+                 if f >= 0 and v > threshold]
+                for row_ids, row_values in zip(out[0][:, :k].tolist(), out[1][:, :k].tolist(),
+                                               strict=True)]
     return results.sae_record(item.index, positions, features)
