@@ -4,7 +4,7 @@ their throughput through the server beside plain requests.
 1. Correctness: a float32 demo Qwen3 served by `capsteer serve` (CUDA graphs on); a
    sigmoid probe and a TopK / JumpReLU SAE registered; chat requests with readouts (alone,
    streamed, and 16 at once beside plain ones) equal HF's activations read by the same
-   probe and `sae_encode` (SAELens's equality is the CPU suite's test) within 1e-3 of scale.
+   probe and `sae_encode` (SAELens's equality is the CPU suite's test) within TOL of scale.
 2. Throughput (`--bench`): a bf16 shape (default qwen3-0.6b) under one server, rounds of
    N concurrent completions (random prompts, fixed output length) interleaved: plain,
    one probe at one layer on every token (`readout_probe`), a 16k-feature TopK SAE at one
@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))  # perf_m
 from capsteer.server.process import ManagedServer, free_port
 
 LAYER = 1
+TOL = 5e-3  # of scale: float32 on the GPU (vLLM's attention kernels) vs HF; CPU CI: 1e-4
 
 
 def write_sae(directory: Path, d_in: int, d_sae: int, arch: str, seed: int, k: int = 32) -> None:
@@ -135,12 +136,14 @@ def check_correctness(work: Path, device: str) -> dict:
                     else:
                         ref = reader.encode(x)
                         for row, pairs in zip(ref, got["features"], strict=True):
+                            scale = max(1.0, float(row.abs().max()))
                             for f, v in pairs:
-                                diff = abs(float(row[f]) - v)
-                                worst = max(worst, diff / max(1.0, float(row.abs().max())))
-                            top = torch.topk(row, len(pairs)).indices.tolist() if pairs else []
-                            if sorted(top) != sorted(f for f, _ in pairs):
-                                failures.append(f"top features differ: {pairs} vs {top}")
+                                worst = max(worst, abs(float(row[f]) - v) / scale)
+                            # The set is a top-k of the reference up to near-ties at its edge.
+                            if pairs:
+                                edge = float(torch.topk(row, len(pairs)).values[-1])
+                                if min(v for _, v in pairs) < edge - TOL * scale:
+                                    failures.append(f"not a top-{len(pairs)}: {pairs}")
                     checked += 1
             # Streamed: the chunks' readouts concatenate to the JSON result.
             streamed: dict[int, list] = {}
@@ -154,7 +157,7 @@ def check_correctness(work: Path, device: str) -> dict:
                     failures.append(f"stream positions differ for item {got['item']}")
     finally:
         server.close()
-    ok = not failures and worst <= 1e-3 and checked >= 3 * 2
+    ok = not failures and worst <= TOL and checked >= 3 * 2
     print(f"readout vs HF: {checked} item results, worst diff {worst:.2e} of scale, "
           f"{len(failures)} failures {'PASS' if ok else 'FAIL'}", flush=True)
     for f in failures[:10]:
@@ -242,6 +245,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.backends.cuda.matmul.allow_tf32 = False  # the HF reference in full float32
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     result: dict = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
