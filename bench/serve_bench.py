@@ -1,30 +1,25 @@
 """The serve path against stock `vllm serve`, measured with vLLM's own client (issue 63).
 
-Users meet capsteer through HTTP and judge it by what `vllm bench serve` prints: output
-tokens/s and TTFT / TPOT / ITL percentiles. For each shape and round this starts `vllm
-serve` (`capsteer serve --vanilla`: stock vLLM, the same flags) and `capsteer serve` one
-after the other (the order flips every round), each through ManagedServer, and drives each
-with `vllm bench serve` (random dataset, streamed completions, `--extra-body` for capsteer's
-fields; fresh prompts per case, so no case hits another's prefix cache). After an untimed
-warm-up, the cases (vanilla runs plain and short, capsteer all of them):
+Users judge capsteer through HTTP by what `vllm bench serve` prints: output tokens/s and
+TTFT / TPOT / ITL percentiles. For each shape and round this starts `capsteer serve --vanilla`
+(stock vLLM, the same flags) and `capsteer serve` one after the other (the order flips every
+round), and drives each with `vllm bench serve` (random dataset, streamed completions,
+`--extra-body` for capsteer's fields, fresh prompts per case). After an untimed warm-up, the
+cases (vanilla runs plain and short, capsteer all):
 
   plain         no fields
   short         prompt 16, max_tokens 1, high concurrency: the API path's own cost (req/s)
   steer_all     every layer steered by a named per-layer vector (PUT once per server)
-  distinct_N    N = 1, 32, 256 steering configs: request i carries its own inline vector
-                (config i mod N, base64 float32) on every layer
+  distinct_N    N = 1, 32, 256 configs: request i carries inline vector i mod N on every layer
   capture       one layer (resid_post, the middle one), every position
   capture_wait  the same, each response held until its capture is durable
 
-`vllm bench serve` sends one body to every request (--extra-body; of its datasets only BFCL,
-a hub download, sets per-request fields), so distinct_N runs the function behind it,
-`vllm.benchmarks.serve.benchmark`, on the random dataset's samples with each sample's
-`request_overrides` set: the same request code, timing and percentiles as the CLI.
-
-Ratios: each capsteer case over vanilla's plain run of the same shape and round (short over
-vanilla's short; tokens/s, or requests/s for short, and p50/p99 latencies); distinct_256
-over distinct_1 (the one-config run of the same request path). A shape's figure is the
-median over rounds, its spread the rounds' min-max; a summary key takes the worst shape.
+`--extra-body` sends one body to every request, so distinct_N runs the function behind the
+CLI, `vllm.benchmarks.serve.benchmark`, with each sample's `request_overrides` set: the same
+request code, timing and percentiles. Ratios: each capsteer case over vanilla's plain of the
+same shape and round (short over vanilla's short, in requests/s); distinct_256 over
+distinct_1. A shape's figure is the median over rounds, its spread their min-max; a summary
+key takes the worst shape.
 
     python bench/serve_bench.py --device cuda --round 1 --work /tmp/sb --out /tmp/sb/out
         --deadline $D                    (one GPU call per round: bench/README.md)
@@ -34,10 +29,9 @@ median over rounds, its spread the rounds' min-max; a summary key takes the wors
     python bench/serve_bench.py --attach vanilla=URL --model-dir DIR --out DIR  (running
         servers; again with --attach capsteer=URL --admin-key K: one summary of both)
 
-Writes <out>/raw/r<round>-<shape>-<config>.json (vLLM's result per case) and
-<out>/serve-bench.json (per-case medians and spread, ratios, the serve_* keys) and
-<out>/serve-bench.png; `--summary` merges the keys into bench/results/summary.json and
-redraws its PNG (GPU figures only, as summary.py). CPU runs are a smoke test.
+Writes <out>/raw/r<round>-<shape>-<config>.json (vLLM's result per case), <out>/serve-bench.json
+(per-case medians and spread, ratios, the serve_* keys) and its PNG; `--summary` merges the
+keys into bench/results/summary.json (GPU figures only, as summary.py).
 """
 
 from __future__ import annotations
@@ -48,7 +42,6 @@ import contextlib
 import datetime as dt
 import io
 import json
-import os
 import secrets
 import shutil
 import statistics
@@ -75,8 +68,8 @@ VECTOR_STD = 0.05  # small: a random-weight model keeps finite activations when 
 CASE_NAMES = ("plain", "short", "steer_all", *(f"distinct_{n}" for n in DISTINCT),
               "capture", "capture_wait")
 METRICS = ("completed", "failed", "duration", "request_throughput", "output_throughput",
-           "total_token_throughput", "max_concurrent_requests", *(f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el")
-                                       for s in ("mean", "p50", "p99")))
+           "total_token_throughput", "max_concurrent_requests",
+           *(f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el") for s in ("mean", "p50", "p99")))
 LATENCIES = tuple(f"{p}_{m}_ms" for m in ("ttft", "tpot", "itl") for p in ("p50", "p99"))
 # key -> (ratio row, column, target): the summary's serve_* keys
 KEYS: dict[str, tuple[str, str, str]] = {
@@ -131,14 +124,9 @@ def bench_argv(case: Case, a: argparse.Namespace, url: str, model: str, result_d
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
             "--disable-tqdm", "--save-result", "--result-dir", str(result_dir),
             "--result-filename", f"{case.name}.json", "--label", case.name]
-    if a.served_model_name:
-        argv += ["--served-model-name", a.served_model_name]
-    if case.body is not None:
-        argv += ["--extra-body", json.dumps(case.body)]
-    return argv
+    argv += ["--served-model-name", a.served_model_name] if a.served_model_name else []
+    return argv + (["--extra-body", json.dumps(case.body)] if case.body is not None else [])
 
-
-# ---------------------------------------------------------------- the client process
 
 
 def client_main(plan_path: Path) -> None:
@@ -160,11 +148,12 @@ def client_main(plan_path: Path) -> None:
                 contextlib.redirect_stdout(log):
             result = distinct_run(args, job["distinct"], plan["hidden"]) if job["distinct"] \
                 else main(args)
-        wall = time.monotonic() - t0
-        counts: dict[str, float] = {}
+        wall, counts = time.monotonic() - t0, {}
         if plan["capsteer"]:
-            if job["capture"]:  # captures still in flight belong to this case
-                wait_captures_idle(plan["url"], timeout_s=180.0)
+            deadline = time.monotonic() + 180  # captures still in flight belong to this case
+            while job["capture"] and time.monotonic() < deadline and capsteer_counts(
+                    plan["url"]).get("capsteer_capture_inflight_bytes", 0.0) != 0.0:
+                time.sleep(0.5)
             after = capsteer_counts(plan["url"])
             counts = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
         if job["capture"] and plan.get("capture_dir"):
@@ -228,23 +217,11 @@ def distinct_run(args: argparse.Namespace, n: int, hidden: int) -> dict[str, Any
 
 def capsteer_counts(url: str) -> dict[str, float]:
     """capsteer's counters on /metrics: captures by status, steered requests, bytes in flight."""
-    text = httpx.get(url + "/metrics", timeout=30).text
-    got: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith(("capsteer_capture_requests_total", "capsteer_steering_requests_total",
-                            "capsteer_capture_inflight_bytes")):
-            name, _, value = line.rpartition(" ")
-            got[name.replace('"', "")] = float(value)
-    return got
-
-
-def wait_captures_idle(url: str, timeout_s: float) -> None:
-    """Until no capture bytes are in flight (a no-wait case's captures finish after it)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if capsteer_counts(url).get("capsteer_capture_inflight_bytes", 0.0) == 0.0:
-            return
-        time.sleep(0.5)
+    names = ("capsteer_capture_requests_total", "capsteer_steering_requests_total",
+             "capsteer_capture_inflight_bytes")
+    lines = httpx.get(url + "/metrics", timeout=30).text.splitlines()
+    return {line.rpartition(" ")[0].replace('"', ""): float(line.rpartition(" ")[2])
+            for line in lines if line.startswith(names)}
 
 
 def clear_dir(path: Path) -> None:
@@ -253,20 +230,17 @@ def clear_dir(path: Path) -> None:
         shutil.rmtree(child, ignore_errors=True)
 
 
-# ---------------------------------------------------------------- servers and rounds
-
 
 def put_vector(url: str, layers: int, hidden: int, admin_key: str | None) -> None:
     """Register the named per-layer vector (one row per layer, .npy) that steer_all uses."""
     import numpy as np  # numpy: only a capsteer server's run needs it
 
-    rng = np.random.default_rng(11)
     buf = io.BytesIO()
-    np.save(buf, (rng.standard_normal((layers, hidden)) * VECTOR_STD).astype(np.float32))
-    headers = {"X-Admin-Key": admin_key} if admin_key else {}
-    r = httpx.put(f"{url}/v1/steering/vectors/{VECTOR_NAME}", content=buf.getvalue(),
-                  params={"format": "npy"}, headers=headers, timeout=60)
-    r.raise_for_status()
+    np.save(buf, (np.random.default_rng(11).standard_normal((layers, hidden)) * VECTOR_STD)
+            .astype(np.float32))
+    httpx.put(f"{url}/v1/steering/vectors/{VECTOR_NAME}", content=buf.getvalue(),
+              params={"format": "npy"}, headers={"X-Admin-Key": admin_key} if admin_key else {},
+              timeout=60).raise_for_status()
 
 
 def drive(config: str, url: str, model: str, a: argparse.Namespace, raw_dir: Path,
@@ -281,22 +255,19 @@ def drive(config: str, url: str, model: str, a: argparse.Namespace, raw_dir: Pat
     result_dir = raw_dir / tag
     shutil.rmtree(result_dir, ignore_errors=True)
     result_dir.mkdir(parents=True)
-    jobs = []
-    for case in cases(config, layers, a.cases):
-        argv = bench_argv(case, a, url, model, result_dir)
-        jobs.append({"case": case.name, "argv": argv, "distinct": case.distinct,
-                     "capture": case.capture,
-                     "client": "vllm.benchmarks.serve.benchmark, per-request request_overrides"
-                     if case.distinct else "vllm bench serve " + " ".join(argv)})
+    jobs = [{"case": case.name, "argv": argv, "distinct": case.distinct, "capture": case.capture,
+             "client": "vllm.benchmarks.serve.benchmark, per-request request_overrides"
+             if case.distinct else "vllm bench serve " + " ".join(argv)}
+            for case in cases(config, layers, a.cases)
+            for argv in [bench_argv(case, a, url, model, result_dir)]]
     plan = {"url": url, "capsteer": config == "capsteer", "hidden": hidden, "jobs": jobs,
             "results": str(result_dir / "client.jsonl"),
             "capture_dir": str(capture_dir) if capture_dir else None}
     (result_dir / "plan.json").write_text(json.dumps(plan, indent=1))
-    t0 = time.monotonic()
+    t0, results = time.monotonic(), Path(plan["results"])
     proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--client",
                            str(result_dir / "plan.json")], cwd=a.work, timeout=a.client_timeout)
-    rows = [json.loads(x) for x in Path(plan["results"]).read_text().splitlines()] \
-        if Path(plan["results"]).exists() else []
+    rows = [json.loads(x) for x in results.read_text().splitlines()] if results.exists() else []
     got = {r["case"]: r for r in rows if r["case"] != "warm-up"}
     # a case with a failed request has no figure (the summary would compare unlike work)
     failures = {name: f"{row['failed']} failed, {row['completed']} completed"
@@ -321,11 +292,7 @@ def server_argv(config: str, model: Path, shape: str, a: argparse.Namespace, por
     argv += ["--gpu-memory-utilization", str(a.gpu_memory_utilization)] if a.device == "cuda" \
         else ["--cpu-defaults"]
     argv += ["--max-model-len", str(max_len)]
-    if shape in perf_models.SHAPES:
-        kw = perf_models.engine_kwargs(shape)
-        argv += ["--dtype", kw["dtype"]]
-        if "load_format" in kw:
-            argv += ["--load-format", kw["load_format"]]
+    argv += perf_models.serve_flags(shape) if shape in perf_models.SHAPES else []
     argv += a.server_flags
     if config == "vanilla":
         return [*argv, "--vanilla"]
@@ -360,13 +327,12 @@ def run_managed(a: argparse.Namespace) -> None:
                       flush=True)
                 continue
             for config in order:
-                tag = f"r{r}-{shape}-{config}"
+                tag, port = f"r{r}-{shape}-{config}", free_port()
                 work = a.work / tag
                 for d in (work, a.work / "captures", a.work / "vectors"):
                     shutil.rmtree(d, ignore_errors=True)
                     d.mkdir(parents=True)
-                argv = server_argv(config, model, shape, a, free_port())
-                port = argv[argv.index("--port") + 1]
+                argv = server_argv(config, model, shape, a, port)
                 print(f"{tag}: starting", flush=True)
                 # cwd: not the checkout, whose capsteer/ folder would shadow the package
                 try:
@@ -394,15 +360,13 @@ def run_managed(a: argparse.Namespace) -> None:
 def save_raw(raw: Path, tag: str, r: int, shape: str, config: str, a: argparse.Namespace,
              got: dict[str, Any]) -> None:
     raw.mkdir(parents=True, exist_ok=True)
-    doc = {"kind": "serve-bench-raw", "round": r, "shape": shape, "config": config,
-           "device": a.device_name, "date": dt.date.today().isoformat(),
-           "command": " ".join(sys.argv), "workload": {k: getattr(a, k) for k in (
-               "prompt", "output_len", "num_prompts", "concurrency", "short_prompts",
-               "short_concurrency", "max_num_seqs")}, **got}
-    (raw / f"{tag}.json").write_text(json.dumps(doc, indent=1))
+    (raw / f"{tag}.json").write_text(json.dumps({
+        "kind": "serve-bench-raw", "round": r, "shape": shape, "config": config,
+        "device": a.device_name, "date": dt.date.today().isoformat(),
+        "command": " ".join(sys.argv), "workload": {k: getattr(a, k) for k in (
+            "prompt", "output_len", "num_prompts", "concurrency", "short_prompts",
+            "short_concurrency", "max_num_seqs")}, **got}, indent=1))
 
-
-# ---------------------------------------------------------------- summary
 
 
 def spread(xs: list[float]) -> dict[str, float]:
@@ -412,29 +376,23 @@ def spread(xs: list[float]) -> dict[str, float]:
 def verdict(lo: float, hi: float, target: str, rounds: int) -> str:
     """met / missed over every round's figure; unresolved across it or under MIN_ROUNDS."""
     op, t = target.split()
-    ok_lo, ok_hi = (lo >= float(t), hi >= float(t)) if op == ">=" else (hi <= float(t), lo <= float(t))
     if rounds < MIN_ROUNDS:
         return "unresolved"
-    return "met" if ok_lo and ok_hi else "missed" if not (ok_lo or ok_hi) else "unresolved"
+    return perf_models.verdict(lo, hi, float(t)) if op == ">=" else \
+        perf_models.verdict(-hi, -lo, -float(t))  # a ceiling: the sides swap
 
 
 def case_ratios(cap: dict[str, Any], van: dict[str, Any]) -> dict[str, dict[str, float]]:
     """Each capsteer case over its vanilla baseline (plain, or short for short): throughput
     (tokens/s, requests/s for short) and p50/p99 latencies; distinct_256 over distinct_1."""
-    out: dict[str, dict[str, float]] = {}
-
     def ratio(a: dict, b: dict, short: bool) -> dict[str, float]:
         tput = "request_throughput" if short else "output_throughput"
-        got = {"throughput": a[tput] / b[tput]} if a.get(tput) and b.get(tput) else {}
-        for m in LATENCIES if not short else ("p50_ttft_ms", "p99_ttft_ms"):
-            if a.get(m) and b.get(m):
-                got[m] = a[m] / b[m]
-        return got
+        cols = {"throughput": tput, **{m: m for m in (("p50_ttft_ms", "p99_ttft_ms") if short
+                                                     else LATENCIES)}}
+        return {c: a[m] / b[m] for c, m in cols.items() if a.get(m) and b.get(m)}
 
-    for name, row in cap.items():
-        base = van.get("short" if name == "short" else "plain")
-        if base is not None:
-            out[name] = ratio(row, base, name == "short")
+    out = {name: ratio(row, van[base], name == "short") for name, row in cap.items()
+           if (base := "short" if name == "short" else "plain") in van}
     for n in DISTINCT:
         for other in ("distinct_1", "steer_all"):
             if f"distinct_{n}" in cap and other in cap and other != f"distinct_{n}":
@@ -449,27 +407,23 @@ def summarize(dirs: list[Path], out: Path, device: str | None = None) -> dict[st
     shapes: dict[str, Any] = {}
     for shape in dict.fromkeys(r["shape"] for r in raws):
         by_round: dict[int, dict[str, dict]] = {}
-        for r in raws:
-            if r["shape"] == shape:
-                by_round.setdefault(r["round"], {})[r["config"]] = r["cases"]
+        for r in (r for r in raws if r["shape"] == shape):
+            by_round.setdefault(r["round"], {})[r["config"]] = r["cases"]
         paired = sorted(k for k, v in by_round.items() if set(v) == set(CONFIGS))
         per_case: dict[str, dict[str, Any]] = {}
-        for config in CONFIGS:
-            for name in CASE_NAMES:
-                rows = [by_round[k][config][name] for k in sorted(by_round)
-                        if name in by_round[k].get(config, {})]
-                if rows:
-                    per_case[f"{config}/{name}"] = {m: spread([x[m] for x in rows]) for m in METRICS
-                                                    if all(x.get(m) is not None for x in rows)}
-        rounds = {k: case_ratios(by_round[k]["capsteer"], by_round[k]["vanilla"]) for k in paired}
+        for config, name in ((c, n) for c in CONFIGS for n in CASE_NAMES):
+            rows = [by_round[k][config][name] for k in sorted(by_round)
+                    if name in by_round[k].get(config, {})]
+            if rows:
+                per_case[f"{config}/{name}"] = {m: spread([x[m] for x in rows]) for m in METRICS
+                                                if all(x.get(m) is not None for x in rows)}
         ratios: dict[str, dict[str, Any]] = {}
         for k in paired:
-            for row, cols in rounds[k].items():
+            for row, cols in case_ratios(by_round[k]["capsteer"], by_round[k]["vanilla"]).items():
                 for col, v in cols.items():
                     ratios.setdefault(row, {}).setdefault(col, {"by_round": []})["by_round"].append(v)
-        for cols in ratios.values():
-            for entry in cols.values():
-                entry.update(spread(entry["by_round"]))
+        for entry in (e for cols in ratios.values() for e in cols.values()):
+            entry.update(spread(entry["by_round"]))
         shapes[shape] = {"rounds": paired, "cases": per_case, "ratios": ratios}
     keys: dict[str, Any] = {}
     for key, (row, col, target) in KEYS.items():
@@ -518,13 +472,8 @@ def print_report(doc: dict[str, Any]) -> None:
 def plot(doc: dict[str, Any], png: Path) -> None:
     """Per shape, every capsteer case's throughput over its baseline with the rounds'
     spread, and plain's p99 TTFT / TPOT (1 = vanilla)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("no PNG: plotting needs matplotlib", flush=True)
+    plt = perf_models.pyplot()
+    if plt is None:
         return
     shapes = list(doc["shapes"].items())
     fig, axes = plt.subplots(1, max(len(shapes), 1), figsize=(6 * max(len(shapes), 1), 4.6),
@@ -549,13 +498,6 @@ def plot(doc: dict[str, Any], png: Path) -> None:
     print(f"wrote {png}", flush=True)
 
 
-def record(doc_path: Path, a: argparse.Namespace) -> None:
-    """The serve_* keys into bench/results/summary.json and its PNG (summary.py's rules)."""
-    argv = ["update", "--from", str(doc_path), "--summary", str(a.summary_path)]
-    summary_file.main(argv + (["--allow-cpu"] if a.allow_cpu else []))
-    summary_file.main(["plot", "--summary", str(a.summary_path)])
-
-
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
@@ -564,14 +506,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=1, help="rounds in this run")
     ap.add_argument("--round", type=int, default=1, help="number of the first (one call each)")
     ap.add_argument("--cases", default=",".join(CASE_NAMES))
-    ap.add_argument("--prompt", type=int, default=256, help="prompt tokens (long cases)")
-    ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--num-prompts", type=int, default=512)
-    ap.add_argument("--concurrency", type=int, default=256)
-    ap.add_argument("--short-prompts", type=int, default=4096)
-    ap.add_argument("--short-concurrency", type=int, default=256)
-    ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--seed", type=int, default=0)
+    for name, default in (("--prompt", 256), ("--output-len", 128), ("--num-prompts", 512),
+                          ("--concurrency", 256), ("--short-prompts", 4096),
+                          ("--short-concurrency", 256), ("--max-num-seqs", 256), ("--seed", 0)):
+        ap.add_argument(name, type=int, default=default)  # --prompt: the long cases' tokens
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--server-flags", default="", help="more flags for both servers")
     ap.add_argument("--capsteer-flags", default="", help="more capsteer serve flags")
@@ -587,7 +525,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--min-server-s", type=float, default=170.0,
                     help="what one server takes: start, cases, stop")
     ap.add_argument("--work", type=Path, default=Path("/tmp/capsteer-serve-bench"))
-    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "bench/results") / "serve")
+    ap.add_argument("--out", type=Path, default=Path(perf_models.default_out()) / "serve")
     ap.add_argument("--merge", type=Path, nargs="+", default=None, metavar="DIR",
                     help="run nothing: summarize the raw files of these --out dirs into --out")
     ap.add_argument("--summary", action="store_true", help="merge the serve_* keys into the summary")
@@ -597,8 +535,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     a = ap.parse_args(argv)
     a.shapes = (a.shapes or ("qwen3-0.6b,llama3-8b" if a.device == "cuda" else "demo")).split(",")
     a.cases = tuple(c for c in a.cases.split(",") if c)
-    unknown = set(a.cases) - set(CASE_NAMES)
-    if unknown:
+    if unknown := set(a.cases) - set(CASE_NAMES):
         ap.error(f"unknown cases {sorted(unknown)}; known: {', '.join(CASE_NAMES)}")
     a.server_flags, a.capsteer_flags = a.server_flags.split(), a.capsteer_flags.split()
     return a
@@ -626,8 +563,10 @@ def main(argv: list[str] | None = None) -> None:
     doc = summarize(a.merge or [a.out], a.out, a.device_name if a.merge is None else None)
     print_report(doc)
     plot(doc, a.out / "serve-bench.png")
-    if a.summary:
-        record(a.out / "serve-bench.json", a)
+    if a.summary:  # the serve_* keys into bench/results/summary.json and its PNG
+        summary_file.main(["update", "--from", str(a.out / "serve-bench.json"), "--summary",
+                           str(a.summary_path), *(["--allow-cpu"] if a.allow_cpu else [])])
+        summary_file.main(["plot", "--summary", str(a.summary_path)])
 
 
 if __name__ == "__main__":
