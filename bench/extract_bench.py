@@ -5,25 +5,20 @@ same prompts, and vs HF transformers (`output_hidden_states` + safetensors).
     python bench/extract_bench.py --device cuda --shape llama3-8b --capture-layers 16 \\
         --prompts 1280 --prompt-tokens 64-512 --hf-batch 8,16,32,64 --reps 2    # issue 12 P4
 
-Each side runs in its own process (fresh device memory; `--sides` picks them): capsteer
-(`capsteer extract`, sharded, durable, indexed, of resid_post at the chosen layers x every
-prompt position, its forward stopped after the deepest captured layer as the CLI's default;
-the job's own time); capsteer_full (not a default side: the same with `--full-forward`);
-vllm (stock vLLM prefilling the same prompts, max_tokens=1); hf (`output_hidden_states`, the
-captured rows of real tokens written with safetensors per batch, `os.sync` at the end; of
-several `--hf-batch` sizes the fastest on a few probe batches runs; with `--shape` over
-length-sorted chunks and `logits_to_keep=1`, as a careful HF user would). `--shape`
-(perf_models.py) picks a geometry with its real vocabulary (the 8B shapes: vLLM's dummy
-weights and HF's own init); without it, a Qwen3 of --hidden/--layers from
-capsteer.demo_model. capsteer and vllm run --reps timed passes, pass r over its own prompt
-set r (never a prefix-cache hit), after an untimed 64-prompt warm-up; HF runs once over set
-0, until --hf-min-seconds. Times exclude start-up. Writes
-<out>/<tag>-<date>-extract[-layers-L].json (+ .png with matplotlib).
+Sides (`--sides`), one process each: capsteer (resid_post at the chosen layers x every prompt
+position, its forward stopped after the deepest, as the CLI); capsteer_full (`--full-forward`);
+vllm (max_tokens=1, nothing captured); hf (rows of real tokens saved per batch, `os.sync`;
+the fastest `--hf-batch` size on probe batches; with `--shape` length-sorted chunks and
+`logits_to_keep=1`). `--shape` (perf_models.py) picks a geometry, else a demo Qwen3 of
+--hidden/--layers. capsteer and vllm run --reps passes over fresh prompt sets after a
+warm-up; HF one pass until --hf-min-seconds. Writes <tag>-<date>-extract[-layers-L].json.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
+import itertools
 import json
 import os
 import random
@@ -58,10 +53,8 @@ def _prompt_set(a: argparse.Namespace, seed: int, n: int | None = None) -> list[
             for _ in range(n or a.prompts)]
 
 
-def run_hf(a: argparse.Namespace, layers: list[int], out: Path, dtype: str) -> dict[str, Any]:
+def run_hf(a: argparse.Namespace, layers: list[int], out: Path) -> dict[str, Any]:
     """HF output_hidden_states + save_file; best of the --hf-batch sizes, then >= min-seconds."""
-    import inspect
-
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -74,14 +67,14 @@ def run_hf(a: argparse.Namespace, layers: list[int], out: Path, dtype: str) -> d
     if shape is not None and shape.weights == "dummy":  # no checkpoint: HF's own init
         with torch.device(a.device):
             model = AutoModelForCausalLM.from_config(perf_models.hf_config(shape),
-                                                     dtype=getattr(torch, dtype)).eval()
+                                                     dtype=getattr(torch, a.dtype)).eval()
     else:
-        model = AutoModelForCausalLM.from_pretrained(a.model, dtype=getattr(torch, dtype)
+        model = AutoModelForCausalLM.from_pretrained(a.model, dtype=getattr(torch, a.dtype)
                                                      ).eval().to(a.device)
     load_s, prompts, careful = time.perf_counter() - t0, _prompt_set(a, 0), bool(a.shape)
     keep_kw: dict[str, Any] = {"logits_to_keep": 1} if careful and (
         "logits_to_keep" in inspect.signature(model.forward).parameters) else {}
-    counter = [0]
+    counter = itertools.count()
 
     def forward(batch: list[str]) -> int:
         enc = tok(batch, return_tensors="pt", padding=True).to(a.device)
@@ -92,8 +85,7 @@ def run_hf(a: argparse.Namespace, layers: list[int], out: Path, dtype: str) -> d
         rows["token_ids"] = enc["input_ids"].cpu()
         tensors = {k: torch.cat([h[i, :n] for i, n in enumerate(lengths)]).contiguous()
                    for k, h in rows.items()}
-        save_file(tensors, str(out / f"hf-{counter[0]:06d}.safetensors"))
-        counter[0] += 1
+        save_file(tensors, str(out / f"hf-{next(counter):06d}.safetensors"))
         return int(sum(lengths))
 
     def batches(size: int, items: list[str]):
@@ -103,8 +95,7 @@ def run_hf(a: argparse.Namespace, layers: list[int], out: Path, dtype: str) -> d
             for b in range(0, len(part), size):
                 yield part[b: b + size]
 
-    sizes = [int(x) for x in str(a.hf_batch).split(",")]
-    probes: dict[int, float] = {}
+    sizes, probes = [int(x) for x in str(a.hf_batch).split(",")], {}
     if len(sizes) > 1:
         probe_prompts = _prompt_set(a, 99, max(sizes))
         with torch.inference_mode():
@@ -118,8 +109,7 @@ def run_hf(a: argparse.Namespace, layers: list[int], out: Path, dtype: str) -> d
                     probes[size] = n / (time.perf_counter() - t)
                 except torch.OutOfMemoryError:
                     probes[size] = 0.0
-                    if a.device == "cuda":
-                        torch.cuda.empty_cache()
+                    torch.cuda.empty_cache()  # only CUDA raises it
         for f in out.glob("hf-*.safetensors"):
             f.unlink()
     best = max(probes, key=lambda s: probes[s]) if probes else sizes[0]
@@ -138,13 +128,13 @@ def run_hf(a: argparse.Namespace, layers: list[int], out: Path, dtype: str) -> d
             "length_sorted_chunks": careful, "tokens_per_s": tokens / run_s}
 
 
-def _engine_kwargs(a: argparse.Namespace, dtype: str, mem: float) -> dict[str, Any]:
-    return {"dtype": dtype, "gpu_memory_utilization": mem, "max_model_len": a.max_model_len,
+def _engine_kwargs(a: argparse.Namespace, mem: float) -> dict[str, Any]:
+    return {"dtype": a.dtype, "gpu_memory_utilization": mem, "max_model_len": a.max_model_len,
             **(perf_models.engine_kwargs(a.shape) if a.shape else {})}
 
 
-def run_capsteer(a: argparse.Namespace, layers: list[int], out: Path, dtype: str,
-                 mem: float, full_forward: bool = False) -> dict[str, Any]:
+def run_capsteer(a: argparse.Namespace, layers: list[int], out: Path, mem: float,
+                 full_forward: bool = False) -> dict[str, Any]:
     from capsteer.capture.spec import parse_capture_spec
     from capsteer.engine import Engine
     from capsteer.extraction.job import job_config
@@ -152,17 +142,15 @@ def run_capsteer(a: argparse.Namespace, layers: list[int], out: Path, dtype: str
 
     job = Path(a.stable_dir) / "capsteer-extract-job"  # a stable path: see main()
     shutil.rmtree(job, ignore_errors=True)
-    n_layers, t0 = _layers(a.model), time.perf_counter()
+    n_layers, t0 = a.num_layers, time.perf_counter()
     spec = parse_capture_spec({"hooks": ["resid_post"], "layers": layers, "positions": "prompt"},
                               num_layers=n_layers)
-    kw = _engine_kwargs(a, dtype, mem)
+    kw = _engine_kwargs(a, mem)
     config = job_config(job, spec, 256 << 20, kw, num_layers=n_layers, full_forward=full_forward)
     engine = Engine(a.model, capsteer_config=config, **kw)
-    load_s = time.perf_counter() - t0
+    load_s, lines = time.perf_counter() - t0, []  # lines: every pass's rows (see one())
 
-    lines: list[str] = []  # every pass's rows: a job resumes only over its own input
-
-    def one(tag: str, prompts: list[str]):
+    def one(tag: str, prompts: list[str]):  # a job resumes only over its own input
         lines.extend(json.dumps({"id": f"{tag}-{i}", "prompt": p}) + "\n"
                      for i, p in enumerate(prompts))
         inp = out / f"prompts-{tag}.jsonl"
@@ -185,24 +173,22 @@ def run_capsteer(a: argparse.Namespace, layers: list[int], out: Path, dtype: str
             **_medians(reps)}
 
 
-def run_vllm(a: argparse.Namespace, dtype: str, mem: float) -> dict[str, Any]:
+def run_vllm(a: argparse.Namespace, mem: float) -> dict[str, Any]:
     """Stock vLLM prefilling the same prompts (max_tokens=1), nothing captured: the engine's
     own speed on this machine, to separate it from capture overhead."""
     from vllm import LLM, SamplingParams
 
-    t0 = time.perf_counter()
+    t0, sp = time.perf_counter(), SamplingParams(max_tokens=1, temperature=0.0)
     llm = LLM(model=a.model, max_num_batched_tokens=2048,  # the extraction job's step size
-              **_engine_kwargs(a, dtype, mem))
+              **_engine_kwargs(a, mem))
     load_s = time.perf_counter() - t0
-    sp = SamplingParams(max_tokens=1, temperature=0.0)
     if a.warmup:
         llm.generate(_prompt_set(a, 1000, 64), sp, use_tqdm=False)
     reps = []
     for r in range(a.reps):
         prompts, t0 = _prompt_set(a, r), time.perf_counter()
         outs = llm.generate(prompts, sp, use_tqdm=False)
-        run_s = time.perf_counter() - t0
-        tokens = sum(len(o.prompt_token_ids) for o in outs)
+        run_s, tokens = time.perf_counter() - t0, sum(len(o.prompt_token_ids) for o in outs)
         reps.append({"run_s": run_s, "tokens": tokens, "tokens_per_s": tokens / run_s,
                      "cached_tokens": sum(int(o.num_cached_tokens or 0) for o in outs)})
     llm.llm_engine.engine_core.shutdown()
@@ -216,23 +202,20 @@ def _medians(reps: list[dict[str, Any]]) -> dict[str, Any]:
             "run_s": statistics.median(r["run_s"] for r in reps)}
 
 
-def _layers(model_dir: str) -> int:
-    return int(json.loads((Path(model_dir) / "config.json").read_text())["num_hidden_layers"])
-
-
 def _one(a: argparse.Namespace) -> dict[str, Any]:
-    dtype, mem = a.dtype, 0.85 if a.device == "cuda" else 0.3
-    layers = list(range(_layers(a.model))) if a.capture_layers == "all" else [
+    mem = 0.85 if a.device == "cuda" else 0.3
+    a.num_layers = json.loads((Path(a.model) / "config.json").read_text())["num_hidden_layers"]
+    layers = list(range(a.num_layers)) if a.capture_layers == "all" else [
         int(x) for x in a.capture_layers.split(",")]
     if a.device == "cuda":  # the previous side's engine core may still be exiting
         perf_models.wait_gpu_free(mem + 0.05)
     work = Path(tempfile.mkdtemp(prefix=f"capsteer-x-{a.one}-", dir=a.work))
     try:
         if a.one == "hf":
-            return run_hf(a, layers, work, dtype)
+            return run_hf(a, layers, work)
         if a.one in ("capsteer", "capsteer_full"):
-            return run_capsteer(a, layers, work, dtype, mem, full_forward=a.one == "capsteer_full")
-        return run_vllm(a, dtype, mem)
+            return run_capsteer(a, layers, work, mem, full_forward=a.one == "capsteer_full")
+        return run_vllm(a, mem)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -251,17 +234,15 @@ def _write_model(a: argparse.Namespace, work: Path) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--prompts", type=int, default=256)
     ap.add_argument("--shape", choices=sorted(perf_models.SHAPES), default=None,
                     help="a perf_models geometry (replaces --hidden/--layers)")
     ap.add_argument("--prompt-tokens", default="64-512",
                     help="with --shape: prompt length range in tokens, lo-hi")
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--layers", type=int, default=8)
+    # --hf-min-seconds: stop HF after this long (0: all prompts); --reps: capsteer's and vllm's
+    for name, default in (("--prompts", 256), ("--hidden", 512), ("--layers", 8), ("--reps", 1),
+                          ("--hf-min-seconds", 0.0)):
+        ap.add_argument(name, type=type(default), default=default)
     ap.add_argument("--hf-batch", default="16", help="one size, or several to pick the best")
-    ap.add_argument("--hf-min-seconds", type=float, default=0.0,
-                    help="stop HF after this long (0: all prompts); its tokens/s is what counts")
-    ap.add_argument("--reps", type=int, default=1, help="timed passes of capsteer and vllm")
     ap.add_argument("--no-warmup", dest="warmup", action="store_false")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--sides", default=",".join(SIDES), help=f"of {','.join(ALL_SIDES)}")
@@ -306,8 +287,6 @@ def main(argv: list[str] | None = None) -> int:
         "model": perf_models.describe(a.shape) if a.shape else
         f"qwen3-shaped random, hidden {a.hidden}, {a.layers} layers, {a.dtype}",
         "capture": f"resid_post, layers {a.capture_layers}, all prompt positions"}
-    if "vllm" in rows:
-        row["vllm_no_capture"] = rows["vllm"]  # the name earlier result files use
     if "capsteer" in rows and "hf" in rows:
         ratio = row["ratio_capsteer_over_hf"] = (rows["capsteer"]["tokens_per_s"]
                                                  / rows["hf"]["tokens_per_s"])
@@ -315,17 +294,15 @@ def main(argv: list[str] | None = None) -> int:
                            "verdict": "met" if ratio >= TARGET_VS_HF else "missed"}
     if "capsteer" in rows and "vllm" in rows:
         cs, vl = rows["capsteer"], rows["vllm"]
-        lo, hi = (cs["min_tokens_per_s"] / vl["max_tokens_per_s"],
-                  cs["max_tokens_per_s"] / vl["min_tokens_per_s"])
+        lo, hi = cs["min_tokens_per_s"] / vl["max_tokens_per_s"], cs["max_tokens_per_s"] / vl["min_tokens_per_s"]
         few = min(len(cs["reps"]), len(vl["reps"])) < 2
         row["p4_vs_vllm"] = {"value": cs["tokens_per_s"] / vl["tokens_per_s"], "lo": lo, "hi": hi,
                              "target": TARGET_VS_VLLM, "verdict": "unresolved" if few else
                              perf_models.verdict(lo, hi, TARGET_VS_VLLM),
                              "note": "spread over repetitions in one process per side"}
-    for side in ("capsteer", "vllm", "hf") if "capsteer_full" in rows else ():
-        if side in rows:
-            row[f"ratio_{side}_over_capsteer_full"] = (rows[side]["tokens_per_s"]
-                                                       / rows["capsteer_full"]["tokens_per_s"])
+    row.update({f"ratio_{x}_over_capsteer_full": rows[x]["tokens_per_s"] / rows[
+        "capsteer_full"]["tokens_per_s"] for x in ("capsteer", "vllm", "hf") if x in rows}
+        if "capsteer_full" in rows else {})
     print(f"\n{'':14}{'tokens':>10}{'run s':>9}{'tok/s':>11}{'load s':>9}")
     for side, r in ((x, rows[x]) for x in ALL_SIDES if x in rows):
         print(f"{side:14}{r['tokens']:>10,}{r['run_s']:>9.2f}{r['tokens_per_s']:>11,.0f}"
@@ -337,11 +314,11 @@ def main(argv: list[str] | None = None) -> int:
     out = perf_models.write_result(a.out, row, f"extract{f'-{a.shape}' if a.shape else ''}{suffix}")
     plt = perf_models.pyplot()
     if plt is not None:
-        names = [n for n in ALL_SIDES if n in row]
         labels = {"hf": "HF transformers", "capsteer": "capsteer extract",
                   "capsteer_full": "capsteer, every layer", "vllm": "vLLM, no capture"}
         fig, ax = plt.subplots(figsize=(6, 3.5))
-        ax.bar([labels[n] for n in names], [row[n]["tokens_per_s"] for n in names])
+        ax.bar(*zip(*((labels[n], row[n]["tokens_per_s"]) for n in ALL_SIDES if n in row),
+                    strict=True))
         ax.set_ylabel("tokens/s")
         ax.set_title(f"extraction, {row['capture']} ({a.device})", fontsize=9)
         fig.tight_layout()

@@ -1,28 +1,21 @@
 """Plain requests' latency beside capture bursts, through the real server (issue 12).
 
-What a capture burst costs the chat requests batched beside it is what users of a shared
-server feel. Each process is one server, `capsteer serve --vanilla` (stock vLLM, same flags)
-or capsteer, interleaved over rounds. After an untimed warm-up: quiet (C closed-loop clients
-stream plain completions, prompt P, G generated, ignore_eos, for Q seconds), then bursts (the
-same clients go on while a burst of R requests, prompt L, one token, starts every B seconds;
-in capsteer each captures resid_post at every layer over the prompt, durable, with
-`capture_wait`: P6's shape at the defaults; in vanilla the same requests capture nothing).
-
-Plain requests are grouped: quiet; bursts (every one of the burst phase: the same schedule in
-both configurations); beside (those overlapping a burst, whose window is longer where it
-waits for durable captures). Per group: median and p95 of TTFT and end-to-end latency, and
-each burst's time to its last response; capsteer / vanilla ratios per round and over the
-per-process medians of complete rounds (above 1 = slower). Per process also TTFT by start
-after a burst, and time per output token quiet and by start after a burst. Captures are
-deleted only between phases, never while requests are timed.
+Each process is one server, `capsteer serve --vanilla` (stock vLLM) or capsteer, interleaved
+over rounds. After a warm-up: quiet (C closed-loop clients stream completions, prompt P, G
+generated, for Q s), then bursts (the clients go on while R requests, prompt L, one token,
+start every B s; in capsteer each captures resid_post at every layer over the prompt,
+durable, with `capture_wait`: P6's shape). Plain requests are grouped: quiet, bursts (the
+whole phase) and beside (overlapping a burst); per group the median and p95 of TTFT and
+latency, each burst's time, capsteer / vanilla ratios per round and over the medians
+(above 1 = slower), TTFT and TPOT by start after a burst. Captures are deleted only between
+phases.
 
     python bench/mixed_latency.py --device cuda --shape llama3-8b-36l --rounds 2 --out $OUT/mixed
-    python bench/mixed_latency.py --device cpu --shape llama-tiny --rounds 1 --quiet-s 10 \
+    python bench/mixed_latency.py --device cpu --shape llama-tiny --rounds 1 --quiet-s 10 \\
         --bursts 2 --burst-requests 8 --burst-every 8 --clients 2        (smoke)
 
-Writes <out>/mixed-latency.json (every request's times, per process) and prints a table.
-CPU runs are a smoke test only: on 2 cores vLLM's processes busy-wait for each other and use
-both cores under load, so the API server runs late and streamed tokens arrive together.
+Writes <out>/mixed-latency.json (every request's times). CPU runs are a smoke test only: on 2
+cores vLLM's processes busy-wait, so streamed tokens arrive late and together.
 """
 
 from __future__ import annotations
@@ -113,13 +106,11 @@ class Traffic:
         await asyncio.gather(*(loop() for _ in range(self.args.clients)))
 
     async def burst(self, record: bool = True) -> dict[str, Any]:
-        extra: dict[str, Any] = {"ignore_eos": True}
+        extra: dict[str, Any] = {"ignore_eos": True, **({"capture": {
+            "hooks": ["resid_post"], "layers": "all", "positions": "prompt", "layout": "packed"},
+            "capture_wait": True} if self.capture else {})}
         if self.args.burst_priority is not None:  # plain requests keep vLLM's default, 0
             extra["priority"] = self.args.burst_priority
-        if self.capture:
-            extra.update({"capture": {"hooks": ["resid_post"], "layers": "all",
-                                      "positions": "prompt", "layout": "packed"},
-                          "capture_wait": True})
         start = self.now()
 
         async def one() -> str:
@@ -138,16 +129,14 @@ class Traffic:
         return out
 
     def clear_captures(self) -> None:
-        """Delete published captures, only while no request is timed (a deletion would
-        compete with the server for the disk and this loop's thread)."""
+        """Published captures deleted, only while no request is timed (the disk is shared)."""
         for child in self.capture_dir.iterdir():
             shutil.rmtree(child, ignore_errors=True)
 
     async def run(self) -> None:
         a = self.args
-        # Warm-up (untimed): a burst (where bursts are timed) and a round of plain requests.
-        # Without bursts no capture runs, so a flag that shrinks capture buffers (staging
-        # rows too few for a burst) can be tried on plain traffic alone.
+        # Warm-up (untimed): a burst (where bursts are timed; without bursts no capture runs,
+        # so a flag shrinking capture buffers can be tried) and a round of plain requests.
         if a.bursts:
             await self.burst(record=False)
         await asyncio.gather(*(self.one_plain("warm-up") for _ in range(a.clients)))
@@ -178,8 +167,7 @@ def group(plain: list[dict], bursts: list[dict]) -> dict[str, list[dict]]:
 
 
 def p95(xs: list[float]) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, round(0.95 * (len(xs) - 1)))]
+    return sorted(xs)[min(len(xs) - 1, round(0.95 * (len(xs) - 1)))]
 
 
 SETTLED_S = 4.0  # a burst is past its prefill by then: what it leaves behind, for decodes
@@ -198,10 +186,8 @@ def tpot_s(r: dict) -> float | None:
 
 
 def by_offset(plain: list[dict], bursts: list[dict], tpot: bool) -> dict[str, float]:
-    """Medians by when a burst-phase request started after the latest burst start: TTFT in
-    0.5 s bins (where in a burst plain requests wait), or time per output token in 2 s bins
-    after the quiet phase's (a decode slowed by what a burst leaves behind shows after the
-    burst is durable, where TTFT no longer waits for its prefill)."""
+    """Medians by a burst-phase request's start after the latest burst's: TTFT in 0.5 s bins,
+    or time per output token in 2 s bins after the quiet phase's (what a burst leaves behind)."""
     width = 2.0 if tpot else 0.5
     bins: dict[float, list[float]] = {}
     for r in plain:
@@ -294,23 +280,18 @@ def main() -> None:
                           ("--max-num-batched-tokens", 2048), ("--start-timeout", 600.0)):
         ap.add_argument(name, type=type(default), default=default)
     ap.add_argument("--capsteer-flags", default="", help="more capsteer serve flags, one string")
-    ap.add_argument("--burst-priority", type=int, default=None,
-                    help="serve both configurations with vLLM's --scheduling-policy priority "
-                    "and send bursts with this priority (plain requests keep 0; higher is "
-                    "served later): plain requests then jump a burst's queue")
+    ap.add_argument("--burst-priority", type=int, default=None, help="both servers with vLLM's "
+                    "priority scheduling, bursts at this priority (plain: 0, served first)")
     ap.add_argument("--capsteer-first", action="store_true",
-                    help="start capsteer's process before vanilla's in each round (a control "
-                    "for the order: the second server on a host may run differently)")
+                    help="capsteer's process first in each round (a control for the order)")
     ap.add_argument("--alternate", action="store_true",
-                    help="reverse the order every other round (vanilla, capsteer, capsteer, "
-                    "vanilla, ...): a control for the second server on a host running slower")
+                    help="the order reversed every other round (a control for the order)")
     ap.add_argument("--deadline", type=float, default=0.0,
                     help="epoch seconds: start no process after it")
     ap.add_argument("--work", type=Path, default=Path("/tmp/capsteer-mixed"))
     ap.add_argument("--out", type=Path, default=Path(perf_models.default_out()))
-    ap.add_argument("--merge", type=Path, nargs="+", default=None, metavar="JSON",
-                    help="run nothing: join these mixed-latency.json files (.gz too; one GPU "
-                    "call each, in run order) into <out>/mixed-latency.json, rounds renumbered")
+    ap.add_argument("--merge", type=Path, nargs="+", default=None, metavar="JSON", help="run "
+                    "nothing: join these mixed-latency.json (.gz) files, in run order, into --out")
     args = ap.parse_args()
     if args.merge:
         merge(args.merge, args.out / "mixed-latency.json")
@@ -321,9 +302,8 @@ def main() -> None:
     model = perf_models.write_model(args.work / f"model-{args.shape}", args.shape, args.device)
     print(perf_models.describe(args.shape), flush=True)
     processes: list[dict] = []
-    out = args.out / "mixed-latency.json"
+    out, args.device_name = args.out / "mixed-latency.json", perf_models.device_name(args.device)
     out.parent.mkdir(parents=True, exist_ok=True)
-    args.device_name = perf_models.device_name(args.device)
     print(f"{'process':<22}" + "".join(f"{h:>9}" for h in HEADS) + f"{'burst s':>9}"
           "   (seconds, tpot ms; q: quiet phase; p: the burst phase, every plain request; b: those "
           f"overlapping a burst; tpot: time per output token; s: burst-phase requests started "
@@ -359,16 +339,14 @@ def merge(files: list[Path], out: Path) -> None:
                 first["shape"], first["workload"], first["capsteer_flags"]):
             raise SystemExit(f"{f}: another shape, workload or flags than {files[0]}")
     processes, offset = [], 0
-    for run in runs:
-        for p in run["processes"]:
-            processes.append({**p, "round": offset + p["round"],  # figures of this code
-                              "figures": figures(p["plain"], p["bursts"])})
+    for run in runs:  # rounds renumbered; figures of this code
+        processes += [{**p, "round": offset + p["round"], "figures": figures(p["plain"], p["bursts"])}
+                      for p in run["processes"]]
         offset += max((p["round"] for p in run["processes"]), default=0)
     args = argparse.Namespace(device_name=first["device"], shape=first["shape"],
                               capsteer_flags=first["capsteer_flags"], **first["workload"])
-    result = report(args, processes)
-    result["command"] = "; ".join(run["command"] for run in runs)
-    result["merged_from"] = [str(f) for f in files]
+    result = report(args, processes) | {"command": "; ".join(run["command"] for run in runs),
+                                        "merged_from": [str(f) for f in files]}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     for p in processes:
@@ -397,11 +375,9 @@ def report(args: argparse.Namespace, processes: list[dict]) -> dict:
         if not fs:
             continue
         med: dict[str, Any] = {g: {} for g, _k in KEYS}
-        for g, k in KEYS:
-            vals = [f[g][k] for f in fs if k in f.get(g, {})]
-            med[g][k] = statistics.median(vals) if vals else None
-        bs = [f["burst_median_s"] for f in fs if f["burst_median_s"] is not None]
-        med["burst_median_s"] = statistics.median(bs) if bs else None
+        for g, k in [*KEYS, (None, "burst_median_s")]:
+            vals = [x for f in fs if (x := (f.get(g, {}) if g else f).get(k)) is not None]
+            (med[g] if g else med)[k] = statistics.median(vals) if vals else None
         medians[config] = med
     if set(medians) == set(CONFIGS):
         ratios["medians of processes"] = ratio(medians["capsteer"], medians["vanilla"])

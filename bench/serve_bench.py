@@ -1,11 +1,9 @@
 """The serve path against stock `vllm serve`, measured with vLLM's own client (issue 63).
 
-Users judge capsteer through HTTP by what `vllm bench serve` prints: output tokens/s and
-TTFT / TPOT / ITL percentiles. For each shape and round this starts `capsteer serve --vanilla`
-(stock vLLM, the same flags) and `capsteer serve` one after the other (the order flips every
-round), and drives each with `vllm bench serve` (random dataset, streamed completions,
-`--extra-body` for capsteer's fields, fresh prompts per case). After an untimed warm-up, the
-cases (vanilla runs plain and short, capsteer all):
+Per shape and round: `capsteer serve --vanilla` (stock vLLM, the same flags) and `capsteer
+serve` one after the other (the order flips every round), each driven by `vllm bench serve`
+(random dataset, streamed completions, fresh prompts per case, `--extra-body` for capsteer's
+fields). After an untimed warm-up, the cases (vanilla runs plain and short):
 
   plain         no fields
   short         prompt 16, max_tokens 1, high concurrency: the API path's own cost (req/s)
@@ -14,12 +12,10 @@ cases (vanilla runs plain and short, capsteer all):
   capture       one layer (resid_post, the middle one), every position
   capture_wait  the same, each response held until its capture is durable
 
-`--extra-body` sends one body to every request, so distinct_N runs the function behind the
-CLI, `vllm.benchmarks.serve.benchmark`, with each sample's `request_overrides` set: the same
-request code, timing and percentiles. Ratios: each capsteer case over vanilla's plain of the
-same shape and round (short over vanilla's short, in requests/s); distinct_256 over
-distinct_1. A shape's figure is the median over rounds, its spread their min-max; a summary
-key takes the worst shape.
+distinct_N runs `vllm.benchmarks.serve.benchmark` (the CLI's function: the same requests,
+timing and percentiles) with each sample's `request_overrides`. Ratios: each capsteer case
+over vanilla's plain (short over short, req/s) of the same shape and round; distinct_256
+over distinct_1. Figures: the median over rounds, spread min-max; a key's worst shape.
 
     python bench/serve_bench.py --device cuda --round 1 --work /tmp/sb --out /tmp/sb/out
         --deadline $D                    (one GPU call per round: bench/README.md)
@@ -29,19 +25,20 @@ key takes the worst shape.
     python bench/serve_bench.py --attach vanilla=URL --model-dir DIR --out DIR  (running
         servers; again with --attach capsteer=URL --admin-key K: one summary of both)
 
-Writes <out>/raw/r<round>-<shape>-<config>.json (vLLM's result per case), <out>/serve-bench.json
-(per-case medians and spread, ratios, the serve_* keys) and its PNG; `--summary` merges the
-keys into bench/results/summary.json (GPU figures only, as summary.py).
+Writes <out>/raw/r<round>-<shape>-<config>.json, <out>/serve-bench.json (per-case medians,
+ratios, the serve_* keys) and its PNG; `--summary` records the keys in summary.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import base64
 import contextlib
 import datetime as dt
 import io
 import json
+import random
 import secrets
 import shutil
 import statistics
@@ -53,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))  # run as `python bench/serve_bench.py`
 import perf_models
@@ -71,17 +69,14 @@ METRICS = ("completed", "failed", "duration", "request_throughput", "output_thro
            "total_token_throughput", "max_concurrent_requests",
            *(f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el") for s in ("mean", "p50", "p99")))
 LATENCIES = tuple(f"{p}_{m}_ms" for m in ("ttft", "tpot", "itl") for p in ("p50", "p99"))
-# key -> (ratio row, column, target): the summary's serve_* keys
-KEYS: dict[str, tuple[str, str, str]] = {
-    "serve_plain": ("plain", "throughput", ">= 0.98"),
-    "serve_steer_all": ("steer_all", "throughput", ">= 0.95"),
-    "serve_distinct_256": ("distinct_256/distinct_1", "throughput", ">= 0.90"),
-    "serve_capture_one_layer": ("capture", "throughput", ">= 0.90"),
-    "serve_capture_one_layer_wait": ("capture_wait", "throughput", ">= 0.90"),
-    "serve_short_rps": ("short", "throughput", ">= 0.95"),
-    "serve_ttft_p99_plain": ("plain", "p99_ttft_ms", "<= 1.05"),
-    "serve_tpot_p99_plain": ("plain", "p99_tpot_ms", "<= 1.05"),
-}
+# key -> (ratio row, column) of the summary's serve_* keys; targets: summary.SERVE_TARGETS
+KEYS = {"serve_plain": ("plain", "throughput"), "serve_steer_all": ("steer_all", "throughput"),
+        "serve_distinct_256": ("distinct_256/distinct_1", "throughput"),
+        "serve_capture_one_layer": ("capture", "throughput"),
+        "serve_capture_one_layer_wait": ("capture_wait", "throughput"),
+        "serve_short_rps": ("short", "throughput"),
+        "serve_ttft_p99_plain": ("plain", "p99_ttft_ms"),
+        "serve_tpot_p99_plain": ("plain", "p99_tpot_ms")}
 MIN_ROUNDS = 3  # fewer interleaved starts than this: every verdict stays unresolved
 
 
@@ -128,10 +123,9 @@ def bench_argv(case: Case, a: argparse.Namespace, url: str, model: str, result_d
     return argv + (["--extra-body", json.dumps(case.body)] if case.body is not None else [])
 
 
-
 def client_main(plan_path: Path) -> None:
-    """Run a plan's cases one after another in this process (vLLM imported once), each
-    result appended to the plan's `results` file as soon as it is in."""
+    """A plan's cases one after another (vLLM imported once), each result appended to the
+    plan's `results` file as soon as it is in."""
     # vLLM's client: only this child process imports vLLM (the parent starts servers)
     from vllm.benchmarks.serve import add_cli_args, main
     from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -156,8 +150,9 @@ def client_main(plan_path: Path) -> None:
                 time.sleep(0.5)
             after = capsteer_counts(plan["url"])
             counts = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
-        if job["capture"] and plan.get("capture_dir"):
-            clear_dir(Path(plan["capture_dir"]))
+        if job["capture"] and plan.get("capture_dir"):  # published captures off the disk
+            for child in Path(plan["capture_dir"]).glob("*"):
+                shutil.rmtree(child, ignore_errors=True)
         row = {"case": job["case"], "wall_s": wall, "client": job["client"],
                "capsteer_counts": counts, **{k: result.get(k) for k in METRICS}}
         with open(plan["results"], "a") as fh:
@@ -167,14 +162,8 @@ def client_main(plan_path: Path) -> None:
 
 
 def distinct_run(args: argparse.Namespace, n: int, hidden: int) -> dict[str, Any]:
-    """`vllm bench serve ARGS` with request i steered by its own inline vector (i mod n)
-    on every layer: vLLM's `benchmark` on the random dataset's samples, each with its
-    `request_overrides` (vLLM merges them into that request's body)."""
-    import asyncio
-    import random
-
-    import numpy as np
-
+    """`vllm bench serve ARGS` with request i steered by inline vector i mod n on every layer
+    (each sample's `request_overrides`, merged into its body by vLLM's `benchmark`)."""
     # vLLM's client: only this child process imports vLLM
     from vllm.benchmarks.datasets import get_samples
     from vllm.benchmarks.serve import TaskType, benchmark
@@ -224,17 +213,8 @@ def capsteer_counts(url: str) -> dict[str, float]:
             for line in lines if line.startswith(names)}
 
 
-def clear_dir(path: Path) -> None:
-    """Published captures off the disk between cases (they would fill it over a round)."""
-    for child in path.iterdir() if path.is_dir() else ():
-        shutil.rmtree(child, ignore_errors=True)
-
-
-
 def put_vector(url: str, layers: int, hidden: int, admin_key: str | None) -> None:
     """Register the named per-layer vector (one row per layer, .npy) that steer_all uses."""
-    import numpy as np  # numpy: only a capsteer server's run needs it
-
     buf = io.BytesIO()
     np.save(buf, (np.random.default_rng(11).standard_normal((layers, hidden)) * VECTOR_STD)
             .astype(np.float32))
@@ -283,9 +263,8 @@ def drive(config: str, url: str, model: str, a: argparse.Namespace, raw_dir: Pat
 
 
 def server_argv(config: str, model: Path, shape: str, a: argparse.Namespace, port: int) -> list[str]:
-    """The same engine flags for both configurations; capsteer adds its own directories, the
-    same paths for every server (the capture root is part of vLLM's compile-cache key: a
-    per-server path would recompile in every start)."""
+    """The same engine flags for both; capsteer adds its directories, the same for every
+    server (the capture root is in vLLM's compile-cache key)."""
     max_len = max(a.prompt + a.output_len, 17) + 32
     argv = [sys.executable, "-m", "capsteer.cli", "serve", str(model), "--host", "127.0.0.1",
             "--port", str(port), "--seed", "0", "--max-num-seqs", str(a.max_num_seqs)]
@@ -302,17 +281,14 @@ def server_argv(config: str, model: Path, shape: str, a: argparse.Namespace, por
 
 def model_for(shape: str, a: argparse.Namespace) -> Path:
     """`--model-dir`, else the shape written under --work (demo: capsteer's demo model)."""
-    if a.model_dir:
-        return Path(a.model_dir)
-    out = a.work / f"model-{shape}"
-    if shape == "demo":
-        # the demo model's writer: only the CPU smoke run needs it
-        from capsteer.demo_model import write_demo_model
+    out = Path(a.model_dir) if a.model_dir else a.work / f"model-{shape}"
+    if a.model_dir or shape != "demo":
+        return out if a.model_dir else perf_models.write_model(out, shape, a.device)
+    from capsteer.demo_model import write_demo_model  # only the CPU smoke run needs it
 
-        if not (out / "config.json").is_file():
-            write_demo_model(out, "qwen3", seed=7)
-        return out
-    return perf_models.write_model(out, shape, a.device)
+    if not (out / "config.json").is_file():
+        write_demo_model(out, "qwen3", seed=7)
+    return out
 
 
 def run_managed(a: argparse.Namespace) -> None:
@@ -320,16 +296,14 @@ def run_managed(a: argparse.Namespace) -> None:
     raw = a.out / "raw"
     for r in range(a.round, a.round + a.rounds):
         for shape in a.shapes:
-            model = model_for(shape, a)
-            order = CONFIGS if r % 2 == 1 else tuple(reversed(CONFIGS))
+            model, order = model_for(shape, a), CONFIGS if r % 2 == 1 else CONFIGS[::-1]
             if a.deadline and time.time() + 2 * a.min_server_s > a.deadline:
                 print(f"--deadline: not starting {shape} round {r} (no time for both servers)",
                       flush=True)
                 continue
             for config in order:
                 tag, port = f"r{r}-{shape}-{config}", free_port()
-                work = a.work / tag
-                for d in (work, a.work / "captures", a.work / "vectors"):
+                for d in (a.work / tag, a.work / "captures", a.work / "vectors"):
                     shutil.rmtree(d, ignore_errors=True)
                     d.mkdir(parents=True)
                 argv = server_argv(config, model, shape, a, port)
@@ -337,7 +311,7 @@ def run_managed(a: argparse.Namespace) -> None:
                 # cwd: not the checkout, whose capsteer/ folder would shadow the package
                 try:
                     server = ManagedServer(argv, url=f"http://127.0.0.1:{port}",
-                                           log_path=work / "serve.log", cwd=work,
+                                           log_path=a.work / tag / "serve.log", cwd=a.work / tag,
                                            start_timeout_s=a.start_timeout, stop_timeout_s=90)
                 except RuntimeError as exc:  # the other shape's servers may still start
                     print(f"{tag}: NO START\n{exc}", flush=True)
@@ -366,7 +340,6 @@ def save_raw(raw: Path, tag: str, r: int, shape: str, config: str, a: argparse.N
         "command": " ".join(sys.argv), "workload": {k: getattr(a, k) for k in (
             "prompt", "output_len", "num_prompts", "concurrency", "short_prompts",
             "short_concurrency", "max_num_seqs")}, **got}, indent=1))
-
 
 
 def spread(xs: list[float]) -> dict[str, float]:
@@ -426,7 +399,8 @@ def summarize(dirs: list[Path], out: Path, device: str | None = None) -> dict[st
             entry.update(spread(entry["by_round"]))
         shapes[shape] = {"rounds": paired, "cases": per_case, "ratios": ratios}
     keys: dict[str, Any] = {}
-    for key, (row, col, target) in KEYS.items():
+    for key, (row, col) in KEYS.items():
+        target = summary_file.SERVE_TARGETS[key]
         per = {s: v["ratios"][row][col] | {"rounds": len(v["rounds"])} for s, v in shapes.items()
                if col in v["ratios"].get(row, {})}
         if not per:
@@ -456,9 +430,9 @@ def summarize(dirs: list[Path], out: Path, device: str | None = None) -> dict[st
 
 def print_report(doc: dict[str, Any]) -> None:
     for shape, s in doc["shapes"].items():
-        print(f"{shape}, paired rounds {s['rounds']}: capsteer / baseline (median, min-max)")
-        print(f"  {'case':<25}" + "".join(f"{m:>20}" for m in ("tok/s (short: req/s)",
-                                                                 *(x[:-3] for x in LATENCIES))))
+        print(f"{shape}, paired rounds {s['rounds']}: capsteer / baseline (median, min-max)\n"
+              f"  {'case':<25}" + "".join(f"{m:>20}" for m in ("tok/s (short: req/s)",
+                                                              *(x[:-3] for x in LATENCIES))))
         for row, cols in s["ratios"].items():
             cells = [cols.get(c) for c in ("throughput", *LATENCIES)]
             print(f"  {row:<25}" + "".join(
@@ -475,17 +449,16 @@ def plot(doc: dict[str, Any], png: Path) -> None:
     plt = perf_models.pyplot()
     if plt is None:
         return
-    shapes = list(doc["shapes"].items())
-    fig, axes = plt.subplots(1, max(len(shapes), 1), figsize=(6 * max(len(shapes), 1), 4.6),
-                             squeeze=False)
+    shapes, n = list(doc["shapes"].items()), max(len(doc["shapes"]), 1)
+    fig, axes = plt.subplots(1, n, figsize=(6 * n, 4.6), squeeze=False)
     for ax, (shape, s) in zip(axes[0], shapes, strict=False):
         rows = [(f"{r} {'req/s' if r == 'short' else 'tok/s'}", c["throughput"])
                 for r, c in s["ratios"].items() if "throughput" in c]
         rows += [(f"plain {m[:-3]}", s["ratios"]["plain"][m]) for m in ("p99_ttft_ms", "p99_tpot_ms")
                  if m in s["ratios"].get("plain", {})]
         for i, (_label, c) in enumerate(rows):
-            ax.barh(i, c["value"], color="#1565c0", xerr=[[c["value"] - c["lo"]], [c["hi"] - c["value"]]],
-                    capsize=3)
+            ax.barh(i, c["value"], color="#1565c0", capsize=3,
+                    xerr=[[c["value"] - c["lo"]], [c["hi"] - c["value"]]])
             ax.text(c["hi"] + 0.01, i, f"{c['value']:.3f}", va="center", fontsize=7)
         ax.axvline(1.0, color="black", linewidth=1)
         ax.set_yticks(range(len(rows)), [r[0] for r in rows], fontsize=8)
@@ -503,14 +476,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--shapes", default=None, help="comma list of bench/perf_models.py shapes, "
                     "or demo (default qwen3-0.6b,llama3-8b on cuda, demo on cpu)")
-    ap.add_argument("--rounds", type=int, default=1, help="rounds in this run")
-    ap.add_argument("--round", type=int, default=1, help="number of the first (one call each)")
     ap.add_argument("--cases", default=",".join(CASE_NAMES))
-    for name, default in (("--prompt", 256), ("--output-len", 128), ("--num-prompts", 512),
-                          ("--concurrency", 256), ("--short-prompts", 4096),
-                          ("--short-concurrency", 256), ("--max-num-seqs", 256), ("--seed", 0)):
-        ap.add_argument(name, type=int, default=default)  # --prompt: the long cases' tokens
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    # --rounds in this run, numbered from --round; --prompt: the long cases' prompt tokens
+    for name, default in (("--rounds", 1), ("--round", 1), ("--prompt", 256),
+                          ("--output-len", 128), ("--num-prompts", 512), ("--concurrency", 256),
+                          ("--short-prompts", 4096), ("--short-concurrency", 256),
+                          ("--max-num-seqs", 256), ("--seed", 0)):
+        ap.add_argument(name, type=int, default=default)
     ap.add_argument("--server-flags", default="", help="more flags for both servers")
     ap.add_argument("--capsteer-flags", default="", help="more capsteer serve flags")
     ap.add_argument("--model-dir", default=None, help="serve (and tokenize with) this model")
@@ -518,12 +490,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--attach", action="append", default=[], metavar="CONFIG=URL",
                     help="run CONFIG's cases against a running server (no starts)")
     ap.add_argument("--admin-key", default=None, help="capsteer's admin key (managed: random)")
-    ap.add_argument("--start-timeout", type=float, default=600.0)
-    ap.add_argument("--client-timeout", type=float, default=1800.0)
-    ap.add_argument("--deadline", type=float, default=0.0, help="epoch seconds: a shape's "
-                    "servers start only with 2 x --min-server-s left before it")
-    ap.add_argument("--min-server-s", type=float, default=170.0,
-                    help="what one server takes: start, cases, stop")
+    # --deadline (epoch s): a shape's servers start only with 2 x --min-server-s (one server's
+    # start, cases and stop) left before it
+    for name, default in (("--gpu-memory-utilization", 0.85), ("--start-timeout", 600.0),
+                          ("--client-timeout", 1800.0), ("--deadline", 0.0),
+                          ("--min-server-s", 170.0)):
+        ap.add_argument(name, type=float, default=default)
     ap.add_argument("--work", type=Path, default=Path("/tmp/capsteer-serve-bench"))
     ap.add_argument("--out", type=Path, default=Path(perf_models.default_out()) / "serve")
     ap.add_argument("--merge", type=Path, nargs="+", default=None, metavar="DIR",

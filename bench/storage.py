@@ -21,30 +21,27 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import mmap
 import os
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import perf_models  # bench/ is on the path: this script's own directory
+import psutil
 import torch
 
-from capsteer.capture import (
-    CaptureEnd,
-    CaptureRequest,
-    CaptureWriter,
-    find_receipt,
-    parse_capture_spec,
-)
+from capsteer.capture import CaptureEnd, CaptureRequest, CaptureWriter, find_receipt
 from capsteer.capture.digests import DIGESTS
 from capsteer.capture.publish import FileSystem, fsync_dir
+from capsteer.capture.spec import parse_capture_spec
 from capsteer.capture.writer.budget import DEFAULT_RING_BYTES, check_ring_bytes
 from capsteer.capture.writer.threads import default_workers
 from capsteer.config.sizes import parse_size
@@ -66,11 +63,8 @@ def dd_rate(directory: Path, mib: int) -> float | None:
 
 
 def loop_rate(directory: Path, mib: int, writeback: bool = False) -> float:
-    """MB/s of a Python loop writing 1 MiB blocks of random bytes, then one fsync.
-
-    `writeback`: start each block's writeback as it is written, as the writer does
-    (FileSystem.start_writeback), so the disk figure is not one the writer can beat
-    only by overlapping what dd leaves to the final fsync."""
+    """MB/s of 1 MiB writes of random bytes, then one fsync; `writeback`: each block's
+    writeback started as written, as the writer does (not a figure beaten by overlap alone)."""
     block, target, t0 = os.urandom(MIB), directory / "loop.bin", time.perf_counter()
     _write_fsynced(target, block, mib, FileSystem() if writeback else None)
     dt = time.perf_counter() - t0
@@ -93,11 +87,8 @@ def _write_fsynced(path: Path, block: bytes, count: int, writeback: FileSystem |
 
 
 def direct_rate(directory: Path, mib: int) -> float | None:
-    """MB/s of O_DIRECT writes of 8 MiB from an aligned block, one file, then one fsync:
-    the disk without the page cache (what `--direct-io` writes through); None where the
-    filesystem refuses O_DIRECT."""
-    import mmap
-
+    """MB/s of O_DIRECT 8 MiB writes, one file, one fsync: the disk without the page cache
+    (`--direct-io`'s path); None where the filesystem refuses O_DIRECT."""
     block = mmap.mmap(-1, _DIRECT_BLOCK)
     block.write(os.urandom(_DIRECT_BLOCK))
     view, count = memoryview(block), max(1, mib * MIB // _DIRECT_BLOCK)
@@ -122,31 +113,21 @@ def direct_rate(directory: Path, mib: int) -> float | None:
 
 
 def files_rate(directory: Path, mib: int, file_mib: int, streams: int = 1) -> float:
-    """MB/s of the loop with writeback as written, cut into files of `file_mib` (the
-    writer's request size) on `streams` threads, each file fsync'd, renamed to its final
-    name and its directory fsync'd, as the writer publishes: the disk's own price of
-    durability per file, beside the one-file loop's single fsync."""
-    block, target, fs, lock = os.urandom(MIB), directory / "files", FileSystem(), threading.Lock()
+    """MB/s of the writeback loop cut into files of `file_mib` (the writer's request size) on
+    `streams` threads, each fsync'd, renamed and its directory fsync'd, as the writer
+    publishes: the disk's own price of durability per file."""
+    block, target, fs = os.urandom(MIB), directory / "files", FileSystem()
     target.mkdir(exist_ok=True)
     n_files = max(1, mib // file_mib)
-    claimed = iter(range(n_files))
 
-    def stream() -> None:
-        while True:
-            with lock:
-                i = next(claimed, None)
-            if i is None:
-                return
-            tmp, final = target / f".{i}.tmp", target / f"{i}.bin"
-            _write_fsynced(tmp, block, file_mib, fs)
-            os.replace(tmp, final)
-            fsync_dir(target, fs)
+    def one(i: int) -> None:
+        _write_fsynced(target / f".{i}.tmp", block, file_mib, fs)
+        os.replace(target / f".{i}.tmp", target / f"{i}.bin")
+        fsync_dir(target, fs)
 
-    pool, t0 = [threading.Thread(target=stream) for _ in range(max(1, streams))], time.perf_counter()
-    for t in pool:
-        t.start()
-    for t in pool:
-        t.join()
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max(1, streams)) as pool:
+        list(pool.map(one, range(n_files)))
     dt = time.perf_counter() - t0
     shutil.rmtree(target)
     return n_files * file_mib * MIB / dt / 1e6
@@ -218,11 +199,8 @@ def writer_rate(directory: Path, layout: str, total_mib: int, layers: int, hidde
 
 
 def _children_cpu_s() -> float:
-    """User + system CPU seconds of this process's live descendants (the writer
-    processes): `cpu_s_per_gb` counts only this process, where rows are copied into the
-    rings; the children hash and write."""
-    import psutil
-
+    """CPU seconds of this process's live descendants: the writer processes, which hash and
+    write (`cpu_s_per_gb` counts this process, which copies rows into the rings)."""
     total = 0.0
     for child in psutil.Process().children(recursive=True):
         with contextlib.suppress(psutil.Error):
@@ -301,20 +279,18 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dir", type=Path, default=None, help="directory on the disk to measure")
-    ap.add_argument("--total-mib", type=int, default=2048, help="data per measurement")
-    for name, default in (("--layers", 32), ("--hidden", 4096), ("--prompt", 512)):
+    # --total-mib: data per measurement; --processes: publish through N writer processes (the
+    # engine's path: 1 one child, 2 the default pool on 8+ CPUs; 0, the default: this one)
+    for name, default in (("--total-mib", 2048), ("--layers", 32), ("--hidden", 4096),
+                          ("--prompt", 512), ("--processes", 0)):
         ap.add_argument(name, type=int, default=default)
     ap.add_argument("--workers", type=int, default=None,
                     help="writer threads (default: the writer's own, as a server's)")
     ap.add_argument("--rounds", "--paired-rounds", type=int, default=3,
                     help="paired rounds of disk and writer (order alternating)")
     ap.add_argument("--json", action="store_true", help="also print the figures as JSON")
-    ap.add_argument("--out", type=Path, default=None,
-                    help="write <device>-<date>-storage.json here (bench/summary.py reads it)")
+    ap.add_argument("--out", type=Path, default=None, help="for <device>-<date>-storage.json")
     ap.add_argument("--digest", choices=DIGESTS, default="sha256", help="the writer's file digest")
-    ap.add_argument("--processes", type=int, default=0,
-                    help="publish through N writer processes (the engine's path: 1 one child, "
-                         "2 the default pool on 8+ CPUs); 0 (default) in this process")
     ap.add_argument("--direct-io", action="store_true",
                     help="the writer's data files through O_DIRECT (capture_io: direct)")
     ap.add_argument("--cold-rings", action="store_true", help="time writer processes with "

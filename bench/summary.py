@@ -25,21 +25,19 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as `python bench/summary.py`
 import perf_models
 
-KEYS = ("p1_plain", "p2_steer_prefill", "p2_steer_decode", "p3_capture_one_layer",
-        "p3_capture_all_vs_disk", "p4_extract_one_layer_vs_vllm", "p4_extract_vs_hf_8b",
-        "p5_write_vs_disk", "p6_seconds", "plain_identity")
-# Issue 63: through HTTP with `vllm bench serve` (serve_bench.py); ratios to vanilla `vllm
-# serve` unless said (distinct_256: to the one-config run; short: requests/s).
-SERVE_TARGETS = {"serve_plain": ">= 0.98", "serve_steer_all": ">= 0.95",
-                 "serve_distinct_256": ">= 0.90", "serve_capture_one_layer": ">= 0.90",
-                 "serve_capture_one_layer_wait": ">= 0.90", "serve_short_rps": ">= 0.95",
-                 "serve_ttft_p99_plain": "<= 1.05", "serve_tpot_p99_plain": "<= 1.05"}
-KEYS += tuple(SERVE_TARGETS)
-TARGETS = {**SERVE_TARGETS, "p1_plain": ">= 0.99", "p2_steer_prefill": ">= 0.95", "p2_steer_decode": ">= 0.95",
+# Issue 63's serve_* keys: through HTTP with `vllm bench serve` (serve_bench.py); ratios to
+# vanilla `vllm serve` unless said (distinct_256: to the one-config run; short: requests/s).
+TARGETS = {"p1_plain": ">= 0.99", "p2_steer_prefill": ">= 0.95", "p2_steer_decode": ">= 0.95",
            "p3_capture_one_layer": ">= 0.90", "p3_capture_all_vs_disk": ">= 0.80",
            "p4_extract_one_layer_vs_vllm": ">= 0.90", "p4_extract_vs_hf_8b": ">= 10",
            "p5_write_vs_disk": ">= 0.80", "p6_seconds": "<= 2.5",
-           "plain_identity": ">= vanilla vs vanilla"}
+           "plain_identity": ">= vanilla vs vanilla",
+           "serve_plain": ">= 0.98", "serve_steer_all": ">= 0.95", "serve_distinct_256": ">= 0.90",
+           "serve_capture_one_layer": ">= 0.90", "serve_capture_one_layer_wait": ">= 0.90",
+           "serve_short_rps": ">= 0.95", "serve_ttft_p99_plain": "<= 1.05",
+           "serve_tpot_p99_plain": "<= 1.05"}
+KEYS = tuple(TARGETS)
+SERVE_TARGETS = {k: v for k, v in TARGETS.items() if k.startswith("serve_")}
 DEFAULT = perf_models.RESULTS / "summary.json"
 
 Update = dict[str, dict[str, Any]]  # key -> {"value", "command", "date", "device", ...}
@@ -109,9 +107,8 @@ def show(summary: dict[str, Any]) -> None:
 
 
 def against_target(key: str, value: float, prov: dict[str, Any]) -> float | None:
-    """How far a figure is from its target, as a factor where 1 is the target and above
-    1 meets it: value / target for a floor, target / value for P6's ceiling (seconds),
-    and plain identity's agreement over vanilla's own with itself."""
+    """A figure over its target (above 1 meets it; a ceiling inverted; plain identity over
+    vanilla's agreement with itself)."""
     if key == "plain_identity":
         base = prov.get("vanilla_vs_vanilla")
         return value / base if base else None

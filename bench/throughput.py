@@ -1,18 +1,10 @@
 """Quick P1-P3 side by side with vanilla vLLM, and P6 (a capture burst's time to durable).
 
-Each configuration runs in its own process, one after another (fresh device memory), on the
-same model, prompts and flags: vanilla (stock `vllm.LLM`); plain (capsteer loaded, nothing
-asked: P1); steer (every request steered at every layer, resid_post add: P2); capture (every
-request captures resid_post at every layer x every prompt position, packed, to local disk,
-timed until durable: P3). `--p6` times 103 requests x 128 prompt tokens x all layers to
-durable (one generated token), on `--shape llama3-8b-36l` by default on cuda (Llama-3-8B
-widths with 36 layers, dummy weights, real vocabulary: perf_models.py).
-
-The quick look: perf_method.py is the method behind the P1-P3 verdicts (paired rounds,
-spread). Every repetition draws fresh prompts (no prefix-cache hit). Throughput = (prompt +
-generated tokens) / wall time, median of the timed repetitions after a warm-up batch
-(CAPSTEER_BENCH_REPS overrides their number); a configuration listed twice shows the spread
-between processes.
+One process per configuration, one after another: vanilla; plain (P1); steer (every layer,
+P2); capture (resid_post at every layer x every prompt position, durable: P3). `--p6` times
+103 requests x 128 prompt tokens x all layers to durable (Llama-3-8B widths with 36 layers on
+cuda). perf_method.py is the method behind the verdicts; this is the quick look: median of
+the timed repetitions (CAPSTEER_BENCH_REPS) after a warm-up, fresh prompts every batch.
 
     python bench/throughput.py --device cpu                   # smoke, tiny shape
     python bench/throughput.py --device cuda --p6 --out $OUT  # P6 on the GPU
@@ -43,11 +35,9 @@ SHAPE = {("cuda", False): "qwen3-0.6b", ("cuda", True): "llama3-8b-36l",
 
 def workload(device: str, p6: bool) -> dict[str, int]:
     """Requests, prompt and generated tokens, timed repetitions."""
-    if p6:
-        return {"requests": 103, "prompt": 128, "gen": 1, "reps": 3}
-    if device == "cuda":
-        return {"requests": 256, "prompt": 512, "gen": 64, "reps": 3}
-    return {"requests": 32, "prompt": 128, "gen": 16, "reps": 2}
+    n, prompt, gen, reps = (103, 128, 1, 3) if p6 else (256, 512, 64, 3) if device == "cuda" \
+        else (32, 128, 16, 2)
+    return {"requests": n, "prompt": prompt, "gen": gen, "reps": reps}
 
 
 def run_one(a: argparse.Namespace) -> dict:
@@ -131,16 +121,14 @@ def main() -> None:
     vanilla = [r["tokens_per_s"] for r in rows if r["config"] == "vanilla"]
     print(f"\n{'config':10}{'wall s':>9}{'tok/s':>12}{'vs vanilla':>12}{'target':>8}")
     for r in rows:
-        if vanilla:
-            r["ratio_vs_vanilla"] = r["tokens_per_s"] / statistics.mean(vanilla)
-        ratio = f"{r['ratio_vs_vanilla']:.3f}" if "ratio_vs_vanilla" in r else "-"
+        r.update({"ratio_vs_vanilla": r["tokens_per_s"] / statistics.mean(vanilla)} if vanilla else {})
+        ratio = f"{r['ratio_vs_vanilla']:.3f}" if vanilla else "-"
         print(f"{r['config']:10}{r['wall_s']:>9.3f}{r['tokens_per_s']:>12,.0f}{ratio:>12}"
               f"{TARGETS.get(r['config'], '-')!s:>8}")
-    report = {**perf_models.meta("throughput.py", args.device),
-              "shape": perf_models.describe(args.shape),
-              "workload": workload(args.device, args.p6), "p6": args.p6, "rows": rows}
-    perf_models.write_result(args.out, report,
-                             f"{'p6' if args.p6 else 'throughput'}-{args.shape}")
+    perf_models.write_result(args.out, {
+        **perf_models.meta("throughput.py", args.device), "shape": perf_models.describe(args.shape),
+        "workload": workload(args.device, args.p6), "p6": args.p6, "rows": rows},
+        f"{'p6' if args.p6 else 'throughput'}-{args.shape}")
 
 
 if __name__ == "__main__":
