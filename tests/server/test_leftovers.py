@@ -1,6 +1,7 @@
 """A `capsteer serve` killed with SIGKILL leaves vLLM's shared memory in /dev/shm and its
-runtime directory; the next start sweeps both and says so in its log. The shared server
-is killed and started again (the one extra start of this configuration)."""
+runtime directory; the next start sweeps both and says so in its log. The shared server is
+killed after its last test and the next start is the reject server the following tests use
+(its own group, between the two in ENGINE_ORDER): no extra start."""
 
 from __future__ import annotations
 
@@ -19,9 +20,8 @@ from capsteer.server.leftovers import (
     held_shm_inodes,
     read_owner,
 )
-from tests.server.helpers import main_server
 
-pytestmark = [pytest.mark.server, pytest.mark.uses_engine("server")]
+pytestmark = [pytest.mark.server, pytest.mark.uses_engine("server-leftovers")]
 
 
 def _group(pgid: int) -> set[int]:
@@ -37,8 +37,7 @@ def _group(pgid: int) -> set[int]:
     return pids
 
 
-def test_the_next_start_sweeps_what_a_killed_server_left(engine_pool, model_dirs,
-                                                         server_root, server):
+def test_the_next_start_sweeps_what_a_killed_server_left(server, request):
     pgid = server.proc.pid
     pids = _group(pgid)
     held = held_shm_inodes(SHM_DIR, pids)
@@ -59,8 +58,9 @@ def test_the_next_start_sweeps_what_a_killed_server_left(engine_pool, model_dirs
     assert all((SHM_DIR / name).exists() for name in mine), "nothing was left to sweep"
     assert runtime[0].is_dir()
 
-    engine_pool.close()  # drops the killed server; the same configuration starts again
-    fresh = main_server(engine_pool, model_dirs, server_root)
+    # The next start (the pool drops the killed server): the reject server, which the tests
+    # after this one share; asked for only now, after the kill.
+    fresh = request.getfixturevalue("reject_server")
     assert fresh.proc.pid != pgid
     assert not [name for name in mine if (SHM_DIR / name).exists()]
     assert not runtime[0].exists()
