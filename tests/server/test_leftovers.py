@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from capsteer.server.leftovers import (
+    MIN_AGE_S,
     RUNTIME_PREFIX,
     SHM_DIR,
     SHM_NAME,
@@ -52,11 +53,16 @@ def test_the_next_start_sweeps_what_a_killed_server_left(server, request):
     os.killpg(pgid, signal.SIGKILL)
     deadline = time.monotonic() + 30
     while _group(pgid) and time.monotonic() < deadline:
+        server.proc.poll()  # reaps the leader: a zombie keeps its group, and the loop waited 30 s
         time.sleep(0.1)
     server.proc.wait(5)
     assert not _group(pgid)
     assert all((SHM_DIR / name).exists() for name in mine), "nothing was left to sweep"
     assert runtime[0].is_dir()
+    # The sweep leaves an entry changed in the last MIN_AGE_S alone, and the killed server
+    # wrote its rings until the kill: the next start comes after that.
+    changed = max(max(st.st_ctime, st.st_mtime) for st in ((SHM_DIR / n).stat() for n in mine))
+    time.sleep(max(0.0, changed + MIN_AGE_S + 1.0 - time.time()))
 
     # The next start (the pool drops the killed server): the reject server, which the tests
     # after this one share; asked for only now, after the kill.
