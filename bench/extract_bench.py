@@ -2,41 +2,28 @@
 same prompts, and vs HF transformers (`output_hidden_states` + safetensors).
 
     .venv/bin/python bench/extract_bench.py [--prompts 256] [--hidden 512] [--layers 8]
-    python bench/extract_bench.py --device cuda --prompts 1024 --hidden 1024 --layers 28
     python bench/extract_bench.py --device cuda --shape llama3-8b --capture-layers 16 \\
         --prompts 1280 --prompt-tokens 64-512 --hf-batch 8,16,32,64 --reps 2    # issue 12 P4
 
-Each side runs in its own process (fresh device memory; `--sides` picks them):
-- capsteer: `capsteer extract` (sharded, durable, indexed) of resid_post at the chosen
-  layers x every prompt position; the time is the job's own (start-up excluded); its
-  forward stops after the deepest captured layer, as the CLI's default;
-- capsteer_full (not in the default --sides): the same job with `--full-forward` (every
-  layer runs, as stock vLLM's prefill does);
-- vllm: stock vLLM prefilling the same prompts (max_tokens=1), nothing captured;
-- hf: HF transformers with `output_hidden_states`, the captured layers' rows of real tokens
-  written with safetensors `save_file` per batch, `os.sync` at the end. `--hf-batch` may
-  list several sizes: each is probed on a few batches and the fastest runs the measurement
-  (best HF batch size). `--shape` runs HF over length-sorted chunks (less padding) and
-  only the logits of the last position (`logits_to_keep=1`), as a careful HF user would.
-`--shape` (bench/perf_models.py) picks a model geometry with its real vocabulary (the 8B
-shapes use vLLM's dummy weights and HF's own init, so no checkpoint is written); without it,
-a Qwen3 of --hidden/--layers from capsteer.demo_model. With `--reps N`, capsteer and vllm run
-N timed passes, pass r over its own prompt set r (never a prefix-cache hit), after an untimed
-64-prompt warm-up; HF runs once over set 0, until --min-seconds. Times exclude start-up.
-Writes <out>/<tag>-<date>-extract[-layers-L].json (+ .png when matplotlib is installed).
+Sides (`--sides`), one process each: capsteer (resid_post at the chosen layers x every prompt
+position, its forward stopped after the deepest, as the CLI); capsteer_full (`--full-forward`);
+vllm (max_tokens=1, nothing captured); hf (rows of real tokens saved per batch, `os.sync`;
+the fastest `--hf-batch` size on probe batches; with `--shape` length-sorted chunks and
+`logits_to_keep=1`). `--shape` (perf_models.py) picks a geometry, else a demo Qwen3 of
+--hidden/--layers. capsteer and vllm run --reps passes over fresh prompt sets after a
+warm-up; HF one pass until --hf-min-seconds. Writes <tag>-<date>-extract[-layers-L].json.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
+import inspect
+import itertools
 import json
 import os
-import platform
 import random
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -52,86 +39,63 @@ TARGET_VS_VLLM = 0.90
 TARGET_VS_HF = 10.0
 
 
-def make_prompts(n: int, seed: int = 0, tokens: tuple[int, int] | None = None,
-                 vocab: int = 0) -> list[str]:
-    """Word prompts: demo-model words (24-96 of them), or for perf shapes `tokens`
-    (lo, hi) word-level tokens drawn from the whole vocabulary (one word = one token)."""
+def _prompt_set(a: argparse.Namespace, seed: int, n: int | None = None) -> list[str]:
+    """Word prompts: demo-model words (24-96 of them), or with --shape --prompt-tokens words
+    of the whole word-level vocabulary (one word = one token)."""
     rng = random.Random(seed)
-    if tokens is not None:
-        n_words = vocab - len(perf_models.SPECIALS)
-        return [" ".join(f"w{rng.randrange(n_words)}" for _ in range(rng.randint(*tokens)))
-                for _ in range(n)]
+    if a.shape:
+        n_words = perf_models.SHAPES[a.shape].vocab - len(perf_models.SPECIALS)
+        return [" ".join(f"w{rng.randrange(n_words)}" for _ in range(rng.randint(*a.token_range)))
+                for _ in range(n or a.prompts)]
     words = ("model layer stream residual token vector capture steering attention mlp norm "
              "batch shard index prompt").split()
-    return [" ".join(rng.choice(words) for _ in range(rng.randint(24, 96))) for _ in range(n)]
+    return [" ".join(rng.choice(words) for _ in range(rng.randint(24, 96)))
+            for _ in range(n or a.prompts)]
 
 
-def _prompt_set(a: argparse.Namespace, r: int, n: int | None = None) -> list[str]:
-    vocab = perf_models.SHAPES[a.shape].vocab if a.shape else 0
-    return make_prompts(n or a.prompts, seed=r, tokens=a.token_range if a.shape else None,
-                        vocab=vocab)
-
-
-def _hf_model(a: argparse.Namespace, dtype: str):
+def run_hf(a: argparse.Namespace, layers: list[int], out: Path) -> dict[str, Any]:
+    """HF output_hidden_states + save_file; best of the --hf-batch sizes, then >= min-seconds."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    t0 = time.perf_counter()
+    tok = AutoTokenizer.from_pretrained(a.model)
+    tok.pad_token = tok.pad_token or tok.eos_token or tok.unk_token
+    tok.padding_side = "right"
     shape = perf_models.SHAPES.get(a.shape) if a.shape else None
     if shape is not None and shape.weights == "dummy":  # no checkpoint: HF's own init
         with torch.device(a.device):
             model = AutoModelForCausalLM.from_config(perf_models.hf_config(shape),
-                                                     dtype=getattr(torch, dtype))
-        return model.eval()
-    return AutoModelForCausalLM.from_pretrained(a.model, dtype=getattr(torch, dtype)).eval().to(
-        a.device)
-
-
-def run_hf(a: argparse.Namespace, layers: list[int], out: Path, dtype: str) -> dict[str, Any]:
-    """HF output_hidden_states + save_file; best of the --hf-batch sizes, then >= min-seconds."""
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoTokenizer
-
-    t0 = time.perf_counter()
-    tok = AutoTokenizer.from_pretrained(a.model)
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token or tok.unk_token
-    tok.padding_side = "right"
-    model = _hf_model(a, dtype)
-    load_s = time.perf_counter() - t0
-    prompts = _prompt_set(a, 0)
-    careful = bool(a.shape)
-    import inspect
-
+                                                     dtype=getattr(torch, a.dtype)).eval()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(a.model, dtype=getattr(torch, a.dtype)
+                                                     ).eval().to(a.device)
+    load_s, prompts, careful = time.perf_counter() - t0, _prompt_set(a, 0), bool(a.shape)
     keep_kw: dict[str, Any] = {"logits_to_keep": 1} if careful and (
         "logits_to_keep" in inspect.signature(model.forward).parameters) else {}
-    counter = [0]
+    counter = itertools.count()
 
     def forward(batch: list[str]) -> int:
         enc = tok(batch, return_tensors="pt", padding=True).to(a.device)
         states = model(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"],
                        output_hidden_states=True, **keep_kw).hidden_states[1:]
         lengths = enc["attention_mask"].sum(1).tolist()
-        hs = {layer: states[layer].cpu() for layer in layers}
-        ids = enc["input_ids"].cpu()
-        tensors = {f"resid_post.{layer}": torch.cat([h[i, :n] for i, n in enumerate(lengths)])
-                   .contiguous() for layer, h in hs.items()}
-        tensors["token_ids"] = torch.cat([ids[i, :n] for i, n in enumerate(lengths)])
-        save_file(tensors, str(out / f"hf-{counter[0]:06d}.safetensors"))
-        counter[0] += 1
+        rows = {f"resid_post.{layer}": states[layer].cpu() for layer in layers}
+        rows["token_ids"] = enc["input_ids"].cpu()
+        tensors = {k: torch.cat([h[i, :n] for i, n in enumerate(lengths)]).contiguous()
+                   for k, h in rows.items()}
+        save_file(tensors, str(out / f"hf-{next(counter):06d}.safetensors"))
         return int(sum(lengths))
 
     def batches(size: int, items: list[str]):
         chunk = size * 4 if careful else size  # sort within chunks: less padding, no bias
         for c in range(0, len(items), chunk):
-            part = items[c: c + chunk]
-            if careful:
-                part = sorted(part, key=len)
+            part = sorted(items[c: c + chunk], key=len) if careful else items[c: c + chunk]
             for b in range(0, len(part), size):
                 yield part[b: b + size]
 
-    sizes = [int(x) for x in str(a.hf_batch).split(",")]
-    probes: dict[int, float] = {}
+    sizes, probes = [int(x) for x in str(a.hf_batch).split(",")], {}
     if len(sizes) > 1:
         probe_prompts = _prompt_set(a, 99, max(sizes))
         with torch.inference_mode():
@@ -145,8 +109,7 @@ def run_hf(a: argparse.Namespace, layers: list[int], out: Path, dtype: str) -> d
                     probes[size] = n / (time.perf_counter() - t)
                 except torch.OutOfMemoryError:
                     probes[size] = 0.0
-                    if a.device == "cuda":
-                        torch.cuda.empty_cache()
+                    torch.cuda.empty_cache()  # only CUDA raises it
         for f in out.glob("hf-*.safetensors"):
             f.unlink()
     best = max(probes, key=lambda s: probes[s]) if probes else sizes[0]
@@ -165,16 +128,13 @@ def run_hf(a: argparse.Namespace, layers: list[int], out: Path, dtype: str) -> d
             "length_sorted_chunks": careful, "tokens_per_s": tokens / run_s}
 
 
-def _engine_kwargs(a: argparse.Namespace, dtype: str, mem: float) -> dict[str, Any]:
-    kw: dict[str, Any] = {"dtype": dtype, "gpu_memory_utilization": mem,
-                          "max_model_len": a.max_model_len}
-    if a.shape:
-        kw.update(perf_models.engine_kwargs(a.shape))
-    return kw
+def _engine_kwargs(a: argparse.Namespace, mem: float) -> dict[str, Any]:
+    return {"dtype": a.dtype, "gpu_memory_utilization": mem, "max_model_len": a.max_model_len,
+            **(perf_models.engine_kwargs(a.shape) if a.shape else {})}
 
 
-def run_capsteer(a: argparse.Namespace, layers: list[int], out: Path, dtype: str,
-                 mem: float, full_forward: bool = False) -> dict[str, Any]:
+def run_capsteer(a: argparse.Namespace, layers: list[int], out: Path, mem: float,
+                 full_forward: bool = False) -> dict[str, Any]:
     from capsteer.capture.spec import parse_capture_spec
     from capsteer.engine import Engine
     from capsteer.extraction.job import job_config
@@ -182,18 +142,15 @@ def run_capsteer(a: argparse.Namespace, layers: list[int], out: Path, dtype: str
 
     job = Path(a.stable_dir) / "capsteer-extract-job"  # a stable path: see main()
     shutil.rmtree(job, ignore_errors=True)
-    n_layers = _layers(a.model)
-    t0 = time.perf_counter()
+    n_layers, t0 = a.num_layers, time.perf_counter()
     spec = parse_capture_spec({"hooks": ["resid_post"], "layers": layers, "positions": "prompt"},
                               num_layers=n_layers)
-    kw = _engine_kwargs(a, dtype, mem)
+    kw = _engine_kwargs(a, mem)
     config = job_config(job, spec, 256 << 20, kw, num_layers=n_layers, full_forward=full_forward)
     engine = Engine(a.model, capsteer_config=config, **kw)
-    load_s = time.perf_counter() - t0
+    load_s, lines = time.perf_counter() - t0, []  # lines: every pass's rows (see one())
 
-    lines: list[str] = []  # every pass's rows: a job resumes only over its own input
-
-    def one(tag: str, prompts: list[str]):
+    def one(tag: str, prompts: list[str]):  # a job resumes only over its own input
         lines.extend(json.dumps({"id": f"{tag}-{i}", "prompt": p}) + "\n"
                      for i, p in enumerate(prompts))
         inp = out / f"prompts-{tag}.jsonl"
@@ -202,11 +159,9 @@ def run_capsteer(a: argparse.Namespace, layers: list[int], out: Path, dtype: str
                        positions="prompt", progress=False, engine=engine)
 
     warm = one("warm", _prompt_set(a, 1000, 64)) if a.reps > 0 and a.warmup else None
-    reps = []
-    for r in range(a.reps):
-        res = one(f"r{r}", _prompt_set(a, r))
-        reps.append({"run_s": res.seconds, "tokens": res.tokens, "bytes": res.bytes_written,
-                     "tokens_per_s": res.tokens / res.seconds})
+    reps = [{"run_s": res.seconds, "tokens": res.tokens, "bytes": res.bytes_written,
+             "tokens_per_s": res.tokens / res.seconds}
+            for res in (one(f"r{r}", _prompt_set(a, r)) for r in range(a.reps))]
     # Where the step loop waited (harvest wait_s: every pinned ring slot still being
     # delivered to the shard writer) and the hooks' own host seconds, over all passes.
     (stats,) = engine.llm.collective_rpc("capsteer_stats")
@@ -218,25 +173,22 @@ def run_capsteer(a: argparse.Namespace, layers: list[int], out: Path, dtype: str
             **_medians(reps)}
 
 
-def run_vllm(a: argparse.Namespace, dtype: str, mem: float) -> dict[str, Any]:
+def run_vllm(a: argparse.Namespace, mem: float) -> dict[str, Any]:
     """Stock vLLM prefilling the same prompts (max_tokens=1), nothing captured: the engine's
     own speed on this machine, to separate it from capture overhead."""
     from vllm import LLM, SamplingParams
 
-    t0 = time.perf_counter()
+    t0, sp = time.perf_counter(), SamplingParams(max_tokens=1, temperature=0.0)
     llm = LLM(model=a.model, max_num_batched_tokens=2048,  # the extraction job's step size
-              **_engine_kwargs(a, dtype, mem))
+              **_engine_kwargs(a, mem))
     load_s = time.perf_counter() - t0
-    sp = SamplingParams(max_tokens=1, temperature=0.0)
     if a.warmup:
         llm.generate(_prompt_set(a, 1000, 64), sp, use_tqdm=False)
     reps = []
     for r in range(a.reps):
-        prompts = _prompt_set(a, r)
-        t0 = time.perf_counter()
+        prompts, t0 = _prompt_set(a, r), time.perf_counter()
         outs = llm.generate(prompts, sp, use_tqdm=False)
-        run_s = time.perf_counter() - t0
-        tokens = sum(len(o.prompt_token_ids) for o in outs)
+        run_s, tokens = time.perf_counter() - t0, sum(len(o.prompt_token_ids) for o in outs)
         reps.append({"run_s": run_s, "tokens": tokens, "tokens_per_s": tokens / run_s,
                      "cached_tokens": sum(int(o.num_cached_tokens or 0) for o in outs)})
     llm.llm_engine.engine_core.shutdown()
@@ -250,72 +202,54 @@ def _medians(reps: list[dict[str, Any]]) -> dict[str, Any]:
             "run_s": statistics.median(r["run_s"] for r in reps)}
 
 
-def _layers(model_dir: str) -> int:
-    return int(json.loads((Path(model_dir) / "config.json").read_text())["num_hidden_layers"])
-
-
 def _one(a: argparse.Namespace) -> dict[str, Any]:
-    dtype = a.dtype
     mem = 0.85 if a.device == "cuda" else 0.3
-    layers = _capture_layers(a, _layers(a.model))
+    a.num_layers = json.loads((Path(a.model) / "config.json").read_text())["num_hidden_layers"]
+    layers = list(range(a.num_layers)) if a.capture_layers == "all" else [
+        int(x) for x in a.capture_layers.split(",")]
     if a.device == "cuda":  # the previous side's engine core may still be exiting
-        from perf_models import wait_gpu_free
-
-        wait_gpu_free(mem + 0.05)
+        perf_models.wait_gpu_free(mem + 0.05)
     work = Path(tempfile.mkdtemp(prefix=f"capsteer-x-{a.one}-", dir=a.work))
     try:
         if a.one == "hf":
-            return run_hf(a, layers, work, dtype)
+            return run_hf(a, layers, work)
         if a.one in ("capsteer", "capsteer_full"):
-            return run_capsteer(a, layers, work, dtype, mem, full_forward=a.one == "capsteer_full")
-        return run_vllm(a, dtype, mem)
+            return run_capsteer(a, layers, work, mem, full_forward=a.one == "capsteer_full")
+        return run_vllm(a, mem)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-
-
-def _capture_layers(a: argparse.Namespace, n: int) -> list[int]:
-    if a.capture_layers == "all":
-        return list(range(n))
-    return [int(x) for x in a.capture_layers.split(",")]
 
 
 def _write_model(a: argparse.Namespace, work: Path) -> str:
     if a.shape:
         return str(perf_models.write_model(work / a.shape, a.shape, a.device))
-    work = work / "model"
     from capsteer.demo_model import DemoShape, write_demo_model
 
     shape = DemoShape(hidden_size=a.hidden, num_layers=a.layers, intermediate_size=a.hidden * 3,
                       num_heads=a.hidden // 64, num_kv_heads=max(1, a.hidden // 256), head_dim=64)
-    return str(write_demo_model(work, "qwen3", seed=3, shape=shape, dtype=a.dtype,
+    return str(write_demo_model(work / "model", "qwen3", seed=3, shape=shape, dtype=a.dtype,
                                 device=a.device))
-
-
-def _verdict(lo: float, hi: float, target: float) -> str:
-    return "met" if lo >= target else "missed" if hi < target else "unresolved"
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--prompts", type=int, default=256)
     ap.add_argument("--shape", choices=sorted(perf_models.SHAPES), default=None,
                     help="a perf_models geometry (replaces --hidden/--layers)")
     ap.add_argument("--prompt-tokens", default="64-512",
                     help="with --shape: prompt length range in tokens, lo-hi")
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--layers", type=int, default=8)
+    # --hf-min-seconds: stop HF after this long (0: all prompts); --reps: capsteer's and vllm's
+    for name, default in (("--prompts", 256), ("--hidden", 512), ("--layers", 8), ("--reps", 1),
+                          ("--hf-min-seconds", 0.0)):
+        ap.add_argument(name, type=type(default), default=default)
     ap.add_argument("--hf-batch", default="16", help="one size, or several to pick the best")
-    ap.add_argument("--hf-min-seconds", type=float, default=0.0,
-                    help="stop HF after this long (0: all prompts); its tokens/s is what counts")
-    ap.add_argument("--reps", type=int, default=1, help="timed passes of capsteer and vllm")
     ap.add_argument("--no-warmup", dest="warmup", action="store_false")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--sides", default=",".join(SIDES), help=f"of {','.join(ALL_SIDES)}")
     ap.add_argument("--capture-layers", default="all",
                     help="'all' or comma-separated layers (e.g. one layer for SAE training)")
     ap.add_argument("--work", default=None, help="directory for the model and outputs")
-    ap.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "results"))
+    ap.add_argument("--out", default=perf_models.default_out())
     for hidden in ("--one", "--model", "--result-file", "--stable-dir"):
         ap.add_argument(hidden, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -329,8 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     base = Path(tempfile.mkdtemp(prefix="capsteer-bench-", dir=a.work))
     # Model and job paths are part of vLLM's compile-cache key (the job directory sits in
-    # capsteer's engine config): keep them the same from run to run, so a re-run on a warm
-    # machine does not compile again. perf_models skips writing a model that is there.
+    # capsteer's engine config): the same from run to run, a warm machine does not recompile.
     stable = Path(a.work or tempfile.gettempdir())
     rows: dict[str, Any] = {}
     try:
@@ -338,93 +271,59 @@ def main(argv: list[str] | None = None) -> int:
         model = _write_model(a, stable / "capsteer-models" if a.shape else base)
         print(f"model at {model} ({time.perf_counter() - t:.1f} s)", flush=True)
         for side in a.sides.split(","):
-            result = base / f"{side}.json"
+            result, t = base / f"{side}.json", time.perf_counter()
             cmd = [sys.executable, __file__, *(argv if argv is not None else sys.argv[1:]),
                    "--one", side, "--model", model, "--result-file", str(result),
                    "--work", str(base), "--stable-dir", str(stable)]
-            t = time.perf_counter()
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            if proc.returncode != 0 or not result.exists():
-                print(proc.stdout[-3000:], proc.stderr[-6000:], flush=True)
-                raise SystemExit(f"{side} failed")
-            rows[side] = json.loads(result.read_text()) | {"process_s": time.perf_counter() - t}
-            r = rows[side]
+            r = rows[side] = perf_models.run_child(cmd, result, side) | {
+                "process_s": time.perf_counter() - t}
             print(f"{side}: {r['tokens_per_s']:,.0f} tok/s over {r['tokens']:,} tokens "
                   f"(load {r['load_s']:.0f} s, process {r['process_s']:.0f} s)", flush=True)
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    from perf_models import device_name, device_tag
-
-    name = device_name(a.device)
-    shape_desc = perf_models.describe(a.shape) if a.shape else (
-        f"qwen3-shaped random, hidden {a.hidden}, {a.layers} layers, {a.dtype}")
     row: dict[str, Any] = {
-        "machine": platform.node(), "cpus": os.cpu_count(), "device": name,
-        "date": dt.date.today().isoformat(), "prompts": a.prompts,
-        "command": "python bench/extract_bench.py " + " ".join(
-            argv if argv is not None else sys.argv[1:]),
-        "model": shape_desc, "capture": f"resid_post, layers {a.capture_layers}, all prompt positions",
-        "hf_batch": rows.get("hf", {}).get("batch"), **rows}
-    if "vllm" in rows:
-        row["vllm_no_capture"] = rows["vllm"]  # the name earlier result files use
+        **perf_models.meta("extract_bench.py", a.device), "cpus": os.cpu_count(),
+        "prompts": a.prompts, "hf_batch": rows.get("hf", {}).get("batch"), **rows,
+        "model": perf_models.describe(a.shape) if a.shape else
+        f"qwen3-shaped random, hidden {a.hidden}, {a.layers} layers, {a.dtype}",
+        "capture": f"resid_post, layers {a.capture_layers}, all prompt positions"}
     if "capsteer" in rows and "hf" in rows:
-        row["ratio_capsteer_over_hf"] = rows["capsteer"]["tokens_per_s"] / rows["hf"]["tokens_per_s"]
-        row["p4_vs_hf"] = {"value": row["ratio_capsteer_over_hf"], "target": TARGET_VS_HF,
-                           "verdict": "met" if row["ratio_capsteer_over_hf"] >= TARGET_VS_HF
-                           else "missed"}
+        ratio = row["ratio_capsteer_over_hf"] = (rows["capsteer"]["tokens_per_s"]
+                                                 / rows["hf"]["tokens_per_s"])
+        row["p4_vs_hf"] = {"value": ratio, "target": TARGET_VS_HF,
+                           "verdict": "met" if ratio >= TARGET_VS_HF else "missed"}
     if "capsteer" in rows and "vllm" in rows:
         cs, vl = rows["capsteer"], rows["vllm"]
-        lo = cs["min_tokens_per_s"] / vl["max_tokens_per_s"]
-        hi = cs["max_tokens_per_s"] / vl["min_tokens_per_s"]
+        lo, hi = cs["min_tokens_per_s"] / vl["max_tokens_per_s"], cs["max_tokens_per_s"] / vl["min_tokens_per_s"]
         few = min(len(cs["reps"]), len(vl["reps"])) < 2
         row["p4_vs_vllm"] = {"value": cs["tokens_per_s"] / vl["tokens_per_s"], "lo": lo, "hi": hi,
-                             "target": TARGET_VS_VLLM,
-                             "verdict": "unresolved" if few else _verdict(lo, hi, TARGET_VS_VLLM),
+                             "target": TARGET_VS_VLLM, "verdict": "unresolved" if few else
+                             perf_models.verdict(lo, hi, TARGET_VS_VLLM),
                              "note": "spread over repetitions in one process per side"}
-    if "capsteer_full" in rows:
-        full = rows["capsteer_full"]["tokens_per_s"]
-        for side in ("capsteer", "vllm", "hf"):
-            if side in rows:
-                row[f"ratio_{side}_over_capsteer_full"] = rows[side]["tokens_per_s"] / full
+    row.update({f"ratio_{x}_over_capsteer_full": rows[x]["tokens_per_s"] / rows[
+        "capsteer_full"]["tokens_per_s"] for x in ("capsteer", "vllm", "hf") if x in rows}
+        if "capsteer_full" in rows else {})
     print(f"\n{'':14}{'tokens':>10}{'run s':>9}{'tok/s':>11}{'load s':>9}")
-    for side in ALL_SIDES:
-        if side in rows:
-            r = rows[side]
-            print(f"{side:14}{r['tokens']:>10,}{r['run_s']:>9.2f}{r['tokens_per_s']:>11,.0f}"
-                  f"{r['load_s']:>9.1f}")
-    for key in ("p4_vs_vllm", "p4_vs_hf"):
-        if key in row:
-            k = row[key]
-            extra = f" [{k['lo']:.3f}, {k['hi']:.3f}]" if "lo" in k else ""
-            print(f"{key}: {k['value']:.3f}{extra} target {k['target']} -> {k['verdict']}")
+    for side, r in ((x, rows[x]) for x in ALL_SIDES if x in rows):
+        print(f"{side:14}{r['tokens']:>10,}{r['run_s']:>9.2f}{r['tokens_per_s']:>11,.0f}"
+              f"{r['load_s']:>9.1f}")
+    for key, k in ((x, row[x]) for x in ("p4_vs_vllm", "p4_vs_hf") if x in row):
+        extra = f" [{k['lo']:.3f}, {k['hi']:.3f}]" if "lo" in k else ""
+        print(f"{key}: {k['value']:.3f}{extra} target {k['target']} -> {k['verdict']}")
     suffix = "" if a.capture_layers == "all" else "-layers-" + a.capture_layers.replace(",", "_")
-    shape_tag = f"-{a.shape}" if a.shape else ""
-    out = Path(a.out) / f"{device_tag(name)}-{row['date']}-extract{shape_tag}{suffix}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(row, indent=2))
-    print(f"wrote {out}")
-    _plot(row, out, a.device)
+    out = perf_models.write_result(a.out, row, f"extract{f'-{a.shape}' if a.shape else ''}{suffix}")
+    plt = perf_models.pyplot()
+    if plt is not None:
+        labels = {"hf": "HF transformers", "capsteer": "capsteer extract",
+                  "capsteer_full": "capsteer, every layer", "vllm": "vLLM, no capture"}
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        ax.bar(*zip(*((labels[n], row[n]["tokens_per_s"]) for n in ALL_SIDES if n in row),
+                    strict=True))
+        ax.set_ylabel("tokens/s")
+        ax.set_title(f"extraction, {row['capture']} ({a.device})", fontsize=9)
+        fig.tight_layout()
+        fig.savefig(out.with_suffix(".png"), dpi=120)
     return 0
-
-
-def _plot(row: dict[str, Any], out: Path, device: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("(matplotlib not installed: no plot)")
-        return
-    names = [n for n in ALL_SIDES if n in row]
-    labels = {"hf": "HF transformers", "capsteer": "capsteer extract",
-              "capsteer_full": "capsteer, every layer", "vllm": "vLLM, no capture"}
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.bar([labels[n] for n in names], [row[n]["tokens_per_s"] for n in names])
-    ax.set_ylabel("tokens/s")
-    ax.set_title(f"extraction, {row['capture']} ({device})", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(out.with_suffix(".png"), dpi=120)
 
 
 if __name__ == "__main__":

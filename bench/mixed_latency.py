@@ -1,39 +1,21 @@
 """Plain requests' latency beside capture bursts, through the real server (issue 12).
 
-A capsteer server is shared between chat traffic and capture jobs, so what a capture burst
-costs the plain requests batched beside it is what users feel. Each process here is one
-server: `capsteer serve --vanilla` (stock `vllm serve`, same flags) or capsteer.
-Configurations are interleaved over rounds (vanilla, capsteer, vanilla, ...). In each
-server, after an untimed warm-up:
-
-- quiet: C closed-loop clients send plain streamed completions (prompt P tokens, G
-  generated, ignore_eos) for Q seconds;
-- bursts: the same clients go on while a burst of R requests (prompt L tokens, one
-  generated) starts every B seconds. In capsteer each request of a burst captures
-  resid_post at every layer over the prompt, durable, with `capture_wait` (P6's shape at
-  the defaults). In vanilla the same requests carry no capture.
-
-Plain requests are grouped by when they ran: the quiet phase; the burst phase (all of
-them: the same schedule in both configurations); and, within it, those beside a burst
-(their time overlaps one; a capsteer burst lasts until its captures are durable, so its
-window is longer than vanilla's). For each group it prints the median and p95 of time to
-first token and of end-to-end latency, and each burst's time to its last response.
-Beside them: capsteer / vanilla ratios of the same figures, for each round and over the
-per-process medians of complete rounds (above 1 = slower than vanilla). Per process it also
-prints TTFT by start time after a burst's start, and time per output token in the quiet
-phase and by start after a burst (decode slowed by what a burst leaves behind shows there
-once the burst is durable). Captures are deleted only between phases, never while requests are timed.
+Each process is one server, `capsteer serve --vanilla` (stock vLLM) or capsteer, interleaved
+over rounds. After a warm-up: quiet (C closed-loop clients stream completions, prompt P, G
+generated, for Q s), then bursts (the clients go on while R requests, prompt L, one token,
+start every B s; in capsteer each captures resid_post at every layer over the prompt,
+durable, with `capture_wait`: P6's shape). Plain requests are grouped: quiet, bursts (the
+whole phase) and beside (overlapping a burst); per group the median and p95 of TTFT and
+latency, each burst's time, capsteer / vanilla ratios per round and over the medians
+(above 1 = slower), TTFT and TPOT by start after a burst. Captures are deleted only between
+phases.
 
     python bench/mixed_latency.py --device cuda --shape llama3-8b-36l --rounds 2 --out $OUT/mixed
-    python bench/mixed_latency.py --device cpu --shape llama-tiny --rounds 1 --quiet-s 10 \
+    python bench/mixed_latency.py --device cpu --shape llama-tiny --rounds 1 --quiet-s 10 \\
         --bursts 2 --burst-requests 8 --burst-every 8 --clients 2        (smoke)
 
-Writes <out>/mixed-latency.json (every request's times, per process) and prints a table.
-
-CPU runs are a smoke test only. On the 2-core CPU machine vLLM's engine core and worker
-processes busy-wait for each other and use both cores under load, in stock vLLM as in
-capsteer (`--vanilla`: 6.3 + 7.9 CPU-s in 8 s of two streaming clients). The API server
-then runs late, and a request's streamed tokens often arrive together at its end.
+Writes <out>/mixed-latency.json (every request's times). CPU runs are a smoke test only: on 2
+cores vLLM's processes busy-wait, so streamed tokens arrive late and together.
 """
 
 from __future__ import annotations
@@ -43,7 +25,6 @@ import asyncio
 import datetime as dt
 import gzip
 import json
-import os
 import random
 import shutil
 import statistics
@@ -63,15 +44,12 @@ CONFIGS = ("vanilla", "capsteer")
 def server_argv(config: str, model: Path, shape: str, args: argparse.Namespace, port: int,
                 capture_dir: Path) -> list[str]:
     """The same engine flags for both configurations; capsteer adds its capture root."""
-    kw = perf_models.engine_kwargs(shape)
     max_len = max(args.prompt + args.gen, args.burst_prompt + 1) + 16
     argv = [sys.executable, "-m", "capsteer.cli", "serve", str(model),
-            "--host", "127.0.0.1", "--port", str(port), "--dtype", kw["dtype"],
+            "--host", "127.0.0.1", "--port", str(port), *perf_models.serve_flags(shape),
             "--max-model-len", str(max_len), "--seed", "0",
             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
             "--gpu-memory-utilization", "0.85" if args.device == "cuda" else "0.3"]
-    if "load_format" in kw:
-        argv += ["--load-format", kw["load_format"]]
     if args.burst_priority is not None:  # vLLM's own policy, in both configurations
         argv += ["--scheduling-policy", "priority"]
     if config == "vanilla":
@@ -99,9 +77,7 @@ class Traffic:
         self.client = AsyncOpenAI(base_url=url + "/v1", api_key="none", timeout=900,
                                   max_retries=0, http_client=http)
         self.model, self.args, self.capture, self.capture_dir = model, args, capture, capture_dir
-        self.url = url
-        self.rng = random.Random(7)
-        self.t0 = time.monotonic()
+        self.rng, self.t0 = random.Random(7), time.monotonic()
         self.plain: list[dict[str, Any]] = []
         self.bursts: list[dict[str, Any]] = []
 
@@ -113,50 +89,39 @@ class Traffic:
         return [self.rng.randrange(10, 500) for _ in range(n)]
 
     async def one_plain(self, phase: str) -> None:
-        start = self.now()
-        first = None
-        chunks = 0
+        start, first, chunks = self.now(), None, 0
         stream = await self.client.completions.create(
             model=self.model, prompt=self.prompt(self.args.prompt), max_tokens=self.args.gen,
             temperature=0.0, stream=True, extra_body={"ignore_eos": True})
         async for chunk in stream:
             if chunk.choices and chunk.choices[0].text is not None:
-                chunks += 1
-                if first is None:
-                    first = self.now()
-        end = self.now()
-        self.plain.append({"phase": phase, "start": start, "first": first, "end": end,
+                chunks, first = chunks + 1, first if first is not None else self.now()
+        self.plain.append({"phase": phase, "start": start, "first": first, "end": self.now(),
                            "chunks": chunks})
 
     async def clients(self, phase: str, until: asyncio.Event) -> None:
         async def loop() -> None:
             while not until.is_set():
                 await self.one_plain(phase)
-
         await asyncio.gather(*(loop() for _ in range(self.args.clients)))
 
     async def burst(self, record: bool = True) -> dict[str, Any]:
-        extra: dict[str, Any] = {"ignore_eos": True}
+        extra: dict[str, Any] = {"ignore_eos": True, **({"capture": {
+            "hooks": ["resid_post"], "layers": "all", "positions": "prompt", "layout": "packed"},
+            "capture_wait": True} if self.capture else {})}
         if self.args.burst_priority is not None:  # plain requests keep vLLM's default, 0
             extra["priority"] = self.args.burst_priority
-        if self.capture:
-            extra.update({"capture": {"hooks": ["resid_post"], "layers": "all",
-                                      "positions": "prompt", "layout": "packed"},
-                          "capture_wait": True})
         start = self.now()
 
         async def one() -> str:
             r = await self.client.completions.create(
                 model=self.model, prompt=self.prompt(self.args.burst_prompt), max_tokens=1,
                 temperature=0.0, extra_body=extra)
-            if not self.capture:
-                return "none"
             got = (r.model_extra or {}).get("capture_results") or {}
-            return str(got.get("status"))
+            return str(got.get("status")) if self.capture else "none"
 
         statuses = await asyncio.gather(*(one() for _ in range(self.args.burst_requests)))
-        out = {"start": start, "end": self.now(), "statuses": statuses}
-        out["seconds"] = out["end"] - out["start"]
+        out = {"start": start, "end": self.now(), "statuses": statuses, "seconds": self.now() - start}
         if self.capture and any(s != "ok" for s in statuses):
             raise RuntimeError(f"capture burst: receipts {sorted(set(statuses))}")
         if record:
@@ -164,26 +129,23 @@ class Traffic:
         return out
 
     def clear_captures(self) -> None:
-        """Delete published captures, only while no request is timed (a deletion would
-        compete with the server for the disk and this loop's thread)."""
+        """Published captures deleted, only while no request is timed (the disk is shared)."""
         for child in self.capture_dir.iterdir():
             shutil.rmtree(child, ignore_errors=True)
 
     async def run(self) -> None:
         a = self.args
-        # Warm-up (untimed): a burst (where bursts are timed) and a round of plain requests.
-        # Without bursts no capture runs, so a flag that shrinks capture buffers (staging
-        # rows too few for a burst) can be tried on plain traffic alone.
+        # Warm-up (untimed): a burst (where bursts are timed; without bursts no capture runs,
+        # so a flag shrinking capture buffers can be tried) and a round of plain requests.
         if a.bursts:
             await self.burst(record=False)
         await asyncio.gather(*(self.one_plain("warm-up") for _ in range(a.clients)))
         self.clear_captures()
-        quiet_done = asyncio.Event()
+        quiet_done, bursts_done = asyncio.Event(), asyncio.Event()
         quiet = asyncio.create_task(self.clients("quiet", quiet_done))
         await asyncio.sleep(a.quiet_s)
         quiet_done.set()
         await quiet
-        bursts_done = asyncio.Event()
         beside = asyncio.create_task(self.clients("bursts", bursts_done))
         for i in range(a.bursts):
             started = self.now()
@@ -197,26 +159,18 @@ class Traffic:
 
 
 def group(plain: list[dict], bursts: list[dict]) -> dict[str, list[dict]]:
-    """quiet (the quiet phase); bursts (every plain request of the burst phase: the same
-    schedule in both configurations); beside (those overlapping a burst, whose window is
-    longer where bursts take longer, as capsteer's wait for durable captures)."""
-    out: dict[str, list[dict]] = {"quiet": [], "bursts": [], "beside": []}
-    for r in plain:
-        if r["phase"] == "quiet":
-            out["quiet"].append(r)
-        elif r["phase"] == "bursts":
-            out["bursts"].append(r)
-            if any(r["start"] < b["end"] and r["end"] > b["start"] for b in bursts):
-                out["beside"].append(r)
-    return out
+    """quiet, bursts (the whole burst phase) and beside (those overlapping a burst)."""
+    return {"quiet": [r for r in plain if r["phase"] == "quiet"],
+            "bursts": [r for r in plain if r["phase"] == "bursts"],
+            "beside": [r for r in plain if r["phase"] == "bursts" and any(
+                r["start"] < b["end"] and r["end"] > b["start"] for b in bursts)]}
 
 
 def p95(xs: list[float]) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, round(0.95 * (len(xs) - 1)))]
+    return sorted(xs)[min(len(xs) - 1, round(0.95 * (len(xs) - 1)))]
 
 
-OFFSET_BIN_S = 0.5
+SETTLED_S = 4.0  # a burst is past its prefill by then: what it leaves behind, for decodes
 
 
 def since_burst(r: dict, bursts: list[dict]) -> float | None:
@@ -225,61 +179,34 @@ def since_burst(r: dict, bursts: list[dict]) -> float | None:
     return min(since) if since else None
 
 
-def ttft_by_offset(plain: list[dict], bursts: list[dict]) -> dict[str, float]:
-    """Median TTFT of the burst phase's plain requests by when they started after the
-    latest burst start (0.5 s bins): where in a burst the plain requests wait."""
-    bins: dict[int, list[float]] = {}
-    for r in plain:
-        if r["phase"] != "bursts" or r["first"] is None:
-            continue
-        since = since_burst(r, bursts)
-        if since is not None:
-            bins.setdefault(int(since // OFFSET_BIN_S), []).append(r["first"] - r["start"])
-    return {f"{k * OFFSET_BIN_S:.1f}": statistics.median(v) for k, v in sorted(bins.items())}
-
-
-TPOT_BIN_S = 2.0
-SETTLED_S = 4.0  # a burst is past its prefill by then: what it leaves behind, for decodes
-
-
 def tpot_s(r: dict) -> float | None:
     """Seconds per streamed token after the first: the decode steps a request saw."""
-    if r["first"] is None or r["chunks"] < 2:
-        return None
-    return (r["end"] - r["first"]) / (r["chunks"] - 1)
+    return None if r["first"] is None or r["chunks"] < 2 else \
+        (r["end"] - r["first"]) / (r["chunks"] - 1)
 
 
-def tpot_by_offset(plain: list[dict], bursts: list[dict]) -> dict[str, float]:
-    """Median time per output token: the quiet phase's, and the burst phase's by when a
-    request started after the latest burst start (2 s bins, over the whole period). A
-    decode step slowed by what a burst leaves behind shows here after the burst is durable,
-    where TTFT no longer waits for its prefill."""
-    bins: dict[str, list[float]] = {}
+def by_offset(plain: list[dict], bursts: list[dict], tpot: bool) -> dict[str, float]:
+    """Medians by a burst-phase request's start after the latest burst's: TTFT in 0.5 s bins,
+    or time per output token in 2 s bins after the quiet phase's (what a burst leaves behind)."""
+    width = 2.0 if tpot else 0.5
+    bins: dict[float, list[float]] = {}
     for r in plain:
-        t = tpot_s(r)
-        if t is None:
-            continue
-        if r["phase"] == "quiet":
-            bins.setdefault("quiet", []).append(t)
-            continue
-        since = since_burst(r, bursts)
-        if r["phase"] == "bursts" and since is not None:
-            bins.setdefault(f"{int(since // TPOT_BIN_S) * TPOT_BIN_S:.0f}", []).append(t)
-    order = sorted(bins, key=lambda k: -1.0 if k == "quiet" else float(k))
-    return {k: statistics.median(bins[k]) for k in order}
+        t = tpot_s(r) if tpot else None if r["first"] is None else r["first"] - r["start"]
+        since = since_burst(r, bursts) if r["phase"] == "bursts" else None
+        if t is not None and (since is not None or (tpot and r["phase"] == "quiet")):
+            bins.setdefault(-1.0 if since is None else since // width * width, []).append(t)
+    return {"quiet" if k < 0 else f"{k:.0f}" if tpot else f"{k:.1f}": statistics.median(v)
+            for k, v in sorted(bins.items())}
 
 
 def figures(plain: list[dict], bursts: list[dict]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, rs in group(plain, bursts).items():
-        ttft = [r["first"] - r["start"] for r in rs if r["first"] is not None]
-        lat = [r["end"] - r["start"] for r in rs]
         out[name] = {"n": len(rs)}
-        if ttft:
-            out[name].update({"ttft_median_s": statistics.median(ttft), "ttft_p95_s": p95(ttft)})
-        if lat:
-            out[name].update({"latency_median_s": statistics.median(lat),
-                              "latency_p95_s": p95(lat)})
+        for what, xs in (("ttft", [r["first"] - r["start"] for r in rs if r["first"] is not None]),
+                         ("latency", [r["end"] - r["start"] for r in rs])):
+            if xs:
+                out[name].update({f"{what}_median_s": statistics.median(xs), f"{what}_p95_s": p95(xs)})
     tpot = [t for r in plain if r["phase"] == "quiet" and (t := tpot_s(r)) is not None]
     if tpot:
         out["quiet"]["tpot_median_s"] = statistics.median(tpot)
@@ -288,12 +215,10 @@ def figures(plain: list[dict], bursts: list[dict]) -> dict[str, Any]:
     out["settled"] = {"n": len(settled)}
     if settled:
         out["settled"]["tpot_median_s"] = statistics.median(settled)
-    out["ttft_by_offset"] = ttft_by_offset(plain, bursts)
-    out["tpot_by_offset"] = tpot_by_offset(plain, bursts)
     secs = [b["seconds"] for b in bursts]
-    out["burst_s"] = secs
-    out["burst_median_s"] = statistics.median(secs) if secs else None
-    return out
+    return out | {"ttft_by_offset": by_offset(plain, bursts, False), "burst_s": secs,
+                  "tpot_by_offset": by_offset(plain, bursts, True),
+                  "burst_median_s": statistics.median(secs) if secs else None}
 
 
 def run_process(config: str, model: Path, args: argparse.Namespace, work: Path) -> dict:
@@ -302,15 +227,12 @@ def run_process(config: str, model: Path, args: argparse.Namespace, work: Path) 
     shutil.rmtree(capture_dir, ignore_errors=True)
     capture_dir.mkdir(parents=True)
     port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = work / f"serve-{config}.log"
     # cwd: not the checkout, whose capsteer/ folder would shadow the installed package
     server = ManagedServer(server_argv(config, model, args.shape, args, port, capture_dir),
-                           url=url, log_path=log, cwd=work, start_timeout_s=args.start_timeout,
-                           stop_timeout_s=90)
+                           url=f"http://127.0.0.1:{port}", log_path=work / f"serve-{config}.log",
+                           cwd=work, start_timeout_s=args.start_timeout, stop_timeout_s=90)
     try:
-        startup = server.ready_s
-        traffic = Traffic(url, str(model), args, config == "capsteer", capture_dir)
+        traffic = Traffic(server.url, str(model), args, config == "capsteer", capture_dir)
         asyncio.run(traffic.run())
     except BaseException:
         print(server.log_text()[-4000:], file=sys.stderr)
@@ -318,9 +240,8 @@ def run_process(config: str, model: Path, args: argparse.Namespace, work: Path) 
     finally:
         server.close()
         shutil.rmtree(capture_dir, ignore_errors=True)
-    got = {"config": config, "startup_s": startup, "plain": traffic.plain,
-           "bursts": traffic.bursts, "figures": figures(traffic.plain, traffic.bursts)}
-    return got
+    return {"config": config, "startup_s": server.ready_s, "plain": traffic.plain,
+            "bursts": traffic.bursts, "figures": figures(traffic.plain, traffic.bursts)}
 
 
 KEYS = [("quiet", "ttft_median_s"), ("quiet", "latency_median_s"), ("quiet", "tpot_median_s"),
@@ -332,71 +253,57 @@ HEADS = ["q ttft", "q lat", "q tpot", "p ttft", "p ttft95", "p lat", "p lat95", 
          "b lat95", "s tpot"]
 
 
-def row(label: str, f: dict) -> str:
-    cells = [f"{f.get(g, {}).get(k, float('nan')) * (1000 if k.startswith('tpot') else 1):9.3f}"
-             for g, k in KEYS]  # seconds; time per output token in ms
-    burst = f["burst_median_s"]
-    return (f"{label:<22}" + "".join(cells) + f"{burst if burst is not None else float('nan'):9.3f}"
-            + f"   n quiet {f['quiet']['n']}, burst phase {f['bursts']['n']}, "
-            f"beside {f['beside']['n']}")
-
-
 def print_process(label: str, f: dict) -> None:
-    """A process's figures, and its TTFT by start time after a burst's start."""
-    got = f.get("ttft_by_offset") or {}
-    print(row(label, f), flush=True)
-    print("    TTFT ms by start after a burst's (s): "
-          + " ".join(f"{k}:{v * 1000:.0f}" for k, v in list(got.items())[:12]), flush=True)
-    tpot = f.get("tpot_by_offset") or {}
-    print("    TPOT ms, quiet and by start after a burst's (s): "
-          + " ".join(f"{k}:{v * 1000:.2f}" for k, v in tpot.items()), flush=True)
+    """A process's figures (seconds; time per output token in ms), and its TTFT and TPOT by
+    start time after a burst's start."""
+    cells = [f"{f.get(g, {}).get(k, float('nan')) * (1000 if k.startswith('tpot') else 1):9.3f}"
+             for g, k in KEYS]
+    burst = f["burst_median_s"]
+    print(f"{label:<22}" + "".join(cells) + f"{burst if burst is not None else float('nan'):9.3f}"
+          f"   n quiet {f['quiet']['n']}, burst phase {f['bursts']['n']}, beside "
+          f"{f['beside']['n']}\n    TTFT ms by start after a burst's (s): " + " ".join(
+              f"{k}:{v * 1000:.0f}" for k, v in list((f.get("ttft_by_offset") or {}).items())[:12])
+          + "\n    TPOT ms, quiet and by start after a burst's (s): " + " ".join(
+              f"{k}:{v * 1000:.2f}" for k, v in (f.get("tpot_by_offset") or {}).items()), flush=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    perf_models.add_device_and_shape(ap, "llama3-8b-36l")
-    ap.add_argument("--rounds", type=int, default=2, help="processes per configuration")
-    ap.add_argument("--clients", type=int, default=8, help="closed-loop plain clients")
-    ap.add_argument("--prompt", type=int, default=256, help="plain requests' prompt tokens")
-    ap.add_argument("--gen", type=int, default=64, help="plain requests' generated tokens")
-    ap.add_argument("--quiet-s", type=float, default=20.0)
-    ap.add_argument("--bursts", type=int, default=3)
-    ap.add_argument("--burst-every", type=float, default=12.0, help="seconds between burst starts")
-    ap.add_argument("--burst-requests", type=int, default=103)
-    ap.add_argument("--burst-prompt", type=int, default=128)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--shape", choices=sorted(perf_models.SHAPES), default=None,
+                    help="a perf_models.py geometry (default llama3-8b-36l, llama-tiny on cpu)")
+    # --rounds: processes per configuration; --clients: closed-loop plain clients, sending
+    # --prompt tokens and generating --gen; --burst-every: seconds between burst starts
+    for name, default in (("--rounds", 2), ("--clients", 8), ("--prompt", 256), ("--gen", 64),
+                          ("--quiet-s", 20.0), ("--bursts", 3), ("--burst-every", 12.0),
+                          ("--burst-requests", 103), ("--burst-prompt", 128),
+                          ("--max-num-batched-tokens", 2048), ("--start-timeout", 600.0)):
+        ap.add_argument(name, type=type(default), default=default)
     ap.add_argument("--capsteer-flags", default="", help="more capsteer serve flags, one string")
-    ap.add_argument("--burst-priority", type=int, default=None,
-                    help="serve both configurations with vLLM's --scheduling-policy priority "
-                    "and send bursts with this priority (plain requests keep 0; higher is "
-                    "served later): plain requests then jump a burst's queue")
+    ap.add_argument("--burst-priority", type=int, default=None, help="both servers with vLLM's "
+                    "priority scheduling, bursts at this priority (plain: 0, served first)")
     ap.add_argument("--capsteer-first", action="store_true",
-                    help="start capsteer's process before vanilla's in each round (a control "
-                    "for the order: the second server on a host may run differently)")
+                    help="capsteer's process first in each round (a control for the order)")
     ap.add_argument("--alternate", action="store_true",
-                    help="reverse the order every other round (vanilla, capsteer, capsteer, "
-                    "vanilla, ...): a control for the second server on a host running slower")
-    ap.add_argument("--start-timeout", type=float, default=600.0)
+                    help="the order reversed every other round (a control for the order)")
     ap.add_argument("--deadline", type=float, default=0.0,
                     help="epoch seconds: start no process after it")
     ap.add_argument("--work", type=Path, default=Path("/tmp/capsteer-mixed"))
-    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "bench/results"))
-    ap.add_argument("--merge", type=Path, nargs="+", default=None, metavar="JSON",
-                    help="run nothing: join these mixed-latency.json files (.gz too; one GPU "
-                    "call each, in run order) into <out>/mixed-latency.json, rounds renumbered")
+    ap.add_argument("--out", type=Path, default=Path(perf_models.default_out()))
+    ap.add_argument("--merge", type=Path, nargs="+", default=None, metavar="JSON", help="run "
+                    "nothing: join these mixed-latency.json (.gz) files, in run order, into --out")
     args = ap.parse_args()
     if args.merge:
         merge(args.merge, args.out / "mixed-latency.json")
         return
-    args.shape = perf_models.shape_for(args)
+    args.shape = args.shape or ("llama3-8b-36l" if args.device == "cuda" else "llama-tiny")
     args.capsteer_flags = args.capsteer_flags.split()
     args.work.mkdir(parents=True, exist_ok=True)
     model = perf_models.write_model(args.work / f"model-{args.shape}", args.shape, args.device)
     print(perf_models.describe(args.shape), flush=True)
     processes: list[dict] = []
-    out = args.out / "mixed-latency.json"
+    out, args.device_name = args.out / "mixed-latency.json", perf_models.device_name(args.device)
     out.parent.mkdir(parents=True, exist_ok=True)
-    args.device_name = perf_models.device_name(args.device)
     print(f"{'process':<22}" + "".join(f"{h:>9}" for h in HEADS) + f"{'burst s':>9}"
           "   (seconds, tpot ms; q: quiet phase; p: the burst phase, every plain request; b: those "
           f"overlapping a burst; tpot: time per output token; s: burst-phase requests started "
@@ -407,8 +314,7 @@ def main() -> None:
             if args.deadline and time.time() > args.deadline:
                 print(f"--deadline: not starting {config} round {r + 1}", flush=True)
                 break
-            got = run_process(config, model, args, args.work)
-            got["round"] = r + 1
+            got = run_process(config, model, args, args.work) | {"round": r + 1}
             processes.append(got)
             print_process(f"{config} round {r + 1}", got["figures"])
             out.write_text(json.dumps(report(args, processes), indent=1))  # survives a timeout
@@ -433,16 +339,14 @@ def merge(files: list[Path], out: Path) -> None:
                 first["shape"], first["workload"], first["capsteer_flags"]):
             raise SystemExit(f"{f}: another shape, workload or flags than {files[0]}")
     processes, offset = [], 0
-    for run in runs:
-        for p in run["processes"]:
-            processes.append({**p, "round": offset + p["round"],  # figures of this code
-                              "figures": figures(p["plain"], p["bursts"])})
+    for run in runs:  # rounds renumbered; figures of this code
+        processes += [{**p, "round": offset + p["round"], "figures": figures(p["plain"], p["bursts"])}
+                      for p in run["processes"]]
         offset += max((p["round"] for p in run["processes"]), default=0)
     args = argparse.Namespace(device_name=first["device"], shape=first["shape"],
                               capsteer_flags=first["capsteer_flags"], **first["workload"])
-    result = report(args, processes)
-    result["command"] = "; ".join(run["command"] for run in runs)
-    result["merged_from"] = [str(f) for f in files]
+    result = report(args, processes) | {"command": "; ".join(run["command"] for run in runs),
+                                        "merged_from": [str(f) for f in files]}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     for p in processes:
@@ -455,32 +359,25 @@ def report(args: argparse.Namespace, processes: list[dict]) -> dict:
     ratios: dict[str, dict[str, float | None]] = {}
 
     def ratio(cap: dict, van: dict) -> dict[str, float | None]:
-        got: dict[str, float | None] = {}
-        for g, k in KEYS:
-            a, b = cap.get(g, {}).get(k), van.get(g, {}).get(k)
-            got[f"{g}_{k}"] = a / b if a is not None and b else None
-        a, b = cap["burst_median_s"], van["burst_median_s"]
-        got["burst_median_s"] = a / b if a is not None and b else None
-        return got
+        pairs = [(f"{g}_{k}", cap.get(g, {}).get(k), van.get(g, {}).get(k)) for g, k in KEYS]
+        pairs.append(("burst_median_s", cap["burst_median_s"], van["burst_median_s"]))
+        return {name: a / b if a is not None and b else None for name, a, b in pairs}
 
     by_round: dict[int, dict[str, dict]] = {}
     for p in processes:
         by_round.setdefault(p["round"], {})[p["config"]] = p
     paired = {r for r, both in by_round.items() if set(both) == set(CONFIGS)}
     for r in sorted(paired):
-        cap, van = by_round[r]["capsteer"], by_round[r]["vanilla"]
-        ratios[f"round {r}"] = ratio(cap["figures"], van["figures"])
+        ratios[f"round {r}"] = ratio(by_round[r]["capsteer"]["figures"], by_round[r]["vanilla"]["figures"])
     medians = {}
     for config in CONFIGS:  # rounds with both configurations only (a deadline can cut one)
         fs = [p["figures"] for p in processes if p["config"] == config and p["round"] in paired]
         if not fs:
             continue
         med: dict[str, Any] = {g: {} for g, _k in KEYS}
-        for g, k in KEYS:
-            vals = [f[g][k] for f in fs if k in f.get(g, {})]
-            med[g][k] = statistics.median(vals) if vals else None
-        bs = [f["burst_median_s"] for f in fs if f["burst_median_s"] is not None]
-        med["burst_median_s"] = statistics.median(bs) if bs else None
+        for g, k in [*KEYS, (None, "burst_median_s")]:
+            vals = [x for f in fs if (x := (f.get(g, {}) if g else f).get(k)) is not None]
+            (med[g] if g else med)[k] = statistics.median(vals) if vals else None
         medians[config] = med
     if set(medians) == set(CONFIGS):
         ratios["medians of processes"] = ratio(medians["capsteer"], medians["vanilla"])

@@ -1,31 +1,18 @@
 """The overload policies under a burst of concurrent captures, through the real server.
 
-A capture server is most often overloaded by many clients at once, not by one large
-request. For each policy (block, drop, reject) this starts `capsteer serve` on the demo
-model with a small capture budget (default 256 KiB) and one writer process, then fires
-`--loads` bursts of `--requests` concurrent completions, each with `capture` and
-`capture_wait`, and checks what the policy promises:
-
-- block: every response 200 and every capture ok, its files verified against the
-  manifest's digests (`capsteer.capture.read`);
-- drop: every response 200; the captures whose receipt says dropped are exactly the
-  increase of `capsteer_capture_dropped_total`; the others ok and verified;
-- reject: every refused request 429 with a `Retry-After`; their number is exactly the
-  increase of `capsteer_capture_rejected_total`; the admitted ones ok and verified.
-
-It also reads the writer processes' memory (`capsteer.capture.writer.child` processes of
-the server's session, from /proc): after one warm-up capture, after each burst, and after
-`--idle-s` seconds without requests. Memory is split as /proc reports it: RssAnon (the
-writer's own heap), RssShmem (the pages of the shared ring rows cross in, also resident
-in the engine's worker) and RssFile (libraries). The idle wait of one policy runs while
-the next policy's server starts, so a run of all three takes about three minutes on a
-2-core CPU machine.
+Per policy: `capsteer serve` on the demo model (a 256 KiB capture budget, one writer
+process), `--loads` bursts of `--requests` concurrent completions with `capture` and
+`capture_wait`, and the policy's promise checked: block, every response 200 and every
+capture ok and verified (`capsteer.capture.read`); drop, every response 200, the dropped
+receipts exactly the increase of `capsteer_capture_dropped_total`, the rest ok; reject,
+every refusal a 429 with `Retry-After`, as many as the increase of
+`capsteer_capture_rejected_total`, the admitted ok. The writer processes' memory (RssAnon,
+RssShmem: the shared ring, RssFile) after a warm-up, each burst and `--idle-s` idle seconds.
 
     python bench/overload.py --out /tmp/overload.json
     python bench/overload.py --policies block --requests 200 --loads 2 --idle-s 0   (quick)
 
-Prints one table per policy and writes the JSON record to --out. Exits 1 when a policy
-broke its promise (a status, a receipt, a digest or a metric that does not add up).
+Prints a table per policy; exits 1 when a promise broke.
 """
 
 from __future__ import annotations
@@ -41,6 +28,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -73,45 +61,32 @@ def session_processes(sid: int, module: str) -> list[int]:
     """Pids in session `sid` whose command line runs `module` (`python -m module`)."""
     found = []
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
         try:
-            stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+            stat = (entry / "stat").read_text() if entry.name.isdigit() else ""
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0") if stat else []
         except OSError:
             continue
-        fields = stat.rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
-        if int(fields[3]) == sid and module.encode() in cmdline:
+        # the fields after the command name, which may hold spaces
+        if stat and int(stat.rsplit(")", 1)[1].split()[3]) == sid and module.encode() in cmdline:
             found.append(int(entry.name))
     return sorted(found)
 
 
-def memory_mib(pid: int) -> dict[str, float]:
-    """The fields of MEMORY_FIELDS from /proc/<pid>/status, in MiB."""
-    out: dict[str, float] = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        name, _, value = line.partition(":")
-        if name in MEMORY_FIELDS:
-            out[name] = round(int(value.split()[0]) / 1024, 1)
-    return out
-
-
 def writers_memory(server: ManagedServer) -> dict[str, dict[str, float]]:
-    """Each writer process's memory, by pid."""
-    return {str(pid): memory_mib(pid)
+    """Each writer process's MEMORY_FIELDS from /proc/<pid>/status in MiB, by pid."""
+    return {str(pid): {name: round(int(value.split()[0]) / 1024, 1)
+                       for name, _, value in (line.partition(":") for line in
+                                              Path(f"/proc/{pid}/status").read_text().splitlines())
+                       if name in MEMORY_FIELDS}
             for pid in session_processes(server.proc.pid, WRITER_MODULE)}
 
 
-def metric_sum(text: str, name: str) -> float:
-    """The sum of every sample of `name` (all label sets) in a Prometheus exposition."""
-    pattern = re.compile(rf"^{re.escape(name)}(?:\{{[^}}]*\}})?\s+(\S+)$", re.M)
-    return sum(float(m.group(1)) for m in pattern.finditer(text))
-
-
 def counters(url: str) -> dict[str, float]:
+    """capsteer_capture_{dropped,rejected}_total, summed over label sets."""
     text = httpx.get(url + "/metrics", timeout=60).text
-    return {"dropped": metric_sum(text, "capsteer_capture_dropped_total"),
-            "rejected": metric_sum(text, "capsteer_capture_rejected_total")}
+    return {k: sum(float(m.group(1)) for m in re.finditer(
+        rf"^capsteer_capture_{k}_total(?:\{{[^}}]*\}})?\s+(\S+)$", text, re.M))
+        for k in ("dropped", "rejected")}
 
 
 async def burst(url: str, n: int, capture: dict[str, Any], max_tokens: int) -> list[httpx.Response]:
@@ -126,12 +101,11 @@ async def burst(url: str, n: int, capture: dict[str, Any], max_tokens: int) -> l
 
 def judge(responses: list[httpx.Response], capture_dir: Path) -> dict[str, Any]:
     """Counts of statuses and receipts; every ok receipt's files read and verified."""
-    codes: dict[str, int] = {}
+    codes: dict[str, int] = dict(Counter(str(r.status_code) for r in responses))
     receipts: dict[str, int] = {}
     retry_after = verified = 0
     problems: list[str] = []
     for r in responses:
-        codes[str(r.status_code)] = codes.get(str(r.status_code), 0) + 1
         if r.status_code == 429:
             retry_after += int(r.headers.get("retry-after", "0")) >= 1
             continue
@@ -153,9 +127,8 @@ def judge(responses: list[httpx.Response], capture_dir: Path) -> dict[str, Any]:
 
 def promises(policy: str, load: dict[str, Any], n: int) -> list[str]:
     """What the policy promised and this burst did not keep."""
-    broken = list(load["problems"])
-    codes, receipts = load["codes"], load["receipts"]
-    ok = receipts.get("ok", 0)
+    broken, codes, receipts = list(load["problems"]), load["codes"], load["receipts"]
+    ok, refused = receipts.get("ok", 0), codes.get("429", 0)
     if load["verified"] != ok:
         broken.append(f"{ok - load['verified']} ok captures failed verification")
     if receipts.get("pending", 0) or receipts.get("error", 0):
@@ -167,7 +140,6 @@ def promises(policy: str, load: dict[str, Any], n: int) -> list[str]:
     if receipts.get("dropped", 0) != load["dropped_metric"]:
         broken.append(f"dropped receipts {receipts.get('dropped', 0)} != metric "
                       f"{load['dropped_metric']:g}")
-    refused = codes.get("429", 0)
     if refused != load["rejected_metric"]:
         broken.append(f"429s {refused} != metric {load['rejected_metric']:g}")
     if load["retry_after"] != refused:
@@ -182,12 +154,11 @@ class PolicyRun:
         self.policy, self.args = policy, args
         self.capture_dir = work / policy / "captures"
         self.capture_dir.mkdir(parents=True, exist_ok=True)
-        started = time.monotonic()
         port = free_port()
         self.server = ManagedServer(server_argv(model, port, policy, args, self.capture_dir),
                                     url=f"http://127.0.0.1:{port}",
                                     log_path=work / policy / "server.log")
-        self.record: dict[str, Any] = {"policy": policy, "start_s": round(time.monotonic() - started, 1),
+        self.record: dict[str, Any] = {"policy": policy, "start_s": round(self.server.ready_s, 1),
                                        "loads": [], "broken": []}
         self.idle_from = 0.0
 
@@ -197,15 +168,13 @@ class PolicyRun:
         time.sleep(1.0)
         self.record["memory_start"] = writers_memory(self.server)
         for i in range(args.loads):
-            before = counters(url)
-            started = time.monotonic()
+            before, started = counters(url), time.monotonic()
             responses = asyncio.run(burst(url, args.requests, args.capture, args.max_tokens))
-            elapsed = time.monotonic() - started
-            after = counters(url)
-            load = judge(responses, self.capture_dir)
-            load["dropped_metric"] = after["dropped"] - before["dropped"]
-            load["rejected_metric"] = after["rejected"] - before["rejected"]
-            load["seconds"] = round(elapsed, 1)
+            elapsed, after = time.monotonic() - started, counters(url)
+            load = judge(responses, self.capture_dir) | {
+                "dropped_metric": after["dropped"] - before["dropped"],
+                "rejected_metric": after["rejected"] - before["rejected"],
+                "seconds": round(elapsed, 1)}
             time.sleep(1.0)  # the writer's last "done" batch and publish bookkeeping
             load["memory"] = writers_memory(self.server)
             self.record["broken"] += [f"load {i + 1}: {b}"
@@ -216,18 +185,13 @@ class PolicyRun:
         self.idle_from = time.monotonic()
 
     def finish_idle(self) -> None:
-        wait = self.idle_from + self.args.idle_s - time.monotonic()
         if self.args.idle_s > 0:
-            time.sleep(max(0.0, wait))
+            time.sleep(max(0.0, self.idle_from + self.args.idle_s - time.monotonic()))
             self.record["idle_s"] = round(time.monotonic() - self.idle_from, 1)
             self.record["memory_idle"] = writers_memory(self.server)
         self.server.close()
         if not self.args.keep:
             shutil.rmtree(self.capture_dir, ignore_errors=True)
-
-
-def total(memory: dict[str, dict[str, float]], field: str) -> float:
-    return round(sum(m.get(field, 0.0) for m in memory.values()), 1)
 
 
 def table(record: dict[str, Any]) -> str:
@@ -241,27 +205,25 @@ def table(record: dict[str, Any]) -> str:
                      f"{load['receipts'].get('dropped', 0):>7}/{load['dropped_metric']:<6g} "
                      f"{load['codes'].get('429', 0):>5}/{load['rejected_metric']:<5g} "
                      f"{load['retry_after']:>6}")
-    lines.append("  writer memory (MiB, all writer processes): " + "  ".join(
-        f"{f}" for f in MEMORY_FIELDS))
-    rows = [("start", record.get("memory_start", {}))]
-    rows += [(f"after load {i}", load["memory"]) for i, load in enumerate(record["loads"], 1)]
-    if "memory_idle" in record:
-        rows.append((f"idle {record['idle_s']} s", record["memory_idle"]))
-    for name, memory in rows:
-        lines.append(f"    {name:<14}" + "".join(f"{total(memory, f):>10}" for f in MEMORY_FIELDS))
-    for b in record["broken"]:
-        lines.append(f"  BROKEN {b}")
-    return "\n".join(lines)
+    lines.append("  writer memory (MiB, all writer processes): " + "  ".join(MEMORY_FIELDS))
+    rows = [("start", record.get("memory_start", {})),
+            *((f"after load {i}", load["memory"]) for i, load in enumerate(record["loads"], 1)),
+            *([(f"idle {record['idle_s']} s", record["memory_idle"])] if "memory_idle" in record
+              else [])]
+    lines += [f"    {name:<14}" + "".join(
+        f"{round(sum(m.get(f, 0.0) for m in memory.values()), 1):>10}" for f in MEMORY_FIELDS)
+        for name, memory in rows]
+    return "\n".join(lines + [f"  BROKEN {b}" for b in record["broken"]])
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--policies", default=",".join(POLICIES))
-    p.add_argument("--requests", type=int, default=500, help="concurrent requests a burst")
-    p.add_argument("--loads", type=int, default=3, help="bursts per policy")
+    # --requests: concurrent requests a burst; --loads: bursts per policy
+    for name, default in (("--requests", 500), ("--loads", 3), ("--max-tokens", 4),
+                          ("--max-num-seqs", 128)):
+        p.add_argument(name, type=int, default=default)
     p.add_argument("--budget", default="256KiB", help="--capture-budget of each server")
-    p.add_argument("--max-tokens", type=int, default=4)
-    p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--capture", type=json.loads,
                    default={"hooks": ["resid_post"], "layers": [0, 1], "positions": "all"})
     p.add_argument("--idle-s", type=float, default=35.0,
@@ -281,21 +243,21 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     records: list[dict[str, Any]] = []
     live: list[PolicyRun] = []  # at most two: one idling while the next one's server starts
+    def finish() -> None:
+        done = live.pop(0)
+        done.finish_idle()
+        print(table(done.record), flush=True)
+        records.append(done.record)
+
     try:
         for policy in policies:
             print(f"{policy}: starting the server", flush=True)
             live.append(PolicyRun(policy, model, work, args))
             if len(live) == 2:
-                done = live.pop(0)
-                done.finish_idle()
-                print(table(done.record), flush=True)
-                records.append(done.record)
+                finish()
             live[0].run_loads()
         while live:
-            done = live.pop(0)
-            done.finish_idle()
-            print(table(done.record), flush=True)
-            records.append(done.record)
+            finish()
     finally:
         for run in live:
             run.server.close()

@@ -1,46 +1,34 @@
 """P1-P3 vs vanilla vLLM: paired rounds of processes taking turns on one GPU.
 
-Configurations, each in its own process (slot = position in round order):
-- vanilla: stock vLLM (`vllm.LLM`); the vanilla process never imports capsteer;
-- plain:   capsteer loaded, no fields (P1, target >= 0.99, min over both workloads);
-- steer:   every request steered at all layers, resid_post add (P2, >= 0.95 per workload);
-- capture: every request captures resid_post at one layer x all prompt positions, packed,
-           durable (timed until every manifest is on disk) (P3, >= 0.90). The first capture
-           process also measures P3-all: all layers x all prompt positions, bytes/s written
-           durably / the disk's `dd conv=fsync` rate measured in the same process.
-Workloads on the Qwen3-0.6B shape (bench/perf_models.py: real vocabulary): prefill-heavy
-256 x (512 in + 64 out) and decode-heavy 256 x (128 in + 512 out), ignore_eos, greedy.
-Every batch draws fresh random prompts (seeded by workload and batch number, the same in
-every process), so vLLM's prefix cache never turns a repeated prefill into a hit. After an
-untimed warm-up batch, whole batches run until >= --min-seconds of wall time; tokens/s =
-(prompt + generated tokens) / time. vanilla and plain also generate 64 greedy requests
-for `plain_identity` (capsteer vs vanilla, vanilla vs vanilla).
+Configurations, one process each: vanilla (stock `vllm.LLM`); plain (capsteer, no fields:
+P1, >= 0.99); steer (every request steered at all layers: P2, >= 0.95); capture (resid_post
+at one layer x all prompt positions, packed, durable: P3, >= 0.90; the first capture process
+also measures P3-all, all layers, bytes/s over the disk's `dd conv=fsync` rate). Workloads
+on the Qwen3-0.6B shape: prefill 256 x (512 in + 64 out), decode 256 x (128 in + 512 out),
+greedy, ignore_eos, fresh prompts every batch (no prefix-cache hit); after an untimed
+warm-up, whole batches until --min-seconds; tokens/s = (prompt + generated) / time. vanilla
+and plain also generate 64 greedy requests for `plain_identity`.
 
-The processes of one round are alive together (each engine takes 1/len(configs) of the
-GPU memory) and take turns batch by batch: the driver hands the next batch to the process
-with the least timed seconds in the earliest phase, so a host whose speed drifts from
-minute to minute slows every configuration of a round alike. The verdict uses the rounds'
-paired ratios (config / vanilla of the same round): ratio = their median, spread = their
-min and max, >= 3 rounds; "met" / "missed" only when the spread excludes the target.
+A round's processes are alive together and take turns batch by batch (the next batch goes
+to the one with the least timed seconds in the earliest phase), so a drifting host slows
+all alike. Verdicts use the paired ratios (config / vanilla of the same round): median,
+spread min-max, >= 3 rounds; met / missed only when the spread excludes the target.
 
     python bench/perf_method.py --device cpu --min-seconds 1 --rounds 1     # smoke
-    python bench/perf_method.py --device cuda --configs vanilla,plain --workloads prefill \
+    python bench/perf_method.py --device cuda --configs vanilla,plain --workloads prefill \\
         --rounds 3 --step-tokens 8192 --no-identity --no-p3all --out $OUT  # P1 prefill
     python bench/perf_method.py --summarize DIR [DIR ...]                # merge process files
 
-Each process's result is written as `perf-proc-SS-CONFIG.json` in --out and in --work (kept
-on a warm machine between calls), and the summary (`<tag>-<date>-perf-method.json`) is
-built from every process file found in both, so rounds run in separate calls (`--slots`)
-combine. `--deadline EPOCH` stops starting rounds that would not finish in time.
+Process files (`perf-proc-SS-CONFIG.json`, in --out and --work) from calls run with
+`--slots` combine into `<tag>-<date>-perf-method.json`; `--deadline EPOCH` starts no round
+that would not finish.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
-import platform
 import queue
 import shutil
 import statistics
@@ -57,16 +45,14 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as `python bench/perf_method.py`
 import perf_models
 import storage
-from perf_models import device_name, device_tag
+from perf_models import device_name
 
 CONFIGS = ("vanilla", "plain", "steer", "capture")
 TARGETS = {"plain": 0.99, "steer": 0.95, "capture": 0.90}
 MIN_PROCESSES = 3  # rounds per configuration before a ratio's spread counts
 # name: (requests, prompt tokens, generated tokens)
-WORKLOADS = {
-    "cuda": {"prefill": (256, 512, 64), "decode": (256, 128, 512)},
-    "cpu": {"prefill": (16, 128, 8), "decode": (16, 16, 64)},
-}
+WORKLOADS = {"cuda": {"prefill": (256, 512, 64), "decode": (256, 128, 512)},
+             "cpu": {"prefill": (16, 128, 8), "decode": (16, 16, 64)}}
 SHAPE = {"cuda": "qwen3-0.6b", "cpu": "qwen3-tiny"}
 IDENTITY = {"cuda": (64, (16, 256), 32), "cpu": (64, (8, 64), 16)}  # requests, prompt range, gen
 STEP_TOKENS = {"cuda": 2048, "cpu": 512}  # max_num_batched_tokens, the same for every config
@@ -75,54 +61,80 @@ DD_MIB = {"cuda": 4096, "cpu": 256}
 
 
 def disk_rate(directory: Path, mib: int) -> float:
-    """MB/s of `dd if=/dev/zero bs=1M conv=fsync` into `directory` (bench/storage.py's
-    measurement; its Python write+fsync loop where there is no dd)."""
+    """MB/s of storage.py's `dd conv=fsync` into `directory` (its write+fsync loop without dd)."""
     directory.mkdir(parents=True, exist_ok=True)
-    rate = storage.dd_rate(directory, mib)
-    return rate if rate is not None else storage.loop_rate(directory, mib)
+    return storage.dd_rate(directory, mib) or storage.loop_rate(directory, mib)
 
 
 def parse_slots(text: str | None, total: int) -> list[int]:
     """'1-6', '7-12', '1,5,9' -> slot numbers (1-based); None -> all."""
     if not text:
         return list(range(1, total + 1))
-    slots: list[int] = []
-    for part in text.split(","):
-        a, _, b = part.partition("-")
-        slots.extend(range(int(a), int(b or a) + 1))
-    return [s for s in slots if 1 <= s <= total]
+    spans = [(int(a), int(b or a)) for a, _, b in (part.partition("-") for part in text.split(","))]
+    return [s for a, b in spans for s in range(a, b + 1) if 1 <= s <= total]
 
 
 def _prompts(seed: int, n: int, length: int, vocab: int) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return rng.integers(10, vocab, size=(n, length)).tolist()
+    return np.random.default_rng(seed).integers(10, vocab, size=(n, length)).tolist()
 
 
 def _identity_prompts(device: str, vocab: int) -> list[list[int]]:
-    n, (lo, hi), _ = IDENTITY[device]
-    rng = np.random.default_rng(12)
+    (n, (lo, hi), _), rng = IDENTITY[device], np.random.default_rng(12)
     return [rng.integers(10, vocab, size=int(rng.integers(lo, hi + 1))).tolist() for _ in range(n)]
 
 
 class Turns:
-    """A process's side of the turn protocol: before using the GPU it says which phase it
-    is in and how many timed seconds it has, and waits for "go"; after, it says "done".
-    A process started by hand (no --ctl-fd) never waits."""
+    """A process's side of the turn protocol: before using the GPU it says its phase and timed
+    seconds and waits for "go"; after, "done". Started by hand (no --ctl-fd): never waits."""
 
     def __init__(self, ctl_fd: int | None) -> None:
         self.ctl = os.fdopen(ctl_fd, "w", buffering=1) if ctl_fd is not None else None
 
     def take(self, phase: int, timed_s: float = 0.0) -> None:
-        if self.ctl is None:
-            return
-        self.ctl.write(f"want {phase} {timed_s:.6f}\n")
-        line = sys.stdin.readline()
-        if line.strip() != "go":
-            raise SystemExit(f"turn protocol: expected 'go', got {line!r}")
+        if self.ctl is not None:
+            self.ctl.write(f"want {phase} {timed_s:.6f}\n")
+            if (line := sys.stdin.readline()).strip() != "go":
+                raise SystemExit(f"turn protocol: expected 'go', got {line!r}")
 
     def give(self) -> None:
         if self.ctl is not None:
             self.ctl.write("done\n")
+
+
+def open_engine(config: str, model: str, kw: dict[str, Any], capture_dir: Path,
+                staging: int) -> tuple[Callable[..., dict[str, Any]], Callable[[], None]]:
+    """`config`'s engine (vanilla: stock `vllm.LLM`) and its close, with `batch(prompts, gen,
+    capture, steer)` running one batch to completion (captures: until durable) -> counters."""
+    from vllm import LLM, SamplingParams
+
+    if config == "vanilla":
+        llm = LLM(model=model, **kw)
+
+        def generate(prompts: list[list[int]], gen: int, capture: object = None,
+                     steer: object = None) -> dict[str, Any]:
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(
+                max_tokens=gen, temperature=0.0, ignore_eos=True), use_tqdm=False)
+            return {"cached": sum(int(o.num_cached_tokens or 0) for o in outs), "bytes": 0,
+                    "tokens": [list(o.outputs[0].token_ids) for o in outs]}
+        return generate, llm.llm_engine.engine_core.shutdown
+    from capsteer.engine import Engine, Request  # not in the vanilla process
+
+    engine = Engine(model, capsteer_config={"capture_dir": str(capture_dir),
+                                            "staging_rows": staging}, **kw)
+
+    def batch(prompts: list[list[int]], gen: int, capture: object = None,
+              steer: object = None) -> dict[str, Any]:
+        sampling = {"max_tokens": gen, "temperature": 0.0, "ignore_eos": True}
+        results = engine.generate([Request(prompt_token_ids=p, sampling=sampling, steering=steer,
+                                           capture=capture, durable=capture is not None)
+                                   for p in prompts], timeout=900)
+        bad = [r.receipt for r in results if r.receipt is not None and r.receipt.status != "ok"]
+        if bad:
+            raise RuntimeError(f"{len(bad)} captures failed, e.g. {bad[0]}")
+        return {"cached": sum(r.num_cached_tokens for r in results),
+                "bytes": sum(r.receipt.bytes for r in results if r.receipt is not None),
+                "tokens": [r.token_ids for r in results]}
+    return batch, engine.close
 
 
 def run_process(a: argparse.Namespace) -> dict[str, Any]:
@@ -130,10 +142,9 @@ def run_process(a: argparse.Namespace) -> dict[str, Any]:
     t_start = time.time()
     turns = Turns(a.ctl_fd)
     import vllm  # noqa: F401  (timed as the process's import cost)
-    from vllm import SamplingParams
 
-    if a.config != "vanilla":  # the vanilla process never imports capsteer
-        from capsteer.engine import Engine, Request
+    if a.config != "vanilla":  # the vanilla process never imports capsteer's engine
+        import capsteer.engine  # noqa: F401
     import_s = time.time() - t_start
     shape = perf_models.SHAPES[a.shape]
     workloads = {k: v for k, v in WORKLOADS[a.device].items() if k in a.workloads.split(",")}
@@ -145,99 +156,55 @@ def run_process(a: argparse.Namespace) -> dict[str, Any]:
     # One path for every process: the capsteer config is part of vLLM's compile-cache key,
     # so a per-process path would recompile in every process; turns keep writers apart.
     capture_dir = Path(a.work) / "captures"
-    shutil.rmtree(capture_dir, ignore_errors=True)
-    capture_dir.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
-    engine = llm = None
-    if a.config == "vanilla":
-        from vllm import LLM
-
-        llm = LLM(model=a.model, **kw)
-    else:
-        staging = a.step_tokens * (shape.layers + 1)  # P3-all: a whole step, every layer
-        engine = Engine(a.model, capsteer_config={"capture_dir": str(capture_dir),
-                                                  "staging_rows": staging}, **kw)
-    startup_s = time.perf_counter() - started
-    one_layer = shape.layers // 2
-    steer = {"vectors": [{"hook": "resid_post", "layers": "all", "vector": [0.01] * shape.hidden,
-                          "scale": 1.0}]} if a.config == "steer" else None
-    capture = {"hooks": ["resid_post"], "layers": [one_layer], "positions": "prompt",
-               "layout": "packed"} if a.config == "capture" else None
-    capture_all = {"hooks": ["resid_post"], "layers": "all", "positions": "prompt",
-                   "layout": "packed"}
-
-    def batch(prompts: list[list[int]], gen: int, capture: object = None,
-              steer: object = None) -> dict[str, int]:
-        """Run one batch to completion (captures: until durable); returns counters."""
-        sampling = {"max_tokens": gen, "temperature": 0.0, "ignore_eos": True}
-        if llm is not None:
-            outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                                SamplingParams(**sampling), use_tqdm=False)
-            return {"cached": sum(int(o.num_cached_tokens or 0) for o in outs), "bytes": 0,
-                    "generated": sum(len(o.outputs[0].token_ids) for o in outs)}
-        assert engine is not None
-        results = engine.generate([Request(prompt_token_ids=p, sampling=sampling, steering=steer,
-                                           capture=capture, durable=capture is not None)
-                                   for p in prompts], timeout=900)
-        bad = [r.receipt for r in results if r.receipt is not None and r.receipt.status != "ok"]
-        if bad:
-            raise RuntimeError(f"{len(bad)} captures failed, e.g. {bad[0]}")
-        return {"cached": sum(r.num_cached_tokens for r in results),
-                "bytes": sum(r.receipt.bytes for r in results if r.receipt is not None),
-                "generated": sum(len(r.token_ids) for r in results)}
 
     def clear_captures() -> None:
         shutil.rmtree(capture_dir, ignore_errors=True)
         capture_dir.mkdir(parents=True, exist_ok=True)
 
-    per_round = len(a.configs.split(","))
+    clear_captures()
+    started = time.perf_counter()
+    staging = a.step_tokens * (shape.layers + 1)  # P3-all: a whole step, every layer
+    batch, close = open_engine(a.config, a.model, kw, capture_dir, staging)
+    startup_s = time.perf_counter() - started
+    steer = {"vectors": [{"hook": "resid_post", "layers": "all", "vector": [0.01] * shape.hidden,
+                          "scale": 1.0}]} if a.config == "steer" else None
+    capture = {"hooks": ["resid_post"], "layers": [shape.layers // 2], "positions": "prompt",
+               "layout": "packed"} if a.config == "capture" else None
+    capture_all = {"hooks": ["resid_post"], "layers": "all", "positions": "prompt",
+                   "layout": "packed"}
     out: dict[str, Any] = {"config": a.config, "slot": a.slot,
-                           "round": (a.slot - 1) // per_round + 1, "shape": a.shape,
-                           "device": a.device, "pid": os.getpid(), "import_s": import_s,
-                           "startup_s": startup_s, "engine_kwargs": kw,
+                           "round": (a.slot - 1) // len(a.configs.split(",")) + 1,
+                           "shape": a.shape, "device": a.device, "pid": os.getpid(),
+                           "import_s": import_s, "startup_s": startup_s, "engine_kwargs": kw,
                            "min_seconds": a.min_seconds, "paired": True, "workloads": {}}
     if a.config in ("vanilla", "plain") and a.identity:
-        prompts = _identity_prompts(a.device, shape.vocab)
         turns.take(0)
-        sampling = {"max_tokens": gen_id, "temperature": 0.0, "ignore_eos": True}
-        if llm is not None:
-            outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                                SamplingParams(**sampling), use_tqdm=False)
-            tokens = [list(o.outputs[0].token_ids) for o in outs]
-        else:
-            assert engine is not None
-            tokens = [r.token_ids for r in engine.generate(
-                [Request(prompt_token_ids=p, sampling=sampling) for p in prompts])]
+        out["identity_tokens"] = batch(_identity_prompts(a.device, shape.vocab), gen_id)["tokens"]
         turns.give()
-        out["identity_tokens"] = tokens
     for w_index, (name, (n, prompt, gen)) in enumerate(workloads.items()):
         seed0 = {"prefill": 1_000, "decode": 2_000}[name]
         # Untimed warm-up: a quarter batch at full prompt length, 64 tokens out (CUDA graphs
         # are captured at start-up; this covers first-use set-up, not every batch size).
         turns.take(1 + 2 * w_index)
-        t = time.perf_counter()
-        batch(_prompts(seed0 + 999, max(1, n // 4), prompt, shape.vocab), min(gen, 64), capture,
-              steer)
+        t, times = time.perf_counter(), []
+        batch(_prompts(seed0 + 999, max(1, n // 4), prompt, shape.vocab), min(gen, 64), capture, steer)
         warm_s = time.perf_counter() - t
         turns.give()
         clear_captures()
-        times: list[float] = []
         cached = nbytes = generated = 0
         while sum(times) < a.min_seconds or len(times) < a.min_batches:
             prompts = _prompts(seed0 + len(times), n, prompt, shape.vocab)
             turns.take(2 + 2 * w_index, sum(times))
-            t = time.perf_counter()
+            t = time.perf_counter()  # after the turn: waiting for it is not timed
             got = batch(prompts, gen, capture, steer)
             times.append(time.perf_counter() - t)
             turns.give()
-            cached += got["cached"]
-            nbytes += got["bytes"]
-            generated += got["generated"]
+            cached, nbytes = cached + got["cached"], nbytes + got["bytes"]
+            generated += sum(len(x) for x in got["tokens"])
         clear_captures()  # untimed: every workload writes afresh
         tokens = len(times) * n * prompt + generated
         rep = {"batches": len(times), "seconds": sum(times), "batch_s": times, "tokens": tokens,
-               "tokens_per_s": tokens / sum(times), "cached_tokens": cached,
-               "capture_bytes": nbytes}
+               "tokens_per_s": tokens / sum(times), "cached_tokens": cached, "capture_bytes": nbytes}
         out["workloads"][name] = {"requests": n, "prompt": prompt, "gen": gen, "warmup_s": warm_s,
                                   "reps": [rep], "median_tokens_per_s": rep["tokens_per_s"]}
     if a.do_p3all and a.config == "capture":
@@ -245,91 +212,57 @@ def run_process(a: argparse.Namespace) -> dict[str, Any]:
         out["p3all"] = _p3all(a, batch, clear_captures, capture_all, capture_dir)
         turns.give()
     out["process_s"] = time.time() - t_start
-    if llm is not None:
-        llm.llm_engine.engine_core.shutdown()
-    elif engine is not None:
-        engine.close()
+    close()
     shutil.rmtree(capture_dir, ignore_errors=True)
     return out
-
-
-def _workload_line(p: dict[str, Any]) -> str:
-    """One process's figures for its progress line."""
-    parts = []
-    for k, v in p["workloads"].items():
-        r = v["reps"][0]
-        parts.append(f"{k} {v['median_tokens_per_s']:,.0f} tok/s ({r['batches']} batches, "
-                     f"{r['seconds']:.1f} s)")
-    return " ".join(parts)
 
 
 def _p3all(a: argparse.Namespace, batch: Callable[..., dict[str, int]],
            clear: Callable[[], None], capture_all: dict, capture_dir: Path) -> dict[str, Any]:
     """All layers x all prompt positions, durable: MB/s vs the disk's fsync'd dd rate."""
-    n, prompt, gen = WORKLOADS[a.device]["prefill"]
-    vocab = perf_models.SHAPES[a.shape].vocab
+    (n, prompt, gen), vocab = WORKLOADS[a.device]["prefill"], perf_models.SHAPES[a.shape].vocab
     dd_before = disk_rate(capture_dir / "dd", DD_MIB[a.device])
     batch(_prompts(3_999, max(4, n // 16), prompt, vocab), gen, capture_all)  # warm-up
     clear()
     times: list[float] = []
     nbytes = 0
-    b = 0
     while sum(times) < a.min_seconds or not times:
-        free = shutil.disk_usage(capture_dir).free
-        if times and free < 3 * nbytes / len(times):  # room for one more batch, with margin
+        # room for one more batch, with margin
+        if times and shutil.disk_usage(capture_dir).free < 3 * nbytes / len(times):
             break
-        prompts = _prompts(3_000 + b, n, prompt, vocab)
-        b += 1
-        t = time.perf_counter()
+        prompts, t = _prompts(3_000 + len(times), n, prompt, vocab), time.perf_counter()
         nbytes += batch(prompts, gen, capture_all)["bytes"]
         times.append(time.perf_counter() - t)
     clear()
     dd_after = disk_rate(capture_dir / "dd", DD_MIB[a.device])
-    disk = max(dd_before, dd_after)
-    rate = nbytes / sum(times) / 1e6
+    disk, rate = max(dd_before, dd_after), nbytes / sum(times) / 1e6
     return {"batches": len(times), "seconds": sum(times), "bytes": nbytes, "mb_s": rate,
             "disk_dd_mb_s": [dd_before, dd_after], "disk_mb_s": disk, "ratio": rate / disk,
             "dd_mib": DD_MIB[a.device], "requests_per_batch": n, "prompt": prompt}
 
 
-# ---------------------------------------------------------------- summary
-
-
-def _verdict(lo: float, hi: float, target: float) -> str:
-    if lo >= target:
-        return "met"
-    if hi < target:
-        return "missed"
-    return "unresolved"
-
-
 def _pair_agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, float]:
     same = sum(x == y for x, y in zip(a, b, strict=True))
-    prefix = []
-    for x, y in zip(a, b, strict=True):
-        k = next((i for i, (p, q) in enumerate(zip(x, y, strict=False)) if p != q), len(x))
-        prefix.append(k / max(len(x), 1))
+    prefix = [next((i for i, (p, q) in enumerate(zip(x, y, strict=False)) if p != q), len(x))
+              / max(len(x), 1) for x, y in zip(a, b, strict=True)]
     return {"identical": same, "of": len(a), "fraction": same / max(len(a), 1),
             "mean_prefix_fraction": statistics.mean(prefix) if prefix else 1.0}
 
 
 def summarize(procs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per-config/workload statistics, ratios vs vanilla with spread and verdict, identity."""
+    """Per-config/workload statistics, ratios vs vanilla paired by round, verdicts, identity."""
     procs = sorted(procs, key=lambda p: p["slot"])
     stats: dict[str, dict[str, Any]] = {}
     for p in procs:
         for wl, w in p["workloads"].items():
-            s = stats.setdefault(p["config"], {}).setdefault(wl, {"slots": [], "per_process": [],
-                                                                  "rounds": [], "best": [],
-                                                                  "all_paired": True})
-            s["all_paired"] = s["all_paired"] and bool(p.get("paired"))
-            s["slots"].append(p["slot"])
-            s["rounds"].append(p["round"])
-            s["per_process"].append(w["median_tokens_per_s"])
-            # Supplementary: the process's fastest batch (noise on a shared host only ever
-            # slows a batch down); reported beside the verdict, never instead of it.
-            s["best"].append(max(r["tokens"] / r["batches"] / min(r["batch_s"])
-                                 for r in w["reps"]))
+            s = stats.setdefault(p["config"], {}).setdefault(
+                wl, {"slots": [], "per_process": [], "rounds": [], "best": []})
+            # best: the process's fastest batch (noise on a shared host only ever slows a
+            # batch down), reported beside the verdict, never instead of it
+            for k, x in (("slots", p["slot"]), ("rounds", p["round"]),
+                         ("per_process", w["median_tokens_per_s"]), ("best", max(
+                             r["tokens"] / r["batches"] / min(r["batch_s"]) for r in w["reps"]))):
+                s[k].append(x)
     for cfg in stats.values():
         for s in cfg.values():
             v = s["per_process"]
@@ -339,29 +272,20 @@ def summarize(procs: list[dict[str, Any]]) -> dict[str, Any]:
     van = stats.get("vanilla", {})
     for cfg, target in TARGETS.items():
         for wl, s in stats.get(cfg, {}).items():
-            if wl not in van:
-                continue
-            v = van[wl]
-            by_round = dict(zip(v["rounds"], v["per_process"], strict=True))
+            v = van.get(wl)
+            by_round = dict(zip(v["rounds"], v["per_process"], strict=True)) if v else {}
             paired = [x / by_round[r] for r, x in zip(s["rounds"], s["per_process"], strict=True)
                       if r in by_round]
-            lo, hi = s["min"] / v["max"], s["max"] / v["min"]
-            entry = {"ratio": s["median"] / v["median"], "lo": lo, "hi": hi, "method": "unpaired"}
-            if s["all_paired"] and v["all_paired"] and paired:
-                # processes of a round took turns on the GPU: judge by the rounds' ratios
-                entry = {"ratio": statistics.median(paired), "lo": min(paired),
-                         "hi": max(paired), "method": "paired",
-                         "unpaired": {"ratio": s["median"] / v["median"], "lo": lo, "hi": hi}}
-            # rounds (paired) or processes per configuration (unpaired) behind the spread
-            samples = len(paired) if entry["method"] == "paired" else min(s["processes"],
-                                                                           v["processes"])
-            few = samples < MIN_PROCESSES
-            ratios.setdefault(cfg, {})[wl] = entry | {
-                "samples": samples,
-                "target": target,
-                # fewer processes than the method asks for: the spread is not measured
-                "verdict": "n/a" if target is None else (
-                    "unresolved" if few else _verdict(entry["lo"], entry["hi"], target)),
+            if not paired:
+                continue
+            lo, hi = min(paired), max(paired)
+            # processes of a round took turns on the GPU: judge by the rounds' ratios
+            ratios.setdefault(cfg, {})[wl] = {
+                "ratio": statistics.median(paired), "lo": lo, "hi": hi, "method": "paired",
+                "samples": len(paired), "target": target,
+                # fewer rounds than the method asks for: the spread is not measured
+                "verdict": "unresolved" if len(paired) < MIN_PROCESSES else
+                perf_models.verdict(lo, hi, target),
                 "processes": [s["processes"], v["processes"]],
                 "best_batch": {"ratio": statistics.median(s["best"]) / statistics.median(v["best"]),
                                "lo": min(s["best"]) / max(v["best"]),
@@ -375,26 +299,18 @@ def summarize(procs: list[dict[str, Any]]) -> dict[str, Any]:
             lo, hi = min(r["lo"] for r in per.values()), min(r["hi"] for r in per.values())
             few = any(r["samples"] < MIN_PROCESSES for r in per.values())
             keys[key] = {"value": min(r["ratio"] for r in per.values()), "lo": lo, "hi": hi,
-                         "target": TARGETS[cfg],
-                         "method": ",".join(sorted({r["method"] for r in per.values()})),
-                         "verdict": "unresolved" if few else _verdict(lo, hi, TARGETS[cfg]),
-                         "workloads": sorted(per)}
-    for wl in ("prefill", "decode"):
-        r = ratios.get("steer", {}).get(wl)
-        if r:
-            keys[f"p2_steer_{wl}"] = {"value": r["ratio"], "lo": r["lo"], "hi": r["hi"],
-                                      "target": r["target"], "verdict": r["verdict"],
-                                      "method": r["method"]}
-    p3 = [p["p3all"] for p in procs if "p3all" in p]
-    if p3:
-        best = p3[0]
-        keys["p3_capture_all_vs_disk"] = {"value": best["ratio"], "target": 0.80,
-                                          "verdict": "met" if best["ratio"] >= 0.8 else "missed",
-                                          "mb_s": best["mb_s"], "disk_mb_s": best["disk_mb_s"]}
+                         "target": TARGETS[cfg], "method": "paired", "workloads": sorted(per),
+                         "verdict": "unresolved" if few else perf_models.verdict(lo, hi, TARGETS[cfg])}
+    for wl, r in ratios.get("steer", {}).items():
+        keys[f"p2_steer_{wl}"] = {k: r[k] for k in ("lo", "hi", "target", "verdict", "method")} \
+            | {"value": r["ratio"]}
+    if p3 := [p["p3all"] for p in procs if "p3all" in p]:
+        keys["p3_capture_all_vs_disk"] = {"value": p3[0]["ratio"], "target": 0.80,
+                                          "verdict": "met" if p3[0]["ratio"] >= 0.8 else "missed",
+                                          "mb_s": p3[0]["mb_s"], "disk_mb_s": p3[0]["disk_mb_s"]}
         out["p3all"] = p3
     ident = {p["slot"]: (p["config"], p["identity_tokens"]) for p in procs if "identity_tokens" in p}
-    vs = [s for s, (c, _) in ident.items() if c == "vanilla"]
-    ps = [s for s, (c, _) in ident.items() if c == "plain"]
+    vs, ps = ([s for s, (c, _) in ident.items() if c == name] for name in ("vanilla", "plain"))
     if vs and ps:
         vv = [_pair_agreement(ident[x][1], ident[y][1]) | {"pair": [x, y]}
               for i, x in enumerate(vs) for y in vs[i + 1:]]
@@ -402,14 +318,11 @@ def summarize(procs: list[dict[str, Any]]) -> dict[str, Any]:
         mean_pv = statistics.mean(r["fraction"] for r in pv)
         mean_vv = statistics.mean(r["fraction"] for r in vv) if vv else None
         keys["plain_identity"] = {
-            "value": mean_pv, "vanilla_vs_vanilla": mean_vv,
-            "requests": len(ident[vs[0]][1]),
-            "verdict": "unresolved" if mean_vv is None else (
-                "met" if mean_pv >= mean_vv else "missed"),
+            "value": mean_pv, "vanilla_vs_vanilla": mean_vv, "requests": len(ident[vs[0]][1]),
+            "verdict": "unresolved" if mean_vv is None else "met" if mean_pv >= mean_vv else "missed",
             "note": "fraction of requests with identical greedy tokens, mean over process pairs"}
         out["identity"] = {"vanilla_vs_vanilla": vv, "plain_vs_vanilla": pv}
-    out["keys"] = keys
-    return out
+    return out | {"keys": keys}
 
 
 def print_summary(summary: dict[str, Any]) -> None:
@@ -428,12 +341,10 @@ def print_summary(summary: dict[str, Any]) -> None:
         print(f"P3-all: {p['bytes'] / 1e9:.2f} GB in {p['seconds']:.1f} s = {p['mb_s']:,.0f} MB/s; "
               f"disk dd conv=fsync {p['disk_dd_mb_s'][0]:,.0f} / {p['disk_dd_mb_s'][1]:,.0f} MB/s "
               f"-> ratio {p['ratio']:.2f} (target 0.80)")
-    ident = summary.get("identity")
-    if ident:
-        vv = ", ".join(f"{r['pair']}: {r['identical']}/{r['of']}" for r in ident["vanilla_vs_vanilla"])
-        pv = ", ".join(f"{r['pair']}: {r['identical']}/{r['of']}" for r in ident["plain_vs_vanilla"])
-        print(f"identity (identical greedy requests) vanilla-vanilla {vv or '-'}; "
-              f"plain-vanilla {pv}")
+    if ident := summary.get("identity"):
+        vv, pv = (", ".join(f"{r['pair']}: {r['identical']}/{r['of']}" for r in ident[k])
+                  for k in ("vanilla_vs_vanilla", "plain_vs_vanilla"))
+        print(f"identity (identical greedy requests) vanilla-vanilla {vv or '-'}; plain-vanilla {pv}")
     print("\nkeys: " + json.dumps({k: round(v["value"], 4) if isinstance(v.get("value"), float)
                                    else v.get("value") for k, v in summary["keys"].items()}))
 
@@ -444,46 +355,15 @@ def load_procs(dirs: Iterable[Path]) -> list[dict[str, Any]]:
     for d in dirs:
         for f in sorted(Path(d).glob("**/perf-proc-*.json")):
             p = json.loads(f.read_text())
-            stamp = float(p.get("finished_at", 0))
-            if p["slot"] not in found or stamp > found[p["slot"]][0]:
+            if (stamp := float(p.get("finished_at", 0))) > found.get(p["slot"], (-1.0,))[0]:
                 found[p["slot"]] = (stamp, p)
     return [p for _, p in found.values()]
 
 
 def write_report(procs: list[dict[str, Any]], out: Path, meta: dict[str, Any]) -> Path:
-    summary = summarize(procs)
-    print_summary(summary)
+    print_summary(summary := summarize(procs))
     slim = [{k: v for k, v in p.items() if k != "identity_tokens"} for p in procs]
-    report = {**meta, "summary": summary, "procs": slim}
-    path = out / f"{device_tag(meta['device'])}-{meta['date']}-perf-method.json"
-    path.write_text(json.dumps(report, indent=1))
-    print(f"wrote {path}")
-    return path
-
-
-# ---------------------------------------------------------------- driver
-
-
-def _spawn(a: argparse.Namespace, slot: int, config: str, model: str, logs: Path, p3all: bool,
-           ctl_fd: int) -> tuple[subprocess.Popen, Path, Path]:
-    """Starts one configuration's process; its turn requests come back on `ctl_fd`."""
-    result = Path(a.work) / "procs" / a.configs.replace(",", "-") / f"perf-proc-{slot:02d}-{config}.json"
-    result.unlink(missing_ok=True)
-    share = MEM[a.device] / len(a.configs.split(","))
-    cmd = [sys.executable, __file__, "--one", config, "--slot", str(slot), "--model", model,
-           "--device", a.device, "--shape", a.shape, "--min-seconds", str(a.min_seconds),
-           "--min-batches", str(a.min_batches), "--work", a.work,
-           "--step-tokens", str(a.step_tokens), "--workloads", a.workloads,
-           "--result-file", str(result), "--configs", a.configs,
-           "--ctl-fd", str(ctl_fd), "--mem-fraction", f"{share:.4f}"]
-    if p3all:
-        cmd.append("--do-p3all")
-    if a.no_identity:
-        cmd.append("--no-identity")
-    log = logs / f"slot-{slot:02d}-{config}.log"
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            stdin=subprocess.PIPE, text=True, pass_fds=(ctl_fd,))
-    return proc, result, log
+    return perf_models.write_result(out, {**meta, "summary": summary, "procs": slim}, "perf-method")
 
 
 class _Child:
@@ -491,14 +371,26 @@ class _Child:
 
     def __init__(self, a: argparse.Namespace, slot: int, config: str, model: str, logs: Path,
                  p3all: bool, events: queue.Queue) -> None:
-        self.slot, self.config = slot, config
+        self.slot, self.config, self.started = slot, config, time.time()
+        self.result = Path(a.work) / "procs" / a.configs.replace(",", "-") \
+            / f"perf-proc-{slot:02d}-{config}.json"
+        self.result.unlink(missing_ok=True)
         read_fd, write_fd = os.pipe()
-        self.proc, self.result, self.log = _spawn(a, slot, config, model, logs, p3all, write_fd)
+        share = MEM[a.device] / len(a.configs.split(","))
+        cmd = [sys.executable, __file__, "--one", config, "--slot", str(slot), "--model", model,
+               "--device", a.device, "--shape", a.shape, "--min-seconds", str(a.min_seconds),
+               "--min-batches", str(a.min_batches), "--work", a.work,
+               "--step-tokens", str(a.step_tokens), "--workloads", a.workloads,
+               "--result-file", str(self.result), "--configs", a.configs,
+               "--ctl-fd", str(write_fd), "--mem-fraction", f"{share:.4f}",
+               *(["--do-p3all"] if p3all else []), *(["--no-identity"] if a.no_identity else [])]
+        self.log = logs / f"slot-{slot:02d}-{config}.log"
+        self.proc = subprocess.Popen(cmd, stdout=self.log.open("w"), stderr=subprocess.STDOUT,
+                                     stdin=subprocess.PIPE, text=True, pass_fds=(write_fd,))
         os.close(write_fd)
         self.want: tuple[int, float] | None = None
         self.busy = True  # starting up, or running a turn
         self.turns = 0
-        self.started = time.time()
 
         def read() -> None:
             with os.fdopen(read_fd) as fh:
@@ -510,8 +402,7 @@ class _Child:
 
     def go(self) -> None:
         assert self.proc.stdin is not None
-        self.want = None
-        self.turns += 1
+        self.want, self.busy, self.turns = None, True, self.turns + 1
         self.proc.stdin.write("go\n")
         self.proc.stdin.flush()
 
@@ -530,30 +421,24 @@ def _wait_event(children: list[_Child], events: queue.Queue,
             continue
         if msg[0] == "want":
             child.want = (int(msg[1]), float(msg[2]))
-        elif msg[0] == "done":
+        elif msg[0] in ("done", "eof"):
             child.busy = False
-        elif msg[0] == "eof":
-            child.proc.wait()
-            child.busy = False
+            if msg[0] == "eof":
+                child.proc.wait()
 
 
 def drive_paired(a: argparse.Namespace) -> int:
     """Each round's processes are alive together and take turns batch by batch."""
     configs = a.configs.split(",")
-    total = a.rounds * len(configs)
-    slots = parse_slots(a.slots, total)
-    rounds = sorted({(s - 1) // len(configs) + 1 for s in slots})
+    rounds = sorted({(s - 1) // len(configs) + 1 for s in parse_slots(a.slots, a.rounds * len(configs))})
     out, work = Path(a.out), Path(a.work)
-    procs_dir = work / "procs" / a.configs.replace(",", "-")
+    procs_dir, logs = work / "procs" / a.configs.replace(",", "-"), out / "logs"
     procs_dir.mkdir(parents=True, exist_ok=True)
-    out.mkdir(parents=True, exist_ok=True)
-    logs = out / "logs"
-    logs.mkdir(exist_ok=True)
+    logs.mkdir(parents=True, exist_ok=True)
     model = str(perf_models.write_model(work / a.shape, a.shape, a.device))
-    measured = any("p3all" in p for p in load_procs([procs_dir]))
-    p3all_done = not a.p3all or measured
+    p3all_done = not a.p3all or any("p3all" in p for p in load_procs([procs_dir]))
     failed: list[int] = []
-    round_s: list[float] = []
+    round_s: list[float] = []  # each round's seconds: the next one's guess
     for r in rounds:
         plan = [((r - 1) * len(configs) + i + 1, c) for i, c in enumerate(configs)]
         # a cold start plus both workloads per process until a round has been timed
@@ -575,10 +460,7 @@ def drive_paired(a: argparse.Namespace) -> int:
                         a.deadline)
             print(f"round {r}: slot {slot} {config} up after {time.time() - child.started:.0f} s",
                   flush=True)
-        while True:
-            live = [c for c in children if c.proc.poll() is None]
-            if not live:
-                break
+        while any(c.proc.poll() is None for c in children):
             _wait_event(children, events,
                         lambda cs=children: all(c.want is not None or c.proc.poll() is not None
                                                 for c in cs), a.deadline)
@@ -586,7 +468,6 @@ def drive_paired(a: argparse.Namespace) -> int:
             if not waiting:
                 continue
             nxt = min(waiting, key=lambda c: (c.want, c.slot))
-            nxt.busy = True
             nxt.go()
             _wait_event(children, events, lambda c=nxt: not c.busy, a.deadline)
         for c in children:
@@ -596,34 +477,25 @@ def drive_paired(a: argparse.Namespace) -> int:
                 print(f"slot {c.slot} {c.config} FAILED (rc {c.proc.returncode}); log tail:\n"
                       + "\n".join(tail), flush=True)
                 continue
-            p = json.loads(c.result.read_text())
-            p["finished_at"] = time.time()
-            p["wall_s"] = time.time() - c.started
-            p["turns"] = c.turns
+            p = json.loads(c.result.read_text()) | {"finished_at": time.time(), "turns": c.turns,
+                                                    "wall_s": time.time() - c.started}
             c.result.write_text(json.dumps(p))
             (out / c.result.name).write_text(json.dumps(p))
-            w = _workload_line(p)
-            print(f"slot {c.slot:2} {c.config:8} start-up {p['startup_s']:.0f} s, "
-                  f"{c.turns} turns: {w}", flush=True)
-            _trim_log(c.log)
+            print(f"slot {c.slot:2} {c.config:8} start-up {p['startup_s']:.0f} s, {c.turns} turns: "
+                  + " ".join(f"{k} {v['median_tokens_per_s']:,.0f} tok/s ({v['reps'][0]['batches']}"
+                             f" batches, {v['reps'][0]['seconds']:.1f} s)"
+                             for k, v in p["workloads"].items()), flush=True)
+            lines = c.log.read_text(errors="replace").splitlines()  # logs come back via $OUT
+            if len(lines) > 400:  # their tails only
+                c.log.write_text("\n".join([f"[{len(lines) - 400} lines cut]", *lines[-400:]]) + "\n")
         round_s.append(time.time() - t_round)
-    procs = load_procs([out, procs_dir])
-    if procs:
+    if procs := load_procs([out, procs_dir]):
         write_report(procs, out, _meta(a))
     return 1 if failed else 0
 
 
-def _trim_log(log: Path, keep: int = 400) -> None:
-    """Logs come back through $OUT: keep their tails only."""
-    lines = log.read_text(errors="replace").splitlines()
-    if len(lines) > keep:
-        log.write_text("\n".join([f"[{len(lines) - keep} lines cut]", *lines[-keep:]]) + "\n")
-
-
 def _meta(a: argparse.Namespace) -> dict[str, Any]:
-    return {"machine": platform.node(), "device": device_name(a.device),
-            "date": dt.date.today().isoformat(), "paired": True,
-            "command": "python bench/perf_method.py " + " ".join(sys.argv[1:]),
+    return {**perf_models.meta("perf_method.py", a.device), "paired": True,
             "shape": perf_models.describe(a.shape), "workloads": WORKLOADS[a.device],
             "min_seconds": a.min_seconds, "step_tokens": a.step_tokens, "targets": TARGETS}
 
@@ -632,52 +504,42 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--slots", help="which slots of the rounds to run, e.g. 1-6")
     ap.add_argument("--min-seconds", type=float, default=None,
                     help="timed wall time per workload (default: 20 on cuda, 1 on cpu)")
-    ap.add_argument("--min-batches", type=int, default=1)
+    for name, default in (("--rounds", 3), ("--min-batches", 1), ("--deadline", 0.0)):
+        ap.add_argument(name, type=type(default), default=default)  # --deadline: epoch s
     ap.add_argument("--step-tokens", type=int, default=None,
                     help="max_num_batched_tokens, the same for every config (default 2048 on "
                          "cuda, 512 on cpu; the recorded P1-P3 figures used 8192)")
     ap.add_argument("--workloads", default="prefill,decode")
     ap.add_argument("--no-p3all", dest="p3all", action="store_false")
     ap.add_argument("--no-identity", action="store_true")
-    ap.add_argument("--deadline", type=float, default=None, help="epoch seconds")
     ap.add_argument("--shape", default=None)
     ap.add_argument("--work", default="/tmp/capsteer-perf", help="work dir")
-    ap.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "results"))
+    ap.add_argument("--out", default=perf_models.default_out())
     ap.add_argument("--summarize", nargs="+", type=Path, help="merge process files in these dirs")
-    for hidden in ("--one", "--model", "--result-file"):
-        ap.add_argument(hidden, help=argparse.SUPPRESS)
-    ap.add_argument("--slot", type=int, default=1, help=argparse.SUPPRESS)
-    ap.add_argument("--ctl-fd", type=int, default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--mem-fraction", type=float, default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--do-p3all", action="store_true", help=argparse.SUPPRESS)
+    for hidden, kw in (("--one", {}), ("--model", {}), ("--result-file", {}),
+                       ("--slot", {"type": int, "default": 1}), ("--ctl-fd", {"type": int}),
+                       ("--mem-fraction", {"type": float}), ("--do-p3all", {"action": "store_true"})):
+        ap.add_argument(hidden, help=argparse.SUPPRESS, **kw)
     a = ap.parse_args(argv)
     a.shape = a.shape or SHAPE[a.device]
     if a.min_seconds is None:  # cuda: 20 s resolved P1 and P3 prefill where 10 s did not
         a.min_seconds = 20.0 if a.device == "cuda" else 1.0
     a.step_tokens = a.step_tokens or STEP_TOKENS[a.device]
     if a.summarize:
-        procs = load_procs(a.summarize)
-        if not procs:
+        if not (procs := load_procs(a.summarize)):
             raise SystemExit("no perf-proc-*.json found")
-        a.device, a.shape = procs[0]["device"], procs[0]["shape"]
-        a.min_seconds = procs[0].get("min_seconds")
+        a.device, a.shape, a.min_seconds = procs[0]["device"], procs[0]["shape"], procs[0].get("min_seconds")
         a.step_tokens = procs[0]["engine_kwargs"].get("max_num_batched_tokens", a.step_tokens)
-        Path(a.out).mkdir(parents=True, exist_ok=True)
-        write_report(procs, Path(a.out), _meta(a) | {"device": procs[0].get("device_name",
-                                                                            a.device)})
+        write_report(procs, Path(a.out), _meta(a) | {"device": procs[0].get("device_name", a.device)})
         return 0
     if a.one:
-        a.config = a.one
-        a.identity = not a.no_identity
-        result = run_process(a)
-        result["device_name"] = device_name(a.device)
+        a.config, a.identity = a.one, not a.no_identity
         Path(a.result_file).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.result_file).write_text(json.dumps(result))
+        Path(a.result_file).write_text(json.dumps(run_process(a) | {"device_name": device_name(a.device)}))
         return 0
     return drive_paired(a)
 

@@ -1,30 +1,21 @@
 """The serve path against stock `vllm serve`, measured with vLLM's own client (issue 63).
 
-Users meet capsteer through HTTP and judge it by what `vllm bench serve` prints: output
-tokens/s and TTFT / TPOT / ITL percentiles. For each shape and round this starts `vllm
-serve` (`capsteer serve --vanilla`: stock vLLM, the same flags) and `capsteer serve` one
-after the other (the order flips every round), each through ManagedServer, and drives each
-with `vllm bench serve` (random dataset, streamed completions, `--extra-body` for capsteer's
-fields; fresh prompts per case, so no case hits another's prefix cache). After an untimed
-warm-up, the cases (vanilla runs plain and short, capsteer all of them):
+Per shape and round: `capsteer serve --vanilla` (stock vLLM, the same flags) and `capsteer
+serve` one after the other (the order flips every round), each driven by `vllm bench serve`
+(random dataset, streamed completions, fresh prompts per case, `--extra-body` for capsteer's
+fields). After an untimed warm-up, the cases (vanilla runs plain and short):
 
   plain         no fields
   short         prompt 16, max_tokens 1, high concurrency: the API path's own cost (req/s)
   steer_all     every layer steered by a named per-layer vector (PUT once per server)
-  distinct_N    N = 1, 32, 256 steering configs: request i carries its own inline vector
-                (config i mod N, base64 float32) on every layer
+  distinct_N    N = 1, 32, 256 configs: request i carries inline vector i mod N on every layer
   capture       one layer (resid_post, the middle one), every position
   capture_wait  the same, each response held until its capture is durable
 
-`vllm bench serve` sends one body to every request (--extra-body; of its datasets only BFCL,
-a hub download, sets per-request fields), so distinct_N runs the function behind it,
-`vllm.benchmarks.serve.benchmark`, on the random dataset's samples with each sample's
-`request_overrides` set: the same request code, timing and percentiles as the CLI.
-
-Ratios: each capsteer case over vanilla's plain run of the same shape and round (short over
-vanilla's short; tokens/s, or requests/s for short, and p50/p99 latencies); distinct_256
-over distinct_1 (the one-config run of the same request path). A shape's figure is the
-median over rounds, its spread the rounds' min-max; a summary key takes the worst shape.
+distinct_N runs `vllm.benchmarks.serve.benchmark` (the CLI's function: the same requests,
+timing and percentiles) with each sample's `request_overrides`. Ratios: each capsteer case
+over vanilla's plain (short over short, req/s) of the same shape and round; distinct_256
+over distinct_1. Figures: the median over rounds, spread min-max; a key's worst shape.
 
     python bench/serve_bench.py --device cuda --round 1 --work /tmp/sb --out /tmp/sb/out
         --deadline $D                    (one GPU call per round: bench/README.md)
@@ -34,21 +25,20 @@ median over rounds, its spread the rounds' min-max; a summary key takes the wors
     python bench/serve_bench.py --attach vanilla=URL --model-dir DIR --out DIR  (running
         servers; again with --attach capsteer=URL --admin-key K: one summary of both)
 
-Writes <out>/raw/r<round>-<shape>-<config>.json (vLLM's result per case) and
-<out>/serve-bench.json (per-case medians and spread, ratios, the serve_* keys) and
-<out>/serve-bench.png; `--summary` merges the keys into bench/results/summary.json and
-redraws its PNG (GPU figures only, as summary.py). CPU runs are a smoke test.
+Writes <out>/raw/r<round>-<shape>-<config>.json, <out>/serve-bench.json (per-case medians,
+ratios, the serve_* keys) and its PNG; `--summary` records the keys in summary.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import base64
 import contextlib
 import datetime as dt
 import io
 import json
-import os
+import random
 import secrets
 import shutil
 import statistics
@@ -60,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))  # run as `python bench/serve_bench.py`
 import perf_models
@@ -75,20 +66,17 @@ VECTOR_STD = 0.05  # small: a random-weight model keeps finite activations when 
 CASE_NAMES = ("plain", "short", "steer_all", *(f"distinct_{n}" for n in DISTINCT),
               "capture", "capture_wait")
 METRICS = ("completed", "failed", "duration", "request_throughput", "output_throughput",
-           "total_token_throughput", "max_concurrent_requests", *(f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el")
-                                       for s in ("mean", "p50", "p99")))
+           "total_token_throughput", "max_concurrent_requests",
+           *(f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el") for s in ("mean", "p50", "p99")))
 LATENCIES = tuple(f"{p}_{m}_ms" for m in ("ttft", "tpot", "itl") for p in ("p50", "p99"))
-# key -> (ratio row, column, target): the summary's serve_* keys
-KEYS: dict[str, tuple[str, str, str]] = {
-    "serve_plain": ("plain", "throughput", ">= 0.98"),
-    "serve_steer_all": ("steer_all", "throughput", ">= 0.95"),
-    "serve_distinct_256": ("distinct_256/distinct_1", "throughput", ">= 0.90"),
-    "serve_capture_one_layer": ("capture", "throughput", ">= 0.90"),
-    "serve_capture_one_layer_wait": ("capture_wait", "throughput", ">= 0.90"),
-    "serve_short_rps": ("short", "throughput", ">= 0.95"),
-    "serve_ttft_p99_plain": ("plain", "p99_ttft_ms", "<= 1.05"),
-    "serve_tpot_p99_plain": ("plain", "p99_tpot_ms", "<= 1.05"),
-}
+# key -> (ratio row, column) of the summary's serve_* keys; targets: summary.SERVE_TARGETS
+KEYS = {"serve_plain": ("plain", "throughput"), "serve_steer_all": ("steer_all", "throughput"),
+        "serve_distinct_256": ("distinct_256/distinct_1", "throughput"),
+        "serve_capture_one_layer": ("capture", "throughput"),
+        "serve_capture_one_layer_wait": ("capture_wait", "throughput"),
+        "serve_short_rps": ("short", "throughput"),
+        "serve_ttft_p99_plain": ("plain", "p99_ttft_ms"),
+        "serve_tpot_p99_plain": ("plain", "p99_tpot_ms")}
 MIN_ROUNDS = 3  # fewer interleaved starts than this: every verdict stays unresolved
 
 
@@ -131,19 +119,13 @@ def bench_argv(case: Case, a: argparse.Namespace, url: str, model: str, result_d
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
             "--disable-tqdm", "--save-result", "--result-dir", str(result_dir),
             "--result-filename", f"{case.name}.json", "--label", case.name]
-    if a.served_model_name:
-        argv += ["--served-model-name", a.served_model_name]
-    if case.body is not None:
-        argv += ["--extra-body", json.dumps(case.body)]
-    return argv
-
-
-# ---------------------------------------------------------------- the client process
+    argv += ["--served-model-name", a.served_model_name] if a.served_model_name else []
+    return argv + (["--extra-body", json.dumps(case.body)] if case.body is not None else [])
 
 
 def client_main(plan_path: Path) -> None:
-    """Run a plan's cases one after another in this process (vLLM imported once), each
-    result appended to the plan's `results` file as soon as it is in."""
+    """A plan's cases one after another (vLLM imported once), each result appended to the
+    plan's `results` file as soon as it is in."""
     # vLLM's client: only this child process imports vLLM (the parent starts servers)
     from vllm.benchmarks.serve import add_cli_args, main
     from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -160,15 +142,17 @@ def client_main(plan_path: Path) -> None:
                 contextlib.redirect_stdout(log):
             result = distinct_run(args, job["distinct"], plan["hidden"]) if job["distinct"] \
                 else main(args)
-        wall = time.monotonic() - t0
-        counts: dict[str, float] = {}
+        wall, counts = time.monotonic() - t0, {}
         if plan["capsteer"]:
-            if job["capture"]:  # captures still in flight belong to this case
-                wait_captures_idle(plan["url"], timeout_s=180.0)
+            deadline = time.monotonic() + 180  # captures still in flight belong to this case
+            while job["capture"] and time.monotonic() < deadline and capsteer_counts(
+                    plan["url"]).get("capsteer_capture_inflight_bytes", 0.0) != 0.0:
+                time.sleep(0.5)
             after = capsteer_counts(plan["url"])
             counts = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
-        if job["capture"] and plan.get("capture_dir"):
-            clear_dir(Path(plan["capture_dir"]))
+        if job["capture"] and plan.get("capture_dir"):  # published captures off the disk
+            for child in Path(plan["capture_dir"]).glob("*"):
+                shutil.rmtree(child, ignore_errors=True)
         row = {"case": job["case"], "wall_s": wall, "client": job["client"],
                "capsteer_counts": counts, **{k: result.get(k) for k in METRICS}}
         with open(plan["results"], "a") as fh:
@@ -178,14 +162,8 @@ def client_main(plan_path: Path) -> None:
 
 
 def distinct_run(args: argparse.Namespace, n: int, hidden: int) -> dict[str, Any]:
-    """`vllm bench serve ARGS` with request i steered by its own inline vector (i mod n)
-    on every layer: vLLM's `benchmark` on the random dataset's samples, each with its
-    `request_overrides` (vLLM merges them into that request's body)."""
-    import asyncio
-    import random
-
-    import numpy as np
-
+    """`vllm bench serve ARGS` with request i steered by inline vector i mod n on every layer
+    (each sample's `request_overrides`, merged into its body by vLLM's `benchmark`)."""
     # vLLM's client: only this child process imports vLLM
     from vllm.benchmarks.datasets import get_samples
     from vllm.benchmarks.serve import TaskType, benchmark
@@ -228,45 +206,21 @@ def distinct_run(args: argparse.Namespace, n: int, hidden: int) -> dict[str, Any
 
 def capsteer_counts(url: str) -> dict[str, float]:
     """capsteer's counters on /metrics: captures by status, steered requests, bytes in flight."""
-    text = httpx.get(url + "/metrics", timeout=30).text
-    got: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith(("capsteer_capture_requests_total", "capsteer_steering_requests_total",
-                            "capsteer_capture_inflight_bytes")):
-            name, _, value = line.rpartition(" ")
-            got[name.replace('"', "")] = float(value)
-    return got
-
-
-def wait_captures_idle(url: str, timeout_s: float) -> None:
-    """Until no capture bytes are in flight (a no-wait case's captures finish after it)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if capsteer_counts(url).get("capsteer_capture_inflight_bytes", 0.0) == 0.0:
-            return
-        time.sleep(0.5)
-
-
-def clear_dir(path: Path) -> None:
-    """Published captures off the disk between cases (they would fill it over a round)."""
-    for child in path.iterdir() if path.is_dir() else ():
-        shutil.rmtree(child, ignore_errors=True)
-
-
-# ---------------------------------------------------------------- servers and rounds
+    names = ("capsteer_capture_requests_total", "capsteer_steering_requests_total",
+             "capsteer_capture_inflight_bytes")
+    lines = httpx.get(url + "/metrics", timeout=30).text.splitlines()
+    return {line.rpartition(" ")[0].replace('"', ""): float(line.rpartition(" ")[2])
+            for line in lines if line.startswith(names)}
 
 
 def put_vector(url: str, layers: int, hidden: int, admin_key: str | None) -> None:
     """Register the named per-layer vector (one row per layer, .npy) that steer_all uses."""
-    import numpy as np  # numpy: only a capsteer server's run needs it
-
-    rng = np.random.default_rng(11)
     buf = io.BytesIO()
-    np.save(buf, (rng.standard_normal((layers, hidden)) * VECTOR_STD).astype(np.float32))
-    headers = {"X-Admin-Key": admin_key} if admin_key else {}
-    r = httpx.put(f"{url}/v1/steering/vectors/{VECTOR_NAME}", content=buf.getvalue(),
-                  params={"format": "npy"}, headers=headers, timeout=60)
-    r.raise_for_status()
+    np.save(buf, (np.random.default_rng(11).standard_normal((layers, hidden)) * VECTOR_STD)
+            .astype(np.float32))
+    httpx.put(f"{url}/v1/steering/vectors/{VECTOR_NAME}", content=buf.getvalue(),
+              params={"format": "npy"}, headers={"X-Admin-Key": admin_key} if admin_key else {},
+              timeout=60).raise_for_status()
 
 
 def drive(config: str, url: str, model: str, a: argparse.Namespace, raw_dir: Path,
@@ -281,22 +235,19 @@ def drive(config: str, url: str, model: str, a: argparse.Namespace, raw_dir: Pat
     result_dir = raw_dir / tag
     shutil.rmtree(result_dir, ignore_errors=True)
     result_dir.mkdir(parents=True)
-    jobs = []
-    for case in cases(config, layers, a.cases):
-        argv = bench_argv(case, a, url, model, result_dir)
-        jobs.append({"case": case.name, "argv": argv, "distinct": case.distinct,
-                     "capture": case.capture,
-                     "client": "vllm.benchmarks.serve.benchmark, per-request request_overrides"
-                     if case.distinct else "vllm bench serve " + " ".join(argv)})
+    jobs = [{"case": case.name, "argv": argv, "distinct": case.distinct, "capture": case.capture,
+             "client": "vllm.benchmarks.serve.benchmark, per-request request_overrides"
+             if case.distinct else "vllm bench serve " + " ".join(argv)}
+            for case in cases(config, layers, a.cases)
+            for argv in [bench_argv(case, a, url, model, result_dir)]]
     plan = {"url": url, "capsteer": config == "capsteer", "hidden": hidden, "jobs": jobs,
             "results": str(result_dir / "client.jsonl"),
             "capture_dir": str(capture_dir) if capture_dir else None}
     (result_dir / "plan.json").write_text(json.dumps(plan, indent=1))
-    t0 = time.monotonic()
+    t0, results = time.monotonic(), Path(plan["results"])
     proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--client",
                            str(result_dir / "plan.json")], cwd=a.work, timeout=a.client_timeout)
-    rows = [json.loads(x) for x in Path(plan["results"]).read_text().splitlines()] \
-        if Path(plan["results"]).exists() else []
+    rows = [json.loads(x) for x in results.read_text().splitlines()] if results.exists() else []
     got = {r["case"]: r for r in rows if r["case"] != "warm-up"}
     # a case with a failed request has no figure (the summary would compare unlike work)
     failures = {name: f"{row['failed']} failed, {row['completed']} completed"
@@ -312,20 +263,15 @@ def drive(config: str, url: str, model: str, a: argparse.Namespace, raw_dir: Pat
 
 
 def server_argv(config: str, model: Path, shape: str, a: argparse.Namespace, port: int) -> list[str]:
-    """The same engine flags for both configurations; capsteer adds its own directories, the
-    same paths for every server (the capture root is part of vLLM's compile-cache key: a
-    per-server path would recompile in every start)."""
+    """The same engine flags for both; capsteer adds its directories, the same for every
+    server (the capture root is in vLLM's compile-cache key)."""
     max_len = max(a.prompt + a.output_len, 17) + 32
     argv = [sys.executable, "-m", "capsteer.cli", "serve", str(model), "--host", "127.0.0.1",
             "--port", str(port), "--seed", "0", "--max-num-seqs", str(a.max_num_seqs)]
     argv += ["--gpu-memory-utilization", str(a.gpu_memory_utilization)] if a.device == "cuda" \
         else ["--cpu-defaults"]
     argv += ["--max-model-len", str(max_len)]
-    if shape in perf_models.SHAPES:
-        kw = perf_models.engine_kwargs(shape)
-        argv += ["--dtype", kw["dtype"]]
-        if "load_format" in kw:
-            argv += ["--load-format", kw["load_format"]]
+    argv += perf_models.serve_flags(shape) if shape in perf_models.SHAPES else []
     argv += a.server_flags
     if config == "vanilla":
         return [*argv, "--vanilla"]
@@ -335,17 +281,14 @@ def server_argv(config: str, model: Path, shape: str, a: argparse.Namespace, por
 
 def model_for(shape: str, a: argparse.Namespace) -> Path:
     """`--model-dir`, else the shape written under --work (demo: capsteer's demo model)."""
-    if a.model_dir:
-        return Path(a.model_dir)
-    out = a.work / f"model-{shape}"
-    if shape == "demo":
-        # the demo model's writer: only the CPU smoke run needs it
-        from capsteer.demo_model import write_demo_model
+    out = Path(a.model_dir) if a.model_dir else a.work / f"model-{shape}"
+    if a.model_dir or shape != "demo":
+        return out if a.model_dir else perf_models.write_model(out, shape, a.device)
+    from capsteer.demo_model import write_demo_model  # only the CPU smoke run needs it
 
-        if not (out / "config.json").is_file():
-            write_demo_model(out, "qwen3", seed=7)
-        return out
-    return perf_models.write_model(out, shape, a.device)
+    if not (out / "config.json").is_file():
+        write_demo_model(out, "qwen3", seed=7)
+    return out
 
 
 def run_managed(a: argparse.Namespace) -> None:
@@ -353,25 +296,22 @@ def run_managed(a: argparse.Namespace) -> None:
     raw = a.out / "raw"
     for r in range(a.round, a.round + a.rounds):
         for shape in a.shapes:
-            model = model_for(shape, a)
-            order = CONFIGS if r % 2 == 1 else tuple(reversed(CONFIGS))
+            model, order = model_for(shape, a), CONFIGS if r % 2 == 1 else CONFIGS[::-1]
             if a.deadline and time.time() + 2 * a.min_server_s > a.deadline:
                 print(f"--deadline: not starting {shape} round {r} (no time for both servers)",
                       flush=True)
                 continue
             for config in order:
-                tag = f"r{r}-{shape}-{config}"
-                work = a.work / tag
-                for d in (work, a.work / "captures", a.work / "vectors"):
+                tag, port = f"r{r}-{shape}-{config}", free_port()
+                for d in (a.work / tag, a.work / "captures", a.work / "vectors"):
                     shutil.rmtree(d, ignore_errors=True)
                     d.mkdir(parents=True)
-                argv = server_argv(config, model, shape, a, free_port())
-                port = argv[argv.index("--port") + 1]
+                argv = server_argv(config, model, shape, a, port)
                 print(f"{tag}: starting", flush=True)
                 # cwd: not the checkout, whose capsteer/ folder would shadow the package
                 try:
                     server = ManagedServer(argv, url=f"http://127.0.0.1:{port}",
-                                           log_path=work / "serve.log", cwd=work,
+                                           log_path=a.work / tag / "serve.log", cwd=a.work / tag,
                                            start_timeout_s=a.start_timeout, stop_timeout_s=90)
                 except RuntimeError as exc:  # the other shape's servers may still start
                     print(f"{tag}: NO START\n{exc}", flush=True)
@@ -394,15 +334,12 @@ def run_managed(a: argparse.Namespace) -> None:
 def save_raw(raw: Path, tag: str, r: int, shape: str, config: str, a: argparse.Namespace,
              got: dict[str, Any]) -> None:
     raw.mkdir(parents=True, exist_ok=True)
-    doc = {"kind": "serve-bench-raw", "round": r, "shape": shape, "config": config,
-           "device": a.device_name, "date": dt.date.today().isoformat(),
-           "command": " ".join(sys.argv), "workload": {k: getattr(a, k) for k in (
-               "prompt", "output_len", "num_prompts", "concurrency", "short_prompts",
-               "short_concurrency", "max_num_seqs")}, **got}
-    (raw / f"{tag}.json").write_text(json.dumps(doc, indent=1))
-
-
-# ---------------------------------------------------------------- summary
+    (raw / f"{tag}.json").write_text(json.dumps({
+        "kind": "serve-bench-raw", "round": r, "shape": shape, "config": config,
+        "device": a.device_name, "date": dt.date.today().isoformat(),
+        "command": " ".join(sys.argv), "workload": {k: getattr(a, k) for k in (
+            "prompt", "output_len", "num_prompts", "concurrency", "short_prompts",
+            "short_concurrency", "max_num_seqs")}, **got}, indent=1))
 
 
 def spread(xs: list[float]) -> dict[str, float]:
@@ -412,29 +349,23 @@ def spread(xs: list[float]) -> dict[str, float]:
 def verdict(lo: float, hi: float, target: str, rounds: int) -> str:
     """met / missed over every round's figure; unresolved across it or under MIN_ROUNDS."""
     op, t = target.split()
-    ok_lo, ok_hi = (lo >= float(t), hi >= float(t)) if op == ">=" else (hi <= float(t), lo <= float(t))
     if rounds < MIN_ROUNDS:
         return "unresolved"
-    return "met" if ok_lo and ok_hi else "missed" if not (ok_lo or ok_hi) else "unresolved"
+    return perf_models.verdict(lo, hi, float(t)) if op == ">=" else \
+        perf_models.verdict(-hi, -lo, -float(t))  # a ceiling: the sides swap
 
 
 def case_ratios(cap: dict[str, Any], van: dict[str, Any]) -> dict[str, dict[str, float]]:
     """Each capsteer case over its vanilla baseline (plain, or short for short): throughput
     (tokens/s, requests/s for short) and p50/p99 latencies; distinct_256 over distinct_1."""
-    out: dict[str, dict[str, float]] = {}
-
     def ratio(a: dict, b: dict, short: bool) -> dict[str, float]:
         tput = "request_throughput" if short else "output_throughput"
-        got = {"throughput": a[tput] / b[tput]} if a.get(tput) and b.get(tput) else {}
-        for m in LATENCIES if not short else ("p50_ttft_ms", "p99_ttft_ms"):
-            if a.get(m) and b.get(m):
-                got[m] = a[m] / b[m]
-        return got
+        cols = {"throughput": tput, **{m: m for m in (("p50_ttft_ms", "p99_ttft_ms") if short
+                                                     else LATENCIES)}}
+        return {c: a[m] / b[m] for c, m in cols.items() if a.get(m) and b.get(m)}
 
-    for name, row in cap.items():
-        base = van.get("short" if name == "short" else "plain")
-        if base is not None:
-            out[name] = ratio(row, base, name == "short")
+    out = {name: ratio(row, van[base], name == "short") for name, row in cap.items()
+           if (base := "short" if name == "short" else "plain") in van}
     for n in DISTINCT:
         for other in ("distinct_1", "steer_all"):
             if f"distinct_{n}" in cap and other in cap and other != f"distinct_{n}":
@@ -449,30 +380,27 @@ def summarize(dirs: list[Path], out: Path, device: str | None = None) -> dict[st
     shapes: dict[str, Any] = {}
     for shape in dict.fromkeys(r["shape"] for r in raws):
         by_round: dict[int, dict[str, dict]] = {}
-        for r in raws:
-            if r["shape"] == shape:
-                by_round.setdefault(r["round"], {})[r["config"]] = r["cases"]
+        for r in (r for r in raws if r["shape"] == shape):
+            by_round.setdefault(r["round"], {})[r["config"]] = r["cases"]
         paired = sorted(k for k, v in by_round.items() if set(v) == set(CONFIGS))
         per_case: dict[str, dict[str, Any]] = {}
-        for config in CONFIGS:
-            for name in CASE_NAMES:
-                rows = [by_round[k][config][name] for k in sorted(by_round)
-                        if name in by_round[k].get(config, {})]
-                if rows:
-                    per_case[f"{config}/{name}"] = {m: spread([x[m] for x in rows]) for m in METRICS
-                                                    if all(x.get(m) is not None for x in rows)}
-        rounds = {k: case_ratios(by_round[k]["capsteer"], by_round[k]["vanilla"]) for k in paired}
+        for config, name in ((c, n) for c in CONFIGS for n in CASE_NAMES):
+            rows = [by_round[k][config][name] for k in sorted(by_round)
+                    if name in by_round[k].get(config, {})]
+            if rows:
+                per_case[f"{config}/{name}"] = {m: spread([x[m] for x in rows]) for m in METRICS
+                                                if all(x.get(m) is not None for x in rows)}
         ratios: dict[str, dict[str, Any]] = {}
         for k in paired:
-            for row, cols in rounds[k].items():
+            for row, cols in case_ratios(by_round[k]["capsteer"], by_round[k]["vanilla"]).items():
                 for col, v in cols.items():
                     ratios.setdefault(row, {}).setdefault(col, {"by_round": []})["by_round"].append(v)
-        for cols in ratios.values():
-            for entry in cols.values():
-                entry.update(spread(entry["by_round"]))
+        for entry in (e for cols in ratios.values() for e in cols.values()):
+            entry.update(spread(entry["by_round"]))
         shapes[shape] = {"rounds": paired, "cases": per_case, "ratios": ratios}
     keys: dict[str, Any] = {}
-    for key, (row, col, target) in KEYS.items():
+    for key, (row, col) in KEYS.items():
+        target = summary_file.SERVE_TARGETS[key]
         per = {s: v["ratios"][row][col] | {"rounds": len(v["rounds"])} for s, v in shapes.items()
                if col in v["ratios"].get(row, {})}
         if not per:
@@ -502,9 +430,9 @@ def summarize(dirs: list[Path], out: Path, device: str | None = None) -> dict[st
 
 def print_report(doc: dict[str, Any]) -> None:
     for shape, s in doc["shapes"].items():
-        print(f"{shape}, paired rounds {s['rounds']}: capsteer / baseline (median, min-max)")
-        print(f"  {'case':<25}" + "".join(f"{m:>20}" for m in ("tok/s (short: req/s)",
-                                                                 *(x[:-3] for x in LATENCIES))))
+        print(f"{shape}, paired rounds {s['rounds']}: capsteer / baseline (median, min-max)\n"
+              f"  {'case':<25}" + "".join(f"{m:>20}" for m in ("tok/s (short: req/s)",
+                                                              *(x[:-3] for x in LATENCIES))))
         for row, cols in s["ratios"].items():
             cells = [cols.get(c) for c in ("throughput", *LATENCIES)]
             print(f"  {row:<25}" + "".join(
@@ -518,25 +446,19 @@ def print_report(doc: dict[str, Any]) -> None:
 def plot(doc: dict[str, Any], png: Path) -> None:
     """Per shape, every capsteer case's throughput over its baseline with the rounds'
     spread, and plain's p99 TTFT / TPOT (1 = vanilla)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("no PNG: plotting needs matplotlib", flush=True)
+    plt = perf_models.pyplot()
+    if plt is None:
         return
-    shapes = list(doc["shapes"].items())
-    fig, axes = plt.subplots(1, max(len(shapes), 1), figsize=(6 * max(len(shapes), 1), 4.6),
-                             squeeze=False)
+    shapes, n = list(doc["shapes"].items()), max(len(doc["shapes"]), 1)
+    fig, axes = plt.subplots(1, n, figsize=(6 * n, 4.6), squeeze=False)
     for ax, (shape, s) in zip(axes[0], shapes, strict=False):
         rows = [(f"{r} {'req/s' if r == 'short' else 'tok/s'}", c["throughput"])
                 for r, c in s["ratios"].items() if "throughput" in c]
         rows += [(f"plain {m[:-3]}", s["ratios"]["plain"][m]) for m in ("p99_ttft_ms", "p99_tpot_ms")
                  if m in s["ratios"].get("plain", {})]
         for i, (_label, c) in enumerate(rows):
-            ax.barh(i, c["value"], color="#1565c0", xerr=[[c["value"] - c["lo"]], [c["hi"] - c["value"]]],
-                    capsize=3)
+            ax.barh(i, c["value"], color="#1565c0", capsize=3,
+                    xerr=[[c["value"] - c["lo"]], [c["hi"] - c["value"]]])
             ax.text(c["hi"] + 0.01, i, f"{c['value']:.3f}", va="center", fontsize=7)
         ax.axvline(1.0, color="black", linewidth=1)
         ax.set_yticks(range(len(rows)), [r[0] for r in rows], fontsize=8)
@@ -549,30 +471,18 @@ def plot(doc: dict[str, Any], png: Path) -> None:
     print(f"wrote {png}", flush=True)
 
 
-def record(doc_path: Path, a: argparse.Namespace) -> None:
-    """The serve_* keys into bench/results/summary.json and its PNG (summary.py's rules)."""
-    argv = ["update", "--from", str(doc_path), "--summary", str(a.summary_path)]
-    summary_file.main(argv + (["--allow-cpu"] if a.allow_cpu else []))
-    summary_file.main(["plot", "--summary", str(a.summary_path)])
-
-
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--shapes", default=None, help="comma list of bench/perf_models.py shapes, "
                     "or demo (default qwen3-0.6b,llama3-8b on cuda, demo on cpu)")
-    ap.add_argument("--rounds", type=int, default=1, help="rounds in this run")
-    ap.add_argument("--round", type=int, default=1, help="number of the first (one call each)")
     ap.add_argument("--cases", default=",".join(CASE_NAMES))
-    ap.add_argument("--prompt", type=int, default=256, help="prompt tokens (long cases)")
-    ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--num-prompts", type=int, default=512)
-    ap.add_argument("--concurrency", type=int, default=256)
-    ap.add_argument("--short-prompts", type=int, default=4096)
-    ap.add_argument("--short-concurrency", type=int, default=256)
-    ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    # --rounds in this run, numbered from --round; --prompt: the long cases' prompt tokens
+    for name, default in (("--rounds", 1), ("--round", 1), ("--prompt", 256),
+                          ("--output-len", 128), ("--num-prompts", 512), ("--concurrency", 256),
+                          ("--short-prompts", 4096), ("--short-concurrency", 256),
+                          ("--max-num-seqs", 256), ("--seed", 0)):
+        ap.add_argument(name, type=int, default=default)
     ap.add_argument("--server-flags", default="", help="more flags for both servers")
     ap.add_argument("--capsteer-flags", default="", help="more capsteer serve flags")
     ap.add_argument("--model-dir", default=None, help="serve (and tokenize with) this model")
@@ -580,14 +490,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--attach", action="append", default=[], metavar="CONFIG=URL",
                     help="run CONFIG's cases against a running server (no starts)")
     ap.add_argument("--admin-key", default=None, help="capsteer's admin key (managed: random)")
-    ap.add_argument("--start-timeout", type=float, default=600.0)
-    ap.add_argument("--client-timeout", type=float, default=1800.0)
-    ap.add_argument("--deadline", type=float, default=0.0, help="epoch seconds: a shape's "
-                    "servers start only with 2 x --min-server-s left before it")
-    ap.add_argument("--min-server-s", type=float, default=170.0,
-                    help="what one server takes: start, cases, stop")
+    # --deadline (epoch s): a shape's servers start only with 2 x --min-server-s (one server's
+    # start, cases and stop) left before it
+    for name, default in (("--gpu-memory-utilization", 0.85), ("--start-timeout", 600.0),
+                          ("--client-timeout", 1800.0), ("--deadline", 0.0),
+                          ("--min-server-s", 170.0)):
+        ap.add_argument(name, type=float, default=default)
     ap.add_argument("--work", type=Path, default=Path("/tmp/capsteer-serve-bench"))
-    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "bench/results") / "serve")
+    ap.add_argument("--out", type=Path, default=Path(perf_models.default_out()) / "serve")
     ap.add_argument("--merge", type=Path, nargs="+", default=None, metavar="DIR",
                     help="run nothing: summarize the raw files of these --out dirs into --out")
     ap.add_argument("--summary", action="store_true", help="merge the serve_* keys into the summary")
@@ -597,8 +507,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     a = ap.parse_args(argv)
     a.shapes = (a.shapes or ("qwen3-0.6b,llama3-8b" if a.device == "cuda" else "demo")).split(",")
     a.cases = tuple(c for c in a.cases.split(",") if c)
-    unknown = set(a.cases) - set(CASE_NAMES)
-    if unknown:
+    if unknown := set(a.cases) - set(CASE_NAMES):
         ap.error(f"unknown cases {sorted(unknown)}; known: {', '.join(CASE_NAMES)}")
     a.server_flags, a.capsteer_flags = a.server_flags.split(), a.capsteer_flags.split()
     return a
@@ -626,8 +535,10 @@ def main(argv: list[str] | None = None) -> None:
     doc = summarize(a.merge or [a.out], a.out, a.device_name if a.merge is None else None)
     print_report(doc)
     plot(doc, a.out / "serve-bench.png")
-    if a.summary:
-        record(a.out / "serve-bench.json", a)
+    if a.summary:  # the serve_* keys into bench/results/summary.json and its PNG
+        summary_file.main(["update", "--from", str(a.out / "serve-bench.json"), "--summary",
+                           str(a.summary_path), *(["--allow-cpu"] if a.allow_cpu else [])])
+        summary_file.main(["plot", "--summary", str(a.summary_path)])
 
 
 if __name__ == "__main__":

@@ -1,18 +1,16 @@
 """P5: capture write rate vs the disk's own fsync'd sequential rate, by paired rounds.
 
-Each round measures the disk and the packed writer back to back, the order alternating
-round by round. The disk's figures: `dd if=/dev/zero bs=1M conv=fsync`, a Python loop of
-1 MiB writes then one fsync, that loop with writeback started as written, that loop cut
-into request-sized files (each fsync'd and renamed, its directory fsync'd, on as many
-threads as writer processes) and O_DIRECT writes. The writer: requests shaped like a real
-model (default 32 layers x 4096 hidden, bf16, 512 prompt positions = 128 MiB a request)
-pushed through the capture writer (in this process, or `--processes N` writer processes as
-the engine runs them), timed from the first open to the last manifest being durable; MB/s
-counts published data-file bytes. A round's ratio is the writer's rate over the highest of
-that round's disk figures, so a disk that drifts between rounds moves both sides alike.
-Ratio = the rounds' median, spread = their min and max; met where every round reaches 0.8,
-missed where none does, else unresolved. Beside it, the writer over the writeback loop
-alone and over the files loop (its own file pattern without packing or a digest).
+Each round measures the disk and the packed writer back to back, the order alternating.
+The disk: `dd if=/dev/zero bs=1M conv=fsync`, a Python loop of 1 MiB writes then one fsync,
+that loop with writeback started as written, that loop cut into request-sized files (each
+fsync'd and renamed, its directory fsync'd, on as many threads as writer processes) and
+O_DIRECT writes. The writer: requests shaped like a real model (default 32 layers x 4096
+hidden, bf16, 512 positions = 128 MiB a request) through the capture writer (in this
+process, or `--processes N` writer processes as the engine runs them), timed from the first
+open to the last manifest durable; MB/s counts published data bytes. A round's ratio is the
+writer's rate over the round's best disk figure, so a drifting disk moves both sides alike;
+ratio = the rounds' median, spread = min-max, met where every round reaches 0.8, missed
+where none does. Beside it: the writer over the writeback loop and over the files loop.
 
     python bench/storage.py --dir /tmp/st --total-mib 4096 --processes 2 --rounds 3
     python bench/storage.py --dir /tmp/st --total-mib 128 --layers 4 --rounds 1   # smoke
@@ -22,32 +20,28 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime as dt
 import json
+import mmap
 import os
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import perf_models  # bench/ is on the path: this script's own directory
+import psutil
 import torch
-from perf_models import device_name, device_tag
 
-from capsteer.capture import (
-    CaptureEnd,
-    CaptureRequest,
-    CaptureWriter,
-    find_receipt,
-    parse_capture_spec,
-)
+from capsteer.capture import CaptureEnd, CaptureRequest, CaptureWriter, find_receipt
 from capsteer.capture.digests import DIGESTS
 from capsteer.capture.publish import FileSystem, fsync_dir
+from capsteer.capture.spec import parse_capture_spec
 from capsteer.capture.writer.budget import DEFAULT_RING_BYTES, check_ring_bytes
 from capsteer.capture.writer.threads import default_workers
 from capsteer.config.sizes import parse_size
@@ -60,27 +54,18 @@ def dd_rate(directory: Path, mib: int) -> float | None:
     """MB/s of `dd ... conv=fsync` (wall time measured here, dd's own text not parsed)."""
     if shutil.which("dd") is None:
         return None
-    target = directory / "dd.bin"
-    t0 = time.perf_counter()
-    subprocess.run(
-        ["dd", "if=/dev/zero", f"of={target}", "bs=1M", f"count={mib}", "conv=fsync"],
-        check=True,
-        capture_output=True,
-    )
+    target, t0 = directory / "dd.bin", time.perf_counter()
+    subprocess.run(["dd", "if=/dev/zero", f"of={target}", "bs=1M", f"count={mib}", "conv=fsync"],
+                   check=True, capture_output=True)
     dt = time.perf_counter() - t0
     target.unlink()
     return mib * MIB / dt / 1e6
 
 
 def loop_rate(directory: Path, mib: int, writeback: bool = False) -> float:
-    """MB/s of a Python loop writing 1 MiB blocks of random bytes, then one fsync.
-
-    `writeback`: start each block's writeback as it is written, as the writer does
-    (FileSystem.start_writeback), so the disk figure is not one the writer can beat
-    only by overlapping what dd leaves to the final fsync."""
-    block = os.urandom(MIB)
-    target = directory / "loop.bin"
-    t0 = time.perf_counter()
+    """MB/s of 1 MiB writes of random bytes, then one fsync; `writeback`: each block's
+    writeback started as written, as the writer does (not a figure beaten by overlap alone)."""
+    block, target, t0 = os.urandom(MIB), directory / "loop.bin", time.perf_counter()
     _write_fsynced(target, block, mib, FileSystem() if writeback else None)
     dt = time.perf_counter() - t0
     target.unlink()
@@ -102,96 +87,69 @@ def _write_fsynced(path: Path, block: bytes, count: int, writeback: FileSystem |
 
 
 def direct_rate(directory: Path, mib: int) -> float | None:
-    """MB/s of O_DIRECT writes of 8 MiB from an aligned block, one file, then one fsync:
-    the disk without the page cache (what `--direct-io` writes through); None where the
-    filesystem refuses O_DIRECT."""
-    import mmap
-
+    """MB/s of O_DIRECT 8 MiB writes, one file, one fsync: the disk without the page cache
+    (`--direct-io`'s path); None where the filesystem refuses O_DIRECT."""
     block = mmap.mmap(-1, _DIRECT_BLOCK)
     block.write(os.urandom(_DIRECT_BLOCK))
-    view = memoryview(block)
-    count = max(1, mib * MIB // _DIRECT_BLOCK)
-    target = directory / "direct.bin"
-    t0 = time.perf_counter()
+    view, count = memoryview(block), max(1, mib * MIB // _DIRECT_BLOCK)
+    target, t0, fd = directory / "direct.bin", time.perf_counter(), None
     try:
         fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
-    except OSError:
-        view.release()
-        block.close()
-        with contextlib.suppress(OSError):
-            target.unlink()  # a filesystem refusing O_DIRECT may have created it
-        return None
-    try:
         for _ in range(count):
             os.write(fd, view)
         os.fsync(fd)
+    except OSError:
+        if fd is not None:  # a write failed, not the open: not a refusal of O_DIRECT
+            raise
     finally:
-        os.close(fd)
+        if fd is not None:
+            os.close(fd)
         view.release()
         block.close()
     dt = time.perf_counter() - t0
-    target.unlink()
-    return count * _DIRECT_BLOCK / dt / 1e6
+    with contextlib.suppress(OSError):
+        target.unlink()  # a filesystem refusing O_DIRECT may have created it
+    return count * _DIRECT_BLOCK / dt / 1e6 if fd is not None else None
 
 
 def files_rate(directory: Path, mib: int, file_mib: int, streams: int = 1) -> float:
-    """MB/s of the loop with writeback as written, cut into files of `file_mib` (the
-    writer's request size) on `streams` threads, each file fsync'd, renamed to its final
-    name and its directory fsync'd, as the writer publishes: the disk's own price of
-    durability per file, beside the one-file loop's single fsync."""
-    block = os.urandom(MIB)
-    target = directory / "files"
+    """MB/s of the writeback loop cut into files of `file_mib` (the writer's request size) on
+    `streams` threads, each fsync'd, renamed and its directory fsync'd, as the writer
+    publishes: the disk's own price of durability per file."""
+    block, target, fs = os.urandom(MIB), directory / "files", FileSystem()
     target.mkdir(exist_ok=True)
-    fs = FileSystem()
     n_files = max(1, mib // file_mib)
-    claimed = iter(range(n_files))
-    lock = threading.Lock()
 
-    def stream() -> None:
-        while True:
-            with lock:
-                i = next(claimed, None)
-            if i is None:
-                return
-            tmp, final = target / f".{i}.tmp", target / f"{i}.bin"
-            _write_fsynced(tmp, block, file_mib, fs)
-            os.replace(tmp, final)
-            fsync_dir(target, fs)
+    def one(i: int) -> None:
+        _write_fsynced(target / f".{i}.tmp", block, file_mib, fs)
+        os.replace(target / f".{i}.tmp", target / f"{i}.bin")
+        fsync_dir(target, fs)
 
-    pool = [threading.Thread(target=stream) for _ in range(max(1, streams))]
     t0 = time.perf_counter()
-    for t in pool:
-        t.start()
-    for t in pool:
-        t.join()
+    with ThreadPoolExecutor(max(1, streams)) as pool:
+        list(pool.map(one, range(n_files)))
     dt = time.perf_counter() - t0
     shutil.rmtree(target)
     return n_files * file_mib * MIB / dt / 1e6
 
 
-
-def writer_rate(
-    directory: Path, layout: str, total_mib: int, layers: int, hidden: int, prompt: int, workers: int,
-    digest: str = "sha256", processes: int = 0, direct_io: bool = False,
-    ring_bytes: int = DEFAULT_RING_BYTES, touch_rings: bool = True,
-) -> dict[str, float]:
+def writer_rate(directory: Path, layout: str, total_mib: int, layers: int, hidden: int,
+                prompt: int, workers: int, digest: str = "sha256", processes: int = 0,
+                direct_io: bool = False, ring_bytes: int = DEFAULT_RING_BYTES,
+                touch_rings: bool = True) -> dict[str, float]:
     """The writer's publish rate; `processes` >= 1 publishes through that many writer
-    processes (the engine's path: rows cross a ring of `ring_bytes` into each child), 0
-    in this process. `touch_rings` faults the rings' pages
-    in before the clock starts, as a server's writer has them after its first ring of rows
-    (False times a fresh writer's first pass, page faults included)."""
-    spec = parse_capture_spec(
-        {"hooks": ["resid_post"], "layers": "all", "positions": "all", "layout": layout}, num_layers=layers
-    )
+    processes (the engine's path: rows cross a ring of `ring_bytes` into each child), 0 in
+    this process. `touch_rings` faults the rings' pages in before the clock starts, as a
+    server's writer has them (False: a fresh writer's first pass, page faults included)."""
+    spec = parse_capture_spec({"hooks": ["resid_post"], "layers": "all", "positions": "all",
+                               "layout": layout}, num_layers=layers)
     per_request = layers * prompt * hidden * 2
     n_requests = max(1, total_mib * MIB // per_request)
     # Rows are made once and handed over again for every request (the engine would
     # hand fresh copies); generating them is not what is measured here.
     rows = [torch.randn(prompt, hidden).to(torch.bfloat16) for _ in range(layers)]
-    positions = np.arange(prompt, dtype=np.int64)
-    token_ids = tuple(range(prompt))
-    root = directory / f"captures-{layout}"
-    budget = max(4 * per_request, 1 << 30)
+    positions, token_ids = np.arange(prompt, dtype=np.int64), tuple(range(prompt))
+    root, budget = directory / f"captures-{layout}", max(4 * per_request, 1 << 30)
     w: Any
     if processes >= 1:
         from capsteer.capture.writer.fanout import ProcessWriterPool
@@ -206,6 +164,7 @@ def writer_rate(
     else:
         w = CaptureWriter(root, budget_bytes=budget, workers=workers, digest=digest,
                           direct_io=direct_io)
+
     def publish(cid: str) -> None:
         w.open(CaptureRequest(cid, cid, "bench", spec, token_ids, torch.bfloat16, hidden, layers))
         for layer in range(layers):
@@ -224,28 +183,24 @@ def writer_rate(
     for i in range(n_requests):
         publish(f"bench-{layout}-{i}")
     w.flush()
-    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
-    child_cpu = _children_cpu_s() - k0
+    dt, cpu, child_cpu = time.perf_counter() - t0, time.process_time() - c0, _children_cpu_s() - k0
     receipts = [find_receipt(root, f"bench-{layout}-{i}") for i in range(n_requests)]
     w.shutdown()
     bad = [r for r in receipts if r is None or r.status != "ok"]
     if bad:
         raise SystemExit(f"{layout}: {len(bad)} captures failed: {bad[0]}")
     data = sum(r.bytes for r in receipts if r is not None)
-    files = sum(len(r.files) for r in receipts if r is not None)
-    publish = statistics.median(r.timings["publish_s"] for r in receipts if r is not None)
     shutil.rmtree(root)
-    return {"mb_s": data / dt / 1e6, "bytes": data, "files": files, "seconds": dt, "median_publish_s": publish,
+    return {"mb_s": data / dt / 1e6, "bytes": data, "seconds": dt,
+            "files": sum(len(r.files) for r in receipts if r is not None),
+            "median_publish_s": statistics.median(r.timings["publish_s"] for r in receipts if r),
             "cpu_s_per_gb": cpu / (data / 1e9), "child_cpu_s_per_gb": child_cpu / (data / 1e9),
             **({"rings_touched": touched} if processes >= 1 else {})}
 
 
 def _children_cpu_s() -> float:
-    """User + system CPU seconds of this process's live descendants (the writer
-    processes): `cpu_s_per_gb` counts only this process, where rows are copied into the
-    rings; the children hash and write."""
-    import psutil
-
+    """CPU seconds of this process's live descendants: the writer processes, which hash and
+    write (`cpu_s_per_gb` counts this process, which copies rows into the rings)."""
     total = 0.0
     for child in psutil.Process().children(recursive=True):
         with contextlib.suppress(psutil.Error):
@@ -254,31 +209,13 @@ def _children_cpu_s() -> float:
     return total
 
 
-
-def _writer_label(args: argparse.Namespace) -> str:
-    """How the headline writer publishes, for the printed headers."""
-    if not args.processes:
-        return "in-process writer"
-    return (f"{args.processes} writer process(es), {args.ring_bytes / MIB:.0f} MiB rings"
-            f"{' (cold)' if args.cold_rings else ''}")
-
-
-def _ring_size(text: str, where: str) -> int:
-    """A writer process's ring size as the server's `--capture-ring` reads it."""
-    try:
-        size = parse_size(text)
-        check_ring_bytes(size, where)
-    except ValueError as exc:
-        raise SystemExit(f"{where}: {exc}") from None
-    return size
-
-
-
 def paired_rounds(work: Path, args: argparse.Namespace) -> dict[str, Any]:
     """P5 by rounds: each round's writer rate over the best disk figure of the same round."""
     rounds: list[dict[str, Any]] = []
     print(f"directory: {work.parent}; {args.total_mib} MiB per measurement; packed writer, "
-          f"{args.workers} threads, digest {args.digest}, {_writer_label(args)}")
+          f"{args.workers} threads, digest {args.digest}, " + (
+              f"{args.processes} writer process(es), {args.ring_bytes / MIB:.0f} MiB rings"
+              f"{' (cold)' if args.cold_rings else ''}" if args.processes else "in-process writer"))
     file_mib = max(1, args.layers * args.prompt * args.hidden * 2 // MIB)  # one request's file
     streams = max(1, args.processes)
     print(f"{'round':>5} {'order':<13}{'dd':>7}{'loop':>7}{'wb loop':>8}{'files':>7}{'direct':>7}"
@@ -292,16 +229,14 @@ def paired_rounds(work: Path, args: argparse.Namespace) -> dict[str, Any]:
             print(f"--max-seconds {args.max_seconds:.0f}: round {r + 1} would not finish; "
                   f"stopping after {r} rounds")
             break
-        disk_first = r % 2 == 0
-        e: dict[str, Any] = {"round": r + 1,
-                             "order": "disk, writer" if disk_first else "writer, disk"}
+        e: dict[str, Any] = {"round": r + 1, "order": "writer, disk" if r % 2 else "disk, writer"}
 
         def disk(e: dict[str, Any] = e) -> None:
-            e["dd_mb_s"] = dd_rate(work, args.total_mib)
-            e["loop_mb_s"] = loop_rate(work, args.total_mib)
-            e["writeback_mb_s"] = loop_rate(work, args.total_mib, writeback=True)
-            e["files_mb_s"] = files_rate(work, args.total_mib, file_mib, streams)
-            e["direct_mb_s"] = direct_rate(work, args.total_mib)
+            n = args.total_mib
+            e.update(dd_mb_s=dd_rate(work, n), loop_mb_s=loop_rate(work, n),
+                     writeback_mb_s=loop_rate(work, n, writeback=True),
+                     files_mb_s=files_rate(work, n, file_mib, streams),
+                     direct_mb_s=direct_rate(work, n))
 
         def writer(e: dict[str, Any] = e) -> None:
             os.sync()
@@ -310,16 +245,15 @@ def paired_rounds(work: Path, args: argparse.Namespace) -> dict[str, Any]:
                                       direct_io=args.direct_io, ring_bytes=args.ring_bytes,
                                       touch_rings=not args.cold_rings)
 
-        for step in ((disk, writer) if disk_first else (writer, disk)):
+        for step in ((writer, disk) if r % 2 else (disk, writer)):
             step()
+        rate = e["writer"]["mb_s"]
         best = max(x for x in (e["dd_mb_s"], e["loop_mb_s"], e["writeback_mb_s"],
                                e["files_mb_s"], e["direct_mb_s"]) if x is not None)
-        e["disk_mb_s"] = best
-        e["ratio"] = e["writer"]["mb_s"] / best
-        e["ratio_vs_dd"] = e["writer"]["mb_s"] / e["dd_mb_s"] if e["dd_mb_s"] else None
         # beside the verdict: the one fsync'd stream alone, and the writer's own file pattern
-        e["ratio_vs_writeback"] = e["writer"]["mb_s"] / e["writeback_mb_s"]
-        e["ratio_vs_files"] = e["writer"]["mb_s"] / e["files_mb_s"]
+        e.update(disk_mb_s=best, ratio=rate / best,
+                 ratio_vs_dd=rate / e["dd_mb_s"] if e["dd_mb_s"] else None,
+                 ratio_vs_writeback=rate / e["writeback_mb_s"], ratio_vs_files=rate / e["files_mb_s"])
         rounds.append(e)
         print(f"{r + 1:>5} {e['order']:<13}{e['dd_mb_s'] or 0:>7.0f}{e['loop_mb_s']:>7.0f}"
               f"{e['writeback_mb_s']:>8.0f}{e['files_mb_s']:>7.0f}{e['direct_mb_s'] or 0:>7.0f}"
@@ -328,16 +262,15 @@ def paired_rounds(work: Path, args: argparse.Namespace) -> dict[str, Any]:
               flush=True)
     ratios = [e["ratio"] for e in rounds]
     lo, hi, med = min(ratios), max(ratios), statistics.median(ratios)
-    verdict = "met" if lo >= 0.8 else "missed" if hi < 0.8 else "unresolved"
+    verdict = perf_models.verdict(lo, hi, 0.8)
     print(f"packed / disk, {len(ratios)} paired rounds: median {med:.3f} ({lo:.3f}-{hi:.3f}), "
           f"target 0.8: {verdict}")
     beside = {}
     for key, what in (("ratio_vs_writeback", "the wb loop alone"),
                       ("ratio_vs_files", "its own file pattern (files)")):
         got = [e[key] for e in rounds]
-        beside[key] = {"median": statistics.median(got), "lo": min(got), "hi": max(got)}
-        print(f"  packed / {what}: median {statistics.median(got):.3f} "
-              f"({min(got):.3f}-{max(got):.3f})")
+        b = beside[key] = {"median": statistics.median(got), "lo": min(got), "hi": max(got)}
+        print(f"  packed / {what}: median {b['median']:.3f} ({b['lo']:.3f}-{b['hi']:.3f})")
     return {"method": "paired", "rounds": rounds, "ratio": med, "lo": lo, "hi": hi,
             "verdict": verdict, **beside}
 
@@ -346,61 +279,50 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dir", type=Path, default=None, help="directory on the disk to measure")
-    ap.add_argument("--total-mib", type=int, default=2048, help="data per measurement")
-    ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--hidden", type=int, default=4096)
-    ap.add_argument("--prompt", type=int, default=512)
+    # --total-mib: data per measurement; --processes: publish through N writer processes (the
+    # engine's path: 1 one child, 2 the default pool on 8+ CPUs; 0, the default: this one)
+    for name, default in (("--total-mib", 2048), ("--layers", 32), ("--hidden", 4096),
+                          ("--prompt", 512), ("--processes", 0)):
+        ap.add_argument(name, type=int, default=default)
     ap.add_argument("--workers", type=int, default=None,
-                    help="writer threads (default: the writer's own default on this machine, "
-                         "what a server uses)")
+                    help="writer threads (default: the writer's own, as a server's)")
     ap.add_argument("--rounds", "--paired-rounds", type=int, default=3,
                     help="paired rounds of disk and writer (order alternating)")
     ap.add_argument("--json", action="store_true", help="also print the figures as JSON")
-    ap.add_argument("--out", type=Path, default=None,
-                    help="write <device>-<date>-storage.json here (bench/summary.py reads it)")
+    ap.add_argument("--out", type=Path, default=None, help="for <device>-<date>-storage.json")
     ap.add_argument("--digest", choices=DIGESTS, default="sha256", help="the writer's file digest")
-    ap.add_argument("--processes", type=int, default=0,
-                    help="publish through N writer processes (the engine's path: 1 one child, "
-                         "2 the default pool on 8+ CPUs); 0 (default) in this process")
     ap.add_argument("--direct-io", action="store_true",
                     help="the writer's data files through O_DIRECT (capture_io: direct)")
-    ap.add_argument("--cold-rings", action="store_true",
-                    help="time writer processes with their rings not yet faulted in (a fresh "
-                         "writer's first pass); by default they are touched first, as a "
-                         "running server's are")
+    ap.add_argument("--cold-rings", action="store_true", help="time writer processes with "
+                    "rings not yet faulted in (default: touched first, as a server's are)")
     ap.add_argument("--ring", default=None, metavar="SIZE",
-                    help="each writer process's ring, as the server's --capture-ring "
-                         "(default: the server's default)")
-    ap.add_argument("--max-seconds", type=float, default=0.0,
-                    help="start no round that would end past this many seconds (judged by the "
-                         "rounds so far), so a time-limited run still prints its verdict")
+                    help="each writer process's ring, as the server's --capture-ring")
+    ap.add_argument("--max-seconds", type=float, default=0.0, help="start no round that "
+                    "would end past this (judged by the rounds so far): a verdict in time")
     args = ap.parse_args(argv)
     if not args.processes and (args.ring is not None or args.cold_rings):
         ap.error("--ring and --cold-rings need --processes (the in-process writer has no ring)")
-    if args.workers is None:
-        args.workers = default_workers()
-    args.ring_bytes = (_ring_size(args.ring, "--ring") if args.ring is not None
-                       else DEFAULT_RING_BYTES)
-    base = args.dir or Path(__file__).parent / "results"  # the disk the checkout is on
+    args.workers = args.workers or default_workers()
+    try:  # the ring size as the server's `--capture-ring` reads it
+        args.ring_bytes = parse_size(args.ring) if args.ring is not None else DEFAULT_RING_BYTES
+        check_ring_bytes(args.ring_bytes, "--ring")
+    except ValueError as exc:
+        ap.error(f"--ring: {exc}")
+    base = args.dir or perf_models.RESULTS  # the disk the checkout is on
     base.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="storage-", suffix=".tmp", dir=base))
     torch.set_num_threads(1)
     try:
-        result: dict[str, object] = {"digest": args.digest, "processes": args.processes,
-                                     "ring_bytes": args.ring_bytes,
-                                     "touch_rings": not args.cold_rings}
-        result.update(paired_rounds(work, args))
+        result = {"digest": args.digest, "processes": args.processes,
+                  "ring_bytes": args.ring_bytes, "touch_rings": not args.cold_rings,
+                  **paired_rounds(work, args)}
         if args.json:
             print(json.dumps(result))
         if args.out is not None:
-            name = device_name("cuda" if torch.cuda.is_available() else "cpu")
-            doc = {"kind": "storage", "date": dt.date.today().isoformat(), "device": name,
-                   "command": "python bench/storage.py " + " ".join(sys.argv[1:]),
-                   "result": result}
-            args.out.mkdir(parents=True, exist_ok=True)
-            path = args.out / f"{device_tag(name)}-{doc['date']}-storage.json"
-            path.write_text(json.dumps(doc, indent=1))
-            print(f"wrote {path}")
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            perf_models.write_result(args.out, {
+                "kind": "storage", **perf_models.meta("storage.py", device), "result": result},
+                "storage")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0

@@ -135,8 +135,12 @@ ENGINE_ORDER = ("qwen3", "qwen3-durable", "qwen3-eager", "llama", "qwen2", "mist
                 "olmoe", "gpt2", "gpt_neox", "starcoder2", "cohere", "gpt_oss", "phi", "vanilla",
                 "qwen3-bf16", "vanilla-bf16", "other", "extract",
                 "qwen3-tp2", "qwen3-pp2",
-                "server-vanilla", "server", "server-reject", "server-dp2", "quickstart")
-SERVERS = frozenset({"server-vanilla", "server", "server-reject", "server-dp2", "quickstart"})
+                "server-vanilla", "server", "server-leftovers", "server-reject", "server-dp2",
+                "quickstart")
+# server-leftovers: the shared server killed after its last test, and the reject server
+# (the next configuration) started after it (tests/server/test_leftovers.py)
+SERVERS = frozenset({"server-vanilla", "server", "server-leftovers", "server-reject",
+                     "server-dp2", "quickstart"})
 TIERS = ("unit", "proc", "engine", "server", "gpu")
 HEAVY = ("engine", "server")
 
