@@ -1,10 +1,6 @@
 """Extraction throughput, side by side (P4): `capsteer extract` vs stock vLLM prefilling the
 same prompts, and vs HF transformers (`output_hidden_states` + safetensors).
 
-    .venv/bin/python bench/extract_bench.py [--prompts 256] [--hidden 512] [--layers 8]
-    python bench/extract_bench.py --device cuda --shape llama3-8b --capture-layers 16 \\
-        --prompts 1280 --prompt-tokens 64-512 --hf-batch 8,16,32,64 --reps 2    # issue 12 P4
-
 Sides (`--sides`), one process each: capsteer (resid_post at the chosen layers x every prompt
 position, its forward stopped after the deepest, as the CLI); capsteer_full (`--full-forward`);
 vllm (max_tokens=1, nothing captured); hf (rows of real tokens saved per batch, `os.sync`;

@@ -10,10 +10,6 @@ latency, each burst's time, capsteer / vanilla ratios per round and over the med
 (above 1 = slower), TTFT and TPOT by start after a burst. Captures are deleted only between
 phases.
 
-    python bench/mixed_latency.py --device cuda --shape llama3-8b-36l --rounds 2 --out $OUT/mixed
-    python bench/mixed_latency.py --device cpu --shape llama-tiny --rounds 1 --quiet-s 10 \\
-        --bursts 2 --burst-requests 8 --burst-every 8 --clients 2        (smoke)
-
 Writes <out>/mixed-latency.json (every request's times). CPU runs are a smoke test only: on 2
 cores vLLM's processes busy-wait, so streamed tokens arrive late and together.
 """

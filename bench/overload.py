@@ -9,9 +9,6 @@ every refusal a 429 with `Retry-After`, as many as the increase of
 `capsteer_capture_rejected_total`, the admitted ok. The writer processes' memory (RssAnon,
 RssShmem: the shared ring, RssFile) after a warm-up, each burst and `--idle-s` idle seconds.
 
-    python bench/overload.py --out /tmp/overload.json
-    python bench/overload.py --policies block --requests 200 --loads 2 --idle-s 0   (quick)
-
 Prints a table per policy; exits 1 when a promise broke.
 """
 

@@ -14,11 +14,6 @@ to the one with the least timed seconds in the earliest phase), so a drifting ho
 all alike. Verdicts use the paired ratios (config / vanilla of the same round): median,
 spread min-max, >= 3 rounds; met / missed only when the spread excludes the target.
 
-    python bench/perf_method.py --device cpu --min-seconds 1 --rounds 1     # smoke
-    python bench/perf_method.py --device cuda --configs vanilla,plain --workloads prefill \\
-        --rounds 3 --step-tokens 8192 --no-identity --no-p3all --out $OUT  # P1 prefill
-    python bench/perf_method.py --summarize DIR [DIR ...]                # merge process files
-
 Process files (`perf-proc-SS-CONFIG.json`, in --out and --work) from calls run with
 `--slots` combine into `<tag>-<date>-perf-method.json`; `--deadline EPOCH` starts no round
 that would not finish.

@@ -11,20 +11,16 @@ fields). After an untimed warm-up, the cases (vanilla runs plain and short):
   distinct_N    N = 1, 32, 256 configs: request i carries inline vector i mod N on every layer
   capture       one layer (resid_post, the middle one), every position
   capture_wait  the same, each response held until its capture is durable
+  readout_probe / readout_sae16k   a probe / a 16k-feature TopK SAE read at that layer,
+                every token, streamed; steer_conditional  steer_all gated by the probe
 
 distinct_N runs `vllm.benchmarks.serve.benchmark` (the CLI's function: the same requests,
 timing and percentiles) with each sample's `request_overrides`. Ratios: each capsteer case
 over vanilla's plain (short over short, req/s) of the same shape and round; distinct_256
 over distinct_1. Figures: the median over rounds, spread min-max; a key's worst shape.
 
-    python bench/serve_bench.py --device cuda --round 1 --work /tmp/sb --out /tmp/sb/out
-        --deadline $D                    (one GPU call per round: bench/README.md)
-    python bench/serve_bench.py --merge DIR [DIR ...] --out DIR --summary
-    python bench/serve_bench.py --device cpu --prompt 16 --output-len 4 --num-prompts 4
-        --concurrency 4 --short-prompts 8 --short-concurrency 4 --max-num-seqs 8   (smoke)
-    python bench/serve_bench.py --attach vanilla=URL --model-dir DIR --out DIR  (running
-        servers; again with --attach capsteer=URL --admin-key K: one summary of both)
-
+Commands (a GPU round, --merge, a CPU smoke run, --attach to running servers):
+bench/README.md.
 Writes <out>/raw/r<round>-<shape>-<config>.json, <out>/serve-bench.json (per-case medians,
 ratios, the serve_* keys) and its PNG; `--summary` records the keys in summary.json.
 """
@@ -51,12 +47,14 @@ from typing import Any
 
 import httpx
 import numpy as np
+from safetensors.numpy import save_file
 
 sys.path.insert(0, str(Path(__file__).parent))  # run as `python bench/serve_bench.py`
 import perf_models
 import summary as summary_file
 
 from capsteer.server.process import ManagedServer, free_port
+from capsteer.steering.readers.registry import ReaderRegistry
 
 CONFIGS = ("vanilla", "capsteer")
 VECTOR_NAME = "serve-bench"
@@ -64,7 +62,7 @@ DISTINCT = (1, 32, 256)
 STEER_SCALE = 0.5
 VECTOR_STD = 0.05  # small: a random-weight model keeps finite activations when steered
 CASE_NAMES = ("plain", "short", "steer_all", *(f"distinct_{n}" for n in DISTINCT),
-              "capture", "capture_wait")
+              "capture", "capture_wait", "readout_probe", "readout_sae16k", "steer_conditional")
 METRICS = ("completed", "failed", "duration", "request_throughput", "output_throughput",
            "total_token_throughput", "max_concurrent_requests",
            *(f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el") for s in ("mean", "p50", "p99")))
@@ -76,7 +74,8 @@ KEYS = {"serve_plain": ("plain", "throughput"), "serve_steer_all": ("steer_all",
         "serve_capture_one_layer_wait": ("capture_wait", "throughput"),
         "serve_short_rps": ("short", "throughput"),
         "serve_ttft_p99_plain": ("plain", "p99_ttft_ms"),
-        "serve_tpot_p99_plain": ("plain", "p99_tpot_ms")}
+        "serve_tpot_p99_plain": ("plain", "p99_tpot_ms"),
+        **{k: (k, "throughput") for k in ("readout_probe", "readout_sae16k", "steer_conditional")}}
 MIN_ROUNDS = 3  # fewer interleaved starts than this: every verdict stays unresolved
 
 
@@ -96,10 +95,17 @@ def cases(config: str, layers: int, chosen: tuple[str, ...]) -> list[Case]:
     steer = {"steering": {"vectors": [{"hook": "resid_post", "vector": {"name": VECTOR_NAME},
                                        "scale": STEER_SCALE}]}}
     cap = {"capture": {"hooks": ["resid_post"], "layers": [layers // 2], "positions": "all"}}
+    read = {"hook": "resid_post", "layer": layers // 2}  # a probe / a 16k TopK SAE, every token
+    when = {"when": {"reader": {"name": "sb-probe"}, "index": 0, "above": 0.0}}
     every = [Case("plain", "long"), Case("short", "short"), Case("steer_all", "long", steer),
              *(Case(f"distinct_{n}", "long", distinct=n) for n in DISTINCT),
              Case("capture", "long", cap, capture=True),
-             Case("capture_wait", "long", {**cap, "capture_wait": True}, capture=True)]
+             Case("capture_wait", "long", {**cap, "capture_wait": True}, capture=True),
+             Case("readout_probe", "long", {"readout": [{"reader": {"name": "sb-probe"}, **read}]}),
+             Case("readout_sae16k", "long", {"readout": [{"reader": {"name": "sb-sae16k"},
+                                                          "top_k": 16, **read}]}),
+             Case("steer_conditional", "long", {"steering": {"vectors": [
+                 {**steer["steering"]["vectors"][0], **when}]}})]
     own = ("plain", "short") if config == "vanilla" else CASE_NAMES
     return [Case("warm-up", "warm-up"), *(c for c in every if c.name in own and c.name in chosen)]
 
@@ -223,6 +229,22 @@ def put_vector(url: str, layers: int, hidden: int, admin_key: str | None) -> Non
               timeout=60).raise_for_status()
 
 
+def put_readers(root: Path, hidden: int) -> None:
+    """The readout cases' probe and 16k TopK SAE (SAELens's files), in --readers-dir."""
+    rng = np.random.default_rng(12)
+    sae = {"W_enc": rng.standard_normal((hidden, 16384), np.float32) / hidden ** 0.5,
+           "b_enc": np.zeros(16384, np.float32), "b_dec": np.zeros(hidden, np.float32),
+           "W_dec": rng.standard_normal((16384, hidden), np.float32) / 128}
+    (root / "sb-sae16k").mkdir(parents=True, exist_ok=True)
+    save_file(sae, str(root / "sb-sae16k" / "sae_weights.safetensors"))
+    (root / "sb-sae16k" / "cfg.json").write_text(json.dumps({
+        "architecture": "topk", "k": 64, "d_in": hidden, "d_sae": 16384,
+        "sae_lens_version": "6.5.0"}))
+    probe = io.BytesIO()
+    np.save(probe, rng.standard_normal((1, hidden), np.float32))
+    ReaderRegistry(root, hidden_size=hidden).put("sb-probe", probe.getvalue(), "npy")
+
+
 def drive(config: str, url: str, model: str, a: argparse.Namespace, raw_dir: Path,
           tag: str, capture_dir: Path | None) -> dict[str, Any]:
     """Every case of `config` against the server at `url`, in one client process."""
@@ -230,8 +252,10 @@ def drive(config: str, url: str, model: str, a: argparse.Namespace, raw_dir: Pat
     if config == "capsteer":
         geo = httpx.get(url + "/v1/capsteer/hooks", timeout=30).json()
         layers, hidden = int(geo["num_layers"]), int(geo["hidden_size"])
-        if "steer_all" in a.cases:
+        if {"steer_all", "steer_conditional"} & set(a.cases):
             put_vector(url, layers, hidden, a.admin_key)
+        if {"readout_probe", "readout_sae16k", "steer_conditional"} & set(a.cases):
+            put_readers(a.readers_dir or a.work / "readers", hidden)
     result_dir = raw_dir / tag
     shutil.rmtree(result_dir, ignore_errors=True)
     result_dir.mkdir(parents=True)
@@ -276,7 +300,8 @@ def server_argv(config: str, model: Path, shape: str, a: argparse.Namespace, por
     if config == "vanilla":
         return [*argv, "--vanilla"]
     return [*argv, "--capture-dir", str(a.work / "captures"), "--steering-dir",
-            str(a.work / "vectors"), "--admin-key", a.admin_key, *a.capsteer_flags]
+            str(a.work / "vectors"), "--readers-dir", str(a.work / "readers"),
+            "--admin-key", a.admin_key, *a.capsteer_flags]
 
 
 def model_for(shape: str, a: argparse.Namespace) -> Path:
@@ -303,7 +328,7 @@ def run_managed(a: argparse.Namespace) -> None:
                 continue
             for config in order:
                 tag, port = f"r{r}-{shape}-{config}", free_port()
-                for d in (a.work / tag, a.work / "captures", a.work / "vectors"):
+                for d in (a.work / tag, *(a.work / x for x in ("captures", "vectors", "readers"))):
                     shutil.rmtree(d, ignore_errors=True)
                     d.mkdir(parents=True)
                 argv = server_argv(config, model, shape, a, port)
@@ -497,12 +522,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                           ("--min-server-s", 170.0)):
         ap.add_argument(name, type=float, default=default)
     ap.add_argument("--work", type=Path, default=Path("/tmp/capsteer-serve-bench"))
+    ap.add_argument("--readers-dir", type=Path, help="--attach: capsteer's (else under --work)")
     ap.add_argument("--out", type=Path, default=Path(perf_models.default_out()) / "serve")
     ap.add_argument("--merge", type=Path, nargs="+", default=None, metavar="DIR",
                     help="run nothing: summarize the raw files of these --out dirs into --out")
-    ap.add_argument("--summary", action="store_true", help="merge the serve_* keys into the summary")
+    ap.add_argument("--summary", action="store_true", help="record the keys in the summary")
     ap.add_argument("--summary-path", type=Path, default=summary_file.DEFAULT)
-    ap.add_argument("--allow-cpu", action="store_true")
+    ap.add_argument("--allow-cpu", action="store_true")  # and, hidden, a client's plan:
     ap.add_argument("--client", type=Path, default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     a.shapes = (a.shapes or ("qwen3-0.6b,llama3-8b" if a.device == "cuda" else "demo")).split(",")

@@ -11,9 +11,6 @@ open to the last manifest durable; MB/s counts published data bytes. A round's r
 writer's rate over the round's best disk figure, so a drifting disk moves both sides alike;
 ratio = the rounds' median, spread = min-max, met where every round reaches 0.8, missed
 where none does. Beside it: the writer over the writeback loop and over the files loop.
-
-    python bench/storage.py --dir /tmp/st --total-mib 4096 --processes 2 --rounds 3
-    python bench/storage.py --dir /tmp/st --total-mib 128 --layers 4 --rounds 1   # smoke
 """
 
 from __future__ import annotations

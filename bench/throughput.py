@@ -5,9 +5,6 @@ P2); capture (resid_post at every layer x every prompt position, durable: P3). `
 103 requests x 128 prompt tokens x all layers to durable (Llama-3-8B widths with 36 layers on
 cuda). perf_method.py is the method behind the verdicts; this is the quick look: median of
 the timed repetitions (CAPSTEER_BENCH_REPS) after a warm-up, fresh prompts every batch.
-
-    python bench/throughput.py --device cpu                   # smoke, tiny shape
-    python bench/throughput.py --device cuda --p6 --out $OUT  # P6 on the GPU
 """
 
 from __future__ import annotations

@@ -23,10 +23,11 @@ TINY = ["--device", "cpu", "--shapes", "demo", "--prompt", "16", "--output-len",
         "--short-concurrency", "4", "--client-timeout", "240"]
 VANILLA_CASES = {"plain", "short"}
 CAPSTEER_CASES = {"plain", "short", "steer_all", "distinct_1", "distinct_32", "distinct_256",
-                  "capture", "capture_wait"}
+                  "capture", "capture_wait", "readout_probe", "readout_sae16k",
+                  "steer_conditional"}
 KEYS = {"serve_plain", "serve_steer_all", "serve_distinct_256", "serve_capture_one_layer",
         "serve_capture_one_layer_wait", "serve_short_rps", "serve_ttft_p99_plain",
-        "serve_tpot_p99_plain"}
+        "serve_tpot_p99_plain", "readout_probe", "readout_sae16k", "steer_conditional"}
 
 
 @pytest.fixture(scope="session")
@@ -68,7 +69,8 @@ def test_serve_bench_every_case_and_key(engine_pool, model_dirs, server_root, be
     if not (bench_out / "raw" / "r1-demo-vanilla.json").exists():  # run alone (-k): its own
         _vanilla_half(engine_pool, model_dirs, server_root, bench_out)
     capsteer = main_server(engine_pool, model_dirs, server_root)
-    _harness(bench_out, model_dirs["qwen3"], f"capsteer={capsteer.url}", "--admin-key", ADMIN_KEY)
+    _harness(bench_out, model_dirs["qwen3"], f"capsteer={capsteer.url}", "--admin-key", ADMIN_KEY,
+             "--readers-dir", str(server_root / "server" / "readers"))
     # the shared server's registry as the other tests know it
     assert httpx.delete(capsteer.url + "/v1/steering/vectors/serve-bench",
                         headers={"X-Admin-Key": ADMIN_KEY}, timeout=30).status_code == 200
