@@ -103,11 +103,9 @@ class StepPlan:
 def _same_map(a: tuple, b: tuple) -> bool:
     """Whether two composed maps (u, alpha, w, gate) are equal (then they share an entry)."""
     (u, alpha, w, gate), (u2, alpha2, w2, gate2) = a, b
-    if alpha != alpha2 or not (torch.equal(u, u2) and torch.equal(w, w2)):
-        return False
-    if gate is None or gate2 is None:
-        return gate is gate2
-    return gate[1] == gate2[1] and torch.equal(gate[0], gate2[0])
+    same_gate = gate is gate2 or (gate is not None and gate2 is not None and
+                                  gate[1] == gate2[1] and torch.equal(gate[0], gate2[0]))
+    return same_gate and alpha == alpha2 and torch.equal(u, u2) and torch.equal(w, w2)
 
 
 def _pinned_copy(host: torch.Tensor) -> torch.Tensor:
@@ -146,9 +144,8 @@ class HookRuntime:
         self.device = device
         self.device_driven = device_driven
         self.max_tokens = max_tokens
-        # Entry 0 is the identity (alpha 0, u 0, w 0). y = x + alpha * (src . u) u + w,
-        # at tokens where the entry's gate passes: ungated (gated 0), or src . gate +
-        # gate_b > 0 (a `when`, steering/conditions.py); src is read before the entry.
+        # Entry 0 is the identity (alpha 0, u 0, w 0). y = x + alpha * (src . u) u + w where
+        # the entry is ungated (gated 0) or src . gate + gate_b > 0 (a `when`), src before it.
         self.u = torch.zeros(max_entries, hidden_size, dtype=torch.float32, device=device)
         self.w = torch.zeros_like(self.u)
         self.alpha = torch.zeros(max_entries, dtype=torch.float32, device=device)
@@ -585,8 +582,7 @@ class HookRuntime:
             self.staging.index_copy_(0, dst, val)
 
     def _passes(self, src: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
-        """[k, 1] bool: each row's entry is ungated, or its gate's score is above 0 (the
-        Triton kernel's test: score = gate_b + src . gate, in float32)."""
+        """[k, 1]: each row's entry is ungated or gate_b + src . gate > 0 (as the kernel)."""
         score = self.gate_b[entries] + (src * self.gate[entries]).sum(-1)
         return ((self.gated[entries] == 0) | (score > 0)).unsqueeze(1)
 
