@@ -95,9 +95,13 @@ if triton is not None:
                     # and, on the stream, the residual.
                     if entry != 0:
                         # A gated entry (`when`) applies where gate_b + src . gate > 0, src
-                        # read before it; an ungated one (gate_b 1) reads no more than that.
+                        # read before it; an ungated one has gate_b 1. Its scalars load with
+                        # alpha and w, so an ungated entry's chain of loads is no longer.
+                        alpha = tl.load(alpha_ptr + entry)
                         score = tl.load(gate_b_ptr + entry)
-                        if tl.load(gated_ptr + entry) != 0:
+                        gated = tl.load(gated_ptr + entry)
+                        w = tl.load(w_ptr + entry * hidden + offs, mask=mask, other=0.0)
+                        if gated != 0:
                             g = tl.load(gate_ptr + entry * hidden + offs, mask=mask, other=0.0)
                             if kind == 1 and HAS_RES:
                                 r = tl.load(r_ptr + row * stride_r + offs, mask=mask,
@@ -106,8 +110,6 @@ if triton is not None:
                             else:
                                 score = score + tl.sum(x * g, axis=0)
                         if score > 0.0:
-                            alpha = tl.load(alpha_ptr + entry)
-                            w = tl.load(w_ptr + entry * hidden + offs, mask=mask, other=0.0)
                             if alpha != 0.0:
                                 u = tl.load(u_ptr + entry * hidden + offs, mask=mask,
                                             other=0.0)
