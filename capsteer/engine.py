@@ -179,7 +179,7 @@ class Engine:
         self.num_stages = int(self.llm.llm_engine.vllm_config.parallel_config
                               .pipeline_parallel_size)
         self.vector_lookup = vector_lookup
-        # name -> reader tensors (e.g. ReaderRegistry.get): `when` gates, SAE-feature vectors
+        # name -> reader tensors (ReaderRegistry.tensors): `when` gates, SAE-feature vectors
         self.reader_lookup = reader_lookup
         self.tokenizer = self.llm.get_tokenizer()
         self.capture_dir = extra["capsteer"].get("capture_dir")

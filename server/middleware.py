@@ -217,7 +217,7 @@ class CapsteerMiddleware:
                 default_layout=state.settings.capture_layout,
                 capture_default=state.settings.capture_default,
                 readers=state.readers.lookup if state.readers is not None else None,
-                reader_tensors=state.readers.get if state.readers is not None else None)
+                reader_tensors=state.readers.tensors if state.readers is not None else None)
             capture_id = new_capture_id() if hooks.capture is not None else None
             readout_id = new_readout_id() if hooks.readout else None
             dir_time = time.time()

@@ -316,3 +316,17 @@ def test_gated_steering_in_dense_mode_equals_host_mode_and_the_rule(registry):
     # Rows of other requests: the plain one untouched, the ungated one steered as before.
     assert torch.equal(x[:4], x0[:4])
     assert not torch.equal(x[24:], x0[24:])
+
+
+def test_the_server_reuses_reader_tensors_until_the_reader_changes(tmp_path):
+    reg = ReaderRegistry(tmp_path, hidden_size=HIDDEN)
+    body = {"weight": [[0.5] * HIDDEN], "activation": "sigmoid"}
+    reg.put("p", json.dumps(body).encode(), "json")
+    first = reg.tensors("p")
+    assert reg.tensors("p") is first
+    reg.put("p", json.dumps({**body, "weight": [[0.25] * HIDDEN]}).encode(), "json")
+    again = reg.tensors("p")
+    assert again is not first and float(again.weight[0, 0]) == 0.25
+    reg.delete("p")
+    with pytest.raises(KeyError):
+        reg.tensors("p")
