@@ -16,13 +16,15 @@ from capsteer.engine_ext.runtime import HookRuntime
 from tests.unit.helpers import HIDDEN, LAYERS, hooks_for, probe_readers
 
 
-def run(dtype: torch.dtype, layout: str) -> None:
+def run(dtype: torch.dtype, layout: str, device: str = "cpu") -> None:
     """`deferred`: one call per site carries both kinds (sublayer output + residual, as
-    before vLLM's fused add+norm); `materialized`: one call per kind, no residual."""
+    before vLLM's fused add+norm); `materialized`: one call per kind, no residual.
+    `device` cuda: the compiled kernel, launched by the JIT and then directly (the same
+    specialisation at later sites), on the lent GPU (tests/gpu/gpu_tap_gate_check.py)."""
     results = []
     for use_kernel in (True, False):
-        rt = HookRuntime(LAYERS, HIDDEN, dtype, torch.device("cpu"), max_tokens=64, staging_rows=256,
-                         device_driven=True)
+        rt = HookRuntime(LAYERS, HIDDEN, dtype, torch.device(device), max_tokens=64,
+                         staging_rows=256, device_driven=True)
         reqs = {
             "a": hooks_for("a", 3, rt=rt, capture={"hooks": ["resid_mid", "attn_out"],
                                                    "positions": "all"},
@@ -64,6 +66,7 @@ def run(dtype: torch.dtype, layout: str) -> None:
         probe = probe_readers(4)("probe")
         passes = (x[15:23].float() @ probe.weight[0] + probe.bias[0]) > 0
         assert 0 < int(passes.sum()) < 8, passes
+        x, res, stream = x.to(device), res.to(device), stream.to(device)
         tap = functools.partial(tap_kernel.tap, rt) if use_kernel else rt._tap_dense_torch
         for site in range(2 * LAYERS + 1):
             if layout == "deferred":
@@ -71,7 +74,7 @@ def run(dtype: torch.dtype, layout: str) -> None:
                 continue
             for t, kinds in ((x, SUB_BIT), (stream, STREAM_BIT)):
                 tap(t, None, site, kinds)
-        results.append((x.clone(), stream.clone(), rt.staging[: plan.staging_rows].clone()))
+        results.append((x.cpu(), stream.cpu(), rt.staging[: plan.staging_rows].cpu()))
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     for got, want in zip(results[0], results[1], strict=True):
         torch.testing.assert_close(got, want, **tol)
