@@ -37,9 +37,14 @@ def load_hf(model_dir: str, dtype: torch.dtype = torch.float32, device: str = "c
 
 
 def _apply(op, target: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """The op on `target` (ablate/clamp project target itself) at the masked positions."""
+    """The op on `target` (ablate/clamp project target itself) at the masked positions,
+    where its `when` gate passes on `target` (exact for one gated op per point: capsteer
+    reads a point's gate once, before every op there)."""
     vec = torch.as_tensor(op.vector, dtype=torch.float32, device=target.device)
     tf = target.float()
+    if getattr(op, "gate", None) is not None:
+        gate = torch.as_tensor(op.gate, dtype=torch.float32, device=target.device)
+        mask = mask & ((tf * gate).sum(-1) + op.gate_bias > 0)
     if op.op == "add":
         delta = op.scale * vec
     else:

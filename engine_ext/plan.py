@@ -183,22 +183,30 @@ def shared_site_set(sites: frozenset[int]) -> frozenset[int]:
     return _SITE_SETS.setdefault(sites, sites)
 
 
+Gate = tuple[torch.Tensor, float] | None  # (g, b): applies where src . g + b > 0
+
+
 def compose_entries(
     spec: SteeringSpec, hidden: int
-) -> dict[tuple[int, int, int], tuple[torch.Tensor, float, torch.Tensor]]:
+) -> dict[tuple[int, int, int], tuple[torch.Tensor, float, torch.Tensor, Gate]]:
     """Fold a request's ops into one affine map per (kind, site, position class).
 
     Each map is y = x + alpha * (src . u) u + w, applied to the sublayer output
-    (kind SUB, src = x) or to the stream (kind STREAM, src = x + residual). Ops
-    compose in request order; the parser allows one projection per point.
+    (kind SUB, src = x) or to the stream (kind STREAM, src = x + residual), at tokens
+    where its gate passes (src . g + b > 0, src before the map; no gate: every token).
+    Ops compose in request order; the parser allows one projection per point, and one
+    gate (the same `when` on every op there, or none).
     """
     maps: dict[tuple[int, int, int], list] = {}
+    gates: dict[tuple[int, int, int], Gate] = {}
     for op in spec.ops:
         kind, site = hook_point(op.hook, op.layer)
         classes = (PROMPT, GENERATED) if op.positions == "all" else (
             (PROMPT,) if op.positions == "prompt" else (GENERATED,))
         vec = torch.from_numpy(op.vector.copy())
+        gate = None if op.gate is None else (torch.from_numpy(op.gate.copy()), op.gate_bias)
         for cls in classes:
+            gates[(kind, site, cls)] = gate
             u, alpha, w = maps.setdefault(
                 (kind, site, cls), [torch.zeros(hidden), 0.0, torch.zeros(hidden)])
             if op.op == "add":
@@ -209,7 +217,7 @@ def compose_entries(
                 if op.op == "clamp":
                     w = w + op.value * u
             maps[(kind, site, cls)] = [u, alpha, w]
-    return {k: (u, alpha, w) for k, (u, alpha, w) in maps.items()}
+    return {k: (u, alpha, w, gates[k]) for k, (u, alpha, w) in maps.items()}
 
 
 def build_step_plan(

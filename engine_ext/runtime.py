@@ -100,6 +100,14 @@ class StepPlan:
         return not self.steer and not self.capture
 
 
+def _same_map(a: tuple, b: tuple) -> bool:
+    """Whether two composed maps (u, alpha, w, gate) are equal (then they share an entry)."""
+    (u, alpha, w, gate), (u2, alpha2, w2, gate2) = a, b
+    same_gate = gate is gate2 or (gate is not None and gate2 is not None and
+                                  gate[1] == gate2[1] and torch.equal(gate[0], gate2[0]))
+    return same_gate and alpha == alpha2 and torch.equal(u, u2) and torch.equal(w, w2)
+
+
 def _pinned_copy(host: torch.Tensor) -> torch.Tensor:
     """`host` in a pinned block, copied on this thread (`copy_rows`): torch's own copy
     splits a large tensor over its OpenMP team, whose threads then spin on their cores
@@ -136,10 +144,15 @@ class HookRuntime:
         self.device = device
         self.device_driven = device_driven
         self.max_tokens = max_tokens
-        # Entry 0 is the identity (alpha 0, u 0, w 0). y = x + alpha * (src . u) u + w
+        # Entry 0 is the identity (alpha 0, u 0, w 0). y = x + alpha * (src . u) u + w where
+        # the entry is ungated (gated 0) or src . gate + gate_b > 0 (a `when`), src before it.
         self.u = torch.zeros(max_entries, hidden_size, dtype=torch.float32, device=device)
         self.w = torch.zeros_like(self.u)
         self.alpha = torch.zeros(max_entries, dtype=torch.float32, device=device)
+        self.gate = torch.zeros_like(self.u)
+        self.gate_b = torch.ones(max_entries, dtype=torch.float32, device=device)
+        self.gated = torch.zeros(max_entries, dtype=torch.int32, device=device)
+        self.gated_entries = 0  # host mode skips the gate's arithmetic while none is gated
         self.free_entries = list(range(max_entries - 1, 0, -1))
         # Identical steering specs share entries: key -> (entries, refcount)
         self.shared: dict[str, tuple[dict, int]] = {}
@@ -216,16 +229,23 @@ class HookRuntime:
         dst.copy_(_pinned_copy(torch.from_numpy(host)), non_blocking=True)
 
     # ---- steering tables (written when a request arrives, not per step) ----
-    def alloc_entry(self, u: torch.Tensor, alpha: float, w: torch.Tensor) -> int:
+    def alloc_entry(self, u: torch.Tensor, alpha: float, w: torch.Tensor,
+                    gate: tuple[torch.Tensor, float] | None = None) -> int:
         while not self.free_entries and self.idle:  # room from the longest-idle spec
             self._free_spec(*self.idle.popitem(last=False))
         if not self.free_entries:
             raise RuntimeError("capsteer: steering table full (raise max_entries)")
         idx = self.free_entries.pop()
-        row = self._upload(torch.stack([u.float(), w.float()]).cpu())
+        rows = [u.float(), w.float()] + ([] if gate is None else [gate[0].float()])
+        row = self._upload(torch.stack(rows).cpu())
         self.u[idx].copy_(row[0])
         self.w[idx].copy_(row[1])
         self.alpha[idx] = alpha
+        if gate is not None:
+            self.gate[idx].copy_(row[2])
+            self.gate_b[idx] = gate[1]
+            self.gated[idx] = 1
+            self.gated_entries += 1
         return idx
 
     def acquire_entries(self, key: str, build) -> dict:
@@ -243,13 +263,12 @@ class HookRuntime:
             # positions (the usual `positions: all`) holds one entry for both classes, so
             # its slot row does not depend on the class (`uniform_slots`) and the table
             # holds twice as many specs.
-            made: dict[tuple[int, int], list[tuple[torch.Tensor, float, torch.Tensor, int]]] = {}
+            made: dict[tuple[int, int], list[tuple[tuple, int]]] = {}
             try:
-                for k, (u, alpha, w) in build().items():
-                    same = [i for u2, a2, w2, i in made.get(k[:2], ())
-                            if a2 == alpha and torch.equal(u2, u) and torch.equal(w2, w)]
-                    entries[k] = same[0] if same else self.alloc_entry(u, alpha, w)
-                    made.setdefault(k[:2], []).append((u, alpha, w, entries[k]))
+                for k, mapping in build().items():
+                    same = [i for m2, i in made.get(k[:2], ()) if _same_map(m2, mapping)]
+                    entries[k] = same[0] if same else self.alloc_entry(*mapping)
+                    made.setdefault(k[:2], []).append((mapping, entries[k]))
             except Exception:
                 for idx in set(entries.values()):
                     self.free_entry(idx)
@@ -278,6 +297,11 @@ class HookRuntime:
         self.u[idx].zero_()
         self.w[idx].zero_()
         self.alpha[idx] = 0.0
+        if self.gated[idx]:
+            self.gate[idx].zero_()
+            self.gate_b[idx] = 1.0
+            self.gated[idx] = 0
+            self.gated_entries -= 1
         self.free_entries.append(idx)
 
     def alloc_slot(self, entries: dict[tuple[int, int, int], int], key: str | None = None,
@@ -517,8 +541,10 @@ class HookRuntime:
                 src = xs if kind == SUB or residual is None else xs + residual[rows].float()
                 u = self.u[entries]
                 proj = (src * u).sum(-1, keepdim=True)
-                xs = xs + self.alpha[entries].unsqueeze(1) * proj * u + self.w[entries]
-                x[rows] = xs.to(x.dtype)
+                steered = xs + self.alpha[entries].unsqueeze(1) * proj * u + self.w[entries]
+                if self.gated_entries:  # host mode has no graphs: a host branch is fine
+                    steered = torch.where(self._passes(src, entries), steered, xs)
+                x[rows] = steered.to(x.dtype)
             rows = plan.capture.get((kind, site))
             if rows is not None:
                 val = x[rows]  # advanced indexing copies: later in-place kernels cannot touch it
@@ -546,12 +572,19 @@ class HookRuntime:
             src = xf if kind == SUB or residual is None else xf + residual.float()
             u = self.u[entries]
             proj = (src * u).sum(-1, keepdim=True)
-            x.copy_((xf + self.alpha[entries].unsqueeze(1) * proj * u + self.w[entries]).to(x.dtype))
+            steered = xf + self.alpha[entries].unsqueeze(1) * proj * u + self.w[entries]
+            # Always evaluated (a graph recorded now replays with later requests' gates).
+            x.copy_(torch.where(self._passes(src, entries), steered, xf).to(x.dtype))
             val = x if kind == SUB or residual is None else (x + residual).to(x.dtype)
             base = self.point_base[slot, kind, site]
             dst = torch.where((base >= 0) & (rank >= 0), base + rank,
                               torch.full_like(base, self.trash_row))
             self.staging.index_copy_(0, dst, val)
+
+    def _passes(self, src: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
+        """[k, 1]: each row's entry is ungated or gate_b + src . gate > 0 (as the kernel)."""
+        score = self.gate_b[entries] + (src * self.gate[entries]).sum(-1)
+        return ((self.gated[entries] == 0) | (score > 0)).unsqueeze(1)
 
     def take_captured(self) -> dict[tuple[int, int], torch.Tensor]:
         """Host mode: rows copied this step, per (kind, site), in plan order."""

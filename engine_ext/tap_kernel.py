@@ -3,7 +3,8 @@
 Rows of requests without hooks (slot 0, most rows in a typical batch) return at
 once, so a site costs one small launch instead of a dozen full-tensor passes. The
 arithmetic is the torch reference's (`HookRuntime._tap_dense_torch`): per kind (sublayer
-output, then stream) x <- round(x + alpha (src.u) u + w), then the captured value is
+output, then stream) x <- round(x + alpha (src.u) u + w) where the entry's gate passes
+(ungated, or gate_b + src.gate > 0), then the captured value is
 copied to its staging row. A row reads only what its entries need (identity: nothing,
 `add`: w, projections: u and the residual) and writes x back only when steered, so
 steering every layer costs one small read of w per steered row and site.
@@ -58,7 +59,8 @@ if triton is not None:
     # for a multiple of 16 would be wrong for other sites when launched directly).
     @triton.jit(do_not_specialize=["site"])
     def _tap(x_ptr, r_ptr, slot_ptr, gen_ptr, rank_ptr, slot_entry_ptr, point_base_ptr,
-             u_ptr, w_ptr, alpha_ptr, staging_ptr, site, num_sites, hidden, stride_x, stride_r,
+             u_ptr, w_ptr, alpha_ptr, gate_ptr, gate_b_ptr, gated_ptr, staging_ptr, site,
+             num_sites, hidden, stride_x, stride_r,
              stride_s, HAS_RES: tl.constexpr, KINDS: tl.constexpr, DTYPE: tl.constexpr,
              BLOCK: tl.constexpr):
         # A decode step's tap covers a few hundred rows, so its time is the chain of
@@ -92,19 +94,34 @@ if triton is not None:
                     # and writes nothing back; `add` reads w only; a projection also reads u
                     # and, on the stream, the residual.
                     if entry != 0:
+                        # A gated entry (`when`) applies where gate_b + src . gate > 0, src
+                        # read before it; an ungated one has gate_b 1. Its scalars load with
+                        # alpha and w, so an ungated entry's chain of loads is no longer.
                         alpha = tl.load(alpha_ptr + entry)
+                        score = tl.load(gate_b_ptr + entry)
+                        gated = tl.load(gated_ptr + entry)
                         w = tl.load(w_ptr + entry * hidden + offs, mask=mask, other=0.0)
-                        if alpha != 0.0:
-                            u = tl.load(u_ptr + entry * hidden + offs, mask=mask, other=0.0)
+                        if gated != 0:
+                            g = tl.load(gate_ptr + entry * hidden + offs, mask=mask, other=0.0)
                             if kind == 1 and HAS_RES:
                                 r = tl.load(r_ptr + row * stride_r + offs, mask=mask,
                                             other=0.0).to(tl.float32)
-                                proj = tl.sum((x + r) * u, axis=0)
+                                score = score + tl.sum((x + r) * g, axis=0)
                             else:
-                                proj = tl.sum(x * u, axis=0)
-                            x = x + alpha * proj * u
-                        x = (x + w).to(DTYPE).to(tl.float32)
-                        tl.store(x_ptr + row * stride_x + offs, x.to(DTYPE), mask=mask)
+                                score = score + tl.sum(x * g, axis=0)
+                        if score > 0.0:
+                            if alpha != 0.0:
+                                u = tl.load(u_ptr + entry * hidden + offs, mask=mask,
+                                            other=0.0)
+                                if kind == 1 and HAS_RES:
+                                    r = tl.load(r_ptr + row * stride_r + offs, mask=mask,
+                                                other=0.0).to(tl.float32)
+                                    proj = tl.sum((x + r) * u, axis=0)
+                                else:
+                                    proj = tl.sum(x * u, axis=0)
+                                x = x + alpha * proj * u
+                            x = (x + w).to(DTYPE).to(tl.float32)
+                            tl.store(x_ptr + row * stride_x + offs, x.to(DTYPE), mask=mask)
                     if (base >= 0) & (rank >= 0):
                         if kind == 1 and HAS_RES:
                             r = tl.load(r_ptr + row * stride_r + offs, mask=mask,
@@ -176,14 +193,16 @@ def tap(runtime, x: torch.Tensor, residual: torch.Tensor | None, site: int,
     consts = (residual is not None, kinds, _TL[x.dtype], triton.next_power_of_2(hidden))
     kernel = _tap[(n,)](
         x, res, runtime.tok_slot, runtime.tok_gen, runtime.tok_rank, runtime.slot_entry,
-        runtime.point_base, runtime.u, runtime.w, runtime.alpha, runtime.staging, site,
+        runtime.point_base, runtime.u, runtime.w, runtime.alpha, runtime.gate, runtime.gate_b,
+        runtime.gated, runtime.staging, site,
         runtime.num_sites, hidden, x.stride(0), res.stride(0), runtime.staging.stride(0),
         HAS_RES=consts[0], KINDS=consts[1], DTYPE=consts[2], BLOCK=consts[3])
     if runtime.tap_direct and all(hasattr(kernel, a) for a in ("run", "function",
                                                              "packed_metadata")):
         fixed = tuple(t.data_ptr() for t in (
             runtime.tok_slot, runtime.tok_gen, runtime.tok_rank, runtime.slot_entry,
-            runtime.point_base, runtime.u, runtime.w, runtime.alpha, runtime.staging))
+            runtime.point_base, runtime.u, runtime.w, runtime.alpha, runtime.gate,
+            runtime.gate_b, runtime.gated, runtime.staging))
         runtime.tap_launchers[key] = (kernel.run, kernel.function, kernel.packed_metadata,
                                       torch.cuda.current_device(), fixed,
                                       (runtime.staging.stride(0), *consts))

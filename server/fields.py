@@ -19,6 +19,7 @@ from typing import Any
 from capsteer.capture.spec import CaptureSpec, SpecError, parse_capture_spec
 from capsteer.capture.writer.budget import estimate_bytes
 from capsteer.engine_ext.payload import EXTRA_ARGS_KEY, build_payload
+from capsteer.steering.conditions import ReaderGetter
 from capsteer.steering.readers.readout import (
     ReaderLookup,
     ReadoutItem,
@@ -128,9 +129,11 @@ def _prompt_count(prompt: object) -> int:
 def parse_hook_fields(
     body: dict[str, Any], shape: ModelShape, *, lookup: VectorLookup | None,
     default_layout: str, capture_default: Mapping[str, Any] | None,
-    readers: ReaderLookup | None = None,
+    readers: ReaderLookup | None = None, reader_tensors: ReaderGetter | None = None,
 ) -> HookFields:
-    """Validate the capsteer fields of an (extra_body-lifted) request body."""
+    """Validate the capsteer fields of an (extra_body-lifted) request body. `readers`:
+    the reader registry's shapes (readout); `reader_tensors`: its tensors by name
+    (steering `when` gates, SAE-feature vectors)."""
     refuse_reserved_args(body)  # also when the fields ask for nothing (capture: false)
     capture = None
     raw_capture = body.get("capture")
@@ -160,7 +163,8 @@ def parse_hook_fields(
         try:
             steering = parse_steering_spec(raw_steering, num_layers=shape.num_layers,
                                            hidden_size=shape.hidden_size, lookup=lookup,
-                                           unavailable=shape.unavailable)
+                                           unavailable=shape.unavailable,
+                                           readers=reader_tensors)
         except SteeringSpecError as exc:
             raise FieldError(exc.field, exc.reason) from None
     if _lax_true(body.get("use_beam_search")) and (

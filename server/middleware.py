@@ -216,7 +216,8 @@ class CapsteerMiddleware:
                 body, state.shape, lookup=state.registry.lookup,
                 default_layout=state.settings.capture_layout,
                 capture_default=state.settings.capture_default,
-                readers=state.readers.lookup if state.readers is not None else None)
+                readers=state.readers.lookup if state.readers is not None else None,
+                reader_tensors=state.readers.tensors if state.readers is not None else None)
             capture_id = new_capture_id() if hooks.capture is not None else None
             readout_id = new_readout_id() if hooks.readout else None
             dir_time = time.time()

@@ -55,6 +55,19 @@ assert set(CAPTURE["anyOf"][1]["properties"]) == set(SPEC_KEYS)
 CAPTURE_WAIT = {"type": "boolean", "default": False,
                 "description": "Hold the response until the capture is durable "
                                "(bounded by --capture-wait-timeout)."}
+WHEN = {
+    "type": "object", "description": "Apply the item only at tokens where the reader's score "
+    "(same hook and layer, before steering) is above / below the threshold (api.md §7).",
+    "required": ["reader"], "additionalProperties": False,
+    "oneOf": [{"required": ["above"]}, {"required": ["below"]}],
+    "properties": {
+        "reader": {"type": "object", "required": ["name"], "additionalProperties": False,
+                   "properties": {"name": {"type": "string"}}},
+        "index": {"type": "integer", "minimum": 0,
+                  "description": "probe output or SAE feature; optional for one output"},
+        "above": _NUMBER, "below": _NUMBER,
+    },
+}
 STEERING = {
     "type": "object", "description": "Steer the residual stream per request (api.md §2).",
     "required": ["vectors"], "additionalProperties": False,
@@ -75,7 +88,12 @@ STEERING = {
                 {"type": "object", "required": ["b64"], "properties": {
                     "b64": {"type": "string"},
                     "dtype": {"type": "string", "enum": ["float32", "float16", "float64",
-                                                         "bfloat16"]}}}]},
+                                                         "bfloat16"]}}},
+                {"type": "object", "description": "an SAE feature's decoder row (api.md §7)",
+                 "required": ["reader", "feature"], "additionalProperties": False,
+                 "properties": {"reader": {"type": "string"},
+                                "feature": {"type": "integer", "minimum": 0}}}]},
+            "when": WHEN,
             "scale": {**_NUMBER, "default": 1.0},
             "op": {"type": "string", "enum": list(OPS), "default": "add"},
             "value": {**_NUMBER, "description": "clamp target"},

@@ -20,10 +20,17 @@ import numpy as np
 
 from capsteer.config import errors
 from capsteer.hooks import HookNameError, canonical_hook, parse_layers, resolve_layer
+from capsteer.steering.conditions import (
+    ConditionError,
+    ReaderGetter,
+    feature_vector,
+    parse_when,
+)
 
 OPS = ("add", "ablate", "clamp")
 POSITIONS = ("all", "prompt", "generated")
-_VECTOR_FIELDS = {"hook", "layer", "layers", "vector", "scale", "op", "value", "positions"}
+_VECTOR_FIELDS = {"hook", "layer", "layers", "vector", "scale", "op", "value", "positions",
+                  "when"}
 _MAX_ABS = 1e30  # far inside float32; anything larger overflows the stream anyway
 _B64_DTYPES = {"float32": np.float32, "float16": np.float16, "float64": np.float64, "bfloat16": None}
 
@@ -51,16 +58,27 @@ class SteeringOp:
     scale: float
     value: float
     positions: str
+    # `when` (steering/conditions.py): the op applies at a token where
+    # src . gate + gate_bias > 0 (src: the value at the hook before steering); None: always.
+    gate: np.ndarray | None = None  # float32 [hidden]
+    gate_bias: float = 0.0
 
-    def to_dict(self, vector_index: int) -> dict:
-        """Wire form: the vector is a reference into the spec's table of distinct vectors."""
-        return {"hook": self.hook, "layer": self.layer, "op": self.op, "scale": self.scale,
-                "value": self.value, "positions": self.positions, "vector": vector_index}
+    def to_dict(self, vector_index: int, gate_index: int | None = None) -> dict:
+        """Wire form: the vector (and the gate's) is a reference into the spec's table of
+        distinct vectors; an ungated op's form has no `gate` key."""
+        out = {"hook": self.hook, "layer": self.layer, "op": self.op, "scale": self.scale,
+               "value": self.value, "positions": self.positions, "vector": vector_index}
+        if self.gate is not None:
+            out["gate"] = [gate_index, self.gate_bias]
+        return out
 
     @classmethod
     def from_dict(cls, d: Mapping, table: list[np.ndarray]) -> SteeringOp:
+        gate = d.get("gate")
         return cls(d["hook"], int(d["layer"]), d["op"], table[int(d["vector"])],
-                   float(d["scale"]), float(d["value"]), d["positions"])
+                   float(d["scale"]), float(d["value"]), d["positions"],
+                   None if gate is None else table[int(gate[0])],
+                   0.0 if gate is None else float(gate[1]))
 
 
 def _unb64(text: str) -> np.ndarray:
@@ -84,12 +102,15 @@ class SteeringSpec:
         index: dict[bytes, int] = {}
         table: list[str] = []
         ops = []
-        for op in self.ops:
-            raw = op.vector.astype("<f4").tobytes()
+        def ref(vec: np.ndarray) -> int:
+            raw = vec.astype("<f4").tobytes()
             if raw not in index:
                 index[raw] = len(table)
                 table.append(base64.b64encode(raw).decode())
-            ops.append(op.to_dict(index[raw]))
+            return index[raw]
+
+        for op in self.ops:
+            ops.append(op.to_dict(ref(op.vector), None if op.gate is None else ref(op.gate)))
         body = {"vectors_b64": table, "ops": ops}
         digest = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
         return {**body, "key": digest}, digest
@@ -245,10 +266,12 @@ def _resolve_vectors(
 def parse_steering_spec(
     obj: object, *, num_layers: int, hidden_size: int, lookup: VectorLookup | None = None,
     max_ops: int = 4096, unavailable: Mapping[str, str] | None = None,
+    readers: ReaderGetter | None = None,
 ) -> SteeringSpec | None:
     """Validate a request's `steering` value; None when it asks for nothing.
     `unavailable`: hooks the served model does not have, each with the reason its 400
-    gives (a parallel block's resid_mid)."""
+    gives (a parallel block's resid_mid). `readers`: the reader registry's tensors by
+    name, for `when` gates and SAE-feature vectors (steering/conditions.py)."""
     if obj is None:
         return None
     if not isinstance(obj, Mapping):
@@ -261,6 +284,7 @@ def parse_steering_spec(
         raise SteeringSpecError("steering.vectors", "must be a list")
     ops: list[SteeringOp] = []
     projections: set[tuple[str, int, str]] = set()
+    gates: dict[tuple[str, int, str], bytes | None] = {}  # point and class -> its gate
     for i, item in enumerate(items):
         field = f"steering.vectors[{i}]"
         if not isinstance(item, Mapping):
@@ -292,6 +316,17 @@ def parse_steering_spec(
             layers = None
         else:
             layers = _parse_layers(item, field, num_layers)
+        gate = None
+        try:
+            if "when" in item:
+                gate = parse_when(item["when"], field + ".when", hidden_size, readers)
+            if isinstance(item["vector"], Mapping) and "reader" in item["vector"]:
+                if layers is None:  # a decoder row is one vector, for any layer
+                    raise SteeringSpecError(field + ".layer", "is required (or 'layers')")
+                vec = feature_vector(item["vector"], field + ".vector", hidden_size, readers)
+                item = {**item, "vector": vec.tolist()}
+        except ConditionError as exc:
+            raise SteeringSpecError(exc.field, exc.reason) from None
         if layers is None:
             layers = list(range(num_layers))
             vectors = _resolve_per_layer_name(item["vector"], field + ".vector", hidden_size,
@@ -301,6 +336,7 @@ def parse_steering_spec(
             vectors = _resolve_vectors(item["vector"], field + ".vector", layers, hidden_size, lookup)
         for layer in layers:
             vec = vectors[layer]
+            _check_one_gate(gates, gate, hook, layer, positions, num_layers, field)
             if op in ("ablate", "clamp"):
                 norm = float(np.linalg.norm(vec))
                 if norm == 0.0:
@@ -316,10 +352,28 @@ def parse_steering_spec(
                             f"at most one ablate/clamp per hook, layer and position class "
                             f"({hook}, layer {layer}, {pos})")
                     projections.add(key)
-            ops.append(SteeringOp(hook, layer, op, vec.astype(np.float32), scale, value, positions))
+            ops.append(SteeringOp(hook, layer, op, vec.astype(np.float32), scale, value, positions,
+                                  *(gate or (None, 0.0))))
             if len(ops) > max_ops:
                 raise SteeringSpecError("steering.vectors", f"more than {max_ops} (vector, layer) ops")
     return SteeringSpec(tuple(ops)) if ops else None
+
+
+def _check_one_gate(gates: dict, gate: tuple[np.ndarray, float] | None, hook: str, layer: int,
+                    positions: str, num_layers: int, field: str) -> None:
+    """Ops at one point and position class fold into one map (engine_ext/plan.py), read
+    by one gate: they must share their `when` (or all have none)."""
+    point = ("resid_pre", layer + 1) if hook == "resid_post" and layer + 1 < num_layers \
+        else (hook, layer)
+    ident = None if gate is None else gate[0].tobytes() + np.float64(gate[1]).tobytes()
+    for pos in (("prompt", "generated") if positions == "all" else (positions,)):
+        key = (*point, pos)
+        if key in gates and gates[key] != ident:
+            raise SteeringSpecError(
+                field + ".when", f"items at one hook, layer and position class ({hook}, layer "
+                f"{layer}, {pos}) must share one `when` (or all have none): they fold into "
+                "one map read by one gate")
+        gates[key] = ident
 
 
 def _resolve_per_layer_name(

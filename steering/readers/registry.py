@@ -59,6 +59,7 @@ from capsteer.steering.store import fsync_dir, publish_atomic, remove_stale_temp
 SUFFIX = ".safetensors"
 FILE_KIND = "capsteer-reader/1"
 _HEADER_LIMIT = 100_000_000
+TENSOR_CACHE_BYTES = 2 << 30  # reader tensors `tensors` keeps for the server's parse
 
 
 class ReaderNameError(errors.InvalidInput, ValueError):
@@ -110,6 +111,8 @@ class ReaderRegistry:
         self.hidden_size = int(hidden_size)
         self._cache: OrderedDict[str, tuple[tuple, dict[str, Any]]] = OrderedDict()
         self._cache_entries = cache_entries
+        # (name, sha256) -> tensors, most recent last, within TENSOR_CACHE_BYTES (`tensors`)
+        self._tensors: OrderedDict[tuple[str, str | None], Reader] = OrderedDict()
         self._lock = threading.Lock()
         remove_stale_temps(self.root, remove_tree)
 
@@ -220,6 +223,24 @@ class ReaderRegistry:
         if info["storage"] == "directory":
             return load_sae_dir(self.root / name, hidden_size=self.hidden_size).sae
         return _reader_from_file(self.path(name), info)
+
+    def tensors(self, name: str) -> Reader:
+        """`get`, reusing the tensors of the last readers read while their content is the
+        same: the server resolves `when` gates and SAE-feature vectors with it on every
+        request, and a large SAE takes seconds to load."""
+        sha = self.shape(name).sha256
+        with self._lock:
+            hit = self._tensors.get((name, sha))
+            if hit is not None:
+                self._tensors.move_to_end((name, sha))
+                return hit
+        reader = self.get(name, sha256=sha)
+        if _nbytes(reader) <= TENSOR_CACHE_BYTES:
+            with self._lock:
+                self._tensors[(name, sha)] = reader
+                while sum(_nbytes(r) for r in self._tensors.values()) > TENSOR_CACHE_BYTES:
+                    self._tensors.popitem(last=False)
+        return reader
 
     def names(self) -> list[str]:
         """Registered names, sorted (entries with invalid names are ignored)."""
@@ -341,6 +362,10 @@ class ReaderRegistry:
                     sha256=_dir_identity(directory))
         return info
 
+
+
+def _nbytes(reader: Reader) -> int:
+    return sum(t.nbytes for t in vars(reader).values() if isinstance(t, torch.Tensor))
 
 
 def _head(path: Path, n: int = 4096) -> bytes:

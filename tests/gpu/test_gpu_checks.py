@@ -84,3 +84,9 @@ def test_server_under_data_parallelism(tmp_path: Path) -> None:
 def test_ray_extraction_two_replicas(tmp_path: Path) -> None:
     """Ray Data extraction over two replicas: both jobs verified, rows compared."""
     run_check("gpu_ray_extract.py", "--out", str(tmp_path), cwd=tmp_path)
+
+
+def test_tap_kernel_with_gates_equals_torch_on_cuda(tmp_path: Path) -> None:
+    """The compiled tap kernel, gated entries included, equals the torch reference."""
+    proc = run_check("gpu_tap_gate_check.py", cwd=tmp_path, timeout=600)
+    assert "ok" in proc.stdout

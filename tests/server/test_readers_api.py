@@ -135,3 +135,54 @@ def test_admin_key_names_and_missing_readers(server, http):
     assert {"400", "401"} <= set(paths["/v1/readers/{name}"]["put"]["responses"])
     assert {"400", "401", "404"} <= set(paths["/v1/readers/{name}"]["delete"]["responses"])
     assert http.get("/v1/capsteer/hooks").json()["readers"]["kinds"] == ["probe", "sae"]
+
+
+def test_steering_reads_readers_over_http(server, http, tmp_path):
+    """`when` gates and SAE-feature vectors resolve against the registry: a feature's
+    vector steers as its decoder row inline does; bad ones are 400s naming the field."""
+    sae = JumpReLUSAE(JumpReLUSAEConfig(d_in=HIDDEN, d_sae=64))
+    with torch.no_grad():
+        for param in sae.parameters():
+            param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(5)))
+    sae.save_model(tmp_path / "jump")
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        tf.add(tmp_path / "jump", arcname="jump")
+    topk_dir = _saved_sae(tmp_path, "topk")
+    topk = io.BytesIO()
+    with tarfile.open(fileobj=topk, mode="w") as tf:
+        tf.add(topk_dir, arcname="topk")
+    assert _put(http, "steer-sae", buf.getvalue()).status_code == 201
+    assert _put(http, "steer-topk", topk.getvalue()).status_code == 201
+    assert _put(http, "steer-probe", PROBES["npz"](), activation="sigmoid").status_code == 201
+    row = sae.W_dec[9].detach().tolist()
+    body = {"model": "demo", "prompt": "the quick brown fox", "max_tokens": 6,
+            "temperature": 0.0}
+
+    def steer(**item):
+        return http.post("/v1/completions", json={**body, "steering": {"vectors": [
+            {"hook": "resid_post", "layer": 1, "scale": 4.0, **item}]}})
+
+    by_feature = steer(vector={"reader": "steer-sae", "feature": 9})
+    inline = steer(vector=row)
+    assert by_feature.status_code == inline.status_code == 200, by_feature.text
+    assert by_feature.json()["choices"][0]["text"] == inline.json()["choices"][0]["text"]
+    gated = steer(vector=row, when={"reader": {"name": "steer-probe"}, "index": 2,
+                                    "above": 0.5})
+    assert gated.status_code == 200, gated.text
+    when = {"reader": {"name": "steer-sae"}, "index": 3, "below": 1.0}
+    for item, param in [
+        ({"vector": {"reader": "absent", "feature": 0}}, "vector.reader"),
+        ({"vector": {"reader": "steer-probe", "feature": 0}}, "vector.reader"),
+        ({"vector": {"reader": "steer-sae", "feature": 64}}, "vector.feature"),
+        ({"vector": row, "when": {**when, "reader": {"name": "absent"}}}, "when.reader.name"),
+        ({"vector": row, "when": {**when, "index": 64}}, "when.index"),
+        ({"vector": row, "when": {**when, "above": 0.5}}, "when"),
+        ({"vector": row, "when": {**when, "reader": {"name": "steer-topk"}}},
+         "when.reader.name"),
+    ]:
+        r = steer(**item)
+        assert r.status_code == 400, (item, r.text)
+        assert r.json()["error"]["param"] == f"steering.vectors[0].{param}", r.text
+    for name in ("steer-sae", "steer-topk", "steer-probe"):
+        assert http.delete(f"/v1/readers/{name}", headers=ADMIN).status_code == 200

@@ -8,6 +8,7 @@ import torch
 from capsteer.capture.spec import parse_capture_spec
 from capsteer.engine_ext.plan import RequestHooks
 from capsteer.engine_ext.runtime import HookRuntime
+from capsteer.steering.readers.kinds import LinearProbe
 from capsteer.steering.spec import parse_steering_spec
 
 HIDDEN, LAYERS = 8, 3
@@ -17,12 +18,20 @@ def runtime() -> HookRuntime:
     return HookRuntime(LAYERS, HIDDEN, torch.float32, torch.device("cpu"), max_tokens=64)
 
 
-def hooks_for(req_id, prompt_len, capture=None, steering=None, rt=None):
+def probe_readers(seed: int = 0, outputs: int = 2, activation: str = "none"):
+    """A reader getter holding one random linear probe, "probe" (for `when` gates)."""
+    gen = torch.Generator().manual_seed(seed)
+    probe = LinearProbe(torch.randn(outputs, HIDDEN, generator=gen),
+                        torch.randn(outputs, generator=gen) * 0.1, activation)
+    return {"probe": probe}.__getitem__
+
+
+def hooks_for(req_id, prompt_len, capture=None, steering=None, rt=None, readers=None):
     extra = {"capsteer": {}}
     if capture is not None:
         extra["capsteer"]["capture"] = parse_capture_spec(capture, num_layers=LAYERS).to_dict()
         extra["capsteer"]["capture_id"] = "cap-" + req_id
     if steering is not None:
         extra["capsteer"]["steering"] = parse_steering_spec(
-            steering, num_layers=LAYERS, hidden_size=HIDDEN).to_dict()
+            steering, num_layers=LAYERS, hidden_size=HIDDEN, readers=readers).to_dict()
     return RequestHooks.from_extra_args(req_id, extra, prompt_len, rt or runtime())

@@ -13,16 +13,18 @@ from capsteer.engine_ext import tap_kernel
 from capsteer.engine_ext.families import STREAM_BIT, SUB_BIT
 from capsteer.engine_ext.plan import build_step_plan
 from capsteer.engine_ext.runtime import HookRuntime
-from tests.unit.helpers import HIDDEN, LAYERS, hooks_for
+from tests.unit.helpers import HIDDEN, LAYERS, hooks_for, probe_readers
 
 
-def run(dtype: torch.dtype, layout: str) -> None:
+def run(dtype: torch.dtype, layout: str, device: str = "cpu") -> None:
     """`deferred`: one call per site carries both kinds (sublayer output + residual, as
-    before vLLM's fused add+norm); `materialized`: one call per kind, no residual."""
+    before vLLM's fused add+norm); `materialized`: one call per kind, no residual.
+    `device` cuda: the compiled kernel, launched by the JIT and then directly (the same
+    specialisation at later sites), on the lent GPU (tests/gpu/gpu_tap_gate_check.py)."""
     results = []
     for use_kernel in (True, False):
-        rt = HookRuntime(LAYERS, HIDDEN, dtype, torch.device("cpu"), max_tokens=64, staging_rows=256,
-                         device_driven=True)
+        rt = HookRuntime(LAYERS, HIDDEN, dtype, torch.device(device), max_tokens=64,
+                         staging_rows=256, device_driven=True)
         reqs = {
             "a": hooks_for("a", 3, rt=rt, capture={"hooks": ["resid_mid", "attn_out"],
                                                    "positions": "all"},
@@ -41,14 +43,30 @@ def run(dtype: torch.dtype, layout: str) -> None:
                                {"hook": "mlp_out", "layer": 0, "op": "ablate",
                                 "vector": [0.0, 1.0] + [0.0] * (HIDDEN - 2)},
                                {"hook": "resid_post", "layer": 0, "vector": [0.5] * HIDDEN}]}),
+            # `when` gates: a projection of a sublayer output and an add to the stream,
+            # each applied only at the rows whose probe score passes, with copies.
+            "e": hooks_for("e", 3, rt=rt, readers=probe_readers(4), capture={
+                "hooks": ["attn_out", "resid_post"], "layers": [1], "positions": "all"},
+                steering={"vectors": [
+                    {"hook": "attn_out", "layer": 1, "op": "clamp", "value": 3.0,
+                     "vector": [1.0] * HIDDEN,
+                     "when": {"reader": {"name": "probe"}, "index": 0, "above": 0.0}},
+                    {"hook": "resid_post", "layer": 1, "vector": [0.7] * HIDDEN, "scale": 2.0,
+                     "when": {"reader": {"name": "probe"}, "index": 1, "below": 0.1}}]}),
         }
-        plan = build_step_plan(["a", "plain", "b", "c", "d"], np.array([0, 3, 5, 9, 12, 15]),
-                               np.array([2, 0, 0, 1, 0]), reqs, None, host_steering=False)
-        rt.set_plan(plan, 16)
+        plan = build_step_plan(["a", "plain", "b", "c", "d", "e"],
+                               np.array([0, 3, 5, 9, 12, 15, 23]),
+                               np.array([2, 0, 0, 1, 0, 0]), reqs, None, host_steering=False)
+        rt.set_plan(plan, 24)
         gen = torch.Generator().manual_seed(1)
-        x = torch.randn(16, HIDDEN, generator=gen).to(dtype)
-        res = torch.randn(16, HIDDEN, generator=gen).to(dtype)
-        stream = torch.randn(16, HIDDEN, generator=gen).to(dtype)
+        x = torch.randn(24, HIDDEN, generator=gen).to(dtype)
+        res = torch.randn(24, HIDDEN, generator=gen).to(dtype)
+        stream = torch.randn(24, HIDDEN, generator=gen).to(dtype)
+        # e's first gate reads its rows' unsteered sublayer output: some pass, some not.
+        probe = probe_readers(4)("probe")
+        passes = (x[15:23].float() @ probe.weight[0] + probe.bias[0]) > 0
+        assert 0 < int(passes.sum()) < 8, passes
+        x, res, stream = x.to(device), res.to(device), stream.to(device)
         tap = functools.partial(tap_kernel.tap, rt) if use_kernel else rt._tap_dense_torch
         for site in range(2 * LAYERS + 1):
             if layout == "deferred":
@@ -56,7 +74,7 @@ def run(dtype: torch.dtype, layout: str) -> None:
                 continue
             for t, kinds in ((x, SUB_BIT), (stream, STREAM_BIT)):
                 tap(t, None, site, kinds)
-        results.append((x.clone(), stream.clone(), rt.staging[: plan.staging_rows].clone()))
+        results.append((x.cpu(), stream.cpu(), rt.staging[: plan.staging_rows].cpu()))
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     for got, want in zip(results[0], results[1], strict=True):
         torch.testing.assert_close(got, want, **tol)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from hypothesis import given, settings
@@ -17,6 +18,7 @@ from hypothesis import strategies as st
 from capsteer.capture.paths import validate_capture_id
 from capsteer.capture.spec import SpecError
 from capsteer.server import routes
+from capsteer.steering.readers.kinds import LinearProbe, SparseAutoencoder
 from capsteer.steering.registry import VectorNameError, validate_name
 
 VECTOR_PATH = "/v1/steering/vectors/{name}"
@@ -96,6 +98,12 @@ def test_other_methods_get_405_naming_every_allowed_one(app, path, allowed):
             assert error["code"] == 405 and method in error["message"]
 
 
+# Readers for the `when` and SAE-feature cases (width 8, as the items' vectors).
+PROBE = LinearProbe(torch.ones(1, 8), torch.zeros(1), "sigmoid")
+SAE = SparseAutoencoder("standard", torch.ones(8, 4), torch.zeros(4), torch.ones(4, 8),
+                        torch.zeros(8))
+
+
 def _steering_item_errors(item: dict) -> list[str]:
     import jsonschema  # vLLM's dependency; only this test validates with it
 
@@ -119,13 +127,22 @@ def test_the_steering_item_schema_says_what_the_parser_requires():
         ({"vector": [0.5] * 8, "layer": 0, "op": "clamp"}, False),  # clamp needs a value
         ({"vector": [0.5] * 8, "layer": 0, "op": "clamp", "value": 1.0}, True),
         ({"vector": [0.5] * 8, "layer": 0, "junk": 1}, False),  # unknown fields: refused
+        ({"vector": {"reader": "sae", "feature": 3}, "layer": 0}, True),
+        ({"vector": {"reader": "sae", "feature": 3}}, False),  # a decoder row needs a layer
+        ({"vector": {"reader": "sae"}, "layer": 0}, False),
+        ({"vector": [0.5] * 8, "layer": 0,
+          "when": {"reader": {"name": "p"}, "index": 0, "above": 0.5}}, True),
+        ({"vector": [0.5] * 8, "layer": 0, "when": {"reader": {"name": "p"}, "above": 0.5,
+                                                    "below": 0.6}}, False),
+        ({"vector": [0.5] * 8, "layer": 0, "when": {"reader": {"name": "p"}}}, False),
     ]
     for item, valid in cases:
         assert (not _steering_item_errors(item)) == valid, (item, _steering_item_errors(item))
         if "name" in item["vector"]:
             continue  # needs the registry to resolve
         try:
-            parse_steering_spec({"vectors": [item]}, num_layers=2, hidden_size=8)
+            parse_steering_spec({"vectors": [item]}, num_layers=2, hidden_size=8,
+                                readers={"p": PROBE, "sae": SAE}.__getitem__)
             parsed = True
         except SteeringSpecError:
             parsed = False
