@@ -25,6 +25,8 @@ class WorkerConfig:
     """What one worker was asked to do (engine_ext.vllm.section reads the section)."""
 
     capture_dir: str | None = None  # no durable captures without one (the in-process engine)
+    # The server's vector registry: requests name its vectors instead of carrying them.
+    steering_dir: str | None = None
     capture_budget: int = _server_default("capture_budget")
     capture_overload: str = _server_default("capture_overload")
     capture_workers: int | None = None

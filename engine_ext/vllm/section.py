@@ -12,7 +12,7 @@ from __future__ import annotations
 RUNTIME_KEYS = frozenset({
     "capture_dir", "capture_budget", "capture_overload", "capture_workers", "capture_digest",
     "capture_io", "capture_writer", "capture_writer_processes", "capture_ring_bytes",
-    "sharded", "end_wait_s", "frontend", "canary", "plain_graphs", "stack_room"})
+    "sharded", "end_wait_s", "frontend", "canary", "plain_graphs", "stack_room", "steering_dir"})
 
 
 def capsteer_config(worker: object) -> dict:

@@ -303,7 +303,9 @@ def test_worker_config() -> None:
     wc = load_settings({"capture_dir": "caps", "capture_budget": "1KiB",
                         "capture_overload": "drop"}).worker_config()
     assert wc == {"capture_dir": os.path.abspath("caps"), "capture_budget": 1024,
-                  "capture_overload": "drop"}
+                  "capture_overload": "drop",
+                  # the workers read the vectors that requests name from the same directory
+                  "steering_dir": os.path.abspath("steering-vectors")}
     blake = ServerSettings(capture_digest="blake3").worker_config()
     assert blake["capture_digest"] == "blake3"  # the workers' writer records it
     assert "capture_io" not in wc  # buffered: the workers' default
