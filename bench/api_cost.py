@@ -8,8 +8,8 @@ thread, over many requests:
   vllm      what the rewritten body then costs vLLM's front end: JSON parse, the request
             model's validation, SamplingParams, and the msgpack encoding that carries
             them to the engine core (the payload's size is paid here);
-  tracker   a capture's bookkeeping: admission, and the receipt poller's per-tick work
-            on the event loop for that many captures in flight (`--in-flight`).
+  poller    the receipt poller's CPU share (of one core) while `--in-flight` captures
+            are generating (the serve harness runs 256 concurrent requests).
 The geometry defaults to Qwen3-0.6B's (28 layers, hidden 1024), the serve harness's shape.
 
     python bench/api_cost.py [--iters 400] [--out /tmp/api_cost.json]
@@ -89,9 +89,9 @@ def vllm_front(encoded: bytes) -> Callable[[], object]:
     return run
 
 
-def poll_tick_us(tracker: CaptureTracker, n: int) -> float:
-    """The receipt poller's event-loop work per tick with `n` captures in flight (the scan
-    itself runs in a thread; what it returns for captures without a manifest is nothing)."""
+def poll_cpu_share(tracker: CaptureTracker, n: int, seconds: float = 2.0) -> float:
+    """CPU seconds per second the receipt poller takes (its event-loop work and its scans)
+    while `n` captures are in flight and none has ended (requests still generating)."""
     from capsteer.capture.spec import parse_capture_spec
 
     spec = parse_capture_spec({"hooks": ["resid_post"], "layers": [0], "positions": "all"},
@@ -100,19 +100,14 @@ def poll_tick_us(tracker: CaptureTracker, n: int) -> float:
     async def run() -> float:
         for i in range(n):
             tracker.track(f"cap-{i:032x}", spec, dir_time=time.time())
-        await asyncio.sleep(0.3)  # the poller ticks meanwhile
-        loop_work = per_call_us(lambda: tracker_tick(tracker), 200)
+        await asyncio.sleep(0.3)
+        cpu = time.process_time()
+        await asyncio.sleep(seconds)
+        share = (time.process_time() - cpu) / seconds
         for i in range(n):
             tracker.untrack(f"cap-{i:032x}")
-        return loop_work
+        return share
     return asyncio.run(run())
-
-
-def tracker_tick(tracker: CaptureTracker) -> object:
-    """One tick's work: what the poller computes for every tracked capture, and the scan."""
-    where = tracker.poll_targets() if hasattr(tracker, "poll_targets") else {
-        c: (tracker._rel_dir(c, e), e.since) for c, e in tracker._tracked.items()}
-    return tracker._scan(where)
 
 
 def main() -> None:
@@ -120,7 +115,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--iters", type=int, default=400)
-    ap.add_argument("--in-flight", type=int, default=64)
+    ap.add_argument("--in-flight", type=int, default=256)
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     shape = ModelShape(a.layers, a.hidden, 4096, 2)
@@ -155,9 +150,10 @@ def main() -> None:
                    "vllm_us": round(per_call_us(vllm_front(encoded[0]), a.iters), 1)}
             out["cases"][name] = row
             print(f"{name:13s} {row}", flush=True)
-        out["poll_tick_us"] = {a.in_flight: round(poll_tick_us(tracker, a.in_flight), 1)}
-        print("tracker poll tick (event loop + scan) with", a.in_flight, "captures in flight:",
-              out["poll_tick_us"][a.in_flight], "us", flush=True)
+        share = poll_cpu_share(tracker, a.in_flight)
+        out["poller_cpu_share"] = {str(a.in_flight): round(share, 4)}
+        print(f"receipt poller, {a.in_flight} captures in flight: {share:.2%} of a core",
+              flush=True)
     if a.out:
         a.out.write_text(json.dumps(out, indent=1))
 

@@ -453,7 +453,10 @@ def parse_steering_spec(
                             f"at most one ablate/clamp per hook, layer and position class "
                             f"({hook}, layer {layer}, {pos})")
                     projections.add(key)
-            ops.append(SteeringOp(hook, layer, op, vec.astype(np.float32), scale, value, positions,
+            if vec.dtype != np.float32 or not vec.flags.writeable:  # registry arrays are read-only
+                vec = vec.astype(np.float32)
+            # one array on many layers stays one object: the wire form hashes it once
+            ops.append(SteeringOp(hook, layer, op, vec, scale, value, positions,
                                   sources.get(layer)))
             if len(ops) > max_ops:
                 raise SteeringSpecError("steering.vectors", f"more than {max_ops} (vector, layer) ops")
