@@ -12,7 +12,14 @@ thread, over many requests:
             are generating (the serve harness runs 256 concurrent requests).
 The geometry defaults to Qwen3-0.6B's (28 layers, hidden 1024), the serve harness's shape.
 
+`--server` measures the same cases end to end instead: a demo model of that geometry
+(random weights) served by `capsteer serve` and by stock `vllm serve`, each case's
+requests (16 prompt tokens, 1 output token, `--concurrency` at a time) sent over HTTP,
+and the CPU time of the API process (the server's own pid, not the engine core) per
+request read from /proc.
+
     python bench/api_cost.py [--iters 400] [--out /tmp/api_cost.json]
+    python bench/api_cost.py --server --requests 400 [--work /tmp/api_cost]
 """
 
 from __future__ import annotations
@@ -22,6 +29,10 @@ import asyncio
 import base64
 import io
 import json
+import os
+import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -110,6 +121,83 @@ def poll_cpu_share(tracker: CaptureTracker, n: int, seconds: float = 2.0) -> flo
     return asyncio.run(run())
 
 
+def proc_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of one process (its threads, not its children)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def drive(url: str, body: dict, n: int, concurrency: int) -> float:
+    """Send `n` completions, `concurrency` at a time; the wall seconds they took."""
+    import httpx
+
+    async def run() -> float:
+        gate = asyncio.Semaphore(concurrency)
+        async with httpx.AsyncClient(base_url=url, timeout=600,
+                                     limits=httpx.Limits(max_connections=concurrency)) as c:
+            async def one() -> None:
+                async with gate:
+                    r = await c.post("/v1/completions", json=body)
+                    r.raise_for_status()
+            started = time.monotonic()
+            await asyncio.gather(*(one() for _ in range(n)))
+            return time.monotonic() - started
+    return asyncio.run(run())
+
+
+def serve_cases(a: argparse.Namespace) -> dict:
+    """API-process CPU per request through real servers (see the module docstring)."""
+    import httpx
+
+    from capsteer.server.process import ManagedServer, free_port
+
+    model = a.work / "model"
+    if not (model / "config.json").exists():
+        subprocess.run([sys.executable, "-m", "capsteer.cli", "demo-model", str(model),
+                        "--num-layers", str(a.layers), "--hidden-size", str(a.hidden),
+                        "--intermediate-size", "1024", "--num-heads", "16",
+                        "--num-kv-heads", "8", "--head-dim", "64"], check=True)
+    prompt = list(range(20, 36))
+    out: dict = {}
+    for config in ("vanilla", "capsteer"):
+        port = free_port()
+        work = a.work / config
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(parents=True)
+        cmd = [sys.executable, "-m", "capsteer.cli", "serve", str(model), "--dtype", "float32",
+               "--max-model-len", "512", "--max-num-seqs", str(a.concurrency),
+               "--kv-cache-memory-bytes", str(1 << 30), "--served-model-name", "demo",
+               "--host", "127.0.0.1", "--port", str(port)]
+        cmd += ["--vanilla"] if config == "vanilla" else [
+            "--capture-dir", str(work / "captures"), "--steering-dir", str(work / "vectors")]
+        server = ManagedServer(cmd, url=f"http://127.0.0.1:{port}", log_path=work / "log",
+                               cwd=work)
+        try:
+            if config == "capsteer":
+                buf = io.BytesIO()
+                np.save(buf, np.random.default_rng(1).standard_normal(
+                    (a.layers, a.hidden)).astype("<f4"))
+                httpx.put(server.url + "/v1/steering/vectors/per-layer",
+                          content=buf.getvalue(), timeout=60).raise_for_status()
+            names = ("plain",) if config == "vanilla" else tuple(bodies(a.layers, a.hidden))
+            base = {"model": "demo", "prompt": prompt, "max_tokens": 1, "temperature": 0}
+            drive(server.url, base, a.concurrency, a.concurrency)  # warm-up
+            for name in names:
+                fields = {k: v for k, v in bodies(a.layers, a.hidden)[name].items()
+                          if k not in ("model", "prompt", "max_tokens")}
+                body = {**base, **fields}
+                cpu = proc_cpu_s(server.proc.pid)
+                wall = drive(server.url, body, a.requests, a.concurrency)
+                used = proc_cpu_s(server.proc.pid) - cpu
+                row = {"api_cpu_ms_per_request": round(used / a.requests * 1e3, 3),
+                       "requests_per_s": round(a.requests / wall, 1)}
+                out[f"{config}/{name}"] = row
+                print(f"{config:8s} {name:13s} {row}", flush=True)
+        finally:
+            server.close()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=28)
@@ -117,7 +205,16 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=400)
     ap.add_argument("--in-flight", type=int, default=256)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--server", action="store_true", help="through real servers (CPU)")
+    ap.add_argument("--requests", type=int, default=400)
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "api_cost")
     a = ap.parse_args()
+    if a.server:
+        result = serve_cases(a)
+        if a.out:
+            a.out.write_text(json.dumps(result, indent=1))
+        return
     shape = ModelShape(a.layers, a.hidden, 4096, 2)
     settings = ServerSettings.model_construct()  # the defaults, no env or file
     out: dict = {"layers": a.layers, "hidden": a.hidden, "cases": {}}

@@ -130,3 +130,35 @@ def test_reader_keeps_verified_content_by_sha(registry, tmp_path):
     np.testing.assert_array_equal(reader("per-layer", new.sha256)[5], _rows(4)[5])
     with pytest.raises(VectorChangedError):  # keep=1: the old content was let go
         reader("per-layer", old.sha256)
+
+
+def test_server_reuses_the_parse_of_a_named_field_until_the_vector_changes(registry):
+    """The middleware parses a names-only steering field once: the same spec (its wire form
+    already built) while the registry holds the same entries, a new parse once one is
+    replaced, and the registry's refusal once it is gone."""
+    from capsteer.server.fields import FieldError, ModelShape, parse_hook_fields
+
+    shape = ModelShape(LAYERS, HIDDEN, 4096, 2)
+
+    def parse(steering: dict) -> SteeringSpec:
+        body = {"model": "m", "prompt": "x", "steering": steering}
+        hooks = parse_hook_fields(body, shape, lookup=registry.lookup_named,
+                                  default_layout="packed", capture_default=None)
+        assert hooks.steering is not None
+        return hooks.steering
+
+    first = parse(NAMED)
+    assert parse(NAMED) is first and first.wire_text  # reused, wire form kept
+    other = {"vectors": [{**NAMED["vectors"][0], "scale": 2.0}]}
+    assert parse(other) is not first  # another field, another spec
+    registry.put("per-layer", _npy(_rows(5)))
+    replaced = parse(NAMED)
+    assert replaced is not first and replaced.sharing_key != first.sharing_key
+    inline = _parse(_inline(_rows(5), _rows(2)[0]), None)
+    assert replaced.sharing_key == inline.sharing_key
+    registry.delete("per-layer")
+    with pytest.raises(FieldError, match="unknown vector name"):
+        parse(NAMED)
+    # Inline floats are parsed per request (no reuse).
+    body = _inline(_rows(1), _rows(2)[0])
+    assert parse(body) is not parse(body)
