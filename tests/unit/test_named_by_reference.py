@@ -13,6 +13,7 @@ import torch
 from capsteer.engine_ext.payload import build_payload
 from capsteer.engine_ext.plan import RequestHooks
 from capsteer.engine_ext.runtime import HookRuntime
+from capsteer.server.fields import FieldError, ModelShape, parse_hook_fields
 from capsteer.steering.registry import VectorChangedError, VectorReader, VectorRegistry
 from capsteer.steering.spec import SteeringSpec, parse_steering_spec
 
@@ -136,8 +137,6 @@ def test_server_reuses_the_parse_of_a_named_field_until_the_vector_changes(regis
     """The middleware parses a names-only steering field once: the same spec (its wire form
     already built) while the registry holds the same entries, a new parse once one is
     replaced, and the registry's refusal once it is gone."""
-    from capsteer.server.fields import FieldError, ModelShape, parse_hook_fields
-
     shape = ModelShape(LAYERS, HIDDEN, 4096, 2)
 
     def parse(steering: dict) -> SteeringSpec:
