@@ -1,8 +1,9 @@
 """Steering specs: parse and validate the request's `steering` field, normalize it
 for `SamplingParams.extra_args`, and derive the prefix-cache salt.
 
-A normalized spec is plain JSON (vectors as base64 float32) so it survives the
-trip through `vllm_xargs` and into every worker unchanged.
+A normalized spec is plain JSON (vectors as base64 float32, or a registry entry's name
+and content sha256 that the workers read themselves) so it survives the trip through
+`vllm_xargs` and into every worker unchanged.
 """
 
 from __future__ import annotations
@@ -160,7 +161,7 @@ class SteeringSpec:
         sha256) instead of carrying it; an inline one is base64 text."""
         index: dict[str, int] = {}  # content digest -> table row
         digests: list[str] = []
-        table: list[str | dict] = []
+        table: list[str | list] = []
         refs: dict[tuple[str, str], int] = {}
         seen: dict[int, tuple[str, bytes | None]] = {}  # id(vector) -> (digest, bytes)
         ops = []
