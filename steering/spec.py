@@ -154,7 +154,7 @@ class SteeringSpec:
         return self._wire[0]
 
     @cached_property
-    def _wire(self) -> tuple[dict, str]:
+    def _wire(self) -> tuple[dict, str, str]:
         """Vectors by content: the key hashes each distinct vector's digest with the ops, so
         a named vector and the same floats sent inline share entries and prefix cache. A
         named vector's table entry refers to its registry entry (`refs`: name and content
@@ -186,12 +186,14 @@ class SteeringSpec:
                     assert raw is not None  # inline: its bytes were just hashed
                     table.append(base64.b64encode(raw).decode())
             ops.append(op.to_dict(index[digest]))
-        digest = hashlib.sha256(json.dumps({"vectors": digests, "ops": ops},
-                                           sort_keys=True).encode()).hexdigest()
+        # The ops' text once, for the key and the wire text (to_dict's key order is fixed;
+        # encoding 28+ op dicts is most of a named request's wire cost).
+        ops_text = json.dumps(ops, separators=(",", ":"))
+        digest = hashlib.sha256((json.dumps(digests) + ops_text).encode()).hexdigest()
         body: dict = {"vectors_b64": table, "ops": ops, "key": digest}
         if refs:
             body["refs"] = [{"name": n, "sha256": h} for n, h in refs]
-        return body, digest
+        return body, digest, ops_text
 
     @cached_property
     def wire_text(self) -> str:
@@ -200,7 +202,13 @@ class SteeringSpec:
         where the nested form (one dict per op, 28+ for all layers) cost ~450 us a request
         on the front end's thread (the request's `steering_key` rides beside it, so
         workers that know the spec never parse it)."""
-        return json.dumps(self.to_dict(), separators=(",", ":"))
+        body, digest, ops_text = self._wire
+        compact = (",", ":")
+        text = (f'{{"vectors_b64":{json.dumps(body["vectors_b64"], separators=compact)},'
+                f'"ops":{ops_text},"key":"{digest}"')
+        if "refs" in body:
+            text += f',"refs":{json.dumps(body["refs"], separators=compact)}'
+        return text + "}"
 
     @classmethod
     def from_wire(cls, wire: Mapping | str, resolve: VectorResolve | None = None) -> SteeringSpec:
