@@ -275,6 +275,7 @@ class ServerSettings(BaseSettings):
     def worker_config(self) -> dict[str, Any]:
         """The part the engine workers need (passed through vLLM's additional_config)."""
         config: dict[str, Any] = {"capture_dir": os.path.abspath(self.capture_dir),
+                                  "steering_dir": os.path.abspath(self.steering_dir),
                                   "capture_budget": self.capture_budget,
                                   "capture_overload": self.capture_overload,
                                   "readers_dir": os.path.abspath(self.readers_dir),

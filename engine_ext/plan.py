@@ -21,7 +21,7 @@ from capsteer.capture.spec import CaptureSpec
 from capsteer.engine_ext.payload import decode_payload, parse_readout_payload
 from capsteer.engine_ext.runtime import STREAM, SUB, HookRuntime, StepPlan, hook_point
 from capsteer.steering.readers.readout import ReadoutItem
-from capsteer.steering.spec import SteeringSpec
+from capsteer.steering.spec import SteeringSpec, VectorResolve
 
 PROMPT, GENERATED = 0, 1
 
@@ -95,15 +95,20 @@ class RequestHooks:
 
     @classmethod
     def from_extra_args(
-        cls, req_id: str, extra_args: Mapping | None, prompt_len: int, runtime: HookRuntime
+        cls, req_id: str, extra_args: Mapping | None, prompt_len: int, runtime: HookRuntime,
+        vectors: VectorResolve | None = None,
     ) -> RequestHooks | None:
         payload = decode_payload(extra_args)
-        return None if not payload else cls.from_payload(req_id, payload, prompt_len, runtime)
+        return None if not payload else cls.from_payload(req_id, payload, prompt_len, runtime,
+                                                         vectors)
 
     @classmethod
     def from_payload(
-        cls, req_id: str, payload: Mapping, prompt_len: int, runtime: HookRuntime
+        cls, req_id: str, payload: Mapping, prompt_len: int, runtime: HookRuntime,
+        vectors: VectorResolve | None = None,
     ) -> RequestHooks:
+        """`vectors` reads the registry vectors a spec names (the server's workers); a
+        vector it cannot read as the front end saw it refuses the request's hooks."""
         hooks = cls.capture_only(req_id, payload, prompt_len)
         if hooks.capture is not None:
             points: dict[tuple[int, int], list[tuple[str, int]]] = defaultdict(list)
@@ -125,9 +130,9 @@ class RequestHooks:
                 key = payload.get("steering_key") if isinstance(wire, str) else \
                     SteeringSpec.key_of(wire)
                 if not isinstance(key, str):
-                    key = SteeringSpec.from_wire(wire).sharing_key
-                hooks.entries = runtime.acquire_entries(
-                    key, lambda: compose_entries(SteeringSpec.from_wire(wire), runtime.hidden_size))
+                    key = SteeringSpec.from_wire(wire, vectors).sharing_key
+                hooks.entries = runtime.acquire_entries(key, lambda: compose_entries(
+                    SteeringSpec.from_wire(wire, vectors), runtime.hidden_size))
                 hooks.steering_key = key
             hooks.shared_slot = hooks.capture is None and hooks.readout_id is None \
                 and bool(hooks.entries)

@@ -46,7 +46,8 @@ class RequestBook:
                                "without hooks", req_id)
                 continue
             try:
-                hooks = RequestHooks.from_payload(req_id, payload, len(prompt), self.runtime)
+                hooks = RequestHooks.from_payload(req_id, payload, len(prompt), self.runtime,
+                                                  self.vectors)
             except Exception as exc:  # a payload must never stop the engine
                 self._hooks_refused(req_id, prompt, payload, exc)
                 continue

@@ -64,6 +64,7 @@ from capsteer.engine_ext.vllm.worker_access import (
     platform_worker_base,
 )
 from capsteer.engine_ext.worker_config import WorkerConfig
+from capsteer.steering.registry import VectorReader
 
 logger = logging.getLogger("vllm.capsteer")  # under vLLM's configured logger
 
@@ -108,6 +109,10 @@ class EngineHooks(RequestBook, StepFeed, Delivery):
             local_sites=self.sites.local_sites,
         )
         self.model_name = model_name(worker)
+        # The server's registry, for the vectors its requests name (None: all inline)
+        self.vectors = None if self.config.steering_dir is None else VectorReader(
+            self.config.steering_dir, hidden_size=self.sites.hidden_size,
+            num_layers=self.sites.num_layers)
         self.capture_rank = is_capture_rank()
         # A server's payload key (payload.PAYLOAD_KEY_ENV); None in the in-process engine
         self.payload_key = os.environ.get(PAYLOAD_KEY_ENV) or None

@@ -27,6 +27,8 @@ class WorkerConfig:
     capture_dir: str | None = None  # no durable captures without one (the in-process engine)
     readers_dir: str | None = None  # the server's registered readers (probes, SAEs)
     readout_dir: str | None = None  # where readout results go to the server
+    # The server's vector registry: requests name its vectors instead of carrying them.
+    steering_dir: str | None = None
     capture_budget: int = _server_default("capture_budget")
     capture_overload: str = _server_default("capture_overload")
     capture_workers: int | None = None

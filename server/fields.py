@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import uuid
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +35,11 @@ from capsteer.steering.spec import (
 )
 
 HOOK_FIELDS = ("capture", "capture_wait", "steering", "readout")
+# Item fields a reusable (names-only) steering field may hold: each is plain data, so the
+# field's text, the model and the named entries decide the parse.
+_PLAIN_ITEM_FIELDS = frozenset({"hook", "layer", "layers", "vector", "scale", "op", "value",
+                                "positions"})
+_SPEC_MEMO_SIZE = 256
 
 
 # Bad input: HTTP 400 with an OpenAI-shaped error naming `field`. The capture spec's own
@@ -161,10 +167,13 @@ def parse_hook_fields(
     raw_steering = body.get("steering")
     if raw_steering is not None:
         try:
-            steering = parse_steering_spec(raw_steering, num_layers=shape.num_layers,
-                                           hidden_size=shape.hidden_size, lookup=lookup,
-                                           unavailable=shape.unavailable,
-                                           readers=reader_tensors)
+            if lookup is not None and _names_only(raw_steering):
+                steering = _SPEC_MEMO.parse(raw_steering, shape, lookup)
+            else:
+                steering = parse_steering_spec(raw_steering, num_layers=shape.num_layers,
+                                               hidden_size=shape.hidden_size, lookup=lookup,
+                                               unavailable=shape.unavailable,
+                                               readers=reader_tensors)
         except SteeringSpecError as exc:
             raise FieldError(exc.field, exc.reason) from None
     if _lax_true(body.get("use_beam_search")) and (
@@ -206,6 +215,64 @@ def _check_readout_request(body: Mapping[str, Any], readout: list[ReadoutItem],
         raise FieldError("prompt", "readout needs one prompt per request")
     if _lax_true(body.get("use_beam_search")):
         raise FieldError("use_beam_search", "readout does not run under beam search")
+
+
+def _names_only(raw: object) -> bool:
+    """Whether a steering field names all its vectors (no floats, nothing but plain fields):
+    such fields repeat verbatim across requests and their parse can be reused."""
+    if not isinstance(raw, Mapping) or set(raw) != {"vectors"} or not isinstance(
+            raw["vectors"], list) or not raw["vectors"]:
+        return False
+    for item in raw["vectors"]:
+        if not isinstance(item, Mapping) or not set(item) <= _PLAIN_ITEM_FIELDS:
+            return False
+        vector = item.get("vector")
+        if not (isinstance(vector, Mapping) and set(vector) == {"name"}
+                and isinstance(vector["name"], str)):
+            return False
+    return True
+
+
+class _SpecMemo:
+    """Parsed names-only steering fields, reused while every entry they name is the same
+    object in the registry's cache (a replaced or removed vector is a new object, or an
+    error): a request steering every layer with a named vector then costs one registry
+    check per name instead of a parse, a check of every vector and a new wire form."""
+
+    def __init__(self, size: int) -> None:
+        self._specs: OrderedDict[tuple, tuple[SteeringSpec | None, tuple]] = OrderedDict()
+        self._size = size
+
+    def parse(self, raw: Mapping, shape: ModelShape, lookup: VectorLookup) -> SteeringSpec | None:
+        owner = getattr(lookup, "__self__", None)
+        key = (json.dumps(raw, sort_keys=True), shape.num_layers, shape.hidden_size,
+               tuple(sorted(shape.unavailable.items())), owner if owner is not None else lookup,
+               getattr(lookup, "__func__", None))
+        hit = self._specs.get(key)
+        if hit is not None:
+            try:
+                same = all(lookup(name) is found for name, found in hit[1])
+            except Exception:  # gone or unusable now: the parse below reports it
+                same = False
+            if same:
+                self._specs.move_to_end(key)
+                return hit[0]
+        seen: list[tuple[str, object]] = []
+
+        def recording(name: str) -> object:
+            found = lookup(name)
+            seen.append((name, found))
+            return found
+        spec = parse_steering_spec(raw, num_layers=shape.num_layers,
+                                   hidden_size=shape.hidden_size, lookup=recording,
+                                   unavailable=shape.unavailable)
+        self._specs[key] = (spec, tuple(seen))
+        while len(self._specs) > self._size:
+            self._specs.popitem(last=False)
+        return spec
+
+
+_SPEC_MEMO = _SpecMemo(_SPEC_MEMO_SIZE)
 
 
 def response_id(body: dict[str, Any], path: str, header_id: str | None) -> str:

@@ -213,7 +213,7 @@ class CapsteerMiddleware:
             if global_capture is not None and "capture" not in body:
                 body["capture"] = global_capture  # a dedicated capture server
             hooks = parse_hook_fields(
-                body, state.shape, lookup=state.registry.lookup,
+                body, state.shape, lookup=state.vector_lookup,
                 default_layout=state.settings.capture_layout,
                 capture_default=state.settings.capture_default,
                 readers=state.readers.lookup if state.readers is not None else None,

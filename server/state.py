@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from capsteer.capture.spec import SpecError, parse_capture_shorthand, parse_capture_spec
-from capsteer.config.server import ServerSettings
+from capsteer.config.server import ENV_VAR, ServerSettings
 from capsteer.engine_ext.vllm.serve import api_keys, app_engine_client, served_tokenizer
 from capsteer.engine_ext.vllm.topology import ServedModel, Topology, served_model, served_topology
 from capsteer.server.engine_link import EngineLink
@@ -19,6 +20,7 @@ from capsteer.server.prompt_tokens import PromptCounter
 from capsteer.server.tracker import CaptureTracker
 from capsteer.steering.readers.registry import ReaderRegistry
 from capsteer.steering.registry import VectorRegistry
+from capsteer.steering.spec import VectorLookup
 
 log = logging.getLogger("vllm.capsteer.server")
 
@@ -36,6 +38,13 @@ class CapsteerState:
     topology: Topology | None = None
     prompt_counter: PromptCounter | None = None  # the reject policy's exact prompt lengths
     readers: ReaderRegistry | None = None  # probes and SAEs under --readers-dir
+    # Under `capsteer serve` the workers read --steering-dir too (its worker_config), so a
+    # request names its registry vectors instead of carrying their floats to every worker.
+    by_reference: bool = False
+
+    @property
+    def vector_lookup(self) -> VectorLookup:
+        return self.registry.lookup_named if self.by_reference else self.registry.lookup
 
     @classmethod
     def create(cls, app: object, settings: ServerSettings) -> CapsteerState:
@@ -73,7 +82,8 @@ class CapsteerState:
         if settings.capture_overload == "reject":
             counter = prompt_counter(served_tokenizer(app, engine))
         return cls(settings, model, shape, registry, tracker, link,
-                   api_keys(app), global_capture, topology, counter, readers)
+                   api_keys(app), global_capture, topology, counter, readers,
+                   by_reference=bool(os.environ.get(ENV_VAR)))
 
 
 def prompt_counter(source: object) -> PromptCounter | None:

@@ -36,6 +36,9 @@ from capsteer.server.peers import PeerBoard
 log = logging.getLogger("vllm.capsteer.server")
 SEARCH_AFTER_S = 10.0
 ASK_AFTER_S = 1.0
+# Captures whose request has not ended are looked for this often, not every tick: their
+# manifest rarely exists yet, and hundreds in flight cost a file open each per tick.
+SWEEP_S = 0.25
 AskUnwritten = Callable[[Sequence[str]], Awaitable[dict[str, Receipt]]]
 
 
@@ -47,6 +50,7 @@ class _Tracked:
     dir_time: float | None = None  # the payload's date for its directory (None: unknown)
     ended: float | None = None  # when the front end reported the request's end
     waiters: list[asyncio.Future] = field(default_factory=list)
+    rel: str | None = None  # its directory under the root, from dir_time (computed once)
 
 
 class CaptureTracker:
@@ -67,6 +71,7 @@ class CaptureTracker:
         self._searched_at = 0.0
         self.ask_unwritten: AskUnwritten | None = None  # set once the engine link exists
         self._asked_at = 0.0
+        self._swept_at = 0.0
         self._unwritten = UnwrittenOutcomes()  # the workers' answers, for receipt lookups
 
     # ---- admission ----
@@ -82,7 +87,9 @@ class CaptureTracker:
               dir_time: float | None = None) -> None:
         """`dir_time`: the time the request's payload dates its directory with (the poller
         then reads that one manifest instead of searching the root)."""
-        self._tracked[capture_id] = _Tracked(nbytes, time.monotonic(), spec, dir_time)
+        entry = _Tracked(nbytes, time.monotonic(), spec, dir_time)
+        entry.rel = self._rel_dir(capture_id, entry)
+        self._tracked[capture_id] = entry
         self.reserved_bytes += nbytes
         if self.peers is not None:
             self.peers.add(capture_id)
@@ -146,18 +153,28 @@ class CaptureTracker:
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._poll())
 
+    def poll_targets(self) -> dict[str, tuple[str | None, float]]:
+        """The captures this tick looks for, each with its directory and tracking time: those
+        whose request ended or that someone waits for, and every SWEEP_S all of them."""
+        now = time.monotonic()
+        if now - self._swept_at >= SWEEP_S:
+            self._swept_at = now
+            return {c: (e.rel, e.since) for c, e in self._tracked.items()}
+        return {c: (e.rel, e.since) for c, e in self._tracked.items()
+                if e.ended is not None or e.waiters}
+
     async def _poll(self) -> None:
         while self._tracked:
-            ids = list(self._tracked)
-            where = {c: (self._rel_dir(c, e), e.since) for c, e in self._tracked.items()}
+            where = self.poll_targets()
+            ids = list(where)
             try:
-                found = await asyncio.to_thread(self._scan, where)
+                found = await asyncio.to_thread(self._scan, where) if where else {}
             except Exception:  # keep polling; a broken root shows up in receipts' timeouts
                 log.exception("capsteer: scanning the capture root failed")
                 found = {}
             now = time.monotonic()
             found.update(await self._ask_engine(found, now))
-            for capture_id in ids:
+            for capture_id in ids + [c for c in found if c not in where]:
                 receipt = found.get(capture_id)
                 entry = self._tracked.get(capture_id)
                 if entry is None:

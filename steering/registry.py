@@ -36,7 +36,7 @@ from capsteer.steering.formats import (
     VectorTooLargeError,
     decode_vectors,
 )
-from capsteer.steering.spec import SteeringSpecError
+from capsteer.steering.spec import NamedVectors, SteeringSpecError
 from capsteer.steering.store import fsync_dir, publish_atomic, remove_stale_temps
 
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -60,6 +60,11 @@ class VectorRegistryError(VectorFormatError):
     """A stored vector that this model cannot use (other width/layers, damaged file)."""
 
 
+class VectorChangedError(errors.NotFound, LookupError):
+    """A worker cannot read the vector a request named: it is gone, or another vector was
+    stored under its name after the request was checked (its content sha256 differs)."""
+
+
 def validate_name(name: object) -> str:
     """Return `name` if it is a safe registry name, else raise VectorNameError."""
     if not isinstance(name, str) or not NAME_RE.fullmatch(name) or name.endswith(".tmp"):
@@ -76,21 +81,25 @@ class _Stored:
     decoded: DecodedVectors | None
     info: dict
     error: str | None
+    named: NamedVectors | None = None  # the value with its digests (computed once a file)
 
 
 class VectorRegistry:
     """Files under `root`, validated against one model's geometry on every read."""
 
     def __init__(self, root: str | Path, *, hidden_size: int, num_layers: int,
-                 cache_entries: int = 128) -> None:
+                 cache_entries: int = 128, read_only: bool = False) -> None:
+        """`read_only`: a reader beside the server's registry (a worker): the directory is
+        neither created nor cleaned."""
         self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
         self.hidden_size = int(hidden_size)
         self.num_layers = int(num_layers)
         self._cache: OrderedDict[str, tuple[tuple, _Stored]] = OrderedDict()
         self._cache_entries = cache_entries
         self._lock = threading.Lock()
-        remove_stale_temps(self.root)
+        if not read_only:
+            self.root.mkdir(parents=True, exist_ok=True)
+            remove_stale_temps(self.root)
 
     # --- public API ---------------------------------------------------------------
 
@@ -198,6 +207,20 @@ class VectorRegistry:
         except VectorRegistryError as exc:
             raise SteeringSpecError("steering.vectors[].vector.name", str(exc)) from None
 
+    def lookup_named(self, name: str) -> NamedVectors:
+        """`lookup` with each vector's digest and the entry's content sha256, so a request's
+        wire form can name the entry instead of carrying its floats (the server's workers
+        read the same directory). Digests are computed once per stored file."""
+        try:
+            validate_name(name)
+        except VectorNameError:
+            raise VectorNotFoundError(name) from None
+        stored = self._load(name)
+        if stored.error is not None or stored.named is None:  # as `lookup` refuses it
+            raise SteeringSpecError("steering.vectors[].vector.name",
+                                    stored.error or f"vector {name!r} is unusable")
+        return stored.named
+
     # --- internals ----------------------------------------------------------------
 
     def _load(self, name: str) -> _Stored:
@@ -277,7 +300,8 @@ class VectorRegistry:
             decoded = DecodedVectors(None, MappingProxyType(per_layer),
                                      info["source_format"] or "safetensors")
         info["error"] = self._incompatibility(name, width, per_layer, arrays)
-        return _Stored(decoded, info, info["error"])
+        named = NamedVectors.of(name, decoded.value()) if info["error"] is None else None
+        return _Stored(decoded, info, info["error"], named)
 
     def _incompatibility(self, name: str, width: int, per_layer: dict | None,
                          arrays: list[np.ndarray]) -> str | None:
@@ -293,6 +317,43 @@ class VectorRegistry:
             return f"vector {name!r}: stored values are not all finite (damaged file?)"
         return None
 
+
+
+class VectorReader:
+    """A worker's reader of the named vectors requests refer to (steering/spec.py's wire
+    form): read from the server's registry directory, checked against the content sha256
+    the server saw, and kept by that sha256 (the last `keep` entries), so a vector replaced
+    after a request was checked is never used for it."""
+
+    def __init__(self, root: str | Path, *, hidden_size: int, num_layers: int,
+                 keep: int = 32) -> None:
+        self.registry = VectorRegistry(root, hidden_size=hidden_size, num_layers=num_layers,
+                                       read_only=True)
+        self._kept: OrderedDict[str, np.ndarray | Mapping[int, np.ndarray]] = OrderedDict()
+        self._keep = keep
+
+    def __call__(self, name: str, sha256: str) -> np.ndarray | Mapping[int, np.ndarray]:
+        """`VectorResolve`: the value of `name` whose content is `sha256`, else
+        VectorChangedError."""
+        kept = self._kept.get(sha256)
+        if kept is not None:
+            self._kept.move_to_end(sha256)
+            return kept
+        try:
+            named = self.registry.lookup_named(name)
+        except (KeyError, SteeringSpecError, VectorNameError) as exc:
+            raise VectorChangedError(
+                f"steering vector {name!r} is not readable in {self.registry.root} "
+                f"({exc})") from None
+        if named.sha256 != sha256:
+            raise VectorChangedError(
+                f"steering vector {name!r} was replaced after the request was checked (its "
+                f"content sha256 is {named.sha256[:16]}..., the request's {sha256[:16]}...): "
+                "it is not steered with the other vector")
+        self._kept[sha256] = named.value
+        while len(self._kept) > self._keep:
+            self._kept.popitem(last=False)
+        return named.value
 
 
 def _norm(vec: np.ndarray) -> float:

@@ -1,8 +1,9 @@
 """Steering specs: parse and validate the request's `steering` field, normalize it
 for `SamplingParams.extra_args`, and derive the prefix-cache salt.
 
-A normalized spec is plain JSON (vectors as base64 float32) so it survives the
-trip through `vllm_xargs` and into every worker unchanged.
+A normalized spec is plain JSON (vectors as base64 float32, or a registry entry's name
+and content sha256 that the workers read themselves) so it survives the trip through
+`vllm_xargs` and into every worker unchanged.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import json
 import math
 import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import numpy as np
@@ -34,8 +35,12 @@ _VECTOR_FIELDS = {"hook", "layer", "layers", "vector", "scale", "op", "value", "
 _MAX_ABS = 1e30  # far inside float32; anything larger overflows the stream anyway
 _B64_DTYPES = {"float32": np.float32, "float16": np.float16, "float64": np.float64, "bfloat16": None}
 
-# A registry lookup: name -> one vector [hidden] or per-layer vectors {layer: [hidden]}.
-VectorLookup = Callable[[str], "np.ndarray | Mapping[int, np.ndarray]"]
+# A registry lookup: name -> one vector [hidden] or per-layer vectors {layer: [hidden]}, or
+# those as NamedVectors (then the wire form carries the name, not the floats).
+VectorLookup = Callable[[str], "np.ndarray | Mapping[int, np.ndarray] | NamedVectors"]
+# A worker's reader of named vectors: (name, content sha256) -> the stored value, or an
+# error when the registry no longer holds that content under that name.
+VectorResolve = Callable[[str, str], "np.ndarray | Mapping[int, np.ndarray]"]
 
 
 class SteeringSpecError(errors.InvalidInput, ValueError):
@@ -45,6 +50,50 @@ class SteeringSpecError(errors.InvalidInput, ValueError):
         super().__init__(f"{field}: {reason}")
         self.field = self.param = field
         self.reason = reason
+
+
+def vector_digest(vec: np.ndarray) -> str:
+    """sha256 of a vector's float32 little-endian bytes: its content's identity."""
+    return hashlib.sha256(np.ascontiguousarray(vec, dtype="<f4").tobytes()).hexdigest()
+
+
+@dataclass(frozen=True, eq=False)
+class NamedVectors:
+    """A registry entry as a lookup may return it: its value, each vector's digest (keyed
+    like the value: None for a single vector) and the entry's content sha256. With it a
+    request's wire form names the entry instead of carrying its floats (156 KB a request
+    for 28 layers of 1024), and the workers read it from the same registry directory."""
+
+    name: str
+    value: np.ndarray | Mapping[int, np.ndarray]
+    digests: Mapping[int | None, str]
+
+    @classmethod
+    def of(cls, name: str, value: np.ndarray | Mapping[int, np.ndarray]) -> NamedVectors:
+        if isinstance(value, Mapping):
+            return cls(name, value, {int(k): vector_digest(v) for k, v in value.items()})
+        return cls(name, value, {None: vector_digest(value)})
+
+    @cached_property
+    def sha256(self) -> str:
+        """The entry's content identity (what a worker checks before it steers with it)."""
+        items = sorted(self.digests.items(), key=lambda kv: -1 if kv[0] is None else kv[0])
+        return hashlib.sha256(json.dumps(items).encode()).hexdigest()
+
+    @cached_property
+    def _checked(self) -> dict[int, str | None]:
+        return {}  # hidden size -> why the value does not fit (None: it does)
+
+
+@dataclass(frozen=True)
+class VectorSource:
+    """A named op's vector in the registry: entry `name` with content `sha256`, its vector
+    for `layer` (None: the entry's single vector), whose own digest is `digest`."""
+
+    name: str
+    sha256: str
+    layer: int | None
+    digest: str
 
 
 @dataclass(frozen=True)
@@ -62,6 +111,9 @@ class SteeringOp:
     # src . gate + gate_bias > 0 (src: the value at the hook before steering); None: always.
     gate: np.ndarray | None = None  # float32 [hidden]
     gate_bias: float = 0.0
+    # Where a named vector came from: the wire form then refers to it (not part of the op's
+    # content: the same vector sent inline steers, and shares entries, alike).
+    source: VectorSource | None = field(default=None, compare=False)
 
     def to_dict(self, vector_index: int, gate_index: int | None = None) -> dict:
         """Wire form: the vector (and the gate's) is a reference into the spec's table of
@@ -85,6 +137,28 @@ def _unb64(text: str) -> np.ndarray:
     return np.frombuffer(base64.b64decode(text), dtype="<f4").astype(np.float32)
 
 
+def unit_vector(vec: np.ndarray) -> np.ndarray:
+    """What ablate and clamp use of a vector (the parser and the workers compute it alike)."""
+    return (vec / float(np.linalg.norm(vec))).astype(np.float32)
+
+
+def _table_entry(entry: str | list, refs: list, stored: dict[int, object],
+                 resolve: VectorResolve | None) -> np.ndarray:
+    """One vector of a wire form's table: base64 text, or [index into `refs`, layer (None:
+    the entry's single vector), 1 if ablate/clamp's unit vector]."""
+    if isinstance(entry, str):
+        return _unb64(entry)
+    if resolve is None:
+        raise ValueError("the steering names a registry vector, and no vector registry "
+                         "is configured here")
+    r, layer, unit = entry
+    if r not in stored:
+        stored[r] = resolve(str(refs[r]["name"]), str(refs[r]["sha256"]))
+    value = stored[r]
+    vec = np.asarray(value if layer is None else value[int(layer)], dtype=np.float32)
+    return unit_vector(vec) if unit else vec
+
+
 @dataclass(frozen=True)
 class SteeringSpec:
     """All operations of one request, in the order the request listed them."""
@@ -98,22 +172,48 @@ class SteeringSpec:
         return self._wire[0]
 
     @cached_property
-    def _wire(self) -> tuple[dict, str]:
-        index: dict[bytes, int] = {}
-        table: list[str] = []
+    def _wire(self) -> tuple[dict, str, str]:
+        """Vectors by content: the key hashes each distinct vector's digest with the ops, so
+        a named vector and the same floats sent inline share entries and prefix cache. A
+        named vector's table entry refers to its registry entry (`refs`: name and content
+        sha256) instead of carrying it; an inline one is base64 text."""
+        index: dict[str, int] = {}  # content digest -> table row
+        digests: list[str] = []
+        table: list[str | list] = []
+        refs: dict[tuple[str, str], int] = {}
+        seen: dict[int, tuple[str, bytes | None]] = {}  # id(vector) -> (digest, bytes)
         ops = []
-        def ref(vec: np.ndarray) -> int:
-            raw = vec.astype("<f4").tobytes()
-            if raw not in index:
-                index[raw] = len(table)
-                table.append(base64.b64encode(raw).decode())
-            return index[raw]
+        def row(vec: np.ndarray, src: VectorSource | None, unit: bool) -> int:
+            if src is not None and not unit:  # the stored vector itself: digest known
+                digest, raw = src.digest, None
+            elif id(vec) in seen:  # one array on many layers (`layers: all`)
+                digest, raw = seen[id(vec)]
+            else:
+                raw = vec.astype("<f4").tobytes()
+                digest = hashlib.sha256(raw).hexdigest()
+                seen[id(vec)] = (digest, raw)
+            if digest not in index:
+                index[digest] = len(table)
+                digests.append(digest)
+                if src is not None:
+                    ref = refs.setdefault((src.name, src.sha256), len(refs))
+                    table.append([ref, src.layer, int(unit)])  # a list: 28+ of them
+                else:
+                    assert raw is not None  # inline: its bytes were just hashed
+                    table.append(base64.b64encode(raw).decode())
+            return index[digest]
 
         for op in self.ops:
-            ops.append(op.to_dict(ref(op.vector), None if op.gate is None else ref(op.gate)))
-        body = {"vectors_b64": table, "ops": ops}
-        digest = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
-        return {**body, "key": digest}, digest
+            vector = row(op.vector, op.source, op.op in ("ablate", "clamp"))
+            ops.append(op.to_dict(vector, None if op.gate is None else row(op.gate, None, False)))
+        # The ops' text once, for the key and the wire text (to_dict's key order is fixed;
+        # encoding 28+ op dicts is most of a named request's wire cost).
+        ops_text = json.dumps(ops, separators=(",", ":"))
+        digest = hashlib.sha256((json.dumps(digests) + ops_text).encode()).hexdigest()
+        body: dict = {"vectors_b64": table, "ops": ops, "key": digest}
+        if refs:
+            body["refs"] = [{"name": n, "sha256": h} for n, h in refs]
+        return body, digest, ops_text
 
     @cached_property
     def wire_text(self) -> str:
@@ -122,16 +222,24 @@ class SteeringSpec:
         where the nested form (one dict per op, 28+ for all layers) cost ~450 us a request
         on the front end's thread (the request's `steering_key` rides beside it, so
         workers that know the spec never parse it)."""
-        return json.dumps(self.to_dict(), separators=(",", ":"))
+        body, digest, ops_text = self._wire
+        compact = (",", ":")
+        text = (f'{{"vectors_b64":{json.dumps(body["vectors_b64"], separators=compact)},'
+                f'"ops":{ops_text},"key":"{digest}"')
+        if "refs" in body:
+            text += f',"refs":{json.dumps(body["refs"], separators=compact)}'
+        return text + "}"
 
     @classmethod
-    def from_wire(cls, wire: Mapping | str) -> SteeringSpec:
-        """From either wire form: `to_dict()`'s mapping or `wire_text`."""
-        return cls.from_dict(json.loads(wire) if isinstance(wire, str) else wire)
+    def from_wire(cls, wire: Mapping | str, resolve: VectorResolve | None = None) -> SteeringSpec:
+        """From either wire form: `to_dict()`'s mapping or `wire_text`. `resolve` reads the
+        named vectors it refers to (a worker's registry reader)."""
+        return cls.from_dict(json.loads(wire) if isinstance(wire, str) else wire, resolve)
 
     @classmethod
-    def from_dict(cls, d: Mapping) -> SteeringSpec:
-        table = [_unb64(t) for t in d.get("vectors_b64", ())]
+    def from_dict(cls, d: Mapping, resolve: VectorResolve | None = None) -> SteeringSpec:
+        refs, stored = list(d.get("refs", ())), {}
+        table = [_table_entry(t, refs, stored, resolve) for t in d.get("vectors_b64", ())]
         return cls(tuple(SteeringOp.from_dict(o, table) for o in d["ops"]))
 
     @staticmethod
@@ -224,10 +332,51 @@ def _all_numbers(values: list) -> bool:
     return all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
 
 
+# A resolved item's vectors: {layer: vector}, and {layer: source} for the named ones.
+_Resolved = tuple[dict[int, np.ndarray], dict[int, VectorSource]]
+
+
+def _lookup(raw: Mapping, field: str, lookup: VectorLookup | None) -> tuple[str, object]:
+    """(name, what the registry holds under it) for a `{"name": ...}` vector."""
+    name = raw["name"]
+    if not isinstance(name, str) or not name:
+        raise SteeringSpecError(field + ".name", "must be a non-empty string")
+    if lookup is None:
+        raise SteeringSpecError(field + ".name", "no vector registry is configured")
+    try:
+        return name, lookup(name)
+    except KeyError:
+        raise SteeringSpecError(field + ".name", f"unknown vector name {name!r}") from None
+    except SteeringSpecError as exc:  # the registry holds it, but this model cannot use it
+        raise SteeringSpecError(field + ".name", exc.reason) from None
+
+
+def _named_vector(found: object, key: int | None, field: str, hidden: int) -> tuple[
+        np.ndarray, VectorSource | None]:
+    """One vector of a lookup's answer (`key` None: its single vector), checked, and its
+    source when the answer is a NamedVectors (checked once per entry, not per request)."""
+    if not isinstance(found, NamedVectors):
+        return _check_vector(np.asarray(found if key is None else found[key]), field,
+                             hidden), None
+    verdicts = found._checked
+    if hidden not in verdicts:
+        try:
+            for vec in (found.value.values() if isinstance(found.value, Mapping)
+                        else (found.value,)):
+                _check_vector(np.asarray(vec), field, hidden)
+            verdicts[hidden] = None
+        except SteeringSpecError as exc:
+            verdicts[hidden] = exc.reason
+    if verdicts[hidden] is not None:
+        raise SteeringSpecError(field, verdicts[hidden])
+    vec = np.asarray(found.value if key is None else found.value[key], dtype=np.float32)
+    return vec, VectorSource(found.name, found.sha256, key, found.digests[key])
+
+
 def _resolve_vectors(
     raw: object, field: str, layers: list[int], hidden: int, lookup: VectorLookup | None
-) -> dict[int, np.ndarray]:
-    """One float32 vector per layer."""
+) -> _Resolved:
+    """One float32 vector per layer (and the sources of named ones)."""
     if isinstance(raw, list):
         if not raw or not _all_numbers(raw):
             raise SteeringSpecError(field, "must be a non-empty list of numbers")
@@ -236,30 +385,26 @@ def _resolve_vectors(
         except OverflowError:
             raise SteeringSpecError(field, "holds a number too large for float64") from None
         vec = _check_vector(values, field, hidden)
-        return dict.fromkeys(layers, vec)
+        return dict.fromkeys(layers, vec), {}
     if isinstance(raw, Mapping) and "b64" in raw:
         vec = _check_vector(_decode_b64(raw, field), field, hidden)
-        return dict.fromkeys(layers, vec)
+        return dict.fromkeys(layers, vec), {}
     if isinstance(raw, Mapping) and "name" in raw:
-        name = raw["name"]
-        if not isinstance(name, str) or not name:
-            raise SteeringSpecError(field + ".name", "must be a non-empty string")
-        if lookup is None:
-            raise SteeringSpecError(field + ".name", "no vector registry is configured")
-        try:
-            found = lookup(name)
-        except KeyError:
-            raise SteeringSpecError(field + ".name", f"unknown vector name {name!r}") from None
-        except SteeringSpecError as exc:  # the registry holds it, but this model cannot use it
-            raise SteeringSpecError(field + ".name", exc.reason) from None
-        if isinstance(found, Mapping):
-            missing = [layer for layer in layers if layer not in found]
+        name, found = _lookup(raw, field, lookup)
+        value = found.value if isinstance(found, NamedVectors) else found
+        vectors, sources = {}, {}
+        if isinstance(value, Mapping):
+            missing = [layer for layer in layers if layer not in value]
             if missing:
                 raise SteeringSpecError(field + ".name",
                                         f"vector {name!r} has no entry for layer(s) {missing}")
-            return {layer: _check_vector(np.asarray(found[layer]), field, hidden) for layer in layers}
-        vec = _check_vector(np.asarray(found), field, hidden)
-        return dict.fromkeys(layers, vec)
+            for layer in layers:
+                vectors[layer], src = _named_vector(found, layer, field, hidden)
+                if src is not None:
+                    sources[layer] = src
+            return vectors, sources
+        vec, src = _named_vector(found, None, field, hidden)
+        return dict.fromkeys(layers, vec), (dict.fromkeys(layers, src) if src else {})
     raise SteeringSpecError(field, "must be a list of numbers, {'name': ...} or {'b64': ..., 'dtype': ...}")
 
 
@@ -329,19 +474,19 @@ def parse_steering_spec(
             raise SteeringSpecError(exc.field, exc.reason) from None
         if layers is None:
             layers = list(range(num_layers))
-            vectors = _resolve_per_layer_name(item["vector"], field + ".vector", hidden_size,
-                                              lookup, num_layers)
+            vectors, sources = _resolve_per_layer_name(item["vector"], field + ".vector",
+                                                       hidden_size, lookup, num_layers)
             layers = sorted(vectors)
         else:
-            vectors = _resolve_vectors(item["vector"], field + ".vector", layers, hidden_size, lookup)
+            vectors, sources = _resolve_vectors(item["vector"], field + ".vector", layers,
+                                                hidden_size, lookup)
         for layer in layers:
             vec = vectors[layer]
             _check_one_gate(gates, gate, hook, layer, positions, num_layers, field)
             if op in ("ablate", "clamp"):
-                norm = float(np.linalg.norm(vec))
-                if norm == 0.0:
+                if float(np.linalg.norm(vec)) == 0.0:
                     raise SteeringSpecError(field + ".vector", f"{op} needs a non-zero vector")
-                vec = vec / norm
+                vec = unit_vector(vec)
                 point = ("resid_pre", layer + 1) if (
                     hook == "resid_post" and layer + 1 < num_layers) else (hook, layer)
                 for pos in (("prompt", "generated") if positions == "all" else (positions,)):
@@ -352,8 +497,11 @@ def parse_steering_spec(
                             f"at most one ablate/clamp per hook, layer and position class "
                             f"({hook}, layer {layer}, {pos})")
                     projections.add(key)
-            ops.append(SteeringOp(hook, layer, op, vec.astype(np.float32), scale, value, positions,
-                                  *(gate or (None, 0.0))))
+            if vec.dtype != np.float32 or not vec.flags.writeable:  # registry arrays are read-only
+                vec = vec.astype(np.float32)
+            # one array on many layers stays one object: the wire form hashes it once
+            ops.append(SteeringOp(hook, layer, op, vec, scale, value, positions,
+                                  *(gate or (None, 0.0)), sources.get(layer)))
             if len(ops) > max_ops:
                 raise SteeringSpecError("steering.vectors", f"more than {max_ops} (vector, layer) ops")
     return SteeringSpec(tuple(ops)) if ops else None
@@ -378,25 +526,19 @@ def _check_one_gate(gates: dict, gate: tuple[np.ndarray, float] | None, hook: st
 
 def _resolve_per_layer_name(
     raw: Mapping, field: str, hidden: int, lookup: VectorLookup | None, num_layers: int
-) -> dict[int, np.ndarray]:
-    if not isinstance(raw["name"], str) or not raw["name"]:
-        raise SteeringSpecError(field + ".name", "must be a non-empty string")
-    if lookup is None:
-        raise SteeringSpecError(field + ".name", "no vector registry is configured")
-    try:
-        found = lookup(raw["name"])
-    except KeyError:
-        raise SteeringSpecError(field + ".name", f"unknown vector name {raw['name']!r}") from None
-    except SteeringSpecError as exc:
-        raise SteeringSpecError(field + ".name", exc.reason) from None
-    if not isinstance(found, Mapping):
+) -> _Resolved:
+    _, found = _lookup(raw, field, lookup)
+    value = found.value if isinstance(found, NamedVectors) else found
+    if not isinstance(value, Mapping):
         raise SteeringSpecError(field.rsplit(".", 1)[0] + ".layer",
                                 "is required: the named vector holds a single vector")
-    out = {}
-    for layer, vec in found.items():
+    out, sources = {}, {}
+    for layer in value:
         try:
             resolved = resolve_layer(int(layer), num_layers)
         except ValueError as exc:
             raise SteeringSpecError(field + ".name", str(exc)) from None
-        out[resolved] = _check_vector(np.asarray(vec), field, hidden)
-    return out
+        out[resolved], src = _named_vector(found, layer, field, hidden)
+        if src is not None:
+            sources[resolved] = src
+    return out, sources

@@ -13,7 +13,7 @@ RUNTIME_KEYS = frozenset({
     "capture_dir", "capture_budget", "capture_overload", "capture_workers", "capture_digest",
     "capture_io", "capture_writer", "capture_writer_processes", "capture_ring_bytes",
     "sharded", "end_wait_s", "frontend", "canary", "plain_graphs", "stack_room",
-    "readers_dir", "readout_dir"})
+    "readers_dir", "readout_dir", "steering_dir"})
 
 
 def capsteer_config(worker: object) -> dict:

@@ -304,7 +304,9 @@ def test_worker_config() -> None:
                         "capture_overload": "drop"}).worker_config()
     assert wc == {"capture_dir": os.path.abspath("caps"), "capture_budget": 1024,
                   "capture_overload": "drop", "readers_dir": os.path.abspath("readers"),
-                  "readout_dir": os.path.join(os.path.abspath("caps"), ".readouts")}
+                  "readout_dir": os.path.join(os.path.abspath("caps"), ".readouts"),
+                  # the workers read the vectors that requests name from the same directory
+                  "steering_dir": os.path.abspath("steering-vectors")}
     blake = ServerSettings(capture_digest="blake3").worker_config()
     assert blake["capture_digest"] == "blake3"  # the workers' writer records it
     assert "capture_io" not in wc  # buffered: the workers' default
