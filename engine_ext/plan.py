@@ -101,7 +101,7 @@ class RequestHooks:
         if hooks.capture is not None:
             points: dict[tuple[int, int], list[tuple[str, int]]] = defaultdict(list)
             for hook, layer in hooks.capture.keys():
-                point = hook_point(hook, layer)
+                point = hook_point(hook, layer, runtime.num_layers)
                 if point[1] in runtime.local_sites:  # other pipeline stages copy the rest
                     points[point].append((hook, layer))
             hooks.points = {p: tuple(keys) for p, keys in points.items()}
@@ -115,8 +115,8 @@ class RequestHooks:
                     SteeringSpec.key_of(wire)
                 if not isinstance(key, str):
                     key = SteeringSpec.from_wire(wire).sharing_key
-                hooks.entries = runtime.acquire_entries(
-                    key, lambda: compose_entries(SteeringSpec.from_wire(wire), runtime.hidden_size))
+                hooks.entries = runtime.acquire_entries(key, lambda: compose_entries(
+                    SteeringSpec.from_wire(wire), runtime.hidden_size, runtime.num_layers))
                 hooks.steering_key = key
             hooks.shared_slot = hooks.capture is None and bool(hooks.entries)
             hooks.slot = runtime.alloc_slot(hooks.entries, hooks.steering_key,
@@ -160,7 +160,7 @@ def shared_site_set(sites: frozenset[int]) -> frozenset[int]:
 
 
 def compose_entries(
-    spec: SteeringSpec, hidden: int
+    spec: SteeringSpec, hidden: int, num_layers: int
 ) -> dict[tuple[int, int, int], tuple[torch.Tensor, float, torch.Tensor]]:
     """Fold a request's ops into one affine map per (kind, site, position class).
 
@@ -170,7 +170,7 @@ def compose_entries(
     """
     maps: dict[tuple[int, int, int], list] = {}
     for op in spec.ops:
-        kind, site = hook_point(op.hook, op.layer)
+        kind, site = hook_point(op.hook, op.layer, num_layers)
         classes = (PROMPT, GENERATED) if op.positions == "all" else (
             (PROMPT,) if op.positions == "prompt" else (GENERATED,))
         vec = torch.from_numpy(op.vector.copy())
