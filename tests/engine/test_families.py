@@ -207,8 +207,9 @@ def test_steering_mlp_in_edits_the_mlps_input_only(engine_pool, model_dirs, hf_m
     hf = hf_models[engine_name]
     v = vector(71)
     item = {"hook": "mlp_in", "layer": 1, "vector": v}
-    clamp = {"vectors": [{**item, "op": "clamp", "value": 6.0}]}
-    cases = {"add": {"vectors": [{**item, "scale": 8.0}]},
+    # Large enough to change the demo GPT-2's tokens (its MLPs move its stream little).
+    clamp = {"vectors": [{**item, "op": "clamp", "value": 24.0}]}
+    cases = {"add": {"vectors": [{**item, "scale": 32.0}]},
              "ablate": {"vectors": [{**item, "op": "ablate"}]}, "clamp": clamp}
     _check_steering_equals_hf(engine, hf, token_prompt(72, 9), cases,
                               unchanged_ok=frozenset({"ablate"}))
@@ -225,5 +226,5 @@ def test_steering_mlp_in_edits_the_mlps_input_only(engine_pool, model_dirs, hf_m
     for hook in hooks[:-2]:
         torch.testing.assert_close(got[(hook, 1)], was[(hook, 1)], atol=1e-5, rtol=1e-5)
     comp = got[("mlp_in", 1)] @ torch.tensor(v)
-    torch.testing.assert_close(comp, torch.full_like(comp, 6.0), atol=1e-4, rtol=0)
+    torch.testing.assert_close(comp, torch.full_like(comp, 24.0), atol=1e-4, rtol=0)
     assert not torch.allclose(got[("mlp_out", 1)], was[("mlp_out", 1)])
