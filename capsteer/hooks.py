@@ -12,12 +12,17 @@ import numpy as np
 
 from capsteer.config import errors
 
-HOOKS: tuple[str, ...] = ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out")
+HOOKS: tuple[str, ...] = ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out",
+                          "mlp_in")
 ALIASES: dict[str, str] = {
     "pre_attn": "resid_pre",
     "post_attn": "resid_mid",
     "post_block": "resid_post",
+    "ln2.hook_normalized": "mlp_in",  # TransformerLens's name under blocks.L
 }
+# TransformerLens's name under `blocks.L.` where it is not `hook_{hook}`.
+_TL_NAMES: dict[str, str] = {"mlp_in": "ln2.hook_normalized"}
+_TL_RE = re.compile(r"blocks\.(\d+)\.(.+)")
 # Version of what each hook name means; written into every manifest.
 HOOK_SEMANTICS_VERSION = "1"
 
@@ -38,6 +43,24 @@ def canonical_hook(name: object) -> str:
             return ALIASES[key]
     accepted = ", ".join((*HOOKS, *ALIASES))
     raise HookNameError(f"unknown hook {name!r}; accepted: {accepted}")
+
+
+def tl_hook_name(hook: str, layer: int | str) -> str:
+    """TransformerLens's name for a hook at a layer: `blocks.{layer}.hook_{hook}`, or the
+    name TL gives it (`blocks.{layer}.ln2.hook_normalized` for mlp_in)."""
+    canonical = canonical_hook(hook)
+    return f"blocks.{layer}.{_TL_NAMES.get(canonical, 'hook_' + canonical)}"
+
+
+def parse_tl_hook_name(name: object) -> tuple[str, int] | None:
+    """(hook, layer) of a TransformerLens name (tl_hook_name's), or None if it is not one."""
+    m = _TL_RE.fullmatch(name) if isinstance(name, str) else None
+    if m is None:
+        return None
+    try:
+        return canonical_hook(m.group(2)), int(m.group(1))
+    except HookNameError:
+        return None
 
 
 def resolve_layer(index: int, num_layers: int) -> int:

@@ -4,8 +4,11 @@ The ground truth capsteer is checked against: the same weights run by
 transformers, with forward hooks reading (or changing) the same points.
 resid_pre[L] = hidden_states[L]; resid_post[L] = stream leaving layer L (before
 the final norm for the last layer); resid_mid[L], attn_out[L], mlp_out[L] = the
-input / outputs of the family's modules (engine_ext/families.py). A parallel block
-(GPT-NeoX, Cohere) has no resid_mid: it is neither read nor steerable here.
+input / outputs of the family's modules (engine_ext/families.py); mlp_in[L] = the
+input of the family's MLP module (the pre-MLP norm's output), steered by a pre-hook that
+hands the MLP a new tensor (the stream, and in Cohere's shared-norm parallel block
+attention's input, stay as they were). A parallel block (GPT-NeoX, Cohere) has no
+resid_mid: it is neither read nor steerable here.
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ def _apply(op, target: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return out.to(target.dtype)
 
 
-SUB_HOOKS = ("attn_out", "mlp_out")
+SUB_HOOKS = ("attn_out", "mlp_out", "mlp_in")
 
 
 def hf_family(model) -> Family:
@@ -128,12 +131,14 @@ def _steering_handles(model, spec: SteeringSpec | None, prompt_len: int, sublaye
         if hook == "resid_post" and index < last:
             hook, index = "resid_pre", index + 1
         layer = layers[index]
-        if hook == "resid_pre":
+        if hook in ("resid_pre", "mlp_in"):  # the module gets a new input tensor (mlp_in's
+            # is attention's input too in Cohere's parallel block: attention keeps it)
             def pre(mod, args, kwargs, op=op):
                 h = _layer_input(args, kwargs)
                 h = _apply(op, h, _position_mask(h, op.positions, prompt_len))
                 return ((h, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": h})
-            handles.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
+            module = layer if hook == "resid_pre" else _sub(layer, family.mlp_in)
+            handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
         elif hook == "resid_post":  # last layer: the stream entering the final norm
             def post(mod, args, kwargs, output, op=op):
                 h = _first(output)
@@ -195,6 +200,9 @@ def hf_activations(
         if "mlp_out" not in missing:
             handles.append(_sub(layer, family.mlp_out).register_forward_hook(
                 lambda m, a, o, i=i: keep(("mlp_out", i), _first(o))))
+        if "mlp_in" not in missing:
+            handles.append(_sub(layer, family.mlp_in).register_forward_pre_hook(
+                lambda m, a, k, i=i: keep(("mlp_in", i), _layer_input(a, k)), with_kwargs=True))
     handles += _steering_handles(model, steering, prompt_len, sublayer=False)
     for i, layer in enumerate(layers):
         handles.append(layer.register_forward_pre_hook(

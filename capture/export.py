@@ -33,7 +33,7 @@ from safetensors import safe_open
 from capsteer.capture.layouts import key_name
 from capsteer.capture.published import CaptureReadError
 from capsteer.capture.sharded import ShardedCapture, read_sharded
-from capsteer.hooks import canonical_hook
+from capsteer.hooks import canonical_hook, tl_hook_name
 
 EXPORT_INFO = "capsteer_export.json"
 DTYPES = {"float32": np.float32, "float16": np.float16}
@@ -56,11 +56,6 @@ class SaeLensExport:
         column = column or next(iter(self.columns))
         return {"hook_name": column, "d_in": self.d_in, "context_size": self.context_size,
                 "use_cached_activations": True, "cached_activations_path": str(self.path)}
-
-
-def tl_hook_name(hook: str, layer: int) -> str:
-    """TransformerLens's name for a capsteer hook: `blocks.{layer}.hook_{hook}`."""
-    return f"blocks.{layer}.hook_{canonical_hook(hook)}"
 
 
 def _select_keys(job: ShardedCapture, keys: list[tuple[str, int]] | None
@@ -113,7 +108,8 @@ def export_sae_lens(job_dir: str | Path, out_dir: str | Path, *,
     """Write `out_dir` as a `datasets` directory SAELens trains from.
 
     `keys` picks (hook, layer) pairs (default: every key in the job), each one column
-    named `blocks.{layer}.hook_{hook}` unless `hook_names` maps it to another name (for
+    named by TransformerLens (`blocks.{layer}.hook_{hook}`, mlp_in's
+    `blocks.{layer}.ln2.hook_normalized`) unless `hook_names` maps it to another name (for
     SAELens's `AutoModelForCausalLM` models, whose hook names are HF module names)."""
     try:  # optional dependency (the sae extra)
         import datasets
@@ -286,7 +282,8 @@ def add_command(subparsers: Any) -> None:
     p.add_argument("--context-size", type=int, default=128,
                    help="tokens per row; SAELens's context_size must equal it (default 128)")
     p.add_argument("--hook-name", help="column name for a single exported key (default "
-                   "blocks.{layer}.hook_{hook}; SAELens's AutoModelForCausalLM models use HF "
+                   "blocks.{layer}.hook_{hook}, mlp_in's blocks.{layer}.ln2.hook_normalized; "
+                   "SAELens's AutoModelForCausalLM models use HF "
                    "module names such as model.layers.16)")
     p.add_argument("--capture-dtype", default="float32", choices=sorted(DTYPES),
                    help="stored dtype of the exported activations (Arrow has no bfloat16); "

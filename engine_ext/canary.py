@@ -158,7 +158,8 @@ def run_canary(hooks) -> None:
     the steered forward, whose stream is non-zero from the steered site on."""
     runtime = hooks.runtime
     n = CANARY_TOKENS
-    local = sorted(runtime.local_sites)
+    # The stream's sites (inner sites, mlp_in's, are only checked to fire and be finite).
+    local = sorted(s for s in runtime.local_sites if s <= 2 * runtime.num_layers)
     tol = _tolerance(runtime.dtype)
     sites = hooks.sites
     parallel = sites.parallel

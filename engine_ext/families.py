@@ -29,6 +29,16 @@ both sublayers and adds both outputs at once: resid_post = resid_pre + attn_out 
 mlp_out. No stream exists between the sublayers, so resid_mid is refused by name
 (`unavailable_hooks`) rather than given an invented value; site 2L+1 then carries
 attn_out only.
+
+Hooks inside a sublayer (INNER_HOOKS) get sites after the stream's: inner hook h of
+layer L is site 2N+1 + hN + L. `mlp_in` is the MLP's normalized input (TransformerLens's
+`blocks.L.ln2.hook_normalized`, the transcoder input): the family's MLP module's input,
+which its pre-MLP norm produced (post_attention_layernorm, GPT-2's ln_2, Gemma 2/3's
+pre_feedforward_layernorm). It is read and steered at that input, a tensor the stream
+does not alias: steering changes what the MLP sees, not the stream. In a parallel block
+whose one norm feeds both sublayers (Cohere) attention has already read that tensor
+when the MLP is called, so steering mlp_in changes the MLP's input only. OLMo 2 has no
+norm before its MLP (the MLP reads resid_mid itself), so mlp_in is refused there.
 """
 
 from __future__ import annotations
@@ -38,6 +48,27 @@ from dataclasses import dataclass
 SUB, STREAM = 0, 1  # what a site's value is: the sublayer output or the stream
 SUB_BIT, STREAM_BIT = 1 << SUB, 1 << STREAM
 BOTH = SUB_BIT | STREAM_BIT
+# Hooks read inside a sublayer, each at one site per layer after the stream's (their
+# value is a plain tensor: kind SUB, no residual).
+INNER_HOOKS: tuple[str, ...] = ("mlp_in",)
+
+
+def site_count(num_layers: int) -> int:
+    """Sites of a model: 2N+1 stream sites, then N per inner hook."""
+    return (2 + len(INNER_HOOKS)) * num_layers + 1
+
+
+def inner_site(hook: str, layer: int, num_layers: int) -> int:
+    """The site of an inner hook (INNER_HOOKS) at `layer`: 2N+1 + hN + L."""
+    return 2 * num_layers + 1 + INNER_HOOKS.index(hook) * num_layers + layer
+
+
+def site_layers(site: int, num_layers: int) -> int:
+    """How many leading layers a forward must run to reach `site`: site 2L needs layers
+    below L, sites 2L+1 and 2L+2 layer L too, an inner site its own layer."""
+    if site > 2 * num_layers:
+        return (site - 2 * num_layers - 1) % num_layers + 1
+    return (site + 1) // 2
 
 
 @dataclass(frozen=True)
@@ -51,6 +82,11 @@ class Family:
     resid_mid: str = "post_attention_layernorm"  # module whose input is resid_mid
     # (a parallel block has none: see `parallel`)
     mlp_out: str = "mlp"  # module whose output is mlp_out (MoE: the whole block)
+    # The MLP module whose input is mlp_in (the pre-MLP norm's output; MoE: the whole
+    # block's, router and experts); None: no norm precedes the MLP (OLMo 2).
+    mlp_in: str | None = "mlp"
+    # The same module's name in vLLM's native class where it differs from HF's.
+    native_mlp_in: str | None = None
     # vLLM's fused add+norm whose input is resid_mid, for vLLM's native deferred layers;
     # None: vLLM's layers add the residual themselves (materialized, read at the modules).
     deferred_mid_norm: str | None = "post_attention_layernorm"
@@ -95,8 +131,10 @@ FAMILIES: tuple[Family, ...] = (
            notes="as gemma2; text-only Gemma3ForCausalLM (the multimodal class is refused)"),
     Family("olmo2", ("Olmo2ForCausalLM", "Olmo3ForCausalLM"), attn_out="post_attention_layernorm",
            resid_mid="mlp", mlp_out="post_feedforward_layernorm", deferred_mid_norm=None,
+           mlp_in=None,
            notes="norms after the sublayers: attn_out / mlp_out are the normed sublayer "
-                 "outputs added to the stream; resid_mid is the MLP's input"),
+                 "outputs added to the stream; resid_mid is the MLP's input (no norm "
+                 "precedes the MLP, so mlp_in is refused)"),
     Family("granite", ("GraniteForCausalLM",), deferred_mid_norm=None,
            embedding_multiplier="embedding_multiplier",
            residual_multiplier="residual_multiplier",
@@ -107,7 +145,7 @@ FAMILIES: tuple[Family, ...] = (
            notes="mlp_out is the whole MoE block output, shared expert included"),
     Family("qwen3_moe", ("Qwen3MoeForCausalLM",), moe=True,
            notes="mlp_out is the whole MoE block output"),
-    Family("mixtral", ("MixtralForCausalLM",), moe=True,
+    Family("mixtral", ("MixtralForCausalLM",), moe=True, native_mlp_in="block_sparse_moe",
            notes="mlp_out is the whole MoE block output (vLLM's block_sparse_moe)"),
     Family("olmoe", ("OlmoeForCausalLM",), moe=True,
            notes="mlp_out is the whole MoE block output"),
@@ -129,7 +167,8 @@ FAMILIES: tuple[Family, ...] = (
     Family("cohere", ("CohereForCausalLM",), deferred_mid_norm=None, parallel=True,
            notes="parallel block: attention and MLP both read resid_pre (one LayerNorm) and "
                  "resid_post = resid_pre + attn_out + mlp_out, so resid_mid does not exist "
-                 "and is refused"),
+                 "and is refused; mlp_in is that norm's output as the MLP reads it: "
+                 "steering it changes the MLP's input only (attention has read it already)"),
     Family("gpt_oss", ("GptOssForCausalLM",), moe=True,
            notes="mlp_out is the whole MoE block output (router and experts); attention "
                  "has sinks and alternates sliding-window and full layers"),
@@ -202,8 +241,13 @@ def unavailable_hooks(family: Family, config: object) -> dict[str, str]:
     if family is TRANSFORMERS_STREAM:
         names = list(getattr(config, "architectures", None) or ()) or ["this model"]
         return {h: _STREAM_ONLY.format(hook=h, arch=names[0])
-                for h in ("resid_mid", "attn_out", "mlp_out")}
-    return {"resid_mid": parallel_mid_reason(family)} if is_parallel(family, config) else {}
+                for h in ("resid_mid", "attn_out", "mlp_out", *INNER_HOOKS)}
+    missing = {"resid_mid": parallel_mid_reason(family)} if is_parallel(family, config) else {}
+    if family.mlp_in is None:
+        missing["mlp_in"] = (f"mlp_in does not exist in the {family.name} family: no norm "
+                             "precedes its MLP, which reads the stream itself (resid_mid); "
+                             "use resid_mid")
+    return missing
 
 
 def unavailable_hooks_of(config: object, transformers_backend: bool = False) -> dict[str, str]:
@@ -225,14 +269,15 @@ def hf_modules(family: Family, parallel: bool = False) -> dict[str, str | None]:
     if family is TRANSFORMERS_STREAM:
         return {"resid_pre": f"{layer} input (hidden_states[L])", "resid_mid": None,
                 "resid_post": f"{layer} output (hidden_states[L+1] for L < last)",
-                "attn_out": None, "mlp_out": None}
+                "attn_out": None, "mlp_out": None, "mlp_in": None}
     first = (" (hidden_states[0] = token + position embedding)"
              if family.position_embedding else "")
     return {"resid_pre": f"{layer} input (hidden_states[L]){first}",
             "resid_mid": None if parallel else f"{layer}.{family.resid_mid} input",
             "resid_post": f"{layer} output (hidden_states[L+1] for L < last)",
             "attn_out": f"{layer}.{family.attn_out} output",
-            "mlp_out": f"{layer}.{family.mlp_out} output"}
+            "mlp_out": f"{layer}.{family.mlp_out} output",
+            "mlp_in": None if family.mlp_in is None else f"{layer}.{family.mlp_in} input"}
 
 
 def supported_names() -> str:
@@ -256,29 +301,50 @@ class Tap:
     read: "pair" = the (x, residual) inputs of a fused add+norm (x is the sublayer
     value, x + residual the stream); "input" = the stream is the module's
     `hidden_states` input ("" = the layer itself); "output" = the sublayer value is
-    the module's output. offset: the site is 2L + offset."""
+    the module's output. offset: the site is 2L + offset; `inner`: the site is that
+    inner hook's instead (inner_site), its value the module's input (read "input",
+    kind SUB: a tensor the stream does not alias)."""
 
     module: str
     read: str
     offset: int
     kinds: int
+    inner: str | None = None
+
+    def site(self, layer: int, num_layers: int) -> int:
+        if self.inner is not None:
+            return inner_site(self.inner, layer, num_layers)
+        return 2 * layer + self.offset
 
 
-def layer_taps(family: Family, materialized: bool, parallel: bool = False) -> tuple[Tap, ...]:
-    """The taps of one decoder layer. `materialized`: vLLM runs HF-shaped layers (its
-    Transformers backend, or a native class that adds the residual itself). `parallel`:
-    a parallel block, whose site 2L+1 has attn_out and no stream."""
+def mlp_in_tap(family: Family, backend: bool) -> Tap | None:
+    """The tap reading mlp_in at the MLP module's input, or None where the family has no
+    norm before its MLP. `backend`: vLLM's Transformers backend (HF's module names)."""
+    if family.mlp_in is None or family is TRANSFORMERS_STREAM:
+        return None
+    module = family.mlp_in if backend else family.native_mlp_in or family.mlp_in
+    return Tap(module, "input", 0, SUB_BIT, inner="mlp_in")
+
+
+def layer_taps(family: Family, materialized: bool, parallel: bool = False,
+               backend: bool = False) -> tuple[Tap, ...]:
+    """The taps of one decoder layer, in forward order. `materialized`: vLLM runs
+    HF-shaped layers (its Transformers backend, or a native class that adds the residual
+    itself). `parallel`: a parallel block, whose site 2L+1 has attn_out and no stream.
+    `backend`: vLLM's Transformers backend runs the layer (HF's module names)."""
     if family is TRANSFORMERS_STREAM:  # the stream between layers only
         return (Tap("", "input", 0, STREAM_BIT),)
+    inner = tuple(t for t in (mlp_in_tap(family, backend),) if t is not None)
     if not materialized and family.deferred_mid_norm is not None:
         if parallel:
             raise ValueError(f"{family.name}: a parallel block has no fused mid norm to read")
         return (Tap("input_layernorm", "pair", 0, BOTH),
-                Tap(family.deferred_mid_norm, "pair", 1, BOTH))
+                Tap(family.deferred_mid_norm, "pair", 1, BOTH), *inner)
     mid = () if parallel else (Tap(family.resid_mid, "input", 1, STREAM_BIT),)
     return (Tap("", "input", 0, STREAM_BIT),
             Tap(family.attn_out, "output", 1, SUB_BIT),
             *mid,
+            *inner,
             Tap(family.mlp_out, "output", 2, SUB_BIT))
 
 

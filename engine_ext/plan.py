@@ -113,7 +113,7 @@ class RequestHooks:
         if hooks.capture is not None:
             points: dict[tuple[int, int], list[tuple[str, int]]] = defaultdict(list)
             for hook, layer in hooks.capture.keys():
-                point = hook_point(hook, layer)
+                point = hook_point(hook, layer, runtime.num_layers)
                 if point[1] in runtime.local_sites:  # other pipeline stages copy the rest
                     points[point].append((hook, layer))
             hooks.points = {p: tuple(keys) for p, keys in points.items()}
@@ -132,7 +132,8 @@ class RequestHooks:
                 if not isinstance(key, str):
                     key = SteeringSpec.from_wire(wire, vectors).sharing_key
                 hooks.entries = runtime.acquire_entries(key, lambda: compose_entries(
-                    SteeringSpec.from_wire(wire, vectors), runtime.hidden_size))
+                    SteeringSpec.from_wire(wire, vectors), runtime.hidden_size,
+                    runtime.num_layers))
                 hooks.steering_key = key
             hooks.shared_slot = hooks.capture is None and hooks.readout_id is None \
                 and bool(hooks.entries)
@@ -170,7 +171,7 @@ def _local_points(keys, runtime: HookRuntime) -> dict[tuple[int, int], tuple[tup
     pipeline stages copy the rest)."""
     points: dict[tuple[int, int], list[tuple[str, int]]] = defaultdict(list)
     for hook, layer in keys:
-        point = hook_point(hook, layer)
+        point = hook_point(hook, layer, runtime.num_layers)
         if point[1] in runtime.local_sites and (hook, layer) not in points[point]:
             points[point].append((hook, layer))
     return {p: tuple(k) for p, k in points.items() if k}
@@ -192,7 +193,7 @@ Gate = tuple[torch.Tensor, float] | None  # (g, b): applies where src . g + b > 
 
 
 def compose_entries(
-    spec: SteeringSpec, hidden: int
+    spec: SteeringSpec, hidden: int, num_layers: int
 ) -> dict[tuple[int, int, int], tuple[torch.Tensor, float, torch.Tensor, Gate]]:
     """Fold a request's ops into one affine map per (kind, site, position class).
 
@@ -205,7 +206,7 @@ def compose_entries(
     maps: dict[tuple[int, int, int], list] = {}
     gates: dict[tuple[int, int, int], Gate] = {}
     for op in spec.ops:
-        kind, site = hook_point(op.hook, op.layer)
+        kind, site = hook_point(op.hook, op.layer, num_layers)
         classes = (PROMPT, GENERATED) if op.positions == "all" else (
             (PROMPT,) if op.positions == "prompt" else (GENERATED,))
         vec = torch.from_numpy(op.vector.copy())

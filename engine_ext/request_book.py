@@ -121,7 +121,7 @@ class RequestBook:
         asked = set(hooks.points) | set(hooks.readout_points) | {
             (kind, site) for kind, site, _ in hooks.entries}
         reasons = [reason for hook, reason in self.sites.unavailable
-                   if any(hook_point(hook, layer) in asked
+                   if any(hook_point(hook, layer, self.sites.num_layers) in asked
                           for layer in range(self.sites.num_layers))]
         return "; ".join(reasons) or None
 

@@ -29,19 +29,25 @@ import torch
 
 from capsteer.capture.layouts import copy_rows
 from capsteer.engine_ext import tap_kernel
-from capsteer.engine_ext.families import BOTH, STREAM, SUB
+from capsteer.engine_ext.families import (
+    BOTH,
+    INNER_HOOKS,
+    STREAM,
+    SUB,
+    inner_site,
+    site_count,
+    site_layers,
+)
 
 KINDS = (SUB, STREAM)
 
 
-def site_count(num_layers: int) -> int:
-    """Sites are the norm inputs: input_layernorm[L] = 2L, post_attention_layernorm[L] = 2L+1,
-    final norm = 2*num_layers."""
-    return 2 * num_layers + 1
-
-
-def hook_point(hook: str, layer: int) -> tuple[int, int]:
-    """(kind, site) where a hook's value is read; the same place steering acts."""
+def hook_point(hook: str, layer: int, num_layers: int) -> tuple[int, int]:
+    """(kind, site) where a hook's value is read; the same place steering acts. Stream
+    sites: input_layernorm[L] = 2L, post_attention_layernorm[L] = 2L+1, final norm = 2N;
+    an inner hook's (mlp_in) come after them (families.inner_site)."""
+    if hook in INNER_HOOKS:
+        return SUB, inner_site(hook, layer, num_layers)
     if hook == "resid_pre":
         return STREAM, 2 * layer
     if hook == "resid_mid":
@@ -58,11 +64,13 @@ def hook_point(hook: str, layer: int) -> tuple[int, int]:
 def layers_needed(keys: Iterable[tuple[str, int]], num_layers: int) -> int | None:
     """The fewest leading layers whose forward yields every (hook, layer) of `keys` (a
     forward stopped after layer E-1 reads site 2E at the final norm), or None when
-    every layer is needed. Site 2L needs layers < L, sites 2L+1 and 2L+2 layer L too."""
-    sites = [hook_point(hook, layer)[1] for hook, layer in keys]
+    every layer is needed. Site 2L needs layers < L, sites 2L+1 and 2L+2 layer L too, as
+    does an inner hook of layer L."""
+    sites = [hook_point(hook, layer, num_layers)[1] for hook, layer in keys]
     if not sites:
         return None
-    stop = max(1, (max(sites) + 1) // 2)  # at least one layer: the final norm wants a residual
+    # At least one layer: the final norm wants a residual.
+    stop = max(1, max(site_layers(site, num_layers) for site in sites))
     return stop if stop < num_layers else None
 
 

@@ -22,6 +22,7 @@ from capsteer.capture.writer.factory import durable_writer, sharded_sink
 from capsteer.engine_ext import stack_room
 from capsteer.engine_ext.canary import CanaryFailed, faulty_site, run_canary
 from capsteer.engine_ext.delivery import Delivery
+from capsteer.engine_ext.families import site_layers
 from capsteer.engine_ext.harvest import Harvester
 from capsteer.engine_ext.lifeline import watch_launcher
 from capsteer.engine_ext.payload import PAYLOAD_KEY_ENV
@@ -266,12 +267,12 @@ class EngineHooks(RequestBook, StepFeed, Delivery):
         """Why a request needs a site the stopped forward never reaches, or None."""
         if self.stop_at_layer is None:
             return None
-        last = 2 * self.stop_at_layer
+        stop, n = self.stop_at_layer, self.sites.num_layers
         keys = hooks.capture.keys() if hooks.capture is not None else ()
         beyond = sorted({f"{hook}({layer})" for hook, layer in keys
-                         if hook_point(hook, layer)[1] > last}
+                         if site_layers(hook_point(hook, layer, n)[1], n) > stop}
                         | {f"steering at site {site}" for _, site, _ in hooks.entries
-                           if site > last})
+                           if site_layers(site, n) > stop})
         if not beyond:
             return None
         return (f"this engine's forward stops at layer {self.stop_at_layer} (stop_at_layer, "

@@ -221,6 +221,8 @@ HOOKS_INFO = {
                            "description": {"type": "string"},
                            "hf_reference": {"type": ["string", "null"]},
                            "hf_module": {"type": ["string", "null"]},
+                           "transformer_lens": {"type": "string", "description":
+                                                "TransformerLens's name (L: the layer)"},
                            "layers": {"type": "array", "items": {"type": "integer"}},
                            "unavailable": {"type": "string", "description": "why this "
                                            "model has no such hook (layers is empty)"},

@@ -27,7 +27,7 @@ from capsteer.capture.receipts import find_receipt, pending
 from capsteer.capture.spec import DTYPES, LAYOUTS, POSITION_KINDS, SpecError
 from capsteer.engine_ext import families
 from capsteer.engine_ext.vllm.topology import ServedModel
-from capsteer.hooks import ALIASES, HOOK_SEMANTICS_VERSION, HOOKS
+from capsteer.hooks import ALIASES, HOOK_SEMANTICS_VERSION, HOOKS, tl_hook_name
 from capsteer.server import openapi as docs
 from capsteer.server.errors import error_response, from_exception
 from capsteer.server.state import CapsteerState
@@ -52,6 +52,9 @@ HOOK_DOCS = {
                    "final norm)", "hidden_states[L+1] for L < last"),
     "attn_out": ("attention sublayer output added to the stream", None),
     "mlp_out": ("MLP sublayer output added to the stream", None),
+    "mlp_in": ("the MLP's normalized input: the pre-MLP norm's output as the MLP reads it "
+               "(the transcoder input); steering it changes what the MLP sees, not the "
+               "stream", None),
 }
 MAX_VECTOR_UPLOAD = 256 << 20
 
@@ -87,7 +90,8 @@ def hook_entries(model: ServedModel) -> list[dict[str, Any]]:
     for h in HOOKS:
         entry = {"name": h, "aliases": [a for a, c in ALIASES.items() if c == h],
                  "description": HOOK_DOCS[h][0], "hf_reference": HOOK_DOCS[h][1],
-                 "hf_module": where.get(h), "layers": [] if h in missing else every}
+                 "hf_module": where.get(h), "transformer_lens": tl_hook_name(h, "L"),
+                 "layers": [] if h in missing else every}
         if h in missing:
             entry["unavailable"] = missing[h]
         entries.append(entry)

@@ -190,7 +190,10 @@ def job_config(out: Path, spec: CaptureSpec, shard_size: int,
     the deepest captured layer (`stop_at_layer`) unless `full_forward` (or the model's
     `num_layers` is not given)."""
     engine_kwargs.setdefault("max_num_batched_tokens", 2048)
-    points = {hook_point(hook, layer) for hook, layer in spec.keys()}
+    # Distinct points (resid_post(L) is resid_pre(L+1)'s): any layer count past the
+    # deepest captured layer numbers them alike.
+    n = num_layers or 1 + max(layer for _, layer in spec.keys())
+    points = {hook_point(hook, layer, n) for hook, layer in spec.keys()}
     config: dict[str, Any] = {
         "sharded": {"dir": str(out.resolve()), "spec": spec.to_dict(),
                     "shard_bytes": int(shard_size), "job_id": out.name, "digest": digest},

@@ -126,7 +126,8 @@ def find_sites(model: nn.Module, stop_at_layer: int | None = None) -> ModelSites
     layer E-1, reads site 2E (resid_pre(E) = resid_post(E-1), and mlp_out(E-1) for
     vLLM's fused add+norm) instead of 2N."""
     family = check_architecture(model)
-    materialized = is_transformers_backend(model) or family.deferred_mid_norm is None
+    backend = is_transformers_backend(model)
+    materialized = backend or family.deferred_mid_norm is None
     config = _text_config(model)
     parallel = families.is_parallel(family, config)
     inner = inner_model(model)
@@ -151,13 +152,13 @@ def find_sites(model: nn.Module, stop_at_layer: int | None = None) -> ModelSites
     for i, layer in enumerate(layers):
         if _missing(layer) or i >= stop:
             continue  # another pipeline stage runs this layer, or the forward stops before
-        for tap in families.layer_taps(family, materialized, parallel):
+        for tap in families.layer_taps(family, materialized, parallel, backend):
             module = _submodule(layer, tap.module)
             if module is None:
                 raise UnsupportedError(
                     f"layer {i} of {arch} has no module {tap.module!r}, where the "
                     f"{family.name} family's hooks are read")
-            taps.append((2 * i + tap.offset, module, tap))
+            taps.append((tap.site(i, len(layers)), module, tap))
     if not _missing(final):
         taps.append((2 * stop, final, families.final_tap(family, materialized)))
     if not taps:
@@ -212,8 +213,9 @@ def install_tap(module: nn.Module, tap: families.Tap, site: int, device: torch.d
     That forward is what torch.compile traces, so the op is in the compiled graph;
     parameter names stay unchanged (weight reload keeps working). The op edits the
     value in place: for a fused add+norm the sublayer input `x`, for an input the
-    stream tensor (which a materialized layer's residual aliases), for an output the
-    module's returned tensor. The site travels as a key tensor, a non-persistent buffer
+    stream tensor (which a materialized layer's residual aliases) or mlp_in's (the norm's
+    output, which nothing else reads after the MLP), for an output the module's returned
+    tensor. The site travels as a key tensor, a non-persistent buffer
     of the module: a graph input like its weights, so every layer compiles to the same
     piece (see tap_op._SITE_BY_KEY). `residual_is_graph_input`: this pair tap's residual
     reaches its compiled piece as an input (it crossed a graph split), so it is already

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import base64
 import math
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -31,7 +30,7 @@ import torch
 
 from capsteer.capture.spec import PositionSpec, SpecError, parse_positions
 from capsteer.config import errors
-from capsteer.hooks import HookNameError, canonical_hook, resolve_layer
+from capsteer.hooks import HookNameError, canonical_hook, parse_tl_hook_name, resolve_layer
 from capsteer.steering.readers.formats import ReaderFormatError, check_probe
 from capsteer.steering.readers.kinds import LinearProbe, Reader
 from capsteer.steering.readers.registry import ReaderRegistry, ReaderShape
@@ -40,7 +39,6 @@ POSITIONS = ("all", "prompt", "generated")
 ITEM_KEYS = ("reader", "hook", "layer", "positions", "top_k", "threshold")
 MAX_ITEMS = 64
 DEFAULT_TOP_K = 16
-_HOOK_NAME_RE = re.compile(r"blocks\.(\d+)\.hook_([a-z_]+)")
 _INLINE_KEYS = {"weight", "coef_", "bias", "intercept_", "names", "activation", "classes_"}
 
 # name -> the reader's shape; KeyError for an unknown name (ReaderRegistry.lookup).
@@ -224,14 +222,10 @@ def _numbers(value: object, field: str, *, allow_strings: bool = False) -> np.nd
 
 
 def _recorded_site(hook_name: str | None) -> tuple[str, int | None]:
-    """The (hook, layer) an SAE records as SAELens's `blocks.L.hook_X`, if it is ours."""
-    m = _HOOK_NAME_RE.fullmatch(hook_name or "")
-    if m is None:
-        return "resid_post", None
-    try:
-        return canonical_hook(m.group(2)), int(m.group(1))
-    except HookNameError:
-        return "resid_post", None
+    """The (hook, layer) an SAE records as SAELens's `blocks.L.hook_X` (or TL's
+    `blocks.L.ln2.hook_normalized`), if it is ours."""
+    found = parse_tl_hook_name(hook_name)
+    return found if found is not None else ("resid_post", None)
 
 
 def _hook(value: object, field: str) -> str:

@@ -46,7 +46,7 @@ STREAM_ONLY = list(STREAM_ONLY_FAMILIES)
 # One steering point per way a hook is read: stream at a layer input / resid_mid module /
 # final norm, and both sublayer outputs.
 STEER_POINTS = [("resid_post", 1), ("resid_pre", 2), ("resid_mid", 0), ("attn_out", 2),
-                ("mlp_out", 1), ("resid_post", 3)]
+                ("mlp_out", 1), ("resid_post", 3), ("mlp_in", 2)]
 PARALLEL = ("gpt_neox", "cohere")  # parallel blocks: no resid_mid
 
 
@@ -62,6 +62,7 @@ def test_every_hook_layer_position_equals_hf(engine_pool, model_dirs, hf_models,
     engine = capsteer_engine(engine_pool, model_dirs, engine_name)
     assert ("resid_mid" in engine.unavailable) == (engine_name in (*PARALLEL, *STREAM_ONLY))
     assert ("attn_out" in engine.unavailable) == (engine_name in STREAM_ONLY)
+    assert ("mlp_in" in engine.unavailable) == (engine_name in ("olmo2", *STREAM_ONLY))
     hooks = [h for h in HOOKS if h not in engine.unavailable]
     every = {**ALL_HOOKS, "hooks": hooks}
     results = engine.generate([
@@ -126,9 +127,9 @@ def test_a_model_without_a_family_row_offers_the_stream_only(engine_pool, model_
     starts (its canary passed) with resid_pre / resid_post; asking for a sublayer or
     resid_mid is refused with the reason."""
     engine = capsteer_engine(engine_pool, model_dirs, engine_name)
-    assert sorted(engine.unavailable) == ["attn_out", "mlp_out", "resid_mid"]
+    assert sorted(engine.unavailable) == ["attn_out", "mlp_in", "mlp_out", "resid_mid"]
     prompt = token_prompt(4, 10)
-    for hook in ("attn_out", "mlp_out", "resid_mid"):
+    for hook in ("attn_out", "mlp_out", "resid_mid", "mlp_in"):
         with pytest.raises(SpecError, match="Transformers backend") as info:
             engine.generate([Request(prompt_token_ids=prompt, sampling=greedy(2),
                                      capture={"hooks": [hook], "layers": "all"})])
@@ -158,28 +159,72 @@ def test_add_steering_equals_hf_hook(engine_pool, model_dirs, hf_models, engine_
     neither hide nor fake a difference: HF's steered tokens fed back as the prompt, the
     log-prob of each fed token within 1e-3 of HF's."""
     engine = capsteer_engine(engine_pool, model_dirs, engine_name)
-    hf = hf_models[engine_name]
     points = _steer_points(engine)
-    prompt = token_prompt(21, 9)
+    _check_steering_equals_hf(engine, hf_models[engine_name], token_prompt(21, 9),
+                              {point: _steering(*point) for point in points})
+
+
+def _check_steering_equals_hf(engine, hf, prompt: list[int], cases: dict,
+                              unchanged_ok: frozenset = frozenset()) -> None:
+    """Each case's steering: the same 32 greedy tokens as HF's hooks doing the same, top-5
+    log-probs within 1e-3; teacher-forced on HF's tokens, each fed token's log-prob within
+    1e-3 of HF's. Every case but `unchanged_ok` must change the tokens."""
     sampling = greedy(MAX_TOKENS, logprobs=5)
     plain, *steered = engine.generate(
         [Request(prompt_token_ids=prompt, sampling=sampling)]
-        + [Request(prompt_token_ids=prompt, sampling=sampling, steering=_steering(h, layer))
-           for h, layer in points])
+        + [Request(prompt_token_ids=prompt, sampling=sampling, steering=s)
+           for s in cases.values()])
     references = [hf_greedy(hf, prompt, MAX_TOKENS, steering=parse_steering_spec(
-        _steering(h, layer), num_layers=LAYERS, hidden_size=HIDDEN)) for h, layer in points]
+        s, num_layers=LAYERS, hidden_size=HIDDEN)) for s in cases.values()]
     forced = engine.generate([
         Request(prompt_token_ids=prompt + ref_tokens,
                 sampling={"max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0},
-                steering=_steering(h, layer))
-        for (h, layer), (ref_tokens, _) in zip(points, references, strict=True)])
-    for point, res, (ref_tokens, ref_lps), tf in zip(points, steered, references, forced,
+                steering=s)
+        for s, (ref_tokens, _) in zip(cases.values(), references, strict=True)])
+    for point, res, (ref_tokens, ref_lps), tf in zip(cases, steered, references, forced,
                                                       strict=True):
         for step, (token, ref_lp) in enumerate(zip(ref_tokens, ref_lps, strict=True)):
             got = tf.prompt_logprobs[len(prompt) + step][token]
             assert abs(got - float(ref_lp[token])) < LOGPROB_ATOL, (point, "teacher-forced", step)
         assert res.token_ids == ref_tokens, point
-        assert res.token_ids != plain.token_ids, f"steering at {point} changed nothing"
+        if point not in unchanged_ok:
+            assert res.token_ids != plain.token_ids, f"steering at {point} changed nothing"
         for step, (got, want) in enumerate(zip(res.logprobs, ref_lps, strict=True)):
             for token, lp in got.items():
                 assert abs(lp - float(want[token])) < LOGPROB_ATOL, (point, step, token)
+
+
+@pytest.mark.parametrize("engine_name", ["qwen3", "gpt2", *PARALLEL, "gpt_oss"])
+def test_steering_mlp_in_edits_the_mlps_input_only(engine_pool, model_dirs, hf_models,
+                                                   engine_name):
+    """mlp_in (the MLP's normalized input) steered by add / ablate / clamp equals an HF
+    forward pre-hook handing the MLP the edited input. The stream and attention are left
+    as they were: at the steered layer resid_pre, attn_out (and resid_mid) equal the
+    unsteered run's, mlp_in holds the clamp, and mlp_out moves. In a parallel block
+    whose one norm feeds both sublayers (Cohere), attention's input is that same tensor:
+    it is not changed, attention has read it before the MLP runs."""
+    engine = capsteer_engine(engine_pool, model_dirs, engine_name)
+    hf = hf_models[engine_name]
+    v = vector(71)
+    item = {"hook": "mlp_in", "layer": 1, "vector": v}
+    # Large enough to change the demo GPT-2's tokens (its MLPs move its stream little).
+    clamp = {"vectors": [{**item, "op": "clamp", "value": 24.0}]}
+    cases = {"add": {"vectors": [{**item, "scale": 32.0}]},
+             "ablate": {"vectors": [{**item, "op": "ablate"}]}, "clamp": clamp}
+    _check_steering_equals_hf(engine, hf, token_prompt(72, 9), cases,
+                              unchanged_ok=frozenset({"ablate"}))
+    hooks = [h for h in ("resid_pre", "resid_mid", "attn_out", "mlp_in", "mlp_out")
+             if h not in engine.unavailable]
+    capture = {"hooks": hooks, "layers": [1], "positions": "all"}
+    prompt = token_prompt(73, 12)
+    plain, steered = engine.generate([
+        Request(prompt_token_ids=prompt, sampling=greedy(1), capture=capture),
+        Request(prompt_token_ids=prompt, sampling=greedy(1), capture=capture, steering=clamp)])
+    spec = parse_steering_spec(clamp, num_layers=LAYERS, hidden_size=HIDDEN)
+    assert assert_matches_hf(hf, steered, steering=spec) > 0
+    got, was = steered.captures.tensors, plain.captures.tensors
+    for hook in hooks[:-2]:
+        torch.testing.assert_close(got[(hook, 1)], was[(hook, 1)], atol=1e-5, rtol=1e-5)
+    comp = got[("mlp_in", 1)] @ torch.tensor(v)
+    torch.testing.assert_close(comp, torch.full_like(comp, 24.0), atol=1e-4, rtol=0)
+    assert not torch.allclose(got[("mlp_out", 1)], was[("mlp_out", 1)])

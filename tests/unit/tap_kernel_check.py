@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from capsteer.engine_ext import tap_kernel
-from capsteer.engine_ext.families import STREAM_BIT, SUB_BIT
+from capsteer.engine_ext.families import STREAM_BIT, SUB_BIT, inner_site
 from capsteer.engine_ext.plan import build_step_plan
 from capsteer.engine_ext.runtime import HookRuntime
 from tests.unit.helpers import HIDDEN, LAYERS, hooks_for, probe_readers
@@ -53,20 +53,29 @@ def run(dtype: torch.dtype, layout: str, device: str = "cpu") -> None:
                      "when": {"reader": {"name": "probe"}, "index": 0, "above": 0.0}},
                     {"hook": "resid_post", "layer": 1, "vector": [0.7] * HIDDEN, "scale": 2.0,
                      "when": {"reader": {"name": "probe"}, "index": 1, "below": 0.1}}]}),
+            # The MLP's input (an inner site after the stream's): clamped at one layer,
+            # added to at another, copied at every layer.
+            "f": hooks_for("f", 1, rt=rt, capture={"hooks": ["mlp_in", "mlp_out"],
+                                                   "positions": "all"},
+                           steering={"vectors": [
+                               {"hook": "mlp_in", "layer": 0, "op": "clamp", "value": 3.0,
+                                "vector": [0.0, 0.0, 1.0] + [0.0] * (HIDDEN - 3)},
+                               {"hook": "mlp_in", "layer": 2, "vector": [0.25] * HIDDEN}]}),
         }
-        plan = build_step_plan(["a", "plain", "b", "c", "d", "e"],
-                               np.array([0, 3, 5, 9, 12, 15, 23]),
-                               np.array([2, 0, 0, 1, 0, 0]), reqs, None, host_steering=False)
+        plan = build_step_plan(["a", "plain", "b", "c", "d", "e", "f"],
+                               np.array([0, 3, 5, 9, 12, 15, 23, 24]),
+                               np.array([2, 0, 0, 1, 0, 0, 0]), reqs, None, host_steering=False)
         rt.set_plan(plan, 24)
         gen = torch.Generator().manual_seed(1)
         x = torch.randn(24, HIDDEN, generator=gen).to(dtype)
         res = torch.randn(24, HIDDEN, generator=gen).to(dtype)
         stream = torch.randn(24, HIDDEN, generator=gen).to(dtype)
+        normed = torch.randn(24, HIDDEN, generator=gen).to(dtype)
         # e's first gate reads its rows' unsteered sublayer output: some pass, some not.
         probe = probe_readers(4)("probe")
         passes = (x[15:23].float() @ probe.weight[0] + probe.bias[0]) > 0
         assert 0 < int(passes.sum()) < 8, passes
-        x, res, stream = x.to(device), res.to(device), stream.to(device)
+        x, res, stream, normed = x.to(device), res.to(device), stream.to(device), normed.to(device)
         tap = functools.partial(tap_kernel.tap, rt) if use_kernel else rt._tap_dense_torch
         for site in range(2 * LAYERS + 1):
             if layout == "deferred":
@@ -74,11 +83,18 @@ def run(dtype: torch.dtype, layout: str, device: str = "cpu") -> None:
                 continue
             for t, kinds in ((x, SUB_BIT), (stream, STREAM_BIT)):
                 tap(t, None, site, kinds)
-        results.append((x.cpu(), stream.cpu(), rt.staging[: plan.staging_rows].cpu()))
+        before = normed.clone()
+        for layer in range(LAYERS):  # mlp_in: one call per layer, its own tensor
+            tap(normed, None, inner_site("mlp_in", layer, LAYERS), SUB_BIT)
+        # Only f's row (23) is steered: clamped to 3 along e_2, then 0.25 added.
+        assert torch.equal(normed[:23], before[:23])
+        assert abs(float(normed[23, 2]) - 3.25) < 1e-2, normed[23]
+        results.append((x.cpu(), stream.cpu(), normed.cpu(),
+                        rt.staging[: plan.staging_rows].cpu()))
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     for got, want in zip(results[0], results[1], strict=True):
         torch.testing.assert_close(got, want, **tol)
-    assert results[0][2].abs().sum() > 0
+    assert results[0][3].abs().sum() > 0
 
 
 def check_expand() -> None:

@@ -7,7 +7,7 @@ import pytest
 
 from capsteer.demo_model import FAMILIES as DEMO_FAMILIES
 from capsteer.engine_ext import families
-from capsteer.engine_ext.runtime import hook_point, site_count
+from capsteer.engine_ext.runtime import hook_point, layers_needed, site_count
 from capsteer.hooks import HOOKS
 
 
@@ -15,7 +15,7 @@ def _coverage(family: families.Family, materialized: bool, num_layers: int,
               parallel: bool = False) -> dict:
     """(kind, site) -> how many taps read it."""
     seen: dict[tuple[int, int], int] = {}
-    placed = [(2 * layer + tap.offset, tap) for layer in range(num_layers)
+    placed = [(tap.site(layer, num_layers), tap) for layer in range(num_layers)
               for tap in families.layer_taps(family, materialized, parallel)]
     placed.append((2 * num_layers, families.final_tap(family, materialized)))
     for site, tap in placed:
@@ -28,16 +28,32 @@ def _coverage(family: families.Family, materialized: bool, num_layers: int,
 @pytest.mark.parametrize("family", families.FAMILIES, ids=lambda f: f.name)
 @pytest.mark.parametrize("materialized", [False, True], ids=["deferred", "materialized"])
 def test_every_hook_is_read_exactly_once(family, materialized):
-    """...and a parallel block's resid_mid by none (it is refused by name instead)."""
+    """...and a parallel block's resid_mid by none (it is refused by name instead), nor
+    OLMo 2's mlp_in (no norm precedes its MLP)."""
     num_layers = 3
     parallel = family.parallel is not False
     seen = _coverage(family, materialized, num_layers, parallel)
     missing = families.unavailable_hooks(family, _Config(use_parallel_residual=True))
-    assert set(missing) == ({"resid_mid"} if parallel else set())
+    assert set(missing) == ({"resid_mid"} if parallel else set()) | (
+        {"mlp_in"} if family.name == "olmo2" else set())
     for hook in HOOKS:
         for layer in range(num_layers):
-            assert seen.get(hook_point(hook, layer), 0) == (hook not in missing), (hook, layer)
+            point = hook_point(hook, layer, num_layers)
+            assert seen.get(point, 0) == (hook not in missing), (hook, layer)
     assert all(site < site_count(num_layers) for _, site in seen)
+
+
+def test_inner_sites_follow_the_stream_sites():
+    """mlp_in(L) is site 2N+1+L; a forward reaches it once layer L ran (stop_at_layer)."""
+    n = 4
+    assert site_count(n) == 3 * n + 1
+    assert [hook_point("mlp_in", layer, n) for layer in range(n)] == [
+        (families.SUB, 9), (families.SUB, 10), (families.SUB, 11), (families.SUB, 12)]
+    assert [families.site_layers(s, n) for s in range(site_count(n))] == [
+        0, 1, 1, 2, 2, 3, 3, 4, 4, 1, 2, 3, 4]
+    assert layers_needed([("mlp_in", 1)], n) == 2
+    assert layers_needed([("mlp_in", 0), ("resid_pre", 1)], n) == 1
+    assert layers_needed([("mlp_in", 3)], n) is None
 
 
 class _Config:
@@ -63,8 +79,16 @@ def test_parallel_residual_follows_the_checkpoint():
 def test_layouts_read_the_documented_modules():
     gemma2 = families.family_for("Gemma2ForCausalLM")
     deferred = families.layer_taps(gemma2, materialized=False)
-    assert [(t.module, t.read, t.offset) for t in deferred] == [
-        ("input_layernorm", "pair", 0), ("pre_feedforward_layernorm", "pair", 1)]
+    assert [(t.module, t.read, t.offset, t.inner) for t in deferred] == [
+        ("input_layernorm", "pair", 0, None), ("pre_feedforward_layernorm", "pair", 1, None),
+        ("mlp", "input", 0, "mlp_in")]
+    # mlp_in is the MLP module's input: vLLM's native Mixtral calls it block_sparse_moe.
+    mixtral = families.family_for("MixtralForCausalLM")
+    assert families.mlp_in_tap(mixtral, backend=False).module == "block_sparse_moe"
+    assert families.mlp_in_tap(mixtral, backend=True).module == "mlp"
+    gpt2 = families.family_for("GPT2LMHeadModel")
+    assert [(t.module, t.read, t.kinds) for t in families.layer_taps(gpt2, True)][2:4] == [
+        ("ln_2", "input", families.STREAM_BIT), ("mlp", "input", families.SUB_BIT)]
     olmo2 = families.family_for("Olmo2ForCausalLM")
     assert [(t.module, t.read, t.offset) for t in families.layer_taps(olmo2, False)] == [
         ("", "input", 0), ("post_attention_layernorm", "output", 1), ("mlp", "input", 1),
@@ -133,11 +157,48 @@ def test_a_parallel_blocks_resid_mid_is_a_400_and_listed_as_unavailable():
     for hook in ("resid_pre", "attn_out", "mlp_out", "resid_post"):
         assert entries[hook]["layers"] == [0, 1, 2, 3] and "unavailable" not in entries[hook]
     assert entries["attn_out"]["hf_module"] == "model.layers[L].self_attn output"
+    # Cohere's one norm feeds both sublayers: mlp_in is offered (steering it changes the
+    # MLP's input only), named as TransformerLens names it.
+    assert entries["mlp_in"]["layers"] == [0, 1, 2, 3]
+    assert entries["mlp_in"]["hf_module"] == "model.layers[L].mlp input"
+    assert entries["mlp_in"]["transformer_lens"] == "blocks.L.ln2.hook_normalized"
+    assert entries["resid_post"]["transformer_lens"] == "blocks.L.hook_resid_post"
     gpt2 = families.family_for("GPT2LMHeadModel")
     plain = {e["name"]: e for e in hook_entries(
         ServedModel("m", 2, 8, 512, torch.float32, "GPT2LMHeadModel", gpt2))}
     assert plain["resid_mid"]["layers"] == [0, 1]
     assert plain["resid_mid"]["hf_module"] == "transformer.h[L].ln_2 input"
+    assert plain["mlp_in"]["hf_module"] == "transformer.h[L].mlp input"
+    olmo2 = families.family_for("Olmo2ForCausalLM")
+    no_norm = {e["name"]: e for e in hook_entries(ServedModel(
+        "m", 2, 8, 512, torch.float32, "Olmo2ForCausalLM", olmo2,
+        families.unavailable_hooks(olmo2, _Config())))}
+    assert no_norm["mlp_in"]["layers"] == [] and "no norm" in no_norm["mlp_in"]["unavailable"]
+    with pytest.raises(FieldError, match="no norm precedes its MLP") as info:
+        parse_hook_fields({"steering": {"vectors": [{"hook": "ln2.hook_normalized", "layer": 0,
+                                                     "vector": [1.0] * 8}]}},
+                          ModelShape(2, 8, 512, 2, families.unavailable_hooks(olmo2, _Config())),
+                          lookup=None, default_layout="packed", capture_default=None)
+    assert info.value.field == "steering.vectors[0].hook"
+
+
+def test_mlp_in_is_named_as_transformer_lens_names_it():
+    """The alias, the TL names that the SAELens export writes and an SAE's recorded
+    hook_name is read from, and a capture spec naming it."""
+    from capsteer.capture.spec import parse_capture_spec
+    from capsteer.hooks import canonical_hook, parse_tl_hook_name, tl_hook_name
+    from capsteer.steering.readers.readout import _recorded_site
+
+    assert canonical_hook("ln2.hook_normalized") == canonical_hook("hook_mlp_in") == "mlp_in"
+    assert tl_hook_name("mlp_in", 5) == "blocks.5.ln2.hook_normalized"
+    assert tl_hook_name("post_block", 1) == "blocks.1.hook_resid_post"
+    assert parse_tl_hook_name("blocks.5.ln2.hook_normalized") == ("mlp_in", 5)
+    assert parse_tl_hook_name("blocks.2.hook_mlp_out") == ("mlp_out", 2)
+    assert parse_tl_hook_name("blocks.5.ln1.hook_normalized") is None
+    assert _recorded_site("blocks.3.ln2.hook_normalized") == ("mlp_in", 3)
+    spec = parse_capture_spec({"hooks": {"ln2.hook_normalized": [1], "mlp_out": [1]}},
+                              num_layers=4)
+    assert spec.keys() == [("mlp_in", 1), ("mlp_out", 1)]
 
 
 def test_the_stream_only_layout_reads_each_stream_site_once():
@@ -154,7 +215,7 @@ def test_the_stream_only_layout_reads_each_stream_site_once():
     assert [(site, tap.read) for site, tap in placed] == [(0, "input"), (2, "input"),
                                                           (4, "input"), (6, "output")]
     missing = families.unavailable_hooks(stream, _Config(architectures=["PhiForCausalLM"]))
-    assert sorted(missing) == ["attn_out", "mlp_out", "resid_mid"]
+    assert sorted(missing) == ["attn_out", "mlp_in", "mlp_out", "resid_mid"]
     assert "not offered for PhiForCausalLM" in missing["attn_out"]
     assert families.unavailable_hooks_of(_Config(architectures=["PhiForCausalLM"]), True) \
         == missing

@@ -20,9 +20,31 @@ from tests.unit.helpers import HIDDEN, LAYERS, hooks_for, runtime
 
 
 def test_hook_points_share_sites():
-    assert hook_point("resid_post", 0) == hook_point("resid_pre", 1) == (STREAM, 2)
-    assert hook_point("attn_out", 1) == (SUB, 3)
-    assert hook_point("mlp_out", LAYERS - 1) == (SUB, 2 * LAYERS)
+    assert hook_point("resid_post", 0, LAYERS) == hook_point("resid_pre", 1, LAYERS) == (STREAM, 2)
+    assert hook_point("attn_out", 1, LAYERS) == (SUB, 3)
+    assert hook_point("mlp_out", LAYERS - 1, LAYERS) == (SUB, 2 * LAYERS)
+
+
+def test_mlp_in_steers_and_copies_its_own_tensor_at_an_inner_site():
+    """Host mode: a request steering and capturing mlp_in(1) uses site 2N+2 only; the op
+    edits the tensor it is given there (the MLP's input), and the copy is the steered
+    value."""
+    rt = runtime()
+    site = 2 * LAYERS + 2
+    h = hooks_for("m", 2, rt=rt, capture={"hooks": ["mlp_in"], "layers": [1]},
+                  steering={"vectors": [{"hook": "mlp_in", "layer": 1, "vector": [0.5] * HIDDEN}]})
+    assert h.points == {(SUB, site): (("mlp_in", 1),)}
+    assert {(k, s) for k, s, _ in h.entries} == {(SUB, site)} and h.sites == {site}
+    plan = build_step_plan(["m"], np.array([0, 2]), np.array([0]), {"m": h}, None)
+    rt.set_plan(plan, 2)
+    normed = torch.randn(2, HIDDEN)
+    want = normed + 0.5
+    for s in range(rt.num_sites):
+        if s != site:
+            rt.tap(torch.zeros(2, HIDDEN), None, s, 3)
+    rt.tap(normed, None, site, 1)
+    torch.testing.assert_close(normed, want)
+    torch.testing.assert_close(rt.take_captured()[(SUB, site)], want)
 
 
 def test_plan_maps_rows_to_requests_and_positions():
@@ -122,7 +144,7 @@ def test_compose_add_then_ablate_then_add():
         {"hook": "resid_mid", "layer": 1, "vector": u.tolist(), "op": "ablate"},
         {"hook": "resid_mid", "layer": 1, "vector": [0.5] * HIDDEN},
     ]}, num_layers=LAYERS, hidden_size=HIDDEN)
-    ((key, (uu, alpha, w, gate)), *rest) = compose_entries(spec, HIDDEN).items()
+    ((key, (uu, alpha, w, gate)), *rest) = compose_entries(spec, HIDDEN, LAYERS).items()
     assert gate is None
     x = torch.randn(HIDDEN)
     want = x + 2.0
