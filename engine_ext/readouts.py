@@ -46,7 +46,7 @@ class _Readout:
     items: dict[tuple[str, int], list[tuple[ReadoutItem, Reader]]]
     prompt_len: int
     fd: int
-    emitted: dict[int, set[int]] = field(default_factory=dict)  # item -> positions sent
+    sent_upto: dict[int, int] = field(default_factory=dict)  # item -> past its last position sent
     pending: list[bytes] = field(default_factory=list)
 
 
@@ -166,13 +166,14 @@ class ReadoutSink(CaptureSink):
 
     @staticmethod
     def _new_positions(state: _Readout, item: ReadoutItem, positions: np.ndarray) -> np.ndarray:
-        """Indices into `positions` the item reads and has not sent before (a recompute
-        after preemption feeds positions again), now marked sent."""
-        emitted = state.emitted.setdefault(item.index, set())
+        """Indices into `positions` the item reads and has not sent before, now marked sent.
+        A request's positions are fed in increasing order, and a recompute after preemption
+        feeds them again from an earlier one: only positions past the last sent are new."""
         keep = item.positions.candidate(positions, state.prompt_len)
-        keep &= ~np.isin(positions, np.fromiter(emitted, np.int64, len(emitted)))
+        keep &= positions >= state.sent_upto.get(item.index, 0)
         at = np.flatnonzero(keep)
-        emitted.update(positions[at].tolist())
+        if len(at):
+            state.sent_upto[item.index] = int(positions[at[-1]]) + 1
         metrics.READOUT_ROWS.inc(len(at))
         return at
 

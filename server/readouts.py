@@ -49,6 +49,7 @@ class ReadoutResponder:
         self.values: dict[int, dict[int, Any]] = {item.index: {} for item in items}
         self.errors: dict[int, str] = {}
         self.sent: dict[int, int] = {item.index: 0 for item in items}  # positions streamed
+        self.complete: dict[int, int] = {item.index: 0 for item in items}  # all below arrived
 
     # ---- ASGI send ----
     async def send(self, message: dict) -> None:
@@ -161,13 +162,23 @@ class ReadoutResponder:
         return span[item.positions.candidate(span, len(self.prompt or ()))]
 
     async def _wait_for(self, limit: int) -> None:
-        """Until every item has its positions below `limit` (or failed, or time ran out)."""
+        """Until every item has its positions below `limit` (or failed, or time ran out);
+        each position is checked once (`complete`), so a stream costs O(its length)."""
         deadline = time.monotonic() + self.timeout_s
         while True:
             self._read()
-            missing = [item for item in self.items if item.index not in self.errors
-                       and any(int(p) not in self.values[item.index]
-                               for p in self._expected(item, 0, limit))]
+            missing = []
+            for item in self.items:
+                start = self.complete[item.index]
+                if item.index in self.errors or start >= limit:
+                    continue
+                have = self.values[item.index]
+                lacking = [int(p) for p in self._expected(item, start, limit) if int(p) not in have]
+                if lacking:
+                    self.complete[item.index] = lacking[0]
+                    missing.append(item)
+                else:
+                    self.complete[item.index] = limit
             if not missing:
                 return
             if time.monotonic() >= deadline:

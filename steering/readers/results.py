@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 SUFFIX = ".jsonl"
 
@@ -57,21 +57,21 @@ class ResultsTail:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._offset = 0
+        self._file: BinaryIO | None = None  # open once it exists: a poll is then one read
         self._partial = b""
 
     def poll(self) -> list[dict[str, Any]]:
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self._offset)
-                data = f.read()
-        except FileNotFoundError:
-            return []
-        self._offset += len(data)
-        data = self._partial + data
+        if self._file is None:
+            try:
+                self._file = open(self.path, "rb")  # kept open across polls
+            except FileNotFoundError:
+                return []
+        data = self._partial + self._file.read()
         lines = data.split(b"\n")
         self._partial = lines.pop()
         return [json.loads(line) for line in lines if line]
 
     def remove(self) -> None:
+        if self._file is not None:
+            self._file.close()
         self.path.unlink(missing_ok=True)
