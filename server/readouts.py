@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from capsteer.server.responses import BodyRewriter
 from capsteer.steering.readers.readout import ReadoutItem
 from capsteer.steering.readers.results import ResultsTail
 
@@ -29,20 +30,16 @@ _DONE = b"data: [DONE]"
 _POLL_S = 0.002
 
 
-class ReadoutResponder:
+class ReadoutResponder(BodyRewriter):
     """One request's response path with a readout (see module docstring)."""
 
     def __init__(self, send: Send, *, path: Path, items: list[ReadoutItem],
                  client_wants_token_ids: bool, timeout_s: float = 60.0) -> None:
-        self._send = send
+        super().__init__(send)
         self.items = items
         self.keep_token_ids = client_wants_token_ids
         self.timeout_s = timeout_s
         self._tail = ResultsTail(path)
-        self.mode: str | None = None
-        self._start: dict | None = None
-        self._body = bytearray()
-        self._pending = b""
         self.prompt: list[int] | None = None
         self.output: list[int] = []
         # item -> position -> its scores or [feature, value] pairs; item -> why it failed
@@ -66,16 +63,7 @@ class ReadoutResponder:
                     return
             await self._send(message)
             return
-        if kind != "http.response.body" or self.mode == "pass":
-            await self._send(message)
-            return
-        more = message.get("more_body", False)
-        if self.mode == "json":
-            self._body += message.get("body", b"")
-            if not more:
-                await self._finish_json()
-            return
-        await self._feed_sse(message.get("body", b""), more)
+        await self._route_body(message)
 
     def finish(self) -> None:
         """After the handler returned: the results file goes (the worker's late appends
@@ -98,13 +86,7 @@ class ReadoutResponder:
             body = json.dumps(data).encode()
         else:
             body = bytes(self._body)
-        start = dict(self._start or {"type": "http.response.start", "status": 200,
-                                     "headers": []})
-        start["headers"] = [(k, v) for k, v in start.get("headers", [])
-                            if k.lower() != b"content-length"]
-        start["headers"].append((b"content-length", str(len(body)).encode()))
-        await self._send(start)
-        await self._send({"type": "http.response.body", "body": body, "more_body": False})
+        await self._send_json_raw(body)
 
     # ---- SSE ----
     async def _feed_sse(self, chunk: bytes, more: bool) -> None:

@@ -22,21 +22,59 @@ _DONE = b"data: [DONE]"
 CAPTURE_ID_HEADER = b"x-capsteer-capture-id"
 
 
-class CaptureResponder:
+class BodyRewriter:
+    """An ASGI send wrapper for a response it rewrites: a JSON body is held until whole
+    (`_finish_json`), an SSE stream is handed on as it comes (`_feed_sse`); `mode` says
+    which, or "pass" for a response left alone. Subclasses decide it at the response's
+    start."""
+
+    def __init__(self, send: Send) -> None:
+        self._send = send
+        self.mode: str | None = None  # "json" | "sse" | "pass"
+        self._start: dict | None = None
+        self._body = bytearray()
+        self._pending = b""
+
+    async def _route_body(self, message: dict) -> None:
+        """Every message after the start: to the client, or to the mode's rewriting."""
+        if message["type"] != "http.response.body" or self.mode == "pass":
+            await self._send(message)
+            return
+        more = message.get("more_body", False)
+        if self.mode == "json":
+            self._body += message.get("body", b"")
+            if not more:
+                await self._finish_json()
+            return
+        await self._feed_sse(message.get("body", b""), more)
+
+    async def _finish_json(self) -> None:
+        raise NotImplementedError
+
+    async def _feed_sse(self, chunk: bytes, more: bool) -> None:
+        raise NotImplementedError
+
+    async def _send_json_raw(self, body: bytes) -> None:
+        """The held start (its content-length now `body`'s), then `body`."""
+        start = dict(self._start or {"type": "http.response.start", "status": 200, "headers": []})
+        start["headers"] = [(k, v) for k, v in start.get("headers", [])
+                            if k.lower() != b"content-length"]
+        start["headers"].append((b"content-length", str(len(body)).encode()))
+        await self._send(start)
+        await self._send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+class CaptureResponder(BodyRewriter):
     """One captured request's response path (see module docstring)."""
 
     def __init__(self, send: Send, *, capture_id: str, wait: bool, client_wants_usage: bool,
                  report_end: Callable[..., None], receipt: ReceiptSource) -> None:
-        self._send = send
+        super().__init__(send)
         self.capture_id = capture_id
         self.wait = wait
         self.client_wants_usage = client_wants_usage
         self._report = report_end
         self._receipt = receipt
-        self.mode: str | None = None  # "json" | "sse" | "pass"
-        self._start: dict | None = None
-        self._body = bytearray()
-        self._pending = b""
         self._chunk_meta: dict[str, Any] = {}
         self._num_output: int | None = None
         self.ended = False
@@ -63,16 +101,7 @@ class CaptureResponder:
                 self.mode = "json"
                 self._start = message
             return
-        if kind != "http.response.body" or self.mode == "pass":
-            await self._send(message)
-            return
-        more = message.get("more_body", False)
-        if self.mode == "json":
-            self._body += message.get("body", b"")
-            if not more:
-                await self._finish_json()
-            return
-        await self._feed_sse(message.get("body", b""), more)
+        await self._route_body(message)
 
     def finish(self) -> None:
         """After the handler returned (or was cancelled): a capture never ended is aborted."""
@@ -106,14 +135,6 @@ class CaptureResponder:
         self._end(int(tokens) if isinstance(tokens, int) else None)
         data["capture_results"] = await self._results()
         await self._send_json_raw(json.dumps(data).encode())
-
-    async def _send_json_raw(self, body: bytes) -> None:
-        start = dict(self._start or {"type": "http.response.start", "status": 200, "headers": []})
-        start["headers"] = [(k, v) for k, v in start.get("headers", [])
-                            if k.lower() != b"content-length"]
-        start["headers"].append((b"content-length", str(len(body)).encode()))
-        await self._send(start)
-        await self._send({"type": "http.response.body", "body": body, "more_body": False})
 
     async def _feed_sse(self, chunk: bytes, more: bool) -> None:
         data = self._pending + chunk
