@@ -4,15 +4,15 @@ scores, SAE features) instead of to storage, and only the scores leave for the s
 A readout rides the capture path: the plan routes its rows like a capture's
 (`RequestHooks.readout_points`), and `ReadoutSink` is the sink they are delivered to. It
 computes on the rows' device (the model's GPU in host mode; after the harvester's copy in
-device mode) and appends each step's records to the request's results file
-(steering/readers/results.py), which the server reads while it streams the response.
+device mode) and appends each step's records, all requests' in one write, to the worker's
+results stream (steering/readers/results.py), which the server reads while it streams the
+response.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import os
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -37,17 +37,17 @@ from capsteer.steering.readers.registry import ReaderRegistry
 
 logger = logging.getLogger("vllm.capsteer")
 _READERS_KEPT = 32  # loaded readers kept on the device (an SAE can be hundreds of MB)
+_RANGES = ("all", "prompt", "generated")  # position kinds that keep a run of positions
 
 
 @dataclass
 class _Readout:
-    """One request's readout: its items by the (hook, layer) they read, its results file."""
+    """One request's readout: its id, its items by the (hook, layer) they read."""
 
+    readout_id: str
     items: dict[tuple[str, int], list[tuple[ReadoutItem, Reader]]]
     prompt_len: int
-    fd: int
     sent_upto: dict[int, int] = field(default_factory=dict)  # item -> past its last position sent
-    pending: list[bytes] = field(default_factory=list)
 
 
 class ReadoutSink(CaptureSink):
@@ -58,6 +58,8 @@ class ReadoutSink(CaptureSink):
     def __init__(self, root: str | None, readers_dir: str | None, hidden_size: int,
                  device: torch.device | str) -> None:
         self.root = Path(root) if root else None
+        self.stream = results.ResultsStream(self.root) if self.root is not None else None
+        self._pending: list[bytes] = []  # this step's records, written at its end
         self.registry = ReaderRegistry(readers_dir, hidden_size=hidden_size) \
             if readers_dir else None
         self.device = torch.device(device)
@@ -66,34 +68,28 @@ class ReadoutSink(CaptureSink):
 
     # ---- the worker's calls ----
     def start(self, readout_id: str, items: Sequence[ReadoutItem], prompt_len: int) -> None:
-        """Load the items' readers (raises what a client must hear) and open the file."""
-        if self.root is None:
+        """Load the items' readers (raises what a client must hear)."""
+        if self.stream is None:
             raise RuntimeError("this engine has no readout directory (readouts need "
                                "`capsteer serve`)")
         by_point: dict[tuple[str, int], list[tuple[ReadoutItem, Reader]]] = {}
         for item in items:
             by_point.setdefault((item.hook, item.layer), []).append((item, self._reader(item)))
-        self.root.mkdir(parents=True, exist_ok=True)
-        fd = os.open(results.results_path(self.root, readout_id),
-                     os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-        self.live[readout_id] = _Readout(by_point, prompt_len, fd)
+        self.live[readout_id] = _Readout(readout_id, by_point, prompt_len)
 
     def fail(self, readout_id: str, reason: str, items: int = 1) -> None:
         """Tell the server this readout will get no results (it answers the reason)."""
-        if self.root is None:
+        if self.stream is None:
             return
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
-            results.append(results.results_path(self.root, readout_id),
-                           b"".join(results.error_record(i, reason) for i in range(items)))
+            self.stream.append(b"".join(results.error_record(readout_id, i, reason)
+                                        for i in range(items)))
         except OSError:
             logger.exception("capsteer: readout %s: could not report its failure", readout_id)
 
     def finish(self, readout_id: str) -> None:
-        state = self.live.pop(readout_id, None)
-        if state is not None:
-            self._flush(state)
-            os.close(state.fd)
+        if self.live.pop(readout_id, None) is not None:
+            self.end_step()
 
     def _reader(self, item: ReadoutItem) -> Reader:
         if item.probe is not None:
@@ -116,7 +112,8 @@ class ReadoutSink(CaptureSink):
     def write(self, capture_id: str, hook: str, layer: int, positions: np.ndarray,
               rows: torch.Tensor) -> None:
         for state, item, pos, out in self._compute(capture_id, hook, layer, positions, rows):
-            state.pending.append(_encode(item, pos, [t.cpu().numpy() for t in out]))
+            self._pending.append(_encode(state.readout_id, item, pos,
+                                         [t.cpu().numpy() for t in out]))
 
     def launch(self, routes: Sequence[tuple[Any, slice]],
                staging: torch.Tensor) -> Callable[[], None]:
@@ -159,7 +156,8 @@ class ReadoutSink(CaptureSink):
                     at = self._new_positions(state, item, route.positions)
                     if len(at):
                         rows = span.start - first + at
-                        state.pending.append(_encode(item, route.positions[at].tolist(),
+                        self._pending.append(_encode(state.readout_id, item,
+                                                     route.positions[at].tolist(),
                                                      [h[rows] for h in host]))
             self.end_step()
         return write_results
@@ -169,12 +167,21 @@ class ReadoutSink(CaptureSink):
         """Indices into `positions` the item reads and has not sent before, now marked sent.
         A request's positions are fed in increasing order, and a recompute after preemption
         feeds them again from an earlier one: only positions past the last sent are new."""
-        keep = item.positions.candidate(positions, state.prompt_len)
-        keep &= positions >= state.sent_upto.get(item.index, 0)
-        at = np.flatnonzero(keep)
+        sent = state.sent_upto.get(item.index, 0)
+        kind, n = item.positions.kind, len(positions)
+        if kind in _RANGES and n and int(positions[-1]) - int(positions[0]) == n - 1:
+            # A run of consecutive positions (every step's, for these kinds): arithmetic.
+            first = int(positions[0])
+            lo = max(sent, state.prompt_len) if kind == "generated" else sent
+            hi = state.prompt_len if kind == "prompt" else first + n
+            at = np.arange(min(max(lo - first, 0), n), min(max(hi - first, 0), n))
+        else:
+            keep = item.positions.candidate(positions, state.prompt_len)
+            keep &= positions >= sent
+            at = np.flatnonzero(keep)
         if len(at):
             state.sent_upto[item.index] = int(positions[at[-1]]) + 1
-        metrics.READOUT_ROWS.inc(len(at))
+            metrics.READOUT_ROWS.inc(len(at))
         return at
 
     def _compute(self, capture_id: str, hook: str, layer: int, positions: np.ndarray,
@@ -194,20 +201,16 @@ class ReadoutSink(CaptureSink):
             yield state, item, positions[at].tolist(), out
 
     def end_step(self) -> None:
-        for state in list(self.live.values()):  # the step thread may start one meanwhile
-            self._flush(state)
+        """The step's records in one write."""
+        if self._pending and self.stream is not None:
+            data, self._pending = b"".join(self._pending), []
+            self.stream.append(data)
 
     def close(self, end: CaptureEnd) -> None:
         self.finish(end.capture_id)
 
     def abort(self, capture_id: str, reason: str) -> None:
         self.finish(capture_id)
-
-    @staticmethod
-    def _flush(state: _Readout) -> None:
-        if state.pending:
-            os.write(state.fd, b"".join(state.pending))
-            state.pending.clear()
 
 
 _ROWS_PER_PASS = 4096  # an SAE's [rows, d_sae] pre-activations stay ~256 MiB at 16k
@@ -226,14 +229,15 @@ def _run(reader: Reader, x: torch.Tensor, top_k: int, threshold: float) -> list[
     return [torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])]
 
 
-def _encode(item: ReadoutItem, positions: list[int], out: list[np.ndarray]) -> bytes:
+def _encode(readout_id: str, item: ReadoutItem, positions: list[int],
+            out: list[np.ndarray]) -> bytes:
     """One item's record; SAE results computed for a larger top_k or lower threshold
     (items sharing one pass) are cut to the item's own."""
     if len(out) == 1:
-        return results.probe_record(item.index, positions, out[0].tolist())
+        return results.probe_record(readout_id, item.index, positions, out[0].tolist())
     k, threshold = int(item.top_k or 1), float(item.threshold or 0.0)
     features = [[(f, v) for f, v in zip(row_ids, row_values, strict=True)
                  if f >= 0 and v > threshold]
                 for row_ids, row_values in zip(out[0][:, :k].tolist(), out[1][:, :k].tolist(),
                                                strict=True)]
-    return results.sae_record(item.index, positions, features)
+    return results.sae_record(readout_id, item.index, positions, features)

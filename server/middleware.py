@@ -24,7 +24,6 @@ import logging
 import secrets
 import time
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 
 from capsteer.config.server import ServerSettings
 from capsteer.engine_ext.payload import EXTRA_ARGS_KEY, new_capture_id, new_readout_id
@@ -43,7 +42,6 @@ from capsteer.server.fields import (
 from capsteer.server.readouts import ReadoutResponder
 from capsteer.server.responses import CaptureResponder
 from capsteer.server.state import CapsteerState
-from capsteer.steering.readers.results import results_path
 
 log = logging.getLogger("vllm.capsteer.server")
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
@@ -280,10 +278,8 @@ class CapsteerMiddleware:
     async def _with_readout(self, scope: Scope, receive: Receive, send: Send, hooks,
                             readout_id: str) -> None:
         """Run the request with its scores added on the way back (server/readouts.py)."""
-        root = Path(self.state.settings.readout_dir)
-        root.mkdir(parents=True, exist_ok=True)
-        responder = ReadoutResponder(send, path=results_path(root, readout_id),
-                                     items=hooks.readout,
+        responder = ReadoutResponder(send, hub=self.state.readout_hub(),
+                                     readout_id=readout_id, items=hooks.readout,
                                      client_wants_token_ids=hooks.client_wants_token_ids)
         try:
             await self.app(scope, receive, responder.send)

@@ -2,44 +2,51 @@
 `readout` key on each SSE chunk with the scores computed in the steps that produced the
 chunk's tokens (the prompt's come with the first chunk).
 
-The worker appends each step's scores to the request's results file
-(steering/readers/results.py) before the step's tokens reach this process, so a chunk
-rarely waits; the token ids vLLM returns (`return_token_ids`, which the middleware turns
-on) tell which positions a chunk's scores cover. A step's forward reads positions up to
-the last token it was fed: after the chunk that brings output token g (0-based), positions
-below prompt + g have scores, so the last sampled token, never fed, has none.
+The workers' records reach this process through its `ResultsHub`
+(steering/readers/results.py); a worker writes a step's records before the step's tokens
+leave it, so a chunk rarely waits. The token ids vLLM returns (`return_token_ids`, which
+the middleware turns on) tell which positions a chunk's scores cover. A step's forward
+reads positions up to the last token it was fed: after the chunk that brings output token
+g (0-based), positions below prompt + g have scores, so the last sampled token, never fed,
+has none. A stream's chunks after the first are edited as bytes (vLLM writes compact
+JSON): reading and rewriting every chunk as JSON would cost more than vLLM's own work on it.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from capsteer.server.responses import BodyRewriter
 from capsteer.steering.readers.readout import ReadoutItem
-from capsteer.steering.readers.results import ResultsTail
+from capsteer.steering.readers.results import ResultsHub
 
 Send = Callable[[dict], Awaitable[None]]
 _DONE = b"data: [DONE]"
-_POLL_S = 0.002
+_TOKEN_IDS = b'"token_ids":'
+_PROMPT_IDS = b'"prompt_token_ids":'
+_RANGES = ("all", "prompt", "generated")  # position kinds whose positions are a range
+_ENCODE = msgspec.json.Encoder().encode  # ~10x json.dumps on a chunk's few small lists
 
 
 class ReadoutResponder(BodyRewriter):
     """One request's response path with a readout (see module docstring)."""
 
-    def __init__(self, send: Send, *, path: Path, items: list[ReadoutItem],
-                 client_wants_token_ids: bool, timeout_s: float = 60.0) -> None:
+    def __init__(self, send: Send, *, hub: ResultsHub, readout_id: str,
+                 items: list[ReadoutItem], client_wants_token_ids: bool,
+                 timeout_s: float = 60.0) -> None:
         super().__init__(send)
         self.items = items
         self.keep_token_ids = client_wants_token_ids
         self.timeout_s = timeout_s
-        self._tail = ResultsTail(path)
+        self._hub = hub
+        self._readout_id = readout_id
+        self._inbox = hub.open(readout_id)
         self.prompt: list[int] | None = None
         self.output: list[int] = []
         # item -> position -> its scores or [feature, value] pairs; item -> why it failed
@@ -66,9 +73,8 @@ class ReadoutResponder(BodyRewriter):
         await self._route_body(message)
 
     def finish(self) -> None:
-        """After the handler returned: the results file goes (the worker's late appends
-        land in the unlinked file)."""
-        self._tail.remove()
+        """After the handler returned: later records for this readout are dropped."""
+        self._hub.close(self._readout_id)
 
     # ---- JSON ----
     async def _finish_json(self) -> None:
@@ -103,6 +109,10 @@ class ReadoutResponder(BodyRewriter):
     async def _event(self, event: bytes) -> bytes:
         if not event.startswith(b"data:") or event.strip() == _DONE:
             return event
+        if self.prompt is not None:
+            fast = await self._event_bytes(event)
+            if fast is not None:
+                return fast
         try:
             chunk = json.loads(event[5:])
         except ValueError:
@@ -112,6 +122,31 @@ class ReadoutResponder(BodyRewriter):
         self._note_tokens(chunk, chunk["choices"][0])
         if self.prompt is None:
             return event
+        chunk["readout"] = await self._chunk_entries()
+        self._strip_token_ids(chunk)
+        return b"data: " + json.dumps(chunk).encode()
+
+    async def _event_bytes(self, event: bytes) -> bytes | None:
+        """A chunk after the prompt's, edited as bytes: its token ids read, its readout
+        inserted, the ids cut unless the client asked. None: not a chunk of the usual shape
+        (no choices, a prompt, several choices), so it goes the JSON way."""
+        if b'"choices":[]' in event or event.count(b'"index":') != 1:
+            return None
+        found = _find_value(event, _TOKEN_IDS)
+        if found is None or _find_value(event, _PROMPT_IDS, null_ok=False) is not None:
+            return None
+        start, end = found
+        ids = event[start + 1: end - 1].strip() if event[start] == ord("[") else b""
+        if ids:
+            self.output.extend(int(t) for t in ids.split(b","))
+        entries = _ENCODE(await self._chunk_entries())
+        if not self.keep_token_ids:
+            event = _cut_key(_cut_key(event, _TOKEN_IDS), _PROMPT_IDS)
+        close = event.rindex(b"}")
+        return event[:close] + b',"readout":' + entries + event[close:]
+
+    async def _chunk_entries(self) -> list[dict[str, Any]]:
+        """The readouts of the positions this chunk makes final, for each item."""
         limit = self._fed_limit()
         await self._wait_for(limit)
         entries = []
@@ -121,9 +156,7 @@ class ReadoutResponder(BodyRewriter):
             self.sent[item.index] = max(start, limit)
             if entry.get("positions") or "error" in entry:
                 entries.append(entry)
-        chunk["readout"] = entries
-        self._strip_token_ids(chunk)
-        return b"data: " + json.dumps(chunk).encode()
+        return entries
 
     # ---- shared ----
     def _note_tokens(self, data: dict, choice: dict) -> None:
@@ -139,23 +172,31 @@ class ReadoutResponder(BodyRewriter):
         prompt = len(self.prompt or ())
         return prompt + max(len(self.output) - 1, 0)
 
-    def _expected(self, item: ReadoutItem, start: int, limit: int) -> np.ndarray:
+    def _expected(self, item: ReadoutItem, start: int, limit: int) -> list[int]:
+        """The positions in [start, limit) the item reads."""
+        prompt = len(self.prompt or ())
+        kind = item.positions.kind
+        if kind in _RANGES:
+            lo = max(start, prompt) if kind == "generated" else start
+            hi = min(limit, prompt) if kind == "prompt" else limit
+            return list(range(lo, hi))
         span = np.arange(start, limit, dtype=np.int64)
-        return span[item.positions.candidate(span, len(self.prompt or ()))]
+        return span[item.positions.candidate(span, prompt)].tolist()
 
     async def _wait_for(self, limit: int) -> None:
         """Until every item has its positions below `limit` (or failed, or time ran out);
         each position is checked once (`complete`), so a stream costs O(its length)."""
-        deadline = time.monotonic() + self.timeout_s
+        deadline = None
+        pumped = False
         while True:
-            self._read()
+            self._read(pump=pumped)
             missing = []
             for item in self.items:
                 start = self.complete[item.index]
                 if item.index in self.errors or start >= limit:
                     continue
                 have = self.values[item.index]
-                lacking = [int(p) for p in self._expected(item, start, limit) if int(p) not in have]
+                lacking = [p for p in self._expected(item, start, limit) if p not in have]
                 if lacking:
                     self.complete[item.index] = lacking[0]
                     missing.append(item)
@@ -163,15 +204,22 @@ class ReadoutResponder(BodyRewriter):
                     self.complete[item.index] = limit
             if not missing:
                 return
+            if not pumped:  # look at the streams at once before waiting for the hub's poll
+                pumped = True
+                continue
+            if deadline is None:
+                deadline = time.monotonic() + self.timeout_s
             if time.monotonic() >= deadline:
                 for item in missing:
                     self.errors[item.index] = (f"readout results did not arrive within "
                                                f"{self.timeout_s:.0f} s")
                 return
-            await asyncio.sleep(_POLL_S)
+            await self._hub.wait(self._inbox, min(0.05, max(deadline - time.monotonic(), 0)))
 
-    def _read(self) -> None:
-        for record in self._tail.poll():
+    def _read(self, *, pump: bool) -> None:
+        if pump and not self._inbox.records:
+            self._hub.pump()
+        for record in self._inbox.take():
             index = int(record.get("i", -1))
             if index not in self.values:
                 continue
@@ -189,12 +237,12 @@ class ReadoutResponder(BodyRewriter):
             entry["error"] = self.errors[item.index]
             return entry
         tokens = (self.prompt or []) + self.output
-        positions = [int(p) for p in self._expected(item, start, limit)
-                     if int(p) in self.values[item.index]]
+        have = self.values[item.index]
+        positions = [p for p in self._expected(item, start, limit) if p in have]
         entry["positions"] = positions
         entry["token_ids"] = [tokens[p] for p in positions]
         key = "scores" if item.reader.kind == "probe" else "features"
-        entry[key] = [self.values[item.index][p] for p in positions]
+        entry[key] = [have[p] for p in positions]
         return entry
 
     def _strip_token_ids(self, data: dict) -> None:
@@ -205,3 +253,29 @@ class ReadoutResponder(BodyRewriter):
             if isinstance(choice, dict):
                 choice.pop("token_ids", None)
                 choice.pop("prompt_token_ids", None)
+
+
+def _find_value(event: bytes, key: bytes, *, null_ok: bool = True) -> tuple[int, int] | None:
+    """Where `key`'s value (a flat list or null) lies in `event`: (start, end) bytes."""
+    at = event.find(key)
+    if at < 0:
+        return None
+    start = at + len(key)
+    if event.startswith(b"null", start):
+        return (start, start + 4) if null_ok else None
+    if event.startswith(b"[", start):
+        return start, event.index(b"]", start) + 1
+    return None
+
+
+def _cut_key(event: bytes, key: bytes) -> bytes:
+    """`event` without `key` and its value (a flat list or null) and one comma beside it."""
+    found = _find_value(event, key)
+    if found is None:
+        return event
+    at, end = event.find(key), found[1]
+    if event[at - 1: at] == b",":
+        at -= 1
+    elif event[end: end + 1] == b",":
+        end += 1
+    return event[:at] + event[end:]

@@ -158,8 +158,12 @@ class CaptureResponder(BodyRewriter):
             await self._send_sse(out, more=more)
 
     def _inspect_event(self, event: bytes) -> bool:
-        """Remember the chunk id/model and the usage chunk; drop usage the client did not ask for."""
+        """Remember the chunk id/model and the usage chunk; drop usage the client did not ask
+        for. Only the first chunk and usage chunks are parsed: parsing every chunk would cost
+        more than vLLM's own work on it."""
         if not event.startswith(b"data:"):
+            return True
+        if self._chunk_meta and b'"usage":{' not in event and b'"usage": {' not in event:
             return True
         try:
             chunk = json.loads(event[5:])

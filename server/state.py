@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -19,6 +19,7 @@ from capsteer.server.peers import PeerBoard
 from capsteer.server.prompt_tokens import PromptCounter
 from capsteer.server.tracker import CaptureTracker
 from capsteer.steering.readers.registry import ReaderRegistry
+from capsteer.steering.readers.results import ResultsHub
 from capsteer.steering.registry import VectorRegistry
 from capsteer.steering.spec import VectorLookup
 
@@ -41,6 +42,14 @@ class CapsteerState:
     # Under `capsteer serve` the workers read --steering-dir too (its worker_config), so a
     # request names its registry vectors instead of carrying their floats to every worker.
     by_reference: bool = False
+    _readout_hub: ResultsHub | None = field(default=None, repr=False)
+
+    def readout_hub(self) -> ResultsHub:
+        """This process's reader of the workers' readout results (made at the first
+        readout, inside the server's event loop)."""
+        if self._readout_hub is None:
+            self._readout_hub = ResultsHub(self.settings.readout_dir)
+        return self._readout_hub
 
     @property
     def vector_lookup(self) -> VectorLookup:

@@ -1,77 +1,233 @@
 """Readout results on their way from the workers to the server.
 
-One file per request under the server's readout directory: the worker that computed a
-step's scores appends one JSON line per item, the server reads the lines as they come
-(`ResultsTail`), attaches them to the response (`readout_results`) or to the SSE
-chunks, and deletes the file. A line is a record:
-`{"i": item, "p": [positions], "s": [[score, ...], ...]}` for a probe,
-`{"i": item, "p": [positions], "f": [[[feature, value], ...], ...]}` for an SAE, or
-`{"i": item, "error": "why"}` when the worker could not read (nothing else follows).
-Only complete lines are read, so a reader never sees half a record.
+Each worker process appends to one stream file of its own under the server's readout
+directory (`ResultsStream`); each API server process tails every stream file there with one
+`ResultsHub`, which hands each record to the response waiting for that readout id. One
+write per step on the worker's side and one read per poll on the server's, whatever the
+number of readouts in flight. A line is a record:
+`{"r": readout_id, "i": item, "p": [positions], "s": [[score, ...], ...]}` for a probe,
+`{"r": ..., "i": ..., "p": [...], "f": [[[feature, value], ...], ...]}` for an SAE,
+`{"r": ..., "i": ..., "error": "why"}` when the worker could not read (nothing else
+follows for that item), or `{"next": name}`, the last line of a file its writer replaced
+(rotation). Only complete lines are read, so a reader never sees half a record.
 """
 
 from __future__ import annotations
 
-import json
+import asyncio
 import os
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
+import msgspec
+
 SUFFIX = ".jsonl"
+_PREFIX = "w-"
+ROTATE_BYTES = 64 << 20  # a stream file is replaced past this; the server deletes the old one
+_DECODE = msgspec.json.Decoder().decode  # the server reads every record of every readout
+_ENCODE = msgspec.json.Encoder().encode  # a worker writes one per request and step
 
 
-def results_path(root: str | Path, readout_id: str) -> Path:
-    """Where one request's results go (`readout_id` is the server's `ro-<hex>` id)."""
-    return Path(root) / f"{readout_id}{SUFFIX}"
+def probe_record(readout_id: str, item: int, positions: list[int],
+                 scores: list[list[float]]) -> bytes:
+    return _line({"r": readout_id, "i": item, "p": positions, "s": scores})
 
 
-def probe_record(item: int, positions: list[int], scores: list[list[float]]) -> bytes:
-    return _line({"i": item, "p": positions, "s": scores})
-
-
-def sae_record(item: int, positions: list[int],
+def sae_record(readout_id: str, item: int, positions: list[int],
                features: list[list[tuple[int, float]]]) -> bytes:
-    return _line({"i": item, "p": positions, "f": features})
+    return _line({"r": readout_id, "i": item, "p": positions, "f": features})
 
 
-def error_record(item: int, reason: str) -> bytes:
-    return _line({"i": item, "error": reason})
+def error_record(readout_id: str, item: int, reason: str) -> bytes:
+    return _line({"r": readout_id, "i": item, "error": reason})
 
 
 def _line(record: dict[str, Any]) -> bytes:
-    return json.dumps(record, separators=(",", ":")).encode() + b"\n"
+    return _ENCODE(record) + b"\n"
 
 
-def append(path: Path, data: bytes) -> None:
-    """Append whole records in one write (O_APPEND: writers of one file never interleave
-    inside a write)."""
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-    try:
-        os.write(fd, data)
-    finally:
-        os.close(fd)
+def _stream_of(name: str) -> str:
+    """The writer's part of a stream file's name (`w-<pid>-<token>-<seq>.jsonl`)."""
+    return name.rsplit("-", 1)[0]
 
 
-class ResultsTail:
-    """Reads a results file's new complete records each `poll` (the file may not exist yet)."""
+def _writer_pid(name: str) -> int | None:
+    parts = name.split("-")
+    return int(parts[1]) if len(parts) > 2 and parts[0] == "w" and parts[1].isdigit() else None
 
-    def __init__(self, path: Path) -> None:
+
+class ResultsStream:
+    """A worker's stream file: whole records appended in one write each, from any thread."""
+
+    def __init__(self, root: str | Path, rotate_bytes: int = ROTATE_BYTES) -> None:
+        self.root = Path(root)
+        self.rotate_bytes = rotate_bytes
+        self._lock = threading.Lock()
+        self._fd: int | None = None
+        self._size = 0
+        self._name = f"{_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"  # files: _name-<seq>
+        self._seq = 0
+
+    def append(self, data: bytes) -> None:
+        if not data:
+            return
+        with self._lock:
+            if self._fd is None:
+                self._fd, _ = self._open()
+            elif self._size >= self.rotate_bytes:
+                fd, name = self._open()
+                os.write(self._fd, _line({"next": name}))
+                os.close(self._fd)
+                self._fd = fd
+            os.write(self._fd, data)
+            self._size += len(data)
+
+    def _open(self) -> tuple[int, str]:
+        self.root.mkdir(parents=True, exist_ok=True)
+        name = f"{self._name}-{self._seq:06d}{SUFFIX}"
+        self._seq += 1
+        self._size = 0
+        return os.open(self.root / name, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL,
+                       0o600), name
+
+
+@dataclass
+class Inbox:
+    """One readout's records as the hub delivers them; `ready` is set on each delivery."""
+
+    records: list[dict[str, Any]] = field(default_factory=list)
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    waiting: bool = False
+
+    def take(self) -> list[dict[str, Any]]:
+        out, self.records = self.records, []
+        self.ready.clear()
+        return out
+
+
+class _Tail:
+    def __init__(self, path: Path, file: BinaryIO) -> None:
         self.path = path
-        self._file: BinaryIO | None = None  # open once it exists: a poll is then one read
-        self._partial = b""
+        self.file = file
+        self.partial = b""
 
-    def poll(self) -> list[dict[str, Any]]:
-        if self._file is None:
+
+class ResultsHub:
+    """An API server process's reader of every worker's stream (see module docstring).
+    `pump` reads what is new and delivers it; the hub's task pumps every `poll_s` while a
+    response waits for records, and every `idle_s` otherwise."""
+
+    def __init__(self, root: str | Path, *, poll_s: float = 0.001, idle_s: float = 0.02,
+                 scan_s: float = 0.1, scan_waiting_s: float = 0.005) -> None:
+        self.root = Path(root)
+        self.poll_s, self.idle_s = poll_s, idle_s
+        # New stream files (a worker's first readout) are looked for every scan_s, or
+        # every scan_waiting_s while a response waits.
+        self.scan_s, self.scan_waiting_s = scan_s, scan_waiting_s
+        self.inboxes: dict[str, Inbox] = {}
+        self._tails: dict[str, _Tail] = {}
+        self._done: set[str] = set()  # files replaced by their writer and read to the end
+        self._scanned = 0.0
+        self._task: asyncio.Task | None = None
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._sweep_dead_writers()
+
+    def open(self, readout_id: str) -> Inbox:
+        inbox = self.inboxes[readout_id] = Inbox()
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run())
+        return inbox
+
+    def close(self, readout_id: str) -> None:
+        self.inboxes.pop(readout_id, None)
+
+    async def wait(self, inbox: Inbox, timeout_s: float) -> None:
+        """Until the hub delivers something to `inbox` or `timeout_s` passes."""
+        inbox.waiting = True
+        try:
+            await asyncio.wait_for(inbox.ready.wait(), timeout_s)
+        except TimeoutError:
+            pass
+        finally:
+            inbox.waiting = False
+
+    async def _run(self) -> None:
+        while self.inboxes:
+            waiting = any(inbox.waiting for inbox in self.inboxes.values())
+            self.pump(waiting)
+            await asyncio.sleep(self.poll_s if waiting else self.idle_s)
+
+    def pump(self, waiting: bool = True) -> None:
+        """Read every stream's new complete lines and deliver their records."""
+        now = time.monotonic()
+        if now - self._scanned >= (self.scan_waiting_s if waiting else self.scan_s):
+            self._scan()
+            self._scanned = now
+        read: set[str] = set()
+        while unread := [name for name in self._tails if name not in read]:
+            name = unread[0]  # a file that ends opens its successor, read in this pump too
+            read.add(name)
+            tail = self._tails[name]
+            data = tail.partial + tail.file.read()
+            if not data:
+                continue
+            lines = data.split(b"\n")
+            tail.partial = lines.pop()
+            for line in lines:
+                if line:
+                    self._deliver(name, _DECODE(line))
+
+    def _deliver(self, name: str, record: dict[str, Any]) -> None:
+        if "next" in record:  # the writer moved on: this file is read to its end
+            tail = self._tails.pop(name)
+            tail.file.close()
+            tail.path.unlink(missing_ok=True)
+            self._done.add(name)
+            self._scan()
+            return
+        inbox = self.inboxes.get(record.get("r", ""))
+        if inbox is not None:
+            inbox.records.append(record)
+            inbox.ready.set()
+
+    def _scan(self) -> None:
+        try:
+            names = os.listdir(self.root)
+        except FileNotFoundError:
+            return
+        # A writer's files in order: its next one is read once the one before has ended.
+        reading = {_stream_of(name) for name in self._tails}
+        for name in sorted(names):
+            stream = _stream_of(name)
+            if not (name.startswith(_PREFIX) and name.endswith(SUFFIX)) or stream in reading \
+                    or name in self._done:
+                continue
             try:
-                self._file = open(self.path, "rb")  # kept open across polls
-            except FileNotFoundError:
-                return []
-        data = self._partial + self._file.read()
-        lines = data.split(b"\n")
-        self._partial = lines.pop()
-        return [json.loads(line) for line in lines if line]
+                self._tails[name] = _Tail(self.root / name, open(self.root / name, "rb"))
+                reading.add(stream)
+            except FileNotFoundError:  # replaced and deleted by another server process
+                self._done.add(name)
 
-    def remove(self) -> None:
-        if self._file is not None:
-            self._file.close()
-        self.path.unlink(missing_ok=True)
+    def _sweep_dead_writers(self) -> None:
+        """Stream files of worker processes that no longer run (a stopped server's)."""
+        for path in self.root.glob(f"{_PREFIX}*{SUFFIX}"):
+            pid = _writer_pid(path.name)
+            if pid is None or pid == os.getpid():
+                continue
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                path.unlink(missing_ok=True)
+            except PermissionError:  # alive, someone else's
+                pass
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        for tail in self._tails.values():
+            tail.file.close()
+        self._tails.clear()

@@ -1,10 +1,13 @@
 """The worker's readout sink: the device path (one pass per point and reader over a step's
 staging rows, results cut per request and item) writes what the host path writes, each
-position once, and the server-side tail reads the records back whole."""
+position once, and the server-side hub reads the records back whole, across a stream
+file's rotation, delivering each to the response waiting for it."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 from types import SimpleNamespace
 
 import numpy as np
@@ -13,11 +16,11 @@ import torch
 from safetensors.torch import save_file
 
 from capsteer.capture.spec import parse_positions
-from capsteer.engine_ext.readouts import ReadoutSink
+from capsteer.engine_ext.readouts import ReadoutSink, _Readout
 from capsteer.steering.readers.kinds import LinearProbe
 from capsteer.steering.readers.readout import ReadoutItem
 from capsteer.steering.readers.registry import ReaderRegistry, ReaderShape
-from capsteer.steering.readers.results import ResultsTail, results_path
+from capsteer.steering.readers.results import ResultsHub, ResultsStream, error_record
 
 pytestmark = pytest.mark.unit
 D, D_SAE = 16, 40
@@ -46,9 +49,19 @@ def _items(registry: ReaderRegistry) -> list[ReadoutItem]:
             ReadoutItem(2, sae, None, "resid_post", 0, parse_positions([1, 2]), 2, 0.3)]
 
 
+def _stream_records(root) -> list[dict]:
+    """Every record of every stream file under `root`, in file order."""
+    out = []
+    for path in sorted(root.glob("w-*.jsonl")):
+        out += [json.loads(line) for line in path.read_bytes().splitlines() if line]
+    return out
+
+
 def _records(root, readout_id: str) -> dict[int, dict[int, object]]:
     out: dict[int, dict[int, object]] = {}
-    for rec in ResultsTail(results_path(root, readout_id)).poll():
+    for rec in _stream_records(root):
+        if rec.get("r") != readout_id:
+            continue
         values = rec.get("s", rec.get("f"))
         for p, v in zip(rec["p"], values, strict=True):
             assert p not in out.setdefault(rec["i"], {}), "a position sent twice"
@@ -102,5 +115,63 @@ def test_a_reader_that_cannot_start_reports_why(tmp_path):
     with pytest.raises(Exception, match="replaced"):
         sink.start("ro-x", items, prompt_len=4)
     sink.fail("ro-x", "capsteer: replaced", len(items))
-    recs = ResultsTail(results_path(tmp_path / "out", "ro-x")).poll()
+    recs = _stream_records(tmp_path / "out")
     assert [r["i"] for r in recs] == [0, 1, 2] and all("replaced" in r["error"] for r in recs)
+
+
+def test_the_hub_delivers_each_record_once_across_rotations(tmp_path):
+    root = tmp_path / "ro"
+    stream = ResultsStream(root, rotate_bytes=200)  # a new file every few records
+    other = ResultsStream(root)  # a second worker
+
+    async def main() -> tuple[dict, dict, list]:
+        hub = ResultsHub(root, scan_s=0.0)
+        a, b = hub.open("ro-a"), hub.open("ro-b")
+        for i in range(30):
+            stream.append(error_record("ro-a", i, "x" * 20))
+            other.append(error_record("ro-b", i, "y"))
+            if i % 7 == 0:
+                hub.pump()
+        await hub.wait(a, 0.5)
+        hub.pump()
+        files = sorted(p.name for p in root.glob("w-*.jsonl"))
+        hub.stop()
+        return a.take(), b.take(), files
+
+    got_a, got_b, files = asyncio.run(main())
+    assert [r["i"] for r in got_a] == list(range(30))
+    assert [r["i"] for r in got_b] == list(range(30))
+    # Files replaced by their writer are deleted once read; the live ones stay.
+    assert len(files) == 2 and all(str(os.getpid()) in f for f in files)
+
+
+def test_the_hub_sweeps_stream_files_of_dead_writers(tmp_path):
+    root = tmp_path / "ro"
+    root.mkdir()
+    dead = root / "w-999999999-abc-000000.jsonl"
+    dead.write_bytes(b"")
+    live = ResultsStream(root)
+    live.append(error_record("ro-a", 0, "x"))
+    ResultsHub(root)
+    assert not dead.exists() and len(list(root.glob("w-*.jsonl"))) == 1
+
+
+@pytest.mark.parametrize("kind", ["all", "prompt", "generated"])
+def test_new_positions_of_a_run_equal_the_mask_rule(kind):
+    """Runs of consecutive positions take an arithmetic path; it keeps what the
+    position rule and the sent mark keep, through recomputes from earlier positions."""
+    item = ReadoutItem(0, ReaderShape(None, "probe", D, 1, None), None, "resid_post", 0,
+                       parse_positions(kind), None, None)
+    rng = np.random.default_rng(0)
+    fast, ref = _Readout("ro", {}, prompt_len=7), 0
+    start = 0
+    for _ in range(200):
+        n = int(rng.integers(1, 6))
+        positions = np.arange(start, start + n)
+        got = ReadoutSink._new_positions(fast, item, positions)
+        keep = item.positions.candidate(positions, 7) & (positions >= ref)
+        want = np.flatnonzero(keep)
+        assert got.tolist() == want.tolist()
+        if len(want):
+            ref = int(positions[want[-1]]) + 1
+        start = max(0, start + n - int(rng.integers(0, 4)))  # sometimes a recompute
