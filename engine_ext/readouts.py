@@ -150,38 +150,49 @@ class ReadoutSink(CaptureSink):
         def write_results() -> None:
             if landed is not None:
                 landed.synchronize()
+            rows_read = 0
             for first, out, items in jobs:
                 host = [t.numpy() for t in out]
                 for state, item, route, span in items:
                     at = self._new_positions(state, item, route.positions)
-                    if len(at):
-                        rows = span.start - first + at
-                        self._pending.append(_encode(state.readout_id, item,
-                                                     route.positions[at].tolist(),
-                                                     [h[rows] for h in host]))
+                    if not len(at):
+                        continue
+                    rows_read += len(at)
+                    base = span.start - first
+                    if isinstance(at, range):  # a run: slices, no per-request indexing
+                        p0 = int(route.positions[0])
+                        positions = list(range(p0 + at.start, p0 + at.stop))
+                        got = [h[base + at.start: base + at.stop] for h in host]
+                    else:
+                        positions = route.positions[at].tolist()
+                        got = [h[base + at] for h in host]
+                    self._pending.append(_encode(state.readout_id, item, positions, got))
+            metrics.READOUT_ROWS.inc(rows_read)
             self.end_step()
         return write_results
 
     @staticmethod
-    def _new_positions(state: _Readout, item: ReadoutItem, positions: np.ndarray) -> np.ndarray:
-        """Indices into `positions` the item reads and has not sent before, now marked sent.
+    def _new_positions(state: _Readout, item: ReadoutItem,
+                       positions: np.ndarray) -> range | np.ndarray:
+        """Indices into `positions` the item reads and has not sent before, now marked sent
+        (a range for a run of consecutive positions, every step's for the range kinds).
         A request's positions are fed in increasing order, and a recompute after preemption
         feeds them again from an earlier one: only positions past the last sent are new."""
         sent = state.sent_upto.get(item.index, 0)
         kind, n = item.positions.kind, len(positions)
-        if kind in _RANGES and n and int(positions[-1]) - int(positions[0]) == n - 1:
-            # A run of consecutive positions (every step's, for these kinds): arithmetic.
-            first = int(positions[0])
+        first = int(positions[0]) if n else 0
+        if kind in _RANGES and n and int(positions[-1]) - first == n - 1:
             lo = max(sent, state.prompt_len) if kind == "generated" else sent
             hi = state.prompt_len if kind == "prompt" else first + n
-            at = np.arange(min(max(lo - first, 0), n), min(max(hi - first, 0), n))
-        else:
-            keep = item.positions.candidate(positions, state.prompt_len)
-            keep &= positions >= sent
-            at = np.flatnonzero(keep)
+            at: range | np.ndarray = range(min(max(lo - first, 0), n), min(max(hi - first, 0), n))
+            if len(at):
+                state.sent_upto[item.index] = first + at.stop
+            return at
+        keep = item.positions.candidate(positions, state.prompt_len)
+        keep &= positions >= sent
+        at = np.flatnonzero(keep)
         if len(at):
             state.sent_upto[item.index] = int(positions[at[-1]]) + 1
-            metrics.READOUT_ROWS.inc(len(at))
         return at
 
     def _compute(self, capture_id: str, hook: str, layer: int, positions: np.ndarray,
@@ -192,9 +203,10 @@ class ReadoutSink(CaptureSink):
         if state is None:
             return
         for item, reader in state.items.get((hook, layer), ()):
-            at = self._new_positions(state, item, positions)
+            at = np.asarray(self._new_positions(state, item, positions), dtype=np.int64)
             if not len(at):
                 continue
+            metrics.READOUT_ROWS.inc(len(at))
             x = rows if len(at) == len(positions) else rows[torch.from_numpy(at).to(rows.device)]
             out = _run(reader, x.to(self.device, torch.float32), item.top_k or 1,
                        float(item.threshold or 0.0))
