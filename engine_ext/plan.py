@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from capsteer.capture.paths import validate_capture_id
-from capsteer.capture.spec import CaptureSpec
+from capsteer.capture.spec import CaptureSpec, PositionSpec
 from capsteer.engine_ext.payload import decode_payload, parse_readout_payload
 from capsteer.engine_ext.runtime import STREAM, SUB, HookRuntime, StepPlan, hook_point
 from capsteer.steering.readers.readout import ReadoutItem
@@ -301,29 +301,34 @@ def build_step_plan(
             if len(sel):
                 steer_rows[(kind, site)].append(sel)
                 steer_ents[(kind, site)].append(np.full(len(sel), entry, dtype=np.int64))
+        # A request's rows are consecutive positions; `first_gen` is the index of its
+        # first generated one (k: none), so the usual position kinds need no mask.
+        first_gen = min(max(hooks.prompt_len - int(pos[0]), 0), k)
         if hooks.readout_id is not None:
             # One row set for all the request's items (device mode ranks rows per request);
             # each item keeps its own positions in the sink.
-            mask = np.zeros(len(pos), dtype=bool)
-            for item in hooks.readout_items:
-                mask |= item.positions.candidate(pos, hooks.prompt_len)
-            if mask.any():
+            sel = _kept(hooks.readout_items[0].positions, pos, hooks.prompt_len, first_gen) \
+                if len(hooks.readout_items) == 1 else _kept_any(
+                    [item.positions for item in hooks.readout_items], pos, hooks.prompt_len)
+            if sel is not None:
+                sel_rows, sel_pos = rows[sel], pos[sel]
                 for point, keys in hooks.readout_points.items():
                     routes.append(CaptureRoute(hooks.readout_id, point, keys, cap_count[point],
-                                               pos[mask], rows[mask], hooks.slot))
-                    cap_rows[point].append(rows[mask])
-                    cap_count[point] += int(mask.sum())
+                                               sel_pos, sel_rows, hooks.slot))
+                    cap_rows[point].append(sel_rows)
+                    cap_count[point] += len(sel_rows)
         if hooks.capture is None:
             continue
         hooks.fed_len = max(hooks.fed_len, int(pos[-1]) + 1)
-        mask = hooks.capture.positions.candidate(pos, hooks.prompt_len)
-        if not mask.any():
+        sel = _kept(hooks.capture.positions, pos, hooks.prompt_len, first_gen)
+        if sel is None:
             continue
-        sel_rows, sel_pos = rows[mask], pos[mask]
+        sel_rows, sel_pos = rows[sel], pos[sel]
         # Only generated tokens need recording: the prompt's are known (a prefill chunk of
         # thousands of rows would otherwise be a per-token Python loop every step).
-        fed_gen = sel_pos >= hooks.prompt_len
-        if fed_gen.any():
+        if int(sel_pos[-1]) >= hooks.prompt_len:
+            fed_gen = sel_pos >= hooks.prompt_len if int(sel_pos[0]) < hooks.prompt_len \
+                else slice(None)
             gen_rows, gen_pos = sel_rows[fed_gen], sel_pos[fed_gen]
             if input_ids is not None:
                 for p, t in zip(gen_pos.tolist(), input_ids[gen_rows].tolist(), strict=True):
@@ -351,6 +356,28 @@ def build_step_plan(
         offset += cap_count[key]
     plan.staging_rows = offset
     return plan
+
+
+def _kept(positions: PositionSpec, pos: np.ndarray, prompt_len: int,
+          first_gen: int) -> slice | np.ndarray | None:
+    """Which of a request's consecutive positions `pos` a position spec keeps: a slice for
+    the range kinds (no mask a step for hundreds of decoding requests), else a mask; None
+    when it keeps none. `first_gen`: the index of the first generated position."""
+    kind = positions.kind
+    if kind in ("all", "prompt", "generated"):
+        lo, hi = (first_gen, len(pos)) if kind == "generated" else \
+            (0, first_gen) if kind == "prompt" else (0, len(pos))
+        return slice(lo, hi) if hi > lo else None
+    mask = positions.candidate(pos, prompt_len)
+    return mask if mask.any() else None
+
+
+def _kept_any(specs: list[PositionSpec], pos: np.ndarray, prompt_len: int) -> np.ndarray | None:
+    """The positions any of `specs` keeps, as a mask (None: none)."""
+    mask = np.zeros(len(pos), dtype=bool)
+    for spec in specs:
+        mask |= spec.candidate(pos, prompt_len)
+    return mask if mask.any() else None
 
 
 __all__ = ["STREAM", "SUB", "CaptureRoute", "RequestHooks", "build_step_plan", "compose_entries",

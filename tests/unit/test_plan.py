@@ -71,6 +71,38 @@ def test_plan_maps_rows_to_requests_and_positions():
     assert [(r, p.tolist()) for r, p in plan.token_owners] == [("a", [6])]
 
 
+@pytest.mark.parametrize("positions", ["all", "prompt", "generated", "last_prompt", "last",
+                                       [0, 3, 6, -1]])
+def test_routes_keep_what_the_position_rule_keeps(positions):
+    """Range kinds take slices of each request's run of positions, the others a mask;
+    both route exactly the positions (and rows, and generated tokens) the rule keeps,
+    for chunks before, across and after the prompt's end."""
+    rt = runtime()
+    prompt_len = 6
+    rng = np.random.default_rng(1)
+    for _ in range(40):
+        hooks = {r: hooks_for(r, prompt_len, capture={"hooks": ["resid_post"], "layers": [0],
+                                                     "positions": positions}, rt=rt)
+                 for r in ("a", "b", "c")}
+        starts = rng.integers(0, 10, 3)
+        lens = rng.integers(1, 6, 3)
+        qsl = np.concatenate([[0], np.cumsum(lens)])
+        ids = torch.arange(1000, 1000 + int(qsl[-1]))
+        plan = build_step_plan(list(hooks), qsl, starts, hooks, ids)
+        got = {r.capture_id: (r.positions.tolist(), r.rows.tolist()) for r in plan.routes}
+        for j, name in enumerate(hooks):
+            pos = np.arange(starts[j], starts[j] + lens[j])
+            keep = hooks[name].capture.positions.candidate(pos, prompt_len)
+            want_rows = (qsl[j] + np.flatnonzero(keep)).tolist()
+            if keep.any():
+                assert got[f"cap-{name}"] == (pos[keep].tolist(), want_rows)
+            else:
+                assert f"cap-{name}" not in got
+            gen = [(int(p), 1000 + int(r)) for p, r in zip(pos[keep], want_rows, strict=True)
+                   if p >= prompt_len]
+            assert hooks[name].tokens == dict(gen)
+
+
 def test_steering_rows_follow_position_class():
     rt = runtime()
     s = hooks_for("s", 4, steering={"vectors": [
