@@ -48,8 +48,13 @@ def _apply(op, target: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     if getattr(op, "gate", None) is not None:
         gate = torch.as_tensor(op.gate, dtype=torch.float32, device=target.device)
         mask = mask & ((tf * gate).sum(-1) + op.gate_bias > 0)
-    if op.op == "add":
-        delta = op.scale * vec
+    select = getattr(op, "select", None)  # a selection's mask (steering/selections.py)
+    sel = None if select is None else torch.as_tensor(select, dtype=torch.float32,
+                                                      device=target.device)
+    if sel is not None and op.op != "add":  # zero the selected slices (clamp: set them)
+        delta = -tf * sel + (op.value * sel if op.op == "clamp" else 0.0)
+    elif op.op == "add":
+        delta = op.scale * (vec if sel is None else vec * sel)
     else:
         proj = (tf * vec).sum(-1, keepdim=True)
         delta = -proj * vec + (op.value * vec if op.op == "clamp" else 0.0)
@@ -57,7 +62,7 @@ def _apply(op, target: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return out.to(target.dtype)
 
 
-SUB_HOOKS = ("attn_out", "mlp_out", "mlp_in")
+SUB_HOOKS = ("attn_out", "mlp_out", "mlp_in", "mlp_post")
 
 
 def hf_family(model) -> Family:
@@ -131,13 +136,15 @@ def _steering_handles(model, spec: SteeringSpec | None, prompt_len: int, sublaye
         if hook == "resid_post" and index < last:
             hook, index = "resid_pre", index + 1
         layer = layers[index]
-        if hook in ("resid_pre", "mlp_in"):  # the module gets a new input tensor (mlp_in's
-            # is attention's input too in Cohere's parallel block: attention keeps it)
+        if hook in ("resid_pre", "mlp_in", "mlp_post"):  # the module gets a new input
+            # tensor (mlp_in's is attention's input too in Cohere's parallel block:
+            # attention keeps it; mlp_post's is the output projection's input)
             def pre(mod, args, kwargs, op=op):
                 h = _layer_input(args, kwargs)
                 h = _apply(op, h, _position_mask(h, op.positions, prompt_len))
                 return ((h, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": h})
-            module = layer if hook == "resid_pre" else _sub(layer, family.mlp_in)
+            module = layer if hook == "resid_pre" else _sub(
+                layer, family.mlp_in if hook == "mlp_in" else family.mlp_post)
             handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
         elif hook == "resid_post":  # last layer: the stream entering the final norm
             def post(mod, args, kwargs, output, op=op):
@@ -203,6 +210,10 @@ def hf_activations(
         if "mlp_in" not in missing:
             handles.append(_sub(layer, family.mlp_in).register_forward_pre_hook(
                 lambda m, a, k, i=i: keep(("mlp_in", i), _layer_input(a, k)), with_kwargs=True))
+        if "mlp_post" not in missing:
+            handles.append(_sub(layer, family.mlp_post).register_forward_pre_hook(
+                lambda m, a, k, i=i: keep(("mlp_post", i), _layer_input(a, k)),
+                with_kwargs=True))
     handles += _steering_handles(model, steering, prompt_len, sublayer=False)
     for i, layer in enumerate(layers):
         handles.append(layer.register_forward_pre_hook(

@@ -29,13 +29,14 @@ def _coverage(family: families.Family, materialized: bool, num_layers: int,
 @pytest.mark.parametrize("materialized", [False, True], ids=["deferred", "materialized"])
 def test_every_hook_is_read_exactly_once(family, materialized):
     """...and a parallel block's resid_mid by none (it is refused by name instead), nor
-    OLMo 2's mlp_in (no norm precedes its MLP)."""
+    OLMo 2's mlp_in (no norm precedes its MLP), nor an MoE family's mlp_post."""
     num_layers = 3
     parallel = family.parallel is not False
     seen = _coverage(family, materialized, num_layers, parallel)
     missing = families.unavailable_hooks(family, _Config(use_parallel_residual=True))
     assert set(missing) == ({"resid_mid"} if parallel else set()) | (
-        {"mlp_in"} if family.name == "olmo2" else set())
+        {"mlp_in"} if family.name == "olmo2" else set()) | (
+        {"mlp_post"} if family.moe else set())
     for hook in HOOKS:
         for layer in range(num_layers):
             point = hook_point(hook, layer, num_layers)
@@ -44,13 +45,15 @@ def test_every_hook_is_read_exactly_once(family, materialized):
 
 
 def test_inner_sites_follow_the_stream_sites():
-    """mlp_in(L) is site 2N+1+L; a forward reaches it once layer L ran (stop_at_layer)."""
+    """mlp_in(L) is site 2N+1+L, mlp_post(L) 3N+1+L; a forward reaches them once layer L
+    ran (stop_at_layer)."""
     n = 4
-    assert site_count(n) == 3 * n + 1
+    assert site_count(n) == 4 * n + 1
     assert [hook_point("mlp_in", layer, n) for layer in range(n)] == [
         (families.SUB, 9), (families.SUB, 10), (families.SUB, 11), (families.SUB, 12)]
+    assert [hook_point("mlp_post", layer, n)[1] for layer in range(n)] == [13, 14, 15, 16]
     assert [families.site_layers(s, n) for s in range(site_count(n))] == [
-        0, 1, 1, 2, 2, 3, 3, 4, 4, 1, 2, 3, 4]
+        0, 1, 1, 2, 2, 3, 3, 4, 4, 1, 2, 3, 4, 1, 2, 3, 4]
     assert layers_needed([("mlp_in", 1)], n) == 2
     assert layers_needed([("mlp_in", 0), ("resid_pre", 1)], n) == 1
     assert layers_needed([("mlp_in", 3)], n) is None
@@ -81,7 +84,7 @@ def test_layouts_read_the_documented_modules():
     deferred = families.layer_taps(gemma2, materialized=False)
     assert [(t.module, t.read, t.offset, t.inner) for t in deferred] == [
         ("input_layernorm", "pair", 0, None), ("pre_feedforward_layernorm", "pair", 1, None),
-        ("mlp", "input", 0, "mlp_in")]
+        ("mlp", "input", 0, "mlp_in"), ("mlp.down_proj", "input", 0, "mlp_post")]
     # mlp_in is the MLP module's input: vLLM's native Mixtral calls it block_sparse_moe.
     mixtral = families.family_for("MixtralForCausalLM")
     assert families.mlp_in_tap(mixtral, backend=False).module == "block_sparse_moe"
@@ -92,7 +95,7 @@ def test_layouts_read_the_documented_modules():
     olmo2 = families.family_for("Olmo2ForCausalLM")
     assert [(t.module, t.read, t.offset) for t in families.layer_taps(olmo2, False)] == [
         ("", "input", 0), ("post_attention_layernorm", "output", 1), ("mlp", "input", 1),
-        ("post_feedforward_layernorm", "output", 2)]
+        ("mlp.down_proj", "input", 0), ("post_feedforward_layernorm", "output", 2)]
     assert families.final_tap(olmo2, False).read == "input"
 
 
@@ -215,7 +218,7 @@ def test_the_stream_only_layout_reads_each_stream_site_once():
     assert [(site, tap.read) for site, tap in placed] == [(0, "input"), (2, "input"),
                                                           (4, "input"), (6, "output")]
     missing = families.unavailable_hooks(stream, _Config(architectures=["PhiForCausalLM"]))
-    assert sorted(missing) == ["attn_out", "mlp_in", "mlp_out", "resid_mid"]
+    assert sorted(missing) == ["attn_out", "mlp_in", "mlp_out", "mlp_post", "resid_mid"]
     assert "not offered for PhiForCausalLM" in missing["attn_out"]
     assert families.unavailable_hooks_of(_Config(architectures=["PhiForCausalLM"]), True) \
         == missing
