@@ -7,8 +7,10 @@ the final norm for the last layer); resid_mid[L], attn_out[L], mlp_out[L] = the
 input / outputs of the family's modules (engine_ext/families.py); mlp_in[L] = the
 input of the family's MLP module (the pre-MLP norm's output), steered by a pre-hook that
 hands the MLP a new tensor (the stream, and in Cohere's shared-norm parallel block
-attention's input, stay as they were). A parallel block (GPT-NeoX, Cohere) has no
-resid_mid: it is neither read nor steerable here.
+attention's input, stay as they were); mlp_post[L] = the input of the MLP's output
+projection (down_proj, GPT-2's c_proj, GPT-NeoX's dense_4h_to_h), steered the same way
+(a neuron selection zeroes, sets or adds at the selected neurons only). A parallel
+block (GPT-NeoX, Cohere) has no resid_mid: it is neither read nor steerable here.
 """
 
 from __future__ import annotations
