@@ -64,7 +64,8 @@ def _apply(op, target: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return out.to(target.dtype)
 
 
-SUB_HOOKS = ("attn_out", "mlp_out", "mlp_in", "mlp_post")
+SUB_HOOKS = ("attn_out", "mlp_out", "mlp_in", "mlp_post", "attn_z")
+_INPUT_OF = {"mlp_in": "mlp_in", "mlp_post": "mlp_post", "attn_z": "attn_z"}  # Family fields
 
 
 def hf_family(model) -> Family:
@@ -138,15 +139,15 @@ def _steering_handles(model, spec: SteeringSpec | None, prompt_len: int, sublaye
         if hook == "resid_post" and index < last:
             hook, index = "resid_pre", index + 1
         layer = layers[index]
-        if hook in ("resid_pre", "mlp_in", "mlp_post"):  # the module gets a new input
+        if hook == "resid_pre" or hook in _INPUT_OF:  # the module gets a new input
             # tensor (mlp_in's is attention's input too in Cohere's parallel block:
-            # attention keeps it; mlp_post's is the output projection's input)
+            # attention keeps it; mlp_post's and attn_z's are an output projection's)
             def pre(mod, args, kwargs, op=op):
                 h = _layer_input(args, kwargs)
                 h = _apply(op, h, _position_mask(h, op.positions, prompt_len))
                 return ((h, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": h})
             module = layer if hook == "resid_pre" else _sub(
-                layer, family.mlp_in if hook == "mlp_in" else family.mlp_post)
+                layer, getattr(family, _INPUT_OF[hook]))
             handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
         elif hook == "resid_post":  # last layer: the stream entering the final norm
             def post(mod, args, kwargs, output, op=op):
@@ -212,10 +213,11 @@ def hf_activations(
         if "mlp_in" not in missing:
             handles.append(_sub(layer, family.mlp_in).register_forward_pre_hook(
                 lambda m, a, k, i=i: keep(("mlp_in", i), _layer_input(a, k)), with_kwargs=True))
-        if "mlp_post" not in missing:
-            handles.append(_sub(layer, family.mlp_post).register_forward_pre_hook(
-                lambda m, a, k, i=i: keep(("mlp_post", i), _layer_input(a, k)),
-                with_kwargs=True))
+        for hook in ("mlp_post", "attn_z"):  # an output projection's input
+            if hook not in missing:
+                handles.append(_sub(layer, getattr(family, hook)).register_forward_pre_hook(
+                    lambda m, a, k, i=i, hook=hook: keep((hook, i), _layer_input(a, k)),
+                    with_kwargs=True))
     handles += _steering_handles(model, steering, prompt_len, sublayer=False)
     for i, layer in enumerate(layers):
         handles.append(layer.register_forward_pre_hook(

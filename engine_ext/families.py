@@ -46,14 +46,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from capsteer.hooks import WIDE_HOOKS
+from capsteer.hooks import HEADS_KEY, WIDE_HOOKS
 
 SUB, STREAM = 0, 1  # what a site's value is: the sublayer output or the stream
 SUB_BIT, STREAM_BIT = 1 << SUB, 1 << STREAM
 BOTH = SUB_BIT | STREAM_BIT
 # Hooks read inside a sublayer, each at one site per layer after the stream's (their
 # value is a plain tensor: kind SUB, no residual).
-INNER_HOOKS: tuple[str, ...] = ("mlp_in", "mlp_post")
+INNER_HOOKS: tuple[str, ...] = ("mlp_in", "mlp_post", "attn_z")
 
 
 def site_count(num_layers: int) -> int:
@@ -126,6 +126,10 @@ class Family:
     # None: the MLP is a mixture of experts, which has no single hidden layer.
     mlp_post: str | None = "mlp.down_proj"
     native_mlp_post: str | None = None
+    # The attention's output projection, whose input is attn_z (every head's output,
+    # [tokens, heads * d_head], before the heads are mixed); vLLM's name where it differs.
+    attn_z: str = "self_attn.o_proj"
+    native_attn_z: str | None = None
     # vLLM's fused add+norm whose input is resid_mid, for vLLM's native deferred layers;
     # None: vLLM's layers add the residual themselves (materialized, read at the modules).
     deferred_mid_norm: str | None = "post_attention_layernorm"
@@ -191,10 +195,11 @@ FAMILIES: tuple[Family, ...] = (
     Family("gpt2", ("GPT2LMHeadModel",), attn_out="attn", resid_mid="ln_2", mlp_out="mlp",
            deferred_mid_norm=None, inner="transformer", layers="h", final_norm="ln_f",
            hf_base="transformer", position_embedding="wpe", mlp_post="mlp.c_proj",
+           attn_z="attn.c_proj",
            notes="LayerNorm; learned positions: resid_pre(0) is the token embedding plus "
                  "the position embedding (wpe); resid_mid is ln_2's input"),
     Family("gpt_neox", ("GPTNeoXForCausalLM",), attn_out="attention",
-           mlp_post="mlp.dense_4h_to_h",
+           mlp_post="mlp.dense_4h_to_h", attn_z="attention.dense",
            deferred_mid_norm=None, final_norm="final_layer_norm", hf_base="gpt_neox",
            parallel="use_parallel_residual",
            notes="LayerNorm, partial rotary; with use_parallel_residual (Pythia, GPT-NeoX-20B) "
@@ -211,6 +216,7 @@ FAMILIES: tuple[Family, ...] = (
                  "and is refused; mlp_in is that norm's output as the MLP reads it: "
                  "steering it changes the MLP's input only (attention has read it already)"),
     Family("gpt_oss", ("GptOssForCausalLM",), mlp_post=None, moe=True,
+           native_attn_z="attn.o_proj",
            notes="mlp_out is the whole MoE block output (router and experts); attention "
                  "has sinks and alternates sliding-window and full layers"),
 )
@@ -314,7 +320,9 @@ def hook_widths(config: object) -> dict[str, int]:
     hidden = int(getattr(config, "hidden_size", 0) or getattr(config, "n_embd", 0) or 0)
     d_mlp = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) \
         or 4 * hidden
-    return {"mlp_post": int(d_mlp)}
+    heads = int(getattr(config, "num_attention_heads", 0) or getattr(config, "n_head", 0) or 1)
+    d_head = int(getattr(config, "head_dim", 0) or hidden // heads)
+    return {"mlp_post": int(d_mlp), "attn_z": heads * d_head, HEADS_KEY: heads}
 
 
 def unavailable_hooks_of(config: object, transformers_backend: bool = False) -> dict[str, str]:
@@ -336,7 +344,8 @@ def hf_modules(family: Family, parallel: bool = False) -> dict[str, str | None]:
     if family is TRANSFORMERS_STREAM:
         return {"resid_pre": f"{layer} input (hidden_states[L])", "resid_mid": None,
                 "resid_post": f"{layer} output (hidden_states[L+1] for L < last)",
-                "attn_out": None, "mlp_out": None, "mlp_in": None, "mlp_post": None}
+                "attn_out": None, "mlp_out": None, "mlp_in": None, "mlp_post": None,
+                "attn_z": None}
     first = (" (hidden_states[0] = token + position embedding)"
              if family.position_embedding else "")
     return {"resid_pre": f"{layer} input (hidden_states[L]){first}",
@@ -345,7 +354,8 @@ def hf_modules(family: Family, parallel: bool = False) -> dict[str, str | None]:
             "attn_out": f"{layer}.{family.attn_out} output",
             "mlp_out": f"{layer}.{family.mlp_out} output",
             "mlp_in": None if family.mlp_in is None else f"{layer}.{family.mlp_in} input",
-            "mlp_post": None if family.mlp_post is None else f"{layer}.{family.mlp_post} input"}
+            "mlp_post": None if family.mlp_post is None else f"{layer}.{family.mlp_post} input",
+            "attn_z": f"{layer}.{family.attn_z} input"}
 
 
 def supported_names() -> str:
@@ -403,6 +413,14 @@ def mlp_post_tap(family: Family, backend: bool) -> Tap | None:
     return Tap(module, "input", 0, SUB_BIT, inner="mlp_post")
 
 
+def attn_z_tap(family: Family, backend: bool) -> Tap | None:
+    """The tap reading attn_z at the input of attention's output projection."""
+    if family is TRANSFORMERS_STREAM:
+        return None
+    module = family.attn_z if backend else family.native_attn_z or family.attn_z
+    return Tap(module, "input", 0, SUB_BIT, inner="attn_z")
+
+
 def layer_taps(family: Family, materialized: bool, parallel: bool = False,
                backend: bool = False) -> tuple[Tap, ...]:
     """The taps of one decoder layer, in forward order. `materialized`: vLLM runs
@@ -413,13 +431,15 @@ def layer_taps(family: Family, materialized: bool, parallel: bool = False,
         return (Tap("", "input", 0, STREAM_BIT),)
     inner = tuple(t for t in (mlp_in_tap(family, backend), mlp_post_tap(family, backend))
                   if t is not None)
+    z = attn_z_tap(family, backend)
     if not materialized and family.deferred_mid_norm is not None:
         if parallel:
             raise ValueError(f"{family.name}: a parallel block has no fused mid norm to read")
-        return (Tap("input_layernorm", "pair", 0, BOTH),
+        return (Tap("input_layernorm", "pair", 0, BOTH), *filter(None, (z,)),
                 Tap(family.deferred_mid_norm, "pair", 1, BOTH), *inner)
     mid = () if parallel else (Tap(family.resid_mid, "input", 1, STREAM_BIT),)
     return (Tap("", "input", 0, STREAM_BIT),
+            *filter(None, (z,)),
             Tap(family.attn_out, "output", 1, SUB_BIT),
             *mid,
             *inner,

@@ -229,7 +229,10 @@ HOOKS_INFO = {
                                      "length"},
                            "selects": {"type": "string", "description": "the selection a "
                                        "steering item may give on this hook (mlp_post: "
-                                       "neurons)"},
+                                       "neurons, attn_z: heads)"},
+                           "shape": {"type": "array", "items": {"type": "integer"},
+                                     "description": "attn_z: [heads, d_head] (its rows are "
+                                     "stored flat)"},
                            "unavailable": {"type": "string", "description": "why this "
                                            "model has no such hook (layers is empty)"},
                            "readers": {"type": "array", "items": {"type": "string"},

@@ -27,7 +27,14 @@ from capsteer.capture.receipts import find_receipt, pending
 from capsteer.capture.spec import DTYPES, LAYOUTS, POSITION_KINDS, SpecError
 from capsteer.engine_ext import families
 from capsteer.engine_ext.vllm.topology import ServedModel
-from capsteer.hooks import ALIASES, HOOK_SEMANTICS_VERSION, HOOKS, SELECTIONS, tl_hook_name
+from capsteer.hooks import (
+    ALIASES,
+    HEADS_KEY,
+    HOOK_SEMANTICS_VERSION,
+    HOOKS,
+    SELECTIONS,
+    tl_hook_name,
+)
 from capsteer.server import openapi as docs
 from capsteer.server.errors import error_response, from_exception
 from capsteer.server.state import CapsteerState
@@ -58,6 +65,9 @@ HOOK_DOCS = {
     "mlp_post": ("the MLP's hidden activations after the nonlinearity, [d_mlp] (act(gate) * "
                  "up in a gated MLP): the input of its output projection; steering items may "
                  "select `neurons`", None),
+    "attn_z": ("every head's attention output before the heads are mixed, [heads, d_head] "
+               "per token (stored flat, heads * d_head): the input of attention's output "
+               "projection; steering items may select `heads`", None),
 }
 MAX_VECTOR_UPLOAD = 256 << 20
 
@@ -98,6 +108,9 @@ def hook_entries(model: ServedModel) -> list[dict[str, Any]]:
                  "width": model.hook_widths.get(h, model.hidden_size)}
         if h in SELECTIONS:
             entry["selects"] = SELECTIONS[h]
+        if h == "attn_z" and HEADS_KEY in model.hook_widths:
+            heads = model.hook_widths[HEADS_KEY]
+            entry["shape"] = [heads, entry["width"] // heads]
         if h in missing:
             entry["unavailable"] = missing[h]
         entries.append(entry)

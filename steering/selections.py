@@ -1,6 +1,7 @@
-"""Selections on a steering item: which neurons (mlp_post) an op acts on.
+"""Selections on a steering item: which neurons (mlp_post) or heads (attn_z) an op acts on.
 
-A selection is a 0/1 mask over the hook's width (1: selected), carried beside the op's
+A selection is a 0/1 mask over the hook's width (1: selected; a head is its d_head
+columns of attn_z's [heads * d_head]), carried beside the op's
 vector. `ablate` zeroes the selected slices, `clamp` sets them to `value`, `add` adds
 scale * vector there only; the engine applies it as data (engine_ext/selections.py).
 """
@@ -17,9 +18,11 @@ from capsteer.hooks import SELECTIONS
 SELECTION_FIELDS = frozenset(SELECTIONS.values())
 
 
-def parse_selection(item: Mapping, field: str, hook: str, width: int) -> np.ndarray | None:
-    """The mask an item's selection field gives (None: it has none); raises ValueError
-    as (field, reason) for a selection the hook does not take or a bad index."""
+def parse_selection(item: Mapping, field: str, hook: str, width: int,
+                    heads: int | None = None) -> np.ndarray | None:
+    """The mask an item's selection field gives (None: it has none); raises
+    SelectionError (field, reason) for a selection the hook does not take or a bad index.
+    `heads`: attn_z's head count (its width is heads * d_head)."""
     given = [name for name in sorted(SELECTION_FIELDS) if name in item]
     if not given:
         return None
@@ -32,16 +35,18 @@ def parse_selection(item: Mapping, field: str, hook: str, width: int) -> np.ndar
     if not isinstance(raw, list) or not raw or not all(
             isinstance(i, int) and not isinstance(i, bool) for i in raw):
         raise SelectionError(f"{field}.{name}", "must be a non-empty list of integers")
-    units = width
+    units = width if name == "neurons" else int(heads or 0)
+    if units <= 0 or width % units:
+        raise SelectionError(f"{field}.{name}", f"this model's {hook} has no {name} to select")
     bad = [i for i in raw if not 0 <= i < units]
     if bad:
         raise SelectionError(f"{field}.{name}", f"{bad[0]} is out of range: {hook} has "
                              f"{units} {name} (0..{units - 1})")
     if len(set(raw)) != len(raw):
         raise SelectionError(f"{field}.{name}", "lists an index twice")
-    mask = np.zeros(width, np.float32)
+    mask = np.zeros((units, width // units), np.float32)
     mask[np.asarray(raw, np.int64)] = 1.0
-    return mask
+    return mask.reshape(-1)
 
 
 class SelectionError(errors.InvalidInput, ValueError):

@@ -20,7 +20,13 @@ from functools import cached_property
 import numpy as np
 
 from capsteer.config import errors
-from capsteer.hooks import HookNameError, canonical_hook, parse_layers, resolve_layer
+from capsteer.hooks import (
+    HEADS_KEY,
+    HookNameError,
+    canonical_hook,
+    parse_layers,
+    resolve_layer,
+)
 from capsteer.steering.conditions import (
     ConditionError,
     ReaderGetter,
@@ -465,7 +471,7 @@ def parse_steering_spec(
             raise SteeringSpecError(field + ".value", "clamp needs a 'value'")
         width = int((widths or {}).get(hook, hidden_size))
         try:
-            select = parse_selection(item, field, hook, width)
+            select = parse_selection(item, field, hook, width, (widths or {}).get(HEADS_KEY))
         except SelectionError as exc:
             raise SteeringSpecError(exc.field, exc.reason) from None
         if select is not None and op != "add":  # the selected slices are zeroed or set

@@ -164,7 +164,7 @@ class ShardedWriter:
         self.hidden = int(hidden_size)
         # Each key's row width: hidden_size, or its hook's own (mlp_post: d_mlp).
         self.hook_widths = {h: int(w) for h, w in (hook_widths or {}).items()
-                            if any(h == k for k, _ in self.keys)}
+                            if any(h.split(".")[0] == k for k, _ in self.keys)}
         self.widths = {key: self.hook_widths.get(key[0], self.hidden) for key in self.keys}
         self.dtype = dtype
         self.shard_bytes = int(shard_bytes)

@@ -273,7 +273,7 @@ def test_an_export_holds_mlp_post_at_its_own_width(resumed_job, hf_models, tmp_p
 
 
 STOPPED_HOOKS = ["resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out", "mlp_in",
-                 "mlp_post"]
+                 "mlp_post", "attn_z"]
 
 
 @pytest.fixture(scope="module", params=["qwen3", "granite", "gpt2"])

@@ -1,4 +1,5 @@
-"""mlp_post: a hook wider than the stream (d_mlp), and neuron selections as data."""
+"""mlp_post and attn_z: hooks wider than the stream (d_mlp, heads * d_head), and neuron
+and head selections as data."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from capsteer.steering.spec import SteeringSpec, SteeringSpecError, parse_steeri
 from tests.unit.helpers import HIDDEN, LAYERS, hooks_for
 
 D_MLP = 3 * HIDDEN
-WIDTHS = {"mlp_post": D_MLP}
+HEADS, D_HEAD = 4, HIDDEN // 2  # attn_z: [4, 4] per token, 16 wide (the stream: 8)
+WIDTHS = {"mlp_post": D_MLP, "attn_z": HEADS * D_HEAD, "attn_z.heads": HEADS}
 
 
 def _parse(*items: dict) -> SteeringSpec:
@@ -133,14 +135,16 @@ class _Config:
     architectures = ("LlamaForCausalLM",)
     hidden_size = HIDDEN
     intermediate_size = D_MLP
+    num_attention_heads = 2
 
 
 def test_widths_and_refusals_come_from_the_config():
-    assert families.hook_widths(_Config()) == {"mlp_post": D_MLP}
+    assert families.hook_widths(_Config()) == {"mlp_post": D_MLP, "attn_z": HIDDEN,
+                                               "attn_z.heads": 2}
 
     class Gpt2:
-        n_embd, n_inner = 64, None
-    assert families.hook_widths(Gpt2()) == {"mlp_post": 256}
+        n_embd, n_inner, n_head = 64, None, 4
+    assert families.hook_widths(Gpt2()) == {"mlp_post": 256, "attn_z": 64, "attn_z.heads": 4}
     mixtral = families.family_for("MixtralForCausalLM")
     assert "mixture of experts" in families.unavailable_hooks(mixtral, _Config())["mlp_post"]
     assert families.tensor_parallel_reasons(1) == {}
@@ -165,3 +169,35 @@ def test_the_hooks_listing_gives_each_hooks_width_and_selection():
     assert entries["mlp_post"]["transformer_lens"] == "blocks.L.mlp.hook_post"
     assert entries["mlp_post"]["hf_module"] == "model.layers[L].mlp.down_proj input"
     assert entries["resid_post"]["width"] == HIDDEN and "selects" not in entries["resid_post"]
+    z = entries["attn_z"]
+    assert (z["width"], z["shape"], z["selects"]) == (HEADS * D_HEAD, [HEADS, D_HEAD], "heads")
+    assert z["transformer_lens"] == "blocks.L.attn.hook_z"
+    assert z["hf_module"] == "model.layers[L].self_attn.o_proj input"
+
+
+def test_a_head_selection_covers_each_heads_d_head_columns():
+    """`heads` on attn_z: ablate zeroes the selected heads' slices, add adds only there;
+    `heads` elsewhere and out-of-range heads are 400s naming the field."""
+    assert canonical_hook("attn.hook_z") == "attn_z"
+    assert tl_hook_name("attn_z", 2) == "blocks.2.attn.hook_z"
+    spec = _parse({"hook": "attn_z", "layer": 1, "op": "ablate", "heads": [1, 3]},
+                  {"hook": "attn_z", "layer": 1, "vector": [1.0] * (HEADS * D_HEAD),
+                   "heads": [0]})
+    (_, (_, _, w, _, keep)), *_ = compose_entries(spec, HIDDEN, LAYERS).items()
+    want_keep = torch.ones(HEADS, D_HEAD)
+    want_keep[[1, 3]] = 0.0
+    torch.testing.assert_close(keep, want_keep.reshape(-1))
+    want_w = torch.zeros(HEADS, D_HEAD)
+    want_w[0] = 1.0
+    torch.testing.assert_close(w, want_w.reshape(-1))
+    for item, field, match in [
+        ({"hook": "attn_z", "layer": 0, "op": "ablate", "heads": [HEADS]}, "heads",
+         f"has {HEADS} heads"),
+        ({"hook": "attn_z", "layer": 0, "op": "ablate", "neurons": [0]}, "neurons",
+         "attn_z takes no `neurons`"),
+        ({"hook": "mlp_post", "layer": 0, "op": "ablate", "heads": [0]}, "heads",
+         "mlp_post takes no `heads`"),
+    ]:
+        with pytest.raises(SteeringSpecError, match=match) as info:
+            _parse(item)
+        assert info.value.field == f"steering.vectors[0].{field}"
