@@ -13,7 +13,7 @@ import numpy as np
 from capsteer.config import errors
 
 HOOKS: tuple[str, ...] = ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out",
-                          "mlp_in", "mlp_post", "attn_z")
+                          "mlp_in", "mlp_post", "attn_z", "router_logits")
 ALIASES: dict[str, str] = {
     "pre_attn": "resid_pre",
     "post_attn": "resid_mid",
@@ -30,6 +30,8 @@ WIDE_HOOKS: tuple[str, ...] = ("mlp_post", "attn_z")
 # The part of a hook a steering item may select, by hook: "neurons" on mlp_post, "heads"
 # (slices of d_head) on attn_z.
 SELECTIONS: dict[str, str] = {"mlp_post": "neurons", "attn_z": "heads"}
+# Hooks that are read, never steered: a steering item naming one is a 400.
+CAPTURE_ONLY: tuple[str, ...] = ("router_logits",)
 # The key under which hook widths give attn_z's head count ([heads, d_head] per token).
 HEADS_KEY = "attn_z.heads"
 _TL_RE = re.compile(r"blocks\.(\d+)\.(.+)")

@@ -213,6 +213,11 @@ def hf_activations(
         if "mlp_in" not in missing:
             handles.append(_sub(layer, family.mlp_in).register_forward_pre_hook(
                 lambda m, a, k, i=i: keep(("mlp_in", i), _layer_input(a, k)), with_kwargs=True))
+        if "router_logits" not in missing:  # an MoE router's output: [tokens, n_experts]
+            handles.append(_sub(layer, family.router).register_forward_hook(
+                lambda m, a, o, i=i: out.__setitem__(
+                    ("router_logits", i), _first(o).reshape(-1, _first(o).shape[-1])
+                    .detach().clone())))
         for hook in ("mlp_post", "attn_z"):  # an output projection's input
             if hook not in missing:
                 handles.append(_sub(layer, getattr(family, hook)).register_forward_pre_hook(

@@ -53,7 +53,7 @@ SUB_BIT, STREAM_BIT = 1 << SUB, 1 << STREAM
 BOTH = SUB_BIT | STREAM_BIT
 # Hooks read inside a sublayer, each at one site per layer after the stream's (their
 # value is a plain tensor: kind SUB, no residual).
-INNER_HOOKS: tuple[str, ...] = ("mlp_in", "mlp_post", "attn_z")
+INNER_HOOKS: tuple[str, ...] = ("mlp_in", "mlp_post", "attn_z", "router_logits")
 
 
 def site_count(num_layers: int) -> int:
@@ -130,6 +130,10 @@ class Family:
     # [tokens, heads * d_head], before the heads are mixed); vLLM's name where it differs.
     attn_z: str = "self_attn.o_proj"
     native_attn_z: str | None = None
+    # An MoE family's router (gate), whose output's first tensor is router_logits
+    # [tokens, n_experts]; None: a dense MLP. vLLM's name where it differs.
+    router: str | None = None
+    native_router: str | None = None
     # vLLM's fused add+norm whose input is resid_mid, for vLLM's native deferred layers;
     # None: vLLM's layers add the residual themselves (materialized, read at the modules).
     deferred_mid_norm: str | None = "post_attention_layernorm"
@@ -184,13 +188,15 @@ FAMILIES: tuple[Family, ...] = (
            notes="attn_out / mlp_out are the sublayer module outputs (HF's); the stream adds "
                  "them times residual_multiplier; the embedding is scaled by "
                  "embedding_multiplier"),
-    Family("qwen2_moe", ("Qwen2MoeForCausalLM",), mlp_post=None, moe=True,
+    Family("qwen2_moe", ("Qwen2MoeForCausalLM",), mlp_post=None, moe=True, router="mlp.gate",
            notes="mlp_out is the whole MoE block output, shared expert included"),
-    Family("qwen3_moe", ("Qwen3MoeForCausalLM",), mlp_post=None, moe=True,
+    Family("qwen3_moe", ("Qwen3MoeForCausalLM",), mlp_post=None, moe=True, router="mlp.gate",
            notes="mlp_out is the whole MoE block output"),
-    Family("mixtral", ("MixtralForCausalLM",), mlp_post=None, moe=True, native_mlp_in="block_sparse_moe",
+    Family("mixtral", ("MixtralForCausalLM",), mlp_post=None, moe=True,
+           native_mlp_in="block_sparse_moe", router="mlp.gate",
+           native_router="block_sparse_moe.gate",
            notes="mlp_out is the whole MoE block output (vLLM's block_sparse_moe)"),
-    Family("olmoe", ("OlmoeForCausalLM",), mlp_post=None, moe=True,
+    Family("olmoe", ("OlmoeForCausalLM",), mlp_post=None, moe=True, router="mlp.gate",
            notes="mlp_out is the whole MoE block output"),
     Family("gpt2", ("GPT2LMHeadModel",), attn_out="attn", resid_mid="ln_2", mlp_out="mlp",
            deferred_mid_norm=None, inner="transformer", layers="h", final_norm="ln_f",
@@ -216,7 +222,7 @@ FAMILIES: tuple[Family, ...] = (
                  "and is refused; mlp_in is that norm's output as the MLP reads it: "
                  "steering it changes the MLP's input only (attention has read it already)"),
     Family("gpt_oss", ("GptOssForCausalLM",), mlp_post=None, moe=True,
-           native_attn_z="attn.o_proj",
+           native_attn_z="attn.o_proj", router="mlp.router",
            notes="mlp_out is the whole MoE block output (router and experts); attention "
                  "has sinks and alternates sliding-window and full layers"),
 )
@@ -299,6 +305,10 @@ def unavailable_hooks(family: Family, config: object) -> dict[str, str]:
                                "MLP is a mixture of experts, whose experts each have their "
                                "own hidden layer (no single d_mlp activation per token); "
                                "use mlp_in or mlp_out")
+    if family.router is None:
+        missing["router_logits"] = (f"router_logits exists in mixture-of-experts families "
+                                    f"only: the {family.name} family's MLP is dense (no "
+                                    "router)")
     return missing
 
 
@@ -322,7 +332,11 @@ def hook_widths(config: object) -> dict[str, int]:
         or 4 * hidden
     heads = int(getattr(config, "num_attention_heads", 0) or getattr(config, "n_head", 0) or 1)
     d_head = int(getattr(config, "head_dim", 0) or hidden // heads)
-    return {"mlp_post": int(d_mlp), "attn_z": heads * d_head, HEADS_KEY: heads}
+    widths = {"mlp_post": int(d_mlp), "attn_z": heads * d_head, HEADS_KEY: heads}
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    if experts:
+        widths["router_logits"] = int(experts)
+    return widths
 
 
 def unavailable_hooks_of(config: object, transformers_backend: bool = False) -> dict[str, str]:
@@ -345,7 +359,7 @@ def hf_modules(family: Family, parallel: bool = False) -> dict[str, str | None]:
         return {"resid_pre": f"{layer} input (hidden_states[L])", "resid_mid": None,
                 "resid_post": f"{layer} output (hidden_states[L+1] for L < last)",
                 "attn_out": None, "mlp_out": None, "mlp_in": None, "mlp_post": None,
-                "attn_z": None}
+                "attn_z": None, "router_logits": None}
     first = (" (hidden_states[0] = token + position embedding)"
              if family.position_embedding else "")
     return {"resid_pre": f"{layer} input (hidden_states[L]){first}",
@@ -355,7 +369,9 @@ def hf_modules(family: Family, parallel: bool = False) -> dict[str, str | None]:
             "mlp_out": f"{layer}.{family.mlp_out} output",
             "mlp_in": None if family.mlp_in is None else f"{layer}.{family.mlp_in} input",
             "mlp_post": None if family.mlp_post is None else f"{layer}.{family.mlp_post} input",
-            "attn_z": f"{layer}.{family.attn_z} input"}
+            "attn_z": f"{layer}.{family.attn_z} input",
+            "router_logits": None if family.router is None
+            else f"{layer}.{family.router} output[0]"}
 
 
 def supported_names() -> str:
@@ -421,6 +437,14 @@ def attn_z_tap(family: Family, backend: bool) -> Tap | None:
     return Tap(module, "input", 0, SUB_BIT, inner="attn_z")
 
 
+def router_tap(family: Family, backend: bool) -> Tap | None:
+    """The tap reading router_logits at an MoE router's output (capture only)."""
+    if family.router is None or family is TRANSFORMERS_STREAM:
+        return None
+    module = family.router if backend else family.native_router or family.router
+    return Tap(module, "output", 0, SUB_BIT, inner="router_logits")
+
+
 def layer_taps(family: Family, materialized: bool, parallel: bool = False,
                backend: bool = False) -> tuple[Tap, ...]:
     """The taps of one decoder layer, in forward order. `materialized`: vLLM runs
@@ -429,8 +453,8 @@ def layer_taps(family: Family, materialized: bool, parallel: bool = False,
     `backend`: vLLM's Transformers backend runs the layer (HF's module names)."""
     if family is TRANSFORMERS_STREAM:  # the stream between layers only
         return (Tap("", "input", 0, STREAM_BIT),)
-    inner = tuple(t for t in (mlp_in_tap(family, backend), mlp_post_tap(family, backend))
-                  if t is not None)
+    inner = tuple(t for t in (mlp_in_tap(family, backend), router_tap(family, backend),
+                              mlp_post_tap(family, backend)) if t is not None)
     z = attn_z_tap(family, backend)
     if not materialized and family.deferred_mid_norm is not None:
         if parallel:

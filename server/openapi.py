@@ -230,6 +230,8 @@ HOOKS_INFO = {
                            "selects": {"type": "string", "description": "the selection a "
                                        "steering item may give on this hook (mlp_post: "
                                        "neurons, attn_z: heads)"},
+                           "capture_only": {"type": "boolean", "description": "read "
+                                            "only: steering it is a 400 (router_logits)"},
                            "shape": {"type": "array", "items": {"type": "integer"},
                                      "description": "attn_z: [heads, d_head] (its rows are "
                                      "stored flat)"},

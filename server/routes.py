@@ -29,6 +29,7 @@ from capsteer.engine_ext import families
 from capsteer.engine_ext.vllm.topology import ServedModel
 from capsteer.hooks import (
     ALIASES,
+    CAPTURE_ONLY,
     HEADS_KEY,
     HOOK_SEMANTICS_VERSION,
     HOOKS,
@@ -68,6 +69,8 @@ HOOK_DOCS = {
     "attn_z": ("every head's attention output before the heads are mixed, [heads, d_head] "
                "per token (stored flat, heads * d_head): the input of attention's output "
                "projection; steering items may select `heads`", None),
+    "router_logits": ("an MoE router's logits, [n_experts] per token (capture and readout "
+                      "only)", None),
 }
 MAX_VECTOR_UPLOAD = 256 << 20
 
@@ -108,6 +111,8 @@ def hook_entries(model: ServedModel) -> list[dict[str, Any]]:
                  "width": model.hook_widths.get(h, model.hidden_size)}
         if h in SELECTIONS:
             entry["selects"] = SELECTIONS[h]
+        if h in CAPTURE_ONLY:
+            entry["capture_only"] = True
         if h == "attn_z" and HEADS_KEY in model.hook_widths:
             heads = model.hook_widths[HEADS_KEY]
             entry["shape"] = [heads, entry["width"] // heads]

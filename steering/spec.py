@@ -21,6 +21,7 @@ import numpy as np
 
 from capsteer.config import errors
 from capsteer.hooks import (
+    CAPTURE_ONLY,
     HEADS_KEY,
     HookNameError,
     canonical_hook,
@@ -459,6 +460,9 @@ def parse_steering_spec(
             raise SteeringSpecError(field + ".hook", str(exc)) from None
         if unavailable and hook in unavailable:
             raise SteeringSpecError(field + ".hook", unavailable[hook])
+        if hook in CAPTURE_ONLY:
+            raise SteeringSpecError(field + ".hook", f"{hook} is read only (capture and "
+                                    "readout): steering it is not offered")
         op = item.get("op", "add")
         if op not in OPS:
             raise SteeringSpecError(field + ".op", f"must be one of {', '.join(OPS)}")

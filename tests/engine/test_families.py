@@ -68,8 +68,15 @@ def test_every_hook_layer_position_equals_hf(engine_pool, model_dirs, hf_models,
     assert ("attn_out" in engine.unavailable) == (engine_name in STREAM_ONLY)
     assert ("mlp_in" in engine.unavailable) == (engine_name in ("olmo2", *STREAM_ONLY))
     assert ("mlp_post" in engine.unavailable) == (engine_name in (*MOE, *STREAM_ONLY))
+    assert ("router_logits" in engine.unavailable) == (engine_name not in MOE)
     if engine_name in MOE:
         assert "mixture of experts" in engine.unavailable["mlp_post"]
+        assert engine.hook_widths["router_logits"] == 4  # the demo MoE's experts
+        with pytest.raises(SteeringSpecError, match="read only") as info:  # capture only
+            engine.generate([Request(prompt_token_ids=token_prompt(5, 6), sampling=greedy(1),
+                                     steering={"vectors": [{"hook": "router_logits",
+                                                            "layer": 0, "vector": [1.0] * 4}]})])
+        assert info.value.field == "steering.vectors[0].hook"
     else:
         assert engine.hook_widths["mlp_post"] == D_MLP
     assert ("attn_z" in engine.unavailable) == (engine_name in STREAM_ONLY)
@@ -140,7 +147,7 @@ def test_a_model_without_a_family_row_offers_the_stream_only(engine_pool, model_
     resid_mid is refused with the reason."""
     engine = capsteer_engine(engine_pool, model_dirs, engine_name)
     assert sorted(engine.unavailable) == ["attn_out", "attn_z", "mlp_in", "mlp_out", "mlp_post",
-                                          "resid_mid"]
+                                          "resid_mid", "router_logits"]
     prompt = token_prompt(4, 10)
     for hook in ("attn_out", "mlp_out", "resid_mid", "mlp_in", "mlp_post", "attn_z"):
         with pytest.raises(SpecError, match="Transformers backend") as info:

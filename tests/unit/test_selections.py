@@ -175,6 +175,24 @@ def test_the_hooks_listing_gives_each_hooks_width_and_selection():
     assert z["hf_module"] == "model.layers[L].self_attn.o_proj input"
 
 
+def test_router_logits_is_capture_only_and_moe_only():
+    with pytest.raises(SteeringSpecError, match="router_logits is read only") as info:
+        parse_steering_spec({"vectors": [{"hook": "router_logits", "layer": 0,
+                                          "vector": [1.0] * 4}]}, num_layers=LAYERS,
+                            hidden_size=HIDDEN, widths={"router_logits": 4})
+    assert info.value.field == "steering.vectors[0].hook"
+    llama = families.family_for("LlamaForCausalLM")
+    assert "dense" in families.unavailable_hooks(llama, _Config())["router_logits"]
+    olmoe = families.family_for("OlmoeForCausalLM")
+    assert "router_logits" not in families.unavailable_hooks(olmoe, _Config())
+
+    class Moe(_Config):
+        num_experts = 8
+    assert families.hook_widths(Moe())["router_logits"] == 8
+    assert parse_capture_spec({"hooks": ["router_logits"], "layers": [0]},
+                              num_layers=LAYERS).keys() == [("router_logits", 0)]
+
+
 def test_a_head_selection_covers_each_heads_d_head_columns():
     """`heads` on attn_z: ablate zeroes the selected heads' slices, add adds only there;
     `heads` elsewhere and out-of-range heads are 400s naming the field."""
