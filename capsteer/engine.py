@@ -19,6 +19,7 @@ from capsteer.capture.paths import relative_dir
 from capsteer.capture.receipts import Receipt, receipt_at
 from capsteer.capture.sink import CapturedActivations
 from capsteer.capture.spec import CaptureSpec, SpecError, parse_capture_spec
+from capsteer.engine_ext import families
 from capsteer.engine_ext.lifeline import mark_launcher
 from capsteer.engine_ext.payload import (
     EXTRA_ARGS_KEY,
@@ -174,7 +175,11 @@ class Engine:
         self.num_layers = int(hf.num_hidden_layers)
         self.hidden_size = int(hf.hidden_size)
         # Hooks this model does not have (a parallel block's resid_mid): refused by name.
-        self.unavailable = hooks_unavailable(self.llm.llm_engine.model_config)
+        self.unavailable = hooks_unavailable(
+            self.llm.llm_engine.model_config,
+            int(self.llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size))
+        # Widths of the hooks not hidden_size wide (mlp_post: d_mlp).
+        self.hook_widths = families.hook_widths(self.llm.llm_engine.model_config.hf_text_config)
         self.dtype = self.llm.llm_engine.model_config.dtype  # what the model runs in
         self.num_stages = int(self.llm.llm_engine.vllm_config.parallel_config
                               .pipeline_parallel_size)
@@ -209,7 +214,8 @@ class Engine:
                 raise SpecError("capture", "one capture per request: use n=1 (send n requests)")
         steering = parse_steering_spec(
             req.steering, num_layers=self.num_layers, hidden_size=self.hidden_size,
-            lookup=self.vector_lookup, unavailable=self.unavailable, readers=self.reader_lookup)
+            lookup=self.vector_lookup, unavailable=self.unavailable, readers=self.reader_lookup,
+            widths=self.hook_widths)
         return capture, steering
 
     def generate(self, requests: Sequence[Request], *, timeout: float = 120.0) -> list[Result]:

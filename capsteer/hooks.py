@@ -13,15 +13,27 @@ import numpy as np
 from capsteer.config import errors
 
 HOOKS: tuple[str, ...] = ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out",
-                          "mlp_in")
+                          "mlp_in", "mlp_post", "attn_z", "router_logits")
 ALIASES: dict[str, str] = {
     "pre_attn": "resid_pre",
     "post_attn": "resid_mid",
     "post_block": "resid_post",
-    "ln2.hook_normalized": "mlp_in",  # TransformerLens's name under blocks.L
+    "ln2.hook_normalized": "mlp_in",  # TransformerLens's names under blocks.L
+    "mlp.hook_post": "mlp_post",
+    "attn.hook_z": "attn_z",
 }
 # TransformerLens's name under `blocks.L.` where it is not `hook_{hook}`.
-_TL_NAMES: dict[str, str] = {"mlp_in": "ln2.hook_normalized"}
+_TL_NAMES: dict[str, str] = {"mlp_in": "ln2.hook_normalized", "mlp_post": "mlp.hook_post",
+                             "attn_z": "attn.hook_z"}
+# Hooks whose width is not the hidden size (the model's d_mlp, heads * d_head, experts).
+WIDE_HOOKS: tuple[str, ...] = ("mlp_post", "attn_z")
+# The part of a hook a steering item may select, by hook: "neurons" on mlp_post, "heads"
+# (slices of d_head) on attn_z.
+SELECTIONS: dict[str, str] = {"mlp_post": "neurons", "attn_z": "heads"}
+# Hooks that are read, never steered: a steering item naming one is a 400.
+CAPTURE_ONLY: tuple[str, ...] = ("router_logits",)
+# The key under which hook widths give attn_z's head count ([heads, d_head] per token).
+HEADS_KEY = "attn_z.heads"
 _TL_RE = re.compile(r"blocks\.(\d+)\.(.+)")
 # Version of what each hook name means; written into every manifest.
 HOOK_SEMANTICS_VERSION = "1"

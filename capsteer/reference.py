@@ -7,8 +7,10 @@ the final norm for the last layer); resid_mid[L], attn_out[L], mlp_out[L] = the
 input / outputs of the family's modules (engine_ext/families.py); mlp_in[L] = the
 input of the family's MLP module (the pre-MLP norm's output), steered by a pre-hook that
 hands the MLP a new tensor (the stream, and in Cohere's shared-norm parallel block
-attention's input, stay as they were). A parallel block (GPT-NeoX, Cohere) has no
-resid_mid: it is neither read nor steerable here.
+attention's input, stay as they were); mlp_post[L] = the input of the MLP's output
+projection (down_proj, GPT-2's c_proj, GPT-NeoX's dense_4h_to_h), steered the same way
+(a neuron selection zeroes, sets or adds at the selected neurons only). A parallel
+block (GPT-NeoX, Cohere) has no resid_mid: it is neither read nor steerable here.
 """
 
 from __future__ import annotations
@@ -48,8 +50,13 @@ def _apply(op, target: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     if getattr(op, "gate", None) is not None:
         gate = torch.as_tensor(op.gate, dtype=torch.float32, device=target.device)
         mask = mask & ((tf * gate).sum(-1) + op.gate_bias > 0)
-    if op.op == "add":
-        delta = op.scale * vec
+    select = getattr(op, "select", None)  # a selection's mask (steering/selections.py)
+    sel = None if select is None else torch.as_tensor(select, dtype=torch.float32,
+                                                      device=target.device)
+    if sel is not None and op.op != "add":  # zero the selected slices (clamp: set them)
+        delta = -tf * sel + (op.value * sel if op.op == "clamp" else 0.0)
+    elif op.op == "add":
+        delta = op.scale * (vec if sel is None else vec * sel)
     else:
         proj = (tf * vec).sum(-1, keepdim=True)
         delta = -proj * vec + (op.value * vec if op.op == "clamp" else 0.0)
@@ -57,7 +64,8 @@ def _apply(op, target: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return out.to(target.dtype)
 
 
-SUB_HOOKS = ("attn_out", "mlp_out", "mlp_in")
+SUB_HOOKS = ("attn_out", "mlp_out", "mlp_in", "mlp_post", "attn_z")
+_INPUT_OF = {"mlp_in": "mlp_in", "mlp_post": "mlp_post", "attn_z": "attn_z"}  # Family fields
 
 
 def hf_family(model) -> Family:
@@ -131,13 +139,15 @@ def _steering_handles(model, spec: SteeringSpec | None, prompt_len: int, sublaye
         if hook == "resid_post" and index < last:
             hook, index = "resid_pre", index + 1
         layer = layers[index]
-        if hook in ("resid_pre", "mlp_in"):  # the module gets a new input tensor (mlp_in's
-            # is attention's input too in Cohere's parallel block: attention keeps it)
+        if hook == "resid_pre" or hook in _INPUT_OF:  # the module gets a new input
+            # tensor (mlp_in's is attention's input too in Cohere's parallel block:
+            # attention keeps it; mlp_post's and attn_z's are an output projection's)
             def pre(mod, args, kwargs, op=op):
                 h = _layer_input(args, kwargs)
                 h = _apply(op, h, _position_mask(h, op.positions, prompt_len))
                 return ((h, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": h})
-            module = layer if hook == "resid_pre" else _sub(layer, family.mlp_in)
+            module = layer if hook == "resid_pre" else _sub(
+                layer, getattr(family, _INPUT_OF[hook]))
             handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
         elif hook == "resid_post":  # last layer: the stream entering the final norm
             def post(mod, args, kwargs, output, op=op):
@@ -203,6 +213,16 @@ def hf_activations(
         if "mlp_in" not in missing:
             handles.append(_sub(layer, family.mlp_in).register_forward_pre_hook(
                 lambda m, a, k, i=i: keep(("mlp_in", i), _layer_input(a, k)), with_kwargs=True))
+        if "router_logits" not in missing:  # an MoE router's output: [tokens, n_experts]
+            handles.append(_sub(layer, family.router).register_forward_hook(
+                lambda m, a, o, i=i: out.__setitem__(
+                    ("router_logits", i), _first(o).reshape(-1, _first(o).shape[-1])
+                    .detach().clone())))
+        for hook in ("mlp_post", "attn_z"):  # an output projection's input
+            if hook not in missing:
+                handles.append(_sub(layer, getattr(family, hook)).register_forward_pre_hook(
+                    lambda m, a, k, i=i, hook=hook: keep((hook, i), _layer_input(a, k)),
+                    with_kwargs=True))
     handles += _steering_handles(model, steering, prompt_len, sublayer=False)
     for i, layer in enumerate(layers):
         handles.append(layer.register_forward_pre_hook(

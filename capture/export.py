@@ -46,15 +46,18 @@ class SaeLensExport:
     path: Path
     columns: dict[str, tuple[str, int]]   # column (SAELens hook_name) -> (hook, layer)
     context_size: int
-    d_in: int
+    d_in: int  # the first column's width
     sequences: int
     dropped_rows: int
     files: int
+    # column -> its width where columns differ (mlp_post's d_mlp beside mlp_in's hidden)
+    d_ins: dict[str, int] | None = None
 
     def sae_lens_config(self, column: str | None = None) -> dict[str, Any]:
         """The LanguageModelSAERunnerConfig fields that point SAELens at this export."""
         column = column or next(iter(self.columns))
-        return {"hook_name": column, "d_in": self.d_in, "context_size": self.context_size,
+        d_in = (self.d_ins or {}).get(column, self.d_in)
+        return {"hook_name": column, "d_in": d_in, "context_size": self.context_size,
                 "use_cached_activations": True, "cached_activations_path": str(self.path)}
 
 
@@ -129,7 +132,9 @@ def export_sae_lens(job_dir: str | Path, out_dir: str | Path, *,
     names = {k: (hook_names or {}).get(k) or tl_hook_name(*k) for k in chosen}
     if len(set(names.values())) != len(names):
         raise ValueError(f"column names collide: {names}")
-    d_in = int(job.manifest["hidden_size"])
+    hook_widths = job.manifest.get("hook_widths") or {}
+    widths = {k: int(hook_widths.get(k[0], job.manifest["hidden_size"])) for k in chosen}
+    d_in = widths[chosen[0]]
     total_rows = sum(int(e["row_count"]) for e in job.index)
     sequences = total_rows // context_size
     if sequences == 0:
@@ -137,7 +142,7 @@ def export_sae_lens(job_dir: str | Path, out_dir: str | Path, *,
                          f"context_size={context_size}")
     n_files = -(-sequences // rows_per_file)
     features = datasets.Features({
-        **{names[k]: datasets.Array2D(shape=(context_size, d_in), dtype=dtype)
+        **{names[k]: datasets.Array2D(shape=(context_size, widths[k]), dtype=dtype)
            for k in chosen},
         "token_ids": datasets.Sequence(datasets.Value("int32"), length=context_size)})
     np_dtype = DTYPES[dtype]
@@ -149,7 +154,7 @@ def export_sae_lens(job_dir: str | Path, out_dir: str | Path, *,
     bar = _progress(sequences, progress)
     try:
         window = context_size * rows_per_file
-        acts = [np.empty((window, d_in), np_dtype) for _ in chosen]
+        acts = [np.empty((window, widths[k]), np_dtype) for k in chosen]
         tokens = np.empty(window, np.int32)
         filled = 0
         written = 0
@@ -160,7 +165,8 @@ def export_sae_lens(job_dir: str | Path, out_dir: str | Path, *,
             name = f"data-{len(files):05d}-of-{n_files:05d}.arrow"
             with ArrowWriter(features=features, path=str(tmp / name)) as writer:
                 batch: dict[str, Any] = {
-                    names[k]: list(a[: n_seq * context_size].reshape(n_seq, context_size, d_in))
+                    names[k]: list(a[: n_seq * context_size].reshape(n_seq, context_size,
+                                                                      widths[k]))
                     for k, a in zip(chosen, acts, strict=True)}
                 batch["token_ids"] = list(tokens[: n_seq * context_size]
                                           .reshape(n_seq, context_size))
@@ -193,6 +199,7 @@ def export_sae_lens(job_dir: str | Path, out_dir: str | Path, *,
         info = {"format": "sae-lens-cached-activations", "job": str(job.path),
                 "job_manifest_sha256": _manifest_digest(job),
                 "columns": {v: list(k) for k, v in names.items()}, "d_in": d_in,
+                "d_ins": {names[k]: w for k, w in widths.items()},
                 "context_size": context_size, "dtype": dtype, "sequences": sequences,
                 "dropped_rows": total_rows - sequences * context_size,
                 "requests": len(job.index)}
@@ -207,6 +214,7 @@ def export_sae_lens(job_dir: str | Path, out_dir: str | Path, *,
         bar.close()
     return SaeLensExport(path=out, columns={v: k for k, v in names.items()},
                          context_size=context_size, d_in=d_in, sequences=sequences,
+                         d_ins={names[k]: w for k, w in widths.items()},
                          dropped_rows=total_rows - sequences * context_size, files=len(files))
 
 

@@ -69,6 +69,12 @@ class CaptureRequest:
     num_stages: int = 1
     keys: tuple[tuple[str, int], ...] | None = None
     dir_time: float | None = None
+    # Widths of the hooks not hidden_size wide (mlp_post: d_mlp), as (hook, width) pairs.
+    hook_widths: tuple[tuple[str, int], ...] = ()
+
+    def width(self, hook: str) -> int:
+        """The width of a hook's rows: hidden_size unless hook_widths says otherwise."""
+        return dict(self.hook_widths).get(hook, self.hidden_size)
 
 
 @dataclass(frozen=True)
@@ -236,7 +242,7 @@ class RowsByPosition:
             by_pos[pos] = rows[i]
 
     def assemble(
-        self, keys, select, hidden: int, dtype: torch.dtype
+        self, keys, select, width, dtype: torch.dtype
     ) -> tuple[np.ndarray, dict[Key, torch.Tensor]]:
         """Stack the rows `select(seen_positions)` keeps, in position order, for each key.
         Every key must keep the same positions (they were captured from the same rows)."""
@@ -249,7 +255,7 @@ class RowsByPosition:
                 raise ValueError(f"keys captured different positions ({key})")
             kept = k
             tensors[key] = (torch.stack([by_pos[p] for p in k.tolist()]) if len(k)
-                            else torch.zeros(0, hidden, dtype=dtype))
+                            else torch.zeros(0, width(key[0]), dtype=dtype))
         return (kept if kept is not None else np.zeros(0, np.int64)), tensors
 
 
@@ -295,7 +301,7 @@ class MemorySink(CaptureSink):
                 else seen
 
         positions, tensors = pending.rows.assemble(
-            sorted(pending.rows.by_key), select, req.hidden_size, req.model_dtype)
+            sorted(pending.rows.by_key), select, req.width, req.model_dtype)
         token_ids = np.asarray([end.token_ids[p] if p < fed else -1 for p in positions], np.int64)
         result = CapturedActivations(end.capture_id, positions, token_ids, tensors)
         with self._lock:

@@ -233,9 +233,12 @@ class CaptureSpec:
         """Sorted (hook, layer) pairs to capture."""
         return sorted((h, layer) for h, layers in self.hooks.items() for layer in layers)
 
-    def row_bytes(self, hidden_size: int, itemsize: int) -> int:
-        """Bytes captured per position (all keys), for budget estimates."""
-        return len(self.keys()) * hidden_size * itemsize
+    def row_bytes(self, hidden_size: int, itemsize: int,
+                  hook_widths: Mapping[str, int] | None = None) -> int:
+        """Bytes captured per position (all keys), for budget estimates; `hook_widths`:
+        the hooks not hidden_size wide (mlp_post: d_mlp)."""
+        widths = hook_widths or {}
+        return sum(widths.get(h, hidden_size) for h, _ in self.keys()) * itemsize
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe normalized form (hooks as a dict of explicit layer lists)."""

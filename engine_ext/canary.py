@@ -91,7 +91,8 @@ def _forward(hooks, steer: torch.Tensor | None = None,
         fired = list(runtime.fired)
         if runtime.device_driven:
             host = runtime.staging[: plan.staging_rows].float().cpu()
-            captured = {p: host[off: off + n] for p, off in plan.staging_offset.items()}
+            captured = {p: host[off: off + n, :runtime.site_widths[p[1]]]
+                        for p, off in plan.staging_offset.items()}
             runtime.reset_dense()
         else:
             captured = {p: v.float().cpu() for p, v in runtime.take_captured().items()}

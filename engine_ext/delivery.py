@@ -61,10 +61,14 @@ class Delivery:
                 for i, (hook, layer) in enumerate(route.keys):
                     sink.write_reserved(reserved, route.capture_id, hook, layer, route.positions,
                                         frees=i == last)
-            self._deliver(staged, sinks, lambda r: rows[packed[id(r)]])
+            widths = self.runtime.site_widths
+            self._deliver(staged, sinks, lambda r: rows[packed[id(r)], :widths[r.point[1]]])
 
-        self.harvester.submit_copy(self.runtime.staging, spans, self.runtime.token_stage,
-                                   self.num_tokens_gathered, deliver)
+        # Only the columns the routes use cross the bus (the hidden size unless a wider
+        # hook, mlp_post, is captured this step).
+        cols = max((self.runtime.site_widths[r.point[1]] for r in staged.routes), default=1)
+        self.harvester.submit_copy(self.runtime.staging[:, :cols], spans,
+                                   self.runtime.token_stage, self.num_tokens_gathered, deliver)
         self._close_complete_captures()
 
     def _launch_readouts(self, plan: StepPlan, sinks: dict[str, CaptureSink]) -> StepPlan:
@@ -74,7 +78,8 @@ class Delivery:
         if not mine:
             return plan
         self.harvester.submit_call(self.readouts.launch(
-            [(r, _staging_span(plan, r)) for r in mine], self.runtime.staging))
+            [(r, _staging_span(plan, r)) for r in mine], self.runtime.staging,
+            self.runtime.site_widths))
         return replace(plan, routes=[r for r in plan.routes
                                      if sinks[r.capture_id] is not self.readouts])
 
@@ -85,7 +90,7 @@ class Delivery:
         go through the harvester's pinned ring."""
         direct, rest, copies = [], [], []
         staging = self.runtime.staging
-        hidden = tuple(staging.shape[1:])
+        widths = self.runtime.site_widths  # staging is as wide as the widest hook
         # Point by point (stable: writer groups, then batch order, within a point): a
         # writer's rows of one point are one span of staging, and reserving them together
         # makes them one span of its ring. Routes come request by request (a request's
@@ -106,17 +111,19 @@ class Delivery:
         for key, _, run in runs:
             sink = sinks[run[0].capture_id]
             got = None if key is None else sink.reserve_span(
-                [r.capture_id for r in run], [(len(r.positions), *hidden) for r in run],
+                [r.capture_id for r in run], [(len(r.positions), widths[r.point[1]])
+                                              for r in run],
                 staging.dtype)
             if got is not None:  # one GPU copy for the whole run
                 dst, parts = got
                 first = _staging_span(plan, run[0]).start
-                copies.append((parts[0].writer, dst, staging[first:first + dst.shape[0]]))
+                copies.append((parts[0].writer, dst, staging[first:first + dst.shape[0],
+                                                             :widths[run[0].point[1]]]))
                 direct.extend((route, sink, part) for route, part in zip(run, parts, strict=True))
                 continue
             for route in run:  # no spans, or a ring too full for one: write by write
-                _reserve_one(route, sink, staging[_staging_span(plan, route)], copies, direct,
-                             rest)
+                _reserve_one(route, sink, staging[_staging_span(plan, route),
+                                                  :widths[route.point[1]]], copies, direct, rest)
         merged = merge_row_copies(copies)
         for dst, src in merged:
             dst.copy_(src, non_blocking=True)
@@ -139,6 +146,15 @@ class Delivery:
             sink.end_step()
 
 
+def _next_rows(last: torch.Tensor, src: torch.Tensor) -> bool:
+    """Whether `src`'s rows continue `last`'s in one buffer, row stride alike (a narrower
+    hook's rows are a column slice of the staging buffer: rows strided, columns not)."""
+    return (src.dim() == last.dim() == 2 and src.stride() == last.stride()
+            and src.stride(1) == 1
+            and src.data_ptr() == last.data_ptr() + last.shape[0] * last.stride(0)
+            * last.element_size())
+
+
 def merge_row_copies(copies: list[tuple[object, torch.Tensor, torch.Tensor]]
                      ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(owner, dst, src) row copies, in order, as fewer (dst, src) copies: a copy whose
@@ -155,9 +171,8 @@ def merge_row_copies(copies: list[tuple[object, torch.Tensor, torch.Tensor]]
                     and src.untyped_storage().data_ptr() == last_src.untyped_storage().data_ptr()
                     and dst.shape[1:] == last_dst.shape[1:] == src.shape[1:]
                     and dst.is_contiguous() and last_dst.is_contiguous()
-                    and src.is_contiguous() and last_src.is_contiguous()
-                    and dst.data_ptr() == last_dst.data_ptr() + last_dst.nbytes
-                    and src.data_ptr() == last_src.data_ptr() + last_src.nbytes):
+                    and _next_rows(last_src, src)
+                    and dst.data_ptr() == last_dst.data_ptr() + last_dst.nbytes):
                 rows = last_dst.shape[0] + dst.shape[0]
                 merged[-1] = (owner,
                               last_dst.as_strided((rows, *dst.shape[1:]), last_dst.stride()),

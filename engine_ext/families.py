@@ -43,14 +43,17 @@ norm before its MLP (the MLP reads resid_mid itself), so mlp_in is refused there
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+
+from capsteer.hooks import HEADS_KEY, WIDE_HOOKS
 
 SUB, STREAM = 0, 1  # what a site's value is: the sublayer output or the stream
 SUB_BIT, STREAM_BIT = 1 << SUB, 1 << STREAM
 BOTH = SUB_BIT | STREAM_BIT
 # Hooks read inside a sublayer, each at one site per layer after the stream's (their
 # value is a plain tensor: kind SUB, no residual).
-INNER_HOOKS: tuple[str, ...] = ("mlp_in",)
+INNER_HOOKS: tuple[str, ...] = ("mlp_in", "mlp_post", "attn_z", "router_logits")
 
 
 def site_count(num_layers: int) -> int:
@@ -71,6 +74,38 @@ def site_layers(site: int, num_layers: int) -> int:
     return (site + 1) // 2
 
 
+def hook_point(hook: str, layer: int, num_layers: int) -> tuple[int, int]:
+    """(kind, site) where a hook's value is read; the same place steering acts. Stream
+    sites: input_layernorm[L] = 2L, post_attention_layernorm[L] = 2L+1, final norm = 2N;
+    an inner hook's (mlp_in) come after them (families.inner_site)."""
+    if hook in INNER_HOOKS:
+        return SUB, inner_site(hook, layer, num_layers)
+    if hook == "resid_pre":
+        return STREAM, 2 * layer
+    if hook == "resid_mid":
+        return STREAM, 2 * layer + 1
+    if hook == "resid_post":
+        return STREAM, 2 * layer + 2
+    if hook == "attn_out":
+        return SUB, 2 * layer + 1
+    if hook == "mlp_out":
+        return SUB, 2 * layer + 2
+    raise ValueError(f"unknown hook {hook!r}")
+
+
+def layers_needed(keys: Iterable[tuple[str, int]], num_layers: int) -> int | None:
+    """The fewest leading layers whose forward yields every (hook, layer) of `keys` (a
+    forward stopped after layer E-1 reads site 2E at the final norm), or None when
+    every layer is needed. Site 2L needs layers < L, sites 2L+1 and 2L+2 layer L too, as
+    does an inner hook of layer L."""
+    sites = [hook_point(hook, layer, num_layers)[1] for hook, layer in keys]
+    if not sites:
+        return None
+    # At least one layer: the final norm wants a residual.
+    stop = max(1, max(site_layers(site, num_layers) for site in sites))
+    return stop if stop < num_layers else None
+
+
 @dataclass(frozen=True)
 class Family:
     """One family's hook layout. Module names are attribute paths under a decoder layer
@@ -87,6 +122,18 @@ class Family:
     mlp_in: str | None = "mlp"
     # The same module's name in vLLM's native class where it differs from HF's.
     native_mlp_in: str | None = None
+    # The MLP's output projection, whose input is mlp_post (act(gate) * up, or act(fc));
+    # None: the MLP is a mixture of experts, which has no single hidden layer.
+    mlp_post: str | None = "mlp.down_proj"
+    native_mlp_post: str | None = None
+    # The attention's output projection, whose input is attn_z (every head's output,
+    # [tokens, heads * d_head], before the heads are mixed); vLLM's name where it differs.
+    attn_z: str = "self_attn.o_proj"
+    native_attn_z: str | None = None
+    # An MoE family's router (gate), whose output's first tensor is router_logits
+    # [tokens, n_experts]; None: a dense MLP. vLLM's name where it differs.
+    router: str | None = None
+    native_router: str | None = None
     # vLLM's fused add+norm whose input is resid_mid, for vLLM's native deferred layers;
     # None: vLLM's layers add the residual themselves (materialized, read at the modules).
     deferred_mid_norm: str | None = "post_attention_layernorm"
@@ -141,20 +188,24 @@ FAMILIES: tuple[Family, ...] = (
            notes="attn_out / mlp_out are the sublayer module outputs (HF's); the stream adds "
                  "them times residual_multiplier; the embedding is scaled by "
                  "embedding_multiplier"),
-    Family("qwen2_moe", ("Qwen2MoeForCausalLM",), moe=True,
+    Family("qwen2_moe", ("Qwen2MoeForCausalLM",), mlp_post=None, moe=True, router="mlp.gate",
            notes="mlp_out is the whole MoE block output, shared expert included"),
-    Family("qwen3_moe", ("Qwen3MoeForCausalLM",), moe=True,
+    Family("qwen3_moe", ("Qwen3MoeForCausalLM",), mlp_post=None, moe=True, router="mlp.gate",
            notes="mlp_out is the whole MoE block output"),
-    Family("mixtral", ("MixtralForCausalLM",), moe=True, native_mlp_in="block_sparse_moe",
+    Family("mixtral", ("MixtralForCausalLM",), mlp_post=None, moe=True,
+           native_mlp_in="block_sparse_moe", router="mlp.gate",
+           native_router="block_sparse_moe.gate",
            notes="mlp_out is the whole MoE block output (vLLM's block_sparse_moe)"),
-    Family("olmoe", ("OlmoeForCausalLM",), moe=True,
+    Family("olmoe", ("OlmoeForCausalLM",), mlp_post=None, moe=True, router="mlp.gate",
            notes="mlp_out is the whole MoE block output"),
     Family("gpt2", ("GPT2LMHeadModel",), attn_out="attn", resid_mid="ln_2", mlp_out="mlp",
            deferred_mid_norm=None, inner="transformer", layers="h", final_norm="ln_f",
-           hf_base="transformer", position_embedding="wpe",
+           hf_base="transformer", position_embedding="wpe", mlp_post="mlp.c_proj",
+           attn_z="attn.c_proj",
            notes="LayerNorm; learned positions: resid_pre(0) is the token embedding plus "
                  "the position embedding (wpe); resid_mid is ln_2's input"),
     Family("gpt_neox", ("GPTNeoXForCausalLM",), attn_out="attention",
+           mlp_post="mlp.dense_4h_to_h", attn_z="attention.dense",
            deferred_mid_norm=None, final_norm="final_layer_norm", hf_base="gpt_neox",
            parallel="use_parallel_residual",
            notes="LayerNorm, partial rotary; with use_parallel_residual (Pythia, GPT-NeoX-20B) "
@@ -162,6 +213,7 @@ FAMILIES: tuple[Family, ...] = (
                  "attn_out + mlp_out, so resid_mid does not exist and is refused; served "
                  "through vLLM's Transformers backend (HF's modules)"),
     Family("starcoder2", ("Starcoder2ForCausalLM",), deferred_mid_norm=None,
+           mlp_post="mlp.c_proj",
            notes="LayerNorm, non-gated MLP; served through vLLM's Transformers backend "
                  "(HF's modules)"),
     Family("cohere", ("CohereForCausalLM",), deferred_mid_norm=None, parallel=True,
@@ -169,7 +221,8 @@ FAMILIES: tuple[Family, ...] = (
                  "resid_post = resid_pre + attn_out + mlp_out, so resid_mid does not exist "
                  "and is refused; mlp_in is that norm's output as the MLP reads it: "
                  "steering it changes the MLP's input only (attention has read it already)"),
-    Family("gpt_oss", ("GptOssForCausalLM",), moe=True,
+    Family("gpt_oss", ("GptOssForCausalLM",), mlp_post=None, moe=True,
+           native_attn_z="attn.o_proj", router="mlp.router",
            notes="mlp_out is the whole MoE block output (router and experts); attention "
                  "has sinks and alternates sliding-window and full layers"),
 )
@@ -247,7 +300,43 @@ def unavailable_hooks(family: Family, config: object) -> dict[str, str]:
         missing["mlp_in"] = (f"mlp_in does not exist in the {family.name} family: no norm "
                              "precedes its MLP, which reads the stream itself (resid_mid); "
                              "use resid_mid")
+    if family.mlp_post is None:
+        missing["mlp_post"] = (f"mlp_post does not exist in the {family.name} family: its "
+                               "MLP is a mixture of experts, whose experts each have their "
+                               "own hidden layer (no single d_mlp activation per token); "
+                               "use mlp_in or mlp_out")
+    if family.router is None:
+        missing["router_logits"] = (f"router_logits exists in mixture-of-experts families "
+                                    f"only: the {family.name} family's MLP is dense (no "
+                                    "router)")
     return missing
+
+
+def tensor_parallel_reasons(tensor_parallel_size: int) -> dict[str, str]:
+    """Hooks refused under tensor parallelism: their columns are split across ranks
+    (each rank holds a slice of d_mlp), and a capture or steering of one rank's slice
+    would be silently partial."""
+    if tensor_parallel_size <= 1:
+        return {}
+    return {h: (f"{h} is not offered under tensor parallelism (tensor_parallel_size="
+                f"{tensor_parallel_size}): its columns are split across the ranks and "
+                "capsteer does not assemble them; serve with tensor_parallel_size=1")
+            for h in WIDE_HOOKS}
+
+
+def hook_widths(config: object) -> dict[str, int]:
+    """Width of each hook that is not the hidden size, from an HF (text) config: mlp_post's
+    d_mlp is intermediate_size (GPT-2: n_inner, else 4 * n_embd)."""
+    hidden = int(getattr(config, "hidden_size", 0) or getattr(config, "n_embd", 0) or 0)
+    d_mlp = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) \
+        or 4 * hidden
+    heads = int(getattr(config, "num_attention_heads", 0) or getattr(config, "n_head", 0) or 1)
+    d_head = int(getattr(config, "head_dim", 0) or hidden // heads)
+    widths = {"mlp_post": int(d_mlp), "attn_z": heads * d_head, HEADS_KEY: heads}
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    if experts:
+        widths["router_logits"] = int(experts)
+    return widths
 
 
 def unavailable_hooks_of(config: object, transformers_backend: bool = False) -> dict[str, str]:
@@ -269,7 +358,8 @@ def hf_modules(family: Family, parallel: bool = False) -> dict[str, str | None]:
     if family is TRANSFORMERS_STREAM:
         return {"resid_pre": f"{layer} input (hidden_states[L])", "resid_mid": None,
                 "resid_post": f"{layer} output (hidden_states[L+1] for L < last)",
-                "attn_out": None, "mlp_out": None, "mlp_in": None}
+                "attn_out": None, "mlp_out": None, "mlp_in": None, "mlp_post": None,
+                "attn_z": None, "router_logits": None}
     first = (" (hidden_states[0] = token + position embedding)"
              if family.position_embedding else "")
     return {"resid_pre": f"{layer} input (hidden_states[L]){first}",
@@ -277,7 +367,11 @@ def hf_modules(family: Family, parallel: bool = False) -> dict[str, str | None]:
             "resid_post": f"{layer} output (hidden_states[L+1] for L < last)",
             "attn_out": f"{layer}.{family.attn_out} output",
             "mlp_out": f"{layer}.{family.mlp_out} output",
-            "mlp_in": None if family.mlp_in is None else f"{layer}.{family.mlp_in} input"}
+            "mlp_in": None if family.mlp_in is None else f"{layer}.{family.mlp_in} input",
+            "mlp_post": None if family.mlp_post is None else f"{layer}.{family.mlp_post} input",
+            "attn_z": f"{layer}.{family.attn_z} input",
+            "router_logits": None if family.router is None
+            else f"{layer}.{family.router} output[0]"}
 
 
 def supported_names() -> str:
@@ -326,6 +420,31 @@ def mlp_in_tap(family: Family, backend: bool) -> Tap | None:
     return Tap(module, "input", 0, SUB_BIT, inner="mlp_in")
 
 
+def mlp_post_tap(family: Family, backend: bool) -> Tap | None:
+    """The tap reading mlp_post at the input of the MLP's output projection, or None
+    where the MLP is a mixture of experts."""
+    if family.mlp_post is None or family is TRANSFORMERS_STREAM:
+        return None
+    module = family.mlp_post if backend else family.native_mlp_post or family.mlp_post
+    return Tap(module, "input", 0, SUB_BIT, inner="mlp_post")
+
+
+def attn_z_tap(family: Family, backend: bool) -> Tap | None:
+    """The tap reading attn_z at the input of attention's output projection."""
+    if family is TRANSFORMERS_STREAM:
+        return None
+    module = family.attn_z if backend else family.native_attn_z or family.attn_z
+    return Tap(module, "input", 0, SUB_BIT, inner="attn_z")
+
+
+def router_tap(family: Family, backend: bool) -> Tap | None:
+    """The tap reading router_logits at an MoE router's output (capture only)."""
+    if family.router is None or family is TRANSFORMERS_STREAM:
+        return None
+    module = family.router if backend else family.native_router or family.router
+    return Tap(module, "output", 0, SUB_BIT, inner="router_logits")
+
+
 def layer_taps(family: Family, materialized: bool, parallel: bool = False,
                backend: bool = False) -> tuple[Tap, ...]:
     """The taps of one decoder layer, in forward order. `materialized`: vLLM runs
@@ -334,14 +453,17 @@ def layer_taps(family: Family, materialized: bool, parallel: bool = False,
     `backend`: vLLM's Transformers backend runs the layer (HF's module names)."""
     if family is TRANSFORMERS_STREAM:  # the stream between layers only
         return (Tap("", "input", 0, STREAM_BIT),)
-    inner = tuple(t for t in (mlp_in_tap(family, backend),) if t is not None)
+    inner = tuple(t for t in (mlp_in_tap(family, backend), router_tap(family, backend),
+                              mlp_post_tap(family, backend)) if t is not None)
+    z = attn_z_tap(family, backend)
     if not materialized and family.deferred_mid_norm is not None:
         if parallel:
             raise ValueError(f"{family.name}: a parallel block has no fused mid norm to read")
-        return (Tap("input_layernorm", "pair", 0, BOTH),
+        return (Tap("input_layernorm", "pair", 0, BOTH), *filter(None, (z,)),
                 Tap(family.deferred_mid_norm, "pair", 1, BOTH), *inner)
     mid = () if parallel else (Tap(family.resid_mid, "input", 1, STREAM_BIT),)
     return (Tap("", "input", 0, STREAM_BIT),
+            *filter(None, (z,)),
             Tap(family.attn_out, "output", 1, SUB_BIT),
             *mid,
             *inner,

@@ -35,7 +35,9 @@ class Harvester:
 
     def __init__(self, rows: int, hidden: int, dtype: torch.dtype, ring: int = 2) -> None:
         self.slots = [
-            _Slot(torch.empty(rows, hidden, dtype=dtype, pin_memory=True),
+            # Flat: a step's copy is [rows, cols] of the columns its routes use (engine_ext
+            # .delivery), packed, so no more bytes cross the bus than they need.
+            _Slot(torch.empty(rows * hidden, dtype=dtype, pin_memory=True),
                   torch.empty(rows, dtype=torch.int64, pin_memory=True), threading.Event(),
                   # sleep in the driver until the copy lands: a spinning waiter would poll
                   # the driver while the step thread launches work through it
@@ -75,18 +77,19 @@ class Harvester:
             slot.free.wait()
             self.wait_s += time.perf_counter() - start
         slot.free.clear()
-        rows = 0
+        rows, cols = 0, staging.shape[1]
+        packed = slot.rows[: sum(e - b for b, e in spans) * cols].view(-1, cols)
         for begin, end in spans:
-            slot.rows[rows: rows + end - begin].copy_(staging[begin:end], non_blocking=True)
+            packed[rows: rows + end - begin].copy_(staging[begin:end], non_blocking=True)
             rows += end - begin
         self.rows_copied += rows
         slot.tokens[:num_tokens].copy_(tokens[:num_tokens], non_blocking=True)
         slot.copied.record()
-        self.queue.put((slot.copied, slot, (rows, num_tokens), deliver))
+        self.queue.put((slot.copied, slot, (rows, num_tokens, cols), deliver))
 
     def submit_call(self, fn: Callable[[], None]) -> None:
         """Run `fn` on the harvester thread after everything submitted before it."""
-        self.queue.put((None, None, (0, 0), fn))
+        self.queue.put((None, None, (0, 0, 1), fn))
 
     def stats(self) -> dict[str, float]:
         return {"wait_s": round(self.wait_s, 6), "deliver_s": round(self.deliver_s, 6),
@@ -105,7 +108,7 @@ class Harvester:
                 except BaseException as exc:  # keep harvesting; surface it to the worker
                     log.exception("capsteer: the sink's idle flush failed")
                     self.errors.append(exc)
-            event, slot, (rows, num_tokens), fn = self.queue.get()
+            event, slot, (rows, num_tokens, cols), fn = self.queue.get()
             try:
                 if event is None:
                     fn()
@@ -113,7 +116,7 @@ class Harvester:
                 try:
                     event.synchronize()
                     start = time.perf_counter()
-                    fn(slot.rows[:rows], slot.tokens[:num_tokens])
+                    fn(slot.rows[: rows * cols].view(rows, cols), slot.tokens[:num_tokens])
                     self.deliver_s += time.perf_counter() - start
                     self.copies += 1
                 finally:

@@ -194,10 +194,13 @@ Gate = tuple[torch.Tensor, float] | None  # (g, b): applies where src . g + b > 
 
 def compose_entries(
     spec: SteeringSpec, hidden: int, num_layers: int
-) -> dict[tuple[int, int, int], tuple[torch.Tensor, float, torch.Tensor, Gate]]:
+) -> dict[tuple[int, int, int], tuple[torch.Tensor, float, torch.Tensor, Gate,
+                                      torch.Tensor | None]]:
     """Fold a request's ops into one affine map per (kind, site, position class).
 
-    Each map is y = x + alpha * (src . u) u + w, applied to the sublayer output
+    Each map is y = keep * x + alpha * (src . u) u + w (keep: ones, or zeros at the
+    slices a selection ablates or clamps; hidden: the width of ops without a vector of
+    another width, mlp_post's d_mlp), applied to the sublayer output
     (kind SUB, src = x) or to the stream (kind STREAM, src = x + residual), at tokens
     where its gate passes (src . g + b > 0, src before the map; no gate: every token).
     Ops compose in request order; the parser allows one projection per point, and one
@@ -205,25 +208,32 @@ def compose_entries(
     """
     maps: dict[tuple[int, int, int], list] = {}
     gates: dict[tuple[int, int, int], Gate] = {}
+    keeps: dict[tuple[int, int, int], torch.Tensor] = {}
     for op in spec.ops:
         kind, site = hook_point(op.hook, op.layer, num_layers)
         classes = (PROMPT, GENERATED) if op.positions == "all" else (
             (PROMPT,) if op.positions == "prompt" else (GENERATED,))
         vec = torch.from_numpy(op.vector.copy())
         gate = None if op.gate is None else (torch.from_numpy(op.gate.copy()), op.gate_bias)
+        width = len(vec)
+        select = None if op.select is None else torch.from_numpy(op.select.copy())
         for cls in classes:
             gates[(kind, site, cls)] = gate
             u, alpha, w = maps.setdefault(
-                (kind, site, cls), [torch.zeros(hidden), 0.0, torch.zeros(hidden)])
-            if op.op == "add":
-                w = w + op.scale * vec
+                (kind, site, cls), [torch.zeros(width), 0.0, torch.zeros(width)])
+            if select is not None and op.op != "add":  # zero the selected slices, then set
+                keep = keeps.get((kind, site, cls), torch.ones(width)) * (1 - select)
+                keeps[(kind, site, cls)] = keep
+                w = w * keep + (op.value * select if op.op == "clamp" else 0.0)
+            elif op.op == "add":
+                w = w + op.scale * (vec if select is None else vec * select)
             else:  # ablate / clamp: project out of everything so far, then set the value
                 u, alpha = vec, -1.0
                 w = w - (w @ u) * u
                 if op.op == "clamp":
                     w = w + op.value * u
             maps[(kind, site, cls)] = [u, alpha, w]
-    return {k: (u, alpha, w, gates[k]) for k, (u, alpha, w) in maps.items()}
+    return {k: (u, alpha, w, gates[k], keeps.get(k)) for k, (u, alpha, w) in maps.items()}
 
 
 def build_step_plan(

@@ -115,12 +115,13 @@ class ReadoutSink(CaptureSink):
             self._pending.append(_encode(state.readout_id, item, pos,
                                          [t.cpu().numpy() for t in out]))
 
-    def launch(self, routes: Sequence[tuple[Any, slice]],
-               staging: torch.Tensor) -> Callable[[], None]:
+    def launch(self, routes: Sequence[tuple[Any, slice]], staging: torch.Tensor,
+               site_widths: Sequence[int] | None = None) -> Callable[[], None]:
         """Device mode: run the readers on the step's readout rows where they sit (the
         staging buffer, on the GPU, right after the forward), one computation per point
         and reader for every request reading it, copy only the results to the host, and
-        return what writes them once the copy landed (for the harvester's thread)."""
+        return what writes them once the copy landed (for the harvester's thread).
+        `site_widths`: each site's width (staging is as wide as the widest hook)."""
         by_point: dict[tuple[int, int], list[tuple[Any, slice]]] = {}
         for route, span in routes:
             by_point.setdefault(route.point, []).append((route, span))
@@ -139,7 +140,8 @@ class ReadoutSink(CaptureSink):
             if not uses:
                 continue
             first = min(span.start for _, span in group)
-            block = staging[first: max(span.stop for _, span in group)].to(torch.float32)
+            cols = staging.shape[1] if site_widths is None else site_widths[group[0][0].point[1]]
+            block = staging[first: max(span.stop for _, span in group), :cols].to(torch.float32)
             for reader, top_k, threshold, items in uses.values():
                 out = _run(reader, block, top_k, threshold)
                 jobs.append((first, [t.to("cpu", non_blocking=True) for t in out], items))

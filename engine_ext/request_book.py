@@ -165,7 +165,8 @@ class RequestBook:
             model=self.model_name, spec=hooks.capture, prompt_token_ids=tuple(prompt),
             model_dtype=self.runtime.dtype, hidden_size=self.sites.hidden_size,
             num_layers=self.sites.num_layers, stage=self.stage, num_stages=self.num_stages,
-            keys=hooks.local_keys if self.num_stages > 1 else None, dir_time=hooks.dir_time)
+            keys=hooks.local_keys if self.num_stages > 1 else None, dir_time=hooks.dir_time,
+            hook_widths=getattr(self.sites, "hook_widths", ()))
 
     def _sink_for(self, hooks: RequestHooks) -> CaptureSink:
         if hooks.sink == "sharded" and self.sharded is not None:

@@ -20,7 +20,7 @@ each step only rewrites index buffers. Two modes read the same plan:
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,49 +29,24 @@ import torch
 
 from capsteer.capture.layouts import copy_rows
 from capsteer.engine_ext import tap_kernel
-from capsteer.engine_ext.families import (
+from capsteer.engine_ext.families import (  # hook_point, layers_needed: re-exported
     BOTH,
-    INNER_HOOKS,
     STREAM,
     SUB,
-    inner_site,
+    hook_point,  # noqa: F401
+    layers_needed,  # noqa: F401
     site_count,
-    site_layers,
+)
+from capsteer.engine_ext.selections import (
+    GATED,
+    MASKED,
+    pad_row,
+    passes,
+    site_widths,
+    steer_rows,
 )
 
 KINDS = (SUB, STREAM)
-
-
-def hook_point(hook: str, layer: int, num_layers: int) -> tuple[int, int]:
-    """(kind, site) where a hook's value is read; the same place steering acts. Stream
-    sites: input_layernorm[L] = 2L, post_attention_layernorm[L] = 2L+1, final norm = 2N;
-    an inner hook's (mlp_in) come after them (families.inner_site)."""
-    if hook in INNER_HOOKS:
-        return SUB, inner_site(hook, layer, num_layers)
-    if hook == "resid_pre":
-        return STREAM, 2 * layer
-    if hook == "resid_mid":
-        return STREAM, 2 * layer + 1
-    if hook == "resid_post":
-        return STREAM, 2 * layer + 2
-    if hook == "attn_out":
-        return SUB, 2 * layer + 1
-    if hook == "mlp_out":
-        return SUB, 2 * layer + 2
-    raise ValueError(f"unknown hook {hook!r}")
-
-
-def layers_needed(keys: Iterable[tuple[str, int]], num_layers: int) -> int | None:
-    """The fewest leading layers whose forward yields every (hook, layer) of `keys` (a
-    forward stopped after layer E-1 reads site 2E at the final norm), or None when
-    every layer is needed. Site 2L needs layers < L, sites 2L+1 and 2L+2 layer L too, as
-    does an inner hook of layer L."""
-    sites = [hook_point(hook, layer, num_layers)[1] for hook, layer in keys]
-    if not sites:
-        return None
-    # At least one layer: the final norm wants a residual.
-    stop = max(1, max(site_layers(site, num_layers) for site in sites))
-    return stop if stop < num_layers else None
 
 
 @dataclass
@@ -109,11 +84,15 @@ class StepPlan:
 
 
 def _same_map(a: tuple, b: tuple) -> bool:
-    """Whether two composed maps (u, alpha, w, gate) are equal (then they share an entry)."""
-    (u, alpha, w, gate), (u2, alpha2, w2, gate2) = a, b
+    """Whether two composed maps (u, alpha, w, gate, keep) are equal (then they share an
+    entry)."""
+    (u, alpha, w, gate, keep), (u2, alpha2, w2, gate2, keep2) = a, b
     same_gate = gate is gate2 or (gate is not None and gate2 is not None and
                                   gate[1] == gate2[1] and torch.equal(gate[0], gate2[0]))
-    return same_gate and alpha == alpha2 and torch.equal(u, u2) and torch.equal(w, w2)
+    same_keep = keep is keep2 or (keep is not None and keep2 is not None
+                                  and torch.equal(keep, keep2))
+    return same_gate and same_keep and alpha == alpha2 and torch.equal(u, u2) \
+        and torch.equal(w, w2)
 
 
 def _pinned_copy(host: torch.Tensor) -> torch.Tensor:
@@ -141,6 +120,7 @@ class HookRuntime:
         staging_rows: int = 0,
         device_driven: bool = False,
         local_sites: frozenset[int] | None = None,
+        hook_widths: Mapping[str, int] | None = None,
     ) -> None:
         self.num_layers = num_layers
         self.num_sites = site_count(num_layers)
@@ -148,14 +128,20 @@ class HookRuntime:
         # copies are routed only from these.
         self.local_sites = frozenset(range(self.num_sites)) if local_sites is None else local_sites
         self.hidden_size = hidden_size
+        # Each site's width (hook_widths: the hooks not hidden_size wide, mlp_post's d_mlp);
+        # the tables and staging are as wide as the widest (engine_ext.selections).
+        self.site_widths = site_widths(hook_widths or {}, num_layers, hidden_size)
+        self.width = max(self.site_widths)
         self.dtype = dtype
         self.device = device
         self.device_driven = device_driven
         self.max_tokens = max_tokens
         # Entry 0 is the identity (alpha 0, u 0, w 0). y = x + alpha * (src . u) u + w where
         # the entry is ungated (gated 0) or src . gate + gate_b > 0 (a `when`), src before it.
-        self.u = torch.zeros(max_entries, hidden_size, dtype=torch.float32, device=device)
+        self.u = torch.zeros(max_entries, self.width, dtype=torch.float32, device=device)
         self.w = torch.zeros_like(self.u)
+        self.keep = torch.ones_like(self.u)  # engine_ext.selections: 0 where one selects
+        self.masked_entries = 0  # host mode skips the keep rows while none has zeros
         self.alpha = torch.zeros(max_entries, dtype=torch.float32, device=device)
         self.gate = torch.zeros_like(self.u)
         self.gate_b = torch.ones(max_entries, dtype=torch.float32, device=device)
@@ -219,7 +205,7 @@ class HookRuntime:
             # specialisation; they hold this runtime's buffer addresses.
             self.tap_direct = self.use_kernel and tap_kernel.direct_launch_supported()
             self.tap_launchers: dict[tuple, tuple] = {}
-            self.staging = torch.zeros(staging_rows + 1, hidden_size, dtype=dtype, device=device)
+            self.staging = torch.zeros(staging_rows + 1, self.width, dtype=dtype, device=device)
             self.token_stage = torch.zeros(max(staging_rows, 1), **long)
 
     def _upload(self, host: torch.Tensor) -> torch.Tensor:
@@ -238,13 +224,16 @@ class HookRuntime:
 
     # ---- steering tables (written when a request arrives, not per step) ----
     def alloc_entry(self, u: torch.Tensor, alpha: float, w: torch.Tensor,
-                    gate: tuple[torch.Tensor, float] | None = None) -> int:
+                    gate: tuple[torch.Tensor, float] | None = None,
+                    keep: torch.Tensor | None = None) -> int:
         while not self.free_entries and self.idle:  # room from the longest-idle spec
             self._free_spec(*self.idle.popitem(last=False))
         if not self.free_entries:
             raise RuntimeError("capsteer: steering table full (raise max_entries)")
         idx = self.free_entries.pop()
-        rows = [u.float(), w.float()] + ([] if gate is None else [gate[0].float()])
+        rows = [pad_row(u, self.width), pad_row(w, self.width),
+                pad_row(torch.zeros(0) if gate is None else gate[0], self.width),
+                pad_row(torch.ones(0) if keep is None else keep, self.width, 1.0)]
         row = self._upload(torch.stack(rows).cpu())
         self.u[idx].copy_(row[0])
         self.w[idx].copy_(row[1])
@@ -252,8 +241,12 @@ class HookRuntime:
         if gate is not None:
             self.gate[idx].copy_(row[2])
             self.gate_b[idx] = gate[1]
-            self.gated[idx] = 1
+            self.gated[idx] |= GATED
             self.gated_entries += 1
+        if keep is not None:
+            self.keep[idx].copy_(row[3])
+            self.gated[idx] |= MASKED
+            self.masked_entries += 1
         return idx
 
     def acquire_entries(self, key: str, build) -> dict:
@@ -305,11 +298,15 @@ class HookRuntime:
         self.u[idx].zero_()
         self.w[idx].zero_()
         self.alpha[idx] = 0.0
-        if self.gated[idx]:
+        flags = int(self.gated[idx])
+        if flags & GATED:
             self.gate[idx].zero_()
             self.gate_b[idx] = 1.0
-            self.gated[idx] = 0
             self.gated_entries -= 1
+        if flags & MASKED:
+            self.keep[idx].fill_(1.0)
+            self.masked_entries -= 1
+        self.gated[idx] = 0
         self.free_entries.append(idx)
 
     def alloc_slot(self, entries: dict[tuple[int, int, int], int], key: str | None = None,
@@ -547,11 +544,10 @@ class HookRuntime:
                 rows, entries = steer
                 xs = x[rows].float()
                 src = xs if kind == SUB or residual is None else xs + residual[rows].float()
-                u = self.u[entries]
-                proj = (src * u).sum(-1, keepdim=True)
-                steered = xs + self.alpha[entries].unsqueeze(1) * proj * u + self.w[entries]
-                if self.gated_entries:  # host mode has no graphs: a host branch is fine
-                    steered = torch.where(self._passes(src, entries), steered, xs)
+                # Host mode has no graphs: host branches on the tables' contents are fine.
+                steered = steer_rows(self, xs, src, entries, self.masked_entries > 0)
+                if self.gated_entries:
+                    steered = torch.where(passes(self, src, entries), steered, xs)
                 x[rows] = steered.to(x.dtype)
             rows = plan.capture.get((kind, site))
             if rows is not None:
@@ -578,21 +574,14 @@ class HookRuntime:
             entries = self.slot_entry[slot, gen, kind, site]
             xf = x.float()
             src = xf if kind == SUB or residual is None else xf + residual.float()
-            u = self.u[entries]
-            proj = (src * u).sum(-1, keepdim=True)
-            steered = xf + self.alpha[entries].unsqueeze(1) * proj * u + self.w[entries]
+            steered = steer_rows(self, xf, src, entries)
             # Always evaluated (a graph recorded now replays with later requests' gates).
-            x.copy_(torch.where(self._passes(src, entries), steered, xf).to(x.dtype))
+            x.copy_(torch.where(passes(self, src, entries), steered, xf).to(x.dtype))
             val = x if kind == SUB or residual is None else (x + residual).to(x.dtype)
             base = self.point_base[slot, kind, site]
             dst = torch.where((base >= 0) & (rank >= 0), base + rank,
                               torch.full_like(base, self.trash_row))
-            self.staging.index_copy_(0, dst, val)
-
-    def _passes(self, src: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
-        """[k, 1]: each row's entry is ungated or gate_b + src . gate > 0 (as the kernel)."""
-        score = self.gate_b[entries] + (src * self.gate[entries]).sum(-1)
-        return ((self.gated[entries] == 0) | (score > 0)).unsqueeze(1)
+            self.staging[:, :x.shape[-1]].index_copy_(0, dst, val)
 
     def take_captured(self) -> dict[tuple[int, int], torch.Tensor]:
         """Host mode: rows copied this step, per (kind, site), in plan order."""

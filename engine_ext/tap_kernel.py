@@ -59,9 +59,9 @@ if triton is not None:
     # for a multiple of 16 would be wrong for other sites when launched directly).
     @triton.jit(do_not_specialize=["site"])
     def _tap(x_ptr, r_ptr, slot_ptr, gen_ptr, rank_ptr, slot_entry_ptr, point_base_ptr,
-             u_ptr, w_ptr, alpha_ptr, gate_ptr, gate_b_ptr, gated_ptr, staging_ptr, site,
-             num_sites, hidden, stride_x, stride_r,
-             stride_s, HAS_RES: tl.constexpr, KINDS: tl.constexpr, DTYPE: tl.constexpr,
+             u_ptr, w_ptr, alpha_ptr, gate_ptr, gate_b_ptr, gated_ptr, keep_ptr, staging_ptr,
+             site, num_sites, hidden, stride_x, stride_r,
+             stride_s, stride_t, HAS_RES: tl.constexpr, KINDS: tl.constexpr, DTYPE: tl.constexpr,
              BLOCK: tl.constexpr):
         # A decode step's tap covers a few hundred rows, so its time is the chain of
         # dependent loads (row -> slot -> entry -> vector). The row's scalars are loaded
@@ -100,9 +100,11 @@ if triton is not None:
                         alpha = tl.load(alpha_ptr + entry)
                         score = tl.load(gate_b_ptr + entry)
                         gated = tl.load(gated_ptr + entry)
-                        w = tl.load(w_ptr + entry * hidden + offs, mask=mask, other=0.0)
-                        if gated != 0:
-                            g = tl.load(gate_ptr + entry * hidden + offs, mask=mask, other=0.0)
+                        # Tables are as wide as the widest hook (stride_t); a site reads
+                        # its first `hidden` columns. Flags: bit 0 gate, bit 1 keep row.
+                        w = tl.load(w_ptr + entry * stride_t + offs, mask=mask, other=0.0)
+                        if (gated & 1) != 0:
+                            g = tl.load(gate_ptr + entry * stride_t + offs, mask=mask, other=0.0)
                             if kind == 1 and HAS_RES:
                                 r = tl.load(r_ptr + row * stride_r + offs, mask=mask,
                                             other=0.0).to(tl.float32)
@@ -111,7 +113,7 @@ if triton is not None:
                                 score = score + tl.sum(x * g, axis=0)
                         if score > 0.0:
                             if alpha != 0.0:
-                                u = tl.load(u_ptr + entry * hidden + offs, mask=mask,
+                                u = tl.load(u_ptr + entry * stride_t + offs, mask=mask,
                                             other=0.0)
                                 if kind == 1 and HAS_RES:
                                     r = tl.load(r_ptr + row * stride_r + offs, mask=mask,
@@ -119,7 +121,13 @@ if triton is not None:
                                     proj = tl.sum((x + r) * u, axis=0)
                                 else:
                                     proj = tl.sum(x * u, axis=0)
+                                if (gated & 2) != 0:  # a selection (selections.py)
+                                    x = x * tl.load(keep_ptr + entry * stride_t + offs,
+                                                    mask=mask, other=0.0)
                                 x = x + alpha * proj * u
+                            elif (gated & 2) != 0:
+                                x = x * tl.load(keep_ptr + entry * stride_t + offs, mask=mask,
+                                                other=0.0)
                             x = (x + w).to(DTYPE).to(tl.float32)
                             tl.store(x_ptr + row * stride_x + offs, x.to(DTYPE), mask=mask)
                     if (base >= 0) & (rank >= 0):
@@ -194,18 +202,18 @@ def tap(runtime, x: torch.Tensor, residual: torch.Tensor | None, site: int,
     kernel = _tap[(n,)](
         x, res, runtime.tok_slot, runtime.tok_gen, runtime.tok_rank, runtime.slot_entry,
         runtime.point_base, runtime.u, runtime.w, runtime.alpha, runtime.gate, runtime.gate_b,
-        runtime.gated, runtime.staging, site,
+        runtime.gated, runtime.keep, runtime.staging, site,
         runtime.num_sites, hidden, x.stride(0), res.stride(0), runtime.staging.stride(0),
-        HAS_RES=consts[0], KINDS=consts[1], DTYPE=consts[2], BLOCK=consts[3])
+        runtime.u.stride(0), HAS_RES=consts[0], KINDS=consts[1], DTYPE=consts[2], BLOCK=consts[3])
     if runtime.tap_direct and all(hasattr(kernel, a) for a in ("run", "function",
                                                              "packed_metadata")):
         fixed = tuple(t.data_ptr() for t in (
             runtime.tok_slot, runtime.tok_gen, runtime.tok_rank, runtime.slot_entry,
             runtime.point_base, runtime.u, runtime.w, runtime.alpha, runtime.gate,
-            runtime.gate_b, runtime.gated, runtime.staging))
+            runtime.gate_b, runtime.gated, runtime.keep, runtime.staging))
         runtime.tap_launchers[key] = (kernel.run, kernel.function, kernel.packed_metadata,
                                       torch.cuda.current_device(), fixed,
-                                      (runtime.staging.stride(0), *consts))
+                                      (runtime.staging.stride(0), runtime.u.stride(0), *consts))
 
 
 def _raw_stream(device_index: int) -> int:

@@ -108,6 +108,7 @@ class EngineHooks(RequestBook, StepFeed, Delivery):
             else self.config.staging_rows,
             device_driven=self.device_driven,
             local_sites=self.sites.local_sites,
+            hook_widths=dict(self.sites.hook_widths),
         )
         self.model_name = model_name(worker)
         # The server's registry, for the vectors its requests name (None: all inline)
@@ -123,7 +124,7 @@ class EngineHooks(RequestBook, StepFeed, Delivery):
         self.writer: CaptureSink | None = durable_writer(self.config.section) \
             if self.capture_rank else None
         self.sharded = sharded_sink(self.config.section, self.model_name,
-                                    self.sites.hidden_size, dtype) \
+                                    self.sites.hidden_size, dtype, dict(self.sites.hook_widths)) \
             if self.capture_rank else None
         # Readouts' rows go to their readers, the scores to the server (engine_ext.readouts).
         self.readouts = ReadoutSink(self.config.readout_dir, self.config.readers_dir,
@@ -158,7 +159,7 @@ class EngineHooks(RequestBook, StepFeed, Delivery):
         self.pinned_plan = False  # the canary sets its own plan; real steps must not replace it
         self.plain_graphs: PlainGraphs | None = None  # see install_plain_graphs
         self.num_tokens_gathered = 0
-        self.harvester = Harvester(self.runtime.staging.shape[0], self.sites.hidden_size, dtype) \
+        self.harvester = Harvester(self.runtime.staging.shape[0], self.runtime.width, dtype) \
             if self.device_driven else None
         # Durable rows go from the GPU straight into the writer processes' shared memory:
         # no host copy in this process (whose GIL the step thread needs); else via the

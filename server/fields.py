@@ -55,6 +55,8 @@ class ModelShape:
     dtype_itemsize: int
     # Hooks the model does not have (a parallel block's resid_mid) -> the 400's reason.
     unavailable: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    # Widths of the hooks not hidden_size wide (mlp_post: d_mlp).
+    hook_widths: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
 
 @dataclass
@@ -173,7 +175,8 @@ def parse_hook_fields(
                 steering = parse_steering_spec(raw_steering, num_layers=shape.num_layers,
                                                hidden_size=shape.hidden_size, lookup=lookup,
                                                unavailable=shape.unavailable,
-                                               readers=reader_tensors)
+                                               readers=reader_tensors,
+                                               widths=shape.hook_widths)
         except SteeringSpecError as exc:
             raise FieldError(exc.field, exc.reason) from None
     if _lax_true(body.get("use_beam_search")) and (
@@ -184,7 +187,8 @@ def parse_hook_fields(
     if body.get("readout") is not None:
         try:
             readout = parse_readout(body["readout"], num_layers=shape.num_layers,
-                                    hidden_size=shape.hidden_size, lookup=readers)
+                                    hidden_size=shape.hidden_size, lookup=readers,
+                                    widths=shape.hook_widths)
         except ReadoutSpecError as exc:
             raise FieldError(exc.field, exc.reason) from None
         _check_readout_request(body, readout, capture, shape)
@@ -246,7 +250,8 @@ class _SpecMemo:
     def parse(self, raw: Mapping, shape: ModelShape, lookup: VectorLookup) -> SteeringSpec | None:
         owner = getattr(lookup, "__self__", None)
         key = (json.dumps(raw, sort_keys=True), shape.num_layers, shape.hidden_size,
-               tuple(sorted(shape.unavailable.items())), owner if owner is not None else lookup,
+               tuple(sorted(shape.unavailable.items())), tuple(sorted(shape.hook_widths.items())),
+               owner if owner is not None else lookup,
                getattr(lookup, "__func__", None))
         hit = self._specs.get(key)
         if hit is not None:
@@ -265,7 +270,7 @@ class _SpecMemo:
             return found
         spec = parse_steering_spec(raw, num_layers=shape.num_layers,
                                    hidden_size=shape.hidden_size, lookup=recording,
-                                   unavailable=shape.unavailable)
+                                   unavailable=shape.unavailable, widths=shape.hook_widths)
         self._specs[key] = (spec, tuple(seen))
         while len(self._specs) > self._size:
             self._specs.popitem(last=False)
@@ -336,4 +341,5 @@ def estimate_capture_bytes(body: Mapping[str, Any], capture: CaptureSpec, shape:
         max_new = shape.max_model_len
     max_new = min(max_new, max(shape.max_model_len - 1, 1))
     itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}.get(capture.dtype, shape.dtype_itemsize)
-    return estimate_bytes(capture, shape.hidden_size, itemsize, prompt_tokens, max_new)
+    return estimate_bytes(capture, shape.hidden_size, itemsize, prompt_tokens, max_new,
+                          shape.hook_widths)

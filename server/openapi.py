@@ -224,6 +224,17 @@ HOOKS_INFO = {
                            "transformer_lens": {"type": "string", "description":
                                                 "TransformerLens's name (L: the layer)"},
                            "layers": {"type": "array", "items": {"type": "integer"}},
+                           "width": {"type": "integer", "description": "numbers per token "
+                                     "(hidden_size; mlp_post: d_mlp); a steering vector's "
+                                     "length"},
+                           "selects": {"type": "string", "description": "the selection a "
+                                       "steering item may give on this hook (mlp_post: "
+                                       "neurons, attn_z: heads)"},
+                           "capture_only": {"type": "boolean", "description": "read "
+                                            "only: steering it is a 400 (router_logits)"},
+                           "shape": {"type": "array", "items": {"type": "integer"},
+                                     "description": "attn_z: [heads, d_head] (its rows are "
+                                     "stored flat)"},
                            "unavailable": {"type": "string", "description": "why this "
                                            "model has no such hook (layers is empty)"},
                            "readers": {"type": "array", "items": {"type": "string"},

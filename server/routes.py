@@ -27,7 +27,15 @@ from capsteer.capture.receipts import find_receipt, pending
 from capsteer.capture.spec import DTYPES, LAYOUTS, POSITION_KINDS, SpecError
 from capsteer.engine_ext import families
 from capsteer.engine_ext.vllm.topology import ServedModel
-from capsteer.hooks import ALIASES, HOOK_SEMANTICS_VERSION, HOOKS, tl_hook_name
+from capsteer.hooks import (
+    ALIASES,
+    CAPTURE_ONLY,
+    HEADS_KEY,
+    HOOK_SEMANTICS_VERSION,
+    HOOKS,
+    SELECTIONS,
+    tl_hook_name,
+)
 from capsteer.server import openapi as docs
 from capsteer.server.errors import error_response, from_exception
 from capsteer.server.state import CapsteerState
@@ -55,6 +63,14 @@ HOOK_DOCS = {
     "mlp_in": ("the MLP's normalized input: the pre-MLP norm's output as the MLP reads it "
                "(the transcoder input); steering it changes what the MLP sees, not the "
                "stream", None),
+    "mlp_post": ("the MLP's hidden activations after the nonlinearity, [d_mlp] (act(gate) * "
+                 "up in a gated MLP): the input of its output projection; steering items may "
+                 "select `neurons`", None),
+    "attn_z": ("every head's attention output before the heads are mixed, [heads, d_head] "
+               "per token (stored flat, heads * d_head): the input of attention's output "
+               "projection; steering items may select `heads`", None),
+    "router_logits": ("an MoE router's logits, [n_experts] per token (capture and readout "
+                      "only)", None),
 }
 MAX_VECTOR_UPLOAD = 256 << 20
 
@@ -91,7 +107,15 @@ def hook_entries(model: ServedModel) -> list[dict[str, Any]]:
         entry = {"name": h, "aliases": [a for a, c in ALIASES.items() if c == h],
                  "description": HOOK_DOCS[h][0], "hf_reference": HOOK_DOCS[h][1],
                  "hf_module": where.get(h), "transformer_lens": tl_hook_name(h, "L"),
-                 "layers": [] if h in missing else every}
+                 "layers": [] if h in missing else every,
+                 "width": model.hook_widths.get(h, model.hidden_size)}
+        if h in SELECTIONS:
+            entry["selects"] = SELECTIONS[h]
+        if h in CAPTURE_ONLY:
+            entry["capture_only"] = True
+        if h == "attn_z" and HEADS_KEY in model.hook_widths:
+            heads = model.hook_widths[HEADS_KEY]
+            entry["shape"] = [heads, entry["width"] // heads]
         if h in missing:
             entry["unavailable"] = missing[h]
         entries.append(entry)
@@ -104,12 +128,12 @@ async def hooks(request: Request) -> dict[str, Any]:
     state = _state(request)
     model = state.model
     entries = hook_entries(model)
-    # Every registered reader reads any hook of its width (the stream's, for all hooks here).
-    usable = [r["name"] for r in (await asyncio.to_thread(state.readers.list)
-                                  if state.readers is not None else [])
-              if r["error"] is None and r["d_in"] == model.hidden_size]
+    # Every registered reader reads any hook of its width.
+    usable = [r for r in (await asyncio.to_thread(state.readers.list)
+                          if state.readers is not None else []) if r["error"] is None]
     for entry in entries:
-        entry["readers"] = usable if entry["layers"] else []
+        entry["readers"] = [r["name"] for r in usable if r["d_in"] == entry["width"]] \
+            if entry["layers"] else []
     return {
         "model": model.name,
         "architecture": model.architecture,

@@ -62,7 +62,7 @@ class CapsteerState:
         model = served_model(engine)
         itemsize = torch.empty((), dtype=model.dtype).element_size()
         shape = ModelShape(model.num_layers, model.hidden_size, model.max_model_len, itemsize,
-                           dict(model.unavailable))
+                           dict(model.unavailable), dict(model.hook_widths))
         Path(settings.capture_dir).mkdir(parents=True, exist_ok=True)
         registry = VectorRegistry(settings.steering_dir, hidden_size=model.hidden_size,
                                   num_layers=model.num_layers)

@@ -20,18 +20,26 @@ from functools import cached_property
 import numpy as np
 
 from capsteer.config import errors
-from capsteer.hooks import HookNameError, canonical_hook, parse_layers, resolve_layer
+from capsteer.hooks import (
+    CAPTURE_ONLY,
+    HEADS_KEY,
+    HookNameError,
+    canonical_hook,
+    parse_layers,
+    resolve_layer,
+)
 from capsteer.steering.conditions import (
     ConditionError,
     ReaderGetter,
     feature_vector,
     parse_when,
 )
+from capsteer.steering.selections import SELECTION_FIELDS, SelectionError, parse_selection
 
 OPS = ("add", "ablate", "clamp")
 POSITIONS = ("all", "prompt", "generated")
 _VECTOR_FIELDS = {"hook", "layer", "layers", "vector", "scale", "op", "value", "positions",
-                  "when"}
+                  "when", *SELECTION_FIELDS}
 _MAX_ABS = 1e30  # far inside float32; anything larger overflows the stream anyway
 _B64_DTYPES = {"float32": np.float32, "float16": np.float16, "float64": np.float64, "bfloat16": None}
 
@@ -103,7 +111,7 @@ class SteeringOp:
     hook: str
     layer: int
     op: str
-    vector: np.ndarray  # float32 [hidden]; unit length for ablate/clamp
+    vector: np.ndarray  # float32 [width]; unit length for ablate/clamp (a selection's: its mask)
     scale: float
     value: float
     positions: str
@@ -114,14 +122,19 @@ class SteeringOp:
     # Where a named vector came from: the wire form then refers to it (not part of the op's
     # content: the same vector sent inline steers, and shares entries, alike).
     source: VectorSource | None = field(default=None, compare=False)
+    # A selection's 0/1 mask over the hook's width (steering/selections.py), or None.
+    select: np.ndarray | None = None
 
-    def to_dict(self, vector_index: int, gate_index: int | None = None) -> dict:
+    def to_dict(self, vector_index: int, gate_index: int | None = None,
+                select_index: int | None = None) -> dict:
         """Wire form: the vector (and the gate's) is a reference into the spec's table of
         distinct vectors; an ungated op's form has no `gate` key."""
         out = {"hook": self.hook, "layer": self.layer, "op": self.op, "scale": self.scale,
                "value": self.value, "positions": self.positions, "vector": vector_index}
         if self.gate is not None:
             out["gate"] = [gate_index, self.gate_bias]
+        if self.select is not None:
+            out["select"] = select_index
         return out
 
     @classmethod
@@ -130,7 +143,8 @@ class SteeringOp:
         return cls(d["hook"], int(d["layer"]), d["op"], table[int(d["vector"])],
                    float(d["scale"]), float(d["value"]), d["positions"],
                    None if gate is None else table[int(gate[0])],
-                   0.0 if gate is None else float(gate[1]))
+                   0.0 if gate is None else float(gate[1]),
+                   select=table[int(d["select"])] if "select" in d else None)
 
 
 def _unb64(text: str) -> np.ndarray:
@@ -205,7 +219,8 @@ class SteeringSpec:
 
         for op in self.ops:
             vector = row(op.vector, op.source, op.op in ("ablate", "clamp"))
-            ops.append(op.to_dict(vector, None if op.gate is None else row(op.gate, None, False)))
+            ops.append(op.to_dict(vector, None if op.gate is None else row(op.gate, None, False),
+                                  None if op.select is None else row(op.select, None, False)))
         # The ops' text once, for the key and the wire text (to_dict's key order is fixed;
         # encoding 28+ op dicts is most of a named request's wire cost).
         ops_text = json.dumps(ops, separators=(",", ":"))
@@ -411,9 +426,11 @@ def _resolve_vectors(
 def parse_steering_spec(
     obj: object, *, num_layers: int, hidden_size: int, lookup: VectorLookup | None = None,
     max_ops: int = 4096, unavailable: Mapping[str, str] | None = None,
-    readers: ReaderGetter | None = None,
+    readers: ReaderGetter | None = None, widths: Mapping[str, int] | None = None,
 ) -> SteeringSpec | None:
     """Validate a request's `steering` value; None when it asks for nothing.
+    `widths`: the hooks not hidden_size wide (mlp_post: d_mlp), whose vectors have that
+    width.
     `unavailable`: hooks the served model does not have, each with the reason its 400
     gives (a parallel block's resid_mid). `readers`: the reader registry's tensors by
     name, for `when` gates and SAE-feature vectors (steering/conditions.py)."""
@@ -443,6 +460,9 @@ def parse_steering_spec(
             raise SteeringSpecError(field + ".hook", str(exc)) from None
         if unavailable and hook in unavailable:
             raise SteeringSpecError(field + ".hook", unavailable[hook])
+        if hook in CAPTURE_ONLY:
+            raise SteeringSpecError(field + ".hook", f"{hook} is read only (capture and "
+                                    "readout): steering it is not offered")
         op = item.get("op", "add")
         if op not in OPS:
             raise SteeringSpecError(field + ".op", f"must be one of {', '.join(OPS)}")
@@ -453,6 +473,16 @@ def parse_steering_spec(
         value = _finite_number(item.get("value", 0.0), field + ".value")
         if op == "clamp" and "value" not in item:
             raise SteeringSpecError(field + ".value", "clamp needs a 'value'")
+        width = int((widths or {}).get(hook, hidden_size))
+        try:
+            select = parse_selection(item, field, hook, width, (widths or {}).get(HEADS_KEY))
+        except SelectionError as exc:
+            raise SteeringSpecError(exc.field, exc.reason) from None
+        if select is not None and op != "add":  # the selected slices are zeroed or set
+            if "vector" in item:
+                raise SteeringSpecError(field + ".vector", f"{op} with a selection acts on "
+                                        "the selected slices: it takes no vector")
+            item = {**item, "vector": select.tolist()}
         if "vector" not in item:
             raise SteeringSpecError(field + ".vector", "is required")
         if "layer" not in item and "layers" not in item:
@@ -464,29 +494,29 @@ def parse_steering_spec(
         gate = None
         try:
             if "when" in item:
-                gate = parse_when(item["when"], field + ".when", hidden_size, readers)
+                gate = parse_when(item["when"], field + ".when", width, readers)
             if isinstance(item["vector"], Mapping) and "reader" in item["vector"]:
                 if layers is None:  # a decoder row is one vector, for any layer
                     raise SteeringSpecError(field + ".layer", "is required (or 'layers')")
-                vec = feature_vector(item["vector"], field + ".vector", hidden_size, readers)
+                vec = feature_vector(item["vector"], field + ".vector", width, readers)
                 item = {**item, "vector": vec.tolist()}
         except ConditionError as exc:
             raise SteeringSpecError(exc.field, exc.reason) from None
         if layers is None:
             layers = list(range(num_layers))
             vectors, sources = _resolve_per_layer_name(item["vector"], field + ".vector",
-                                                       hidden_size, lookup, num_layers)
+                                                       width, lookup, num_layers)
             layers = sorted(vectors)
         else:
             vectors, sources = _resolve_vectors(item["vector"], field + ".vector", layers,
-                                                hidden_size, lookup)
+                                                width, lookup)
         for layer in layers:
             vec = vectors[layer]
             _check_one_gate(gates, gate, hook, layer, positions, num_layers, field)
             if op in ("ablate", "clamp"):
                 if float(np.linalg.norm(vec)) == 0.0:
                     raise SteeringSpecError(field + ".vector", f"{op} needs a non-zero vector")
-                vec = unit_vector(vec)
+                vec = vec if select is not None else unit_vector(vec)
                 point = ("resid_pre", layer + 1) if (
                     hook == "resid_post" and layer + 1 < num_layers) else (hook, layer)
                 for pos in (("prompt", "generated") if positions == "all" else (positions,)):
@@ -501,7 +531,7 @@ def parse_steering_spec(
                 vec = vec.astype(np.float32)
             # one array on many layers stays one object: the wire form hashes it once
             ops.append(SteeringOp(hook, layer, op, vec, scale, value, positions,
-                                  *(gate or (None, 0.0)), sources.get(layer)))
+                                  *(gate or (None, 0.0)), sources.get(layer), select))
             if len(ops) > max_ops:
                 raise SteeringSpecError("steering.vectors", f"more than {max_ops} (vector, layer) ops")
     return SteeringSpec(tuple(ops)) if ops else None

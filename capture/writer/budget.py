@@ -15,7 +15,7 @@ from __future__ import annotations
 import enum
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import capsteer.capture.metrics as metrics
 from capsteer.capture.spec import CaptureSpec
@@ -176,7 +176,8 @@ class Budget:
 
 
 def estimate_bytes(
-    spec: CaptureSpec, hidden_size: int, itemsize: int, prompt_tokens: int, max_new_tokens: int
+    spec: CaptureSpec, hidden_size: int, itemsize: int, prompt_tokens: int, max_new_tokens: int,
+    hook_widths: Mapping[str, int] | None = None,
 ) -> int:
     """Upper bound of the row bytes a request will hold, for `admit` and size limits."""
     kind = spec.positions.kind
@@ -189,4 +190,4 @@ def estimate_bytes(
         "last": 1,
         "explicit": len(spec.positions.explicit),
     }[kind]
-    return spec.row_bytes(hidden_size, itemsize) * n
+    return spec.row_bytes(hidden_size, itemsize, hook_widths) * n

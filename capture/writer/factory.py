@@ -60,7 +60,8 @@ def durable_writer(config: dict) -> CaptureSink | None:
 
 
 def sharded_sink(config: dict, model: str, hidden: int,
-                 model_dtype: torch.dtype) -> ShardedSink | None:
+                 model_dtype: torch.dtype, hook_widths: dict[str, int] | None = None,
+                 ) -> ShardedSink | None:
     """An extraction job's shard writer (many requests per file) when configured."""
     job = config.get("sharded")
     if not job:
@@ -68,6 +69,7 @@ def sharded_sink(config: dict, model: str, hidden: int,
     spec = CaptureSpec.from_dict(job["spec"])
     dtype = model_dtype if spec.dtype == "auto" else getattr(torch, spec.dtype)
     writer = ShardedWriter(job["dir"], keys=spec.keys(), hidden_size=hidden, dtype=dtype,
+                           hook_widths=hook_widths,
                            shard_bytes=int(job.get("shard_bytes", 1 << 30)), model=model,
                            spec=spec, job_id=job.get("job_id"),
                            digest=str(job.get("digest", DEFAULT_DIGEST)))

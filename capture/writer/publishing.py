@@ -200,7 +200,8 @@ class Publishing:
             [key_name(*k) for k in cap.key_order],
             timings={"opened_at": cap.opened_at, "closed_at": cap.closed_at}, dtype=dtype,
             model_shape={"model_dtype": DTYPE_NAME.get(req.model_dtype, str(req.model_dtype)),
-                         "num_layers": req.num_layers, "hidden_size": req.hidden_size},
+                         "num_layers": req.num_layers, "hidden_size": req.hidden_size,
+                         **({"hook_widths": dict(req.hook_widths)} if req.hook_widths else {})},
             fields={**staged, "prompt_tokens": len(req.prompt_token_ids), **fields})
 
     def _publish(self, cap: OpenCapture, end: CaptureEnd, started: float) -> Receipt:
@@ -208,7 +209,6 @@ class Publishing:
         fed = len(end.token_ids)
         plans_by_key: dict[Key, list[tuple[Chunk, int, int]]] = {}
         positions: np.ndarray | None = None
-        hidden = req.hidden_size
         for key in cap.key_order:
             runs, kept = plan_key(cap.chunks.get(key, []), spec.positions, cap.prompt_len, fed)
             if positions is None:
@@ -219,8 +219,9 @@ class Publishing:
                     f"other keys {positions.tolist()[:8]}..."
                 )
             for chunk, _, _ in runs:
-                if chunk.hidden != hidden:
-                    raise CaptureDataError(f"{key_name(*key)}: rows of width {chunk.hidden}, model {hidden}")
+                if chunk.hidden != req.width(key[0]):
+                    raise CaptureDataError(f"{key_name(*key)}: rows of width {chunk.hidden}, "
+                                           f"the hook's {req.width(key[0])}")
             plans_by_key[key] = runs
         if positions is None:  # a pipeline stage without keys: a part with no files
             positions = np.zeros(0, np.int64)
@@ -249,11 +250,12 @@ class Publishing:
                         TensorPlan(
                             name,
                             out,
-                            (n, hidden),
+                            (n, req.width(key[0])),
                             lambda key=key: self._pieces(cap, key, plans_by_key[key], out),
                         )
                     )
-                    tensors[name] = {"file": fname, "shape": [n, hidden], "dtype": DTYPE_NAME[out]}
+                    tensors[name] = {"file": fname, "shape": [n, req.width(key[0])],
+                                     "dtype": DTYPE_NAME[out]}
                 f = AtomicFile(cap.path, fname, self.fs, self.digest, direct=self.direct_io)
                 files.append(f)
                 meta = {"format": "pt", "capsteer_capture_id": req.capture_id}

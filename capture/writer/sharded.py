@@ -21,7 +21,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -147,6 +147,7 @@ class ShardedWriter:
         keys: Iterable[Key],
         hidden_size: int,
         dtype: torch.dtype,
+        hook_widths: Mapping[str, int] | None = None,
         shard_bytes: int = 1 << 30,
         model: str | None = None,
         spec: CaptureSpec | None = None,
@@ -161,6 +162,10 @@ class ShardedWriter:
         self.dir = Path(out_dir)
         self.keys = sorted((canonical_hook(h), int(layer)) for h, layer in keys)
         self.hidden = int(hidden_size)
+        # Each key's row width: hidden_size, or its hook's own (mlp_post: d_mlp).
+        self.hook_widths = {h: int(w) for h, w in (hook_widths or {}).items()
+                            if any(h.split(".")[0] == k for k, _ in self.keys)}
+        self.widths = {key: self.hook_widths.get(key[0], self.hidden) for key in self.keys}
         self.dtype = dtype
         self.shard_bytes = int(shard_bytes)
         self.model = model
@@ -171,7 +176,7 @@ class ShardedWriter:
         new_hasher(digest)  # a missing library fails here, not on a flush thread
         self.flush_threads = int(flush_threads)
         self.max_pending = int(max_pending)
-        self._row_bytes = self.hidden * torch.empty(0, dtype=dtype).element_size() * len(self.keys)
+        self._row_bytes = sum(self.widths.values()) * torch.empty(0, dtype=dtype).element_size()
         # _cond guards the buffer, the shards being written, retries and errors;
         # _commit_lock serializes index appends and manifest writes.
         self._cond = threading.Condition()
@@ -254,11 +259,11 @@ class ShardedWriter:
             raise ValueError(f"{rid}: {len(tok)} token ids for {len(pos)} positions")
         for key in self.keys:
             got = pieces.get(key)
-            if got is None or any(p.dim() != 2 or p.shape[1] != self.hidden for p in got) \
+            if got is None or any(p.dim() != 2 or p.shape[1] != self.widths[key] for p in got) \
                     or sum(p.shape[0] for p in got) != len(pos):
                 shape = None if got is None else tuple(got[0].shape) if len(got) == 1 \
                     else [tuple(p.shape) for p in got]
-                raise ValueError(f"{rid}: {key_name(*key)} must be [{len(pos)}, {self.hidden}], "
+                raise ValueError(f"{rid}: {key_name(*key)} must be [{len(pos)}, {self.widths[key]}], "
                                  f"got {shape}")
         with self._cond:
             if rid not in self.done_ids and rid not in self._unindexed:  # else: resumed, already there
@@ -370,7 +375,7 @@ class ShardedWriter:
             tensor_plan("token_ids", torch.from_numpy(np.concatenate([b.token_ids for b in batch]))),
         ]
         for key in self.keys:
-            plans.append(TensorPlan(key_name(*key), self.dtype, (rows, self.hidden),
+            plans.append(TensorPlan(key_name(*key), self.dtype, (rows, self.widths[key]),
                                     lambda key=key: self._row_bytes_of(batch, key)))
         f = AtomicFile(self.dir, shard_name(job.number), self.fs, self.digest)
         try:
@@ -459,6 +464,7 @@ class ShardedWriter:
             "hook_semantics_version": HOOK_SEMANTICS_VERSION,
             "dtype": DTYPE_NAME.get(self.dtype, str(self.dtype)),
             "hidden_size": self.hidden,
+            **({"hook_widths": self.hook_widths} if self.hook_widths else {}),
             "keys": [key_name(*k) for k in self.keys],
             "spec": None if self.spec is None else self.spec.to_dict(),
             "requests": len(self.index),

@@ -100,11 +100,13 @@ def served_family(model_config: object) -> families.Family | None:
     return family
 
 
-def hooks_unavailable(model_config: object) -> dict[str, str]:
-    """The hooks the served model does not have, each with the reason its 400 gives."""
-    return families.unavailable_hooks_of(
+def hooks_unavailable(model_config: object, tensor_parallel_size: int = 1) -> dict[str, str]:
+    """The hooks the served model does not have (or not under this tensor parallelism),
+    each with the reason its 400 gives."""
+    missing = families.unavailable_hooks_of(
         getattr(model_config, "hf_config", None),
         served_family(model_config) is families.TRANSFORMERS_STREAM)
+    return {**families.tensor_parallel_reasons(tensor_parallel_size), **missing}
 
 
 def config_architecture_problem(model_config: object) -> str | None:

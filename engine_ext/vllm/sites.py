@@ -40,6 +40,8 @@ class ModelSites:
     unavailable: tuple[tuple[str, str], ...] = ()
     # Added to the token embedding by position before layer 0 (GPT-2's wpe), else None.
     position_embedding: nn.Module | None = None
+    # Widths of the hooks not hidden_size wide (families.hook_widths: mlp_post's d_mlp).
+    hook_widths: tuple[tuple[str, int], ...] = ()
 
     @property
     def local_sites(self) -> frozenset[int]:
@@ -168,10 +170,22 @@ def find_sites(model: nn.Module, stop_at_layer: int | None = None) -> ModelSites
                       residual_multiplier=_config_float(model, family.residual_multiplier),
                       embedding_multiplier=_config_float(model, family.embedding_multiplier),
                       parallel=parallel,
-                      unavailable=tuple(families.unavailable_hooks(
-                          family, model.config if family is families.TRANSFORMERS_STREAM
-                          else config).items()),
-                      position_embedding=position)
+                      unavailable=tuple({
+                          **families.tensor_parallel_reasons(_tensor_parallel_size()),
+                          **families.unavailable_hooks(
+                              family, model.config if family is families.TRANSFORMERS_STREAM
+                              else config)}.items()),
+                      position_embedding=position,
+                      hook_widths=tuple(families.hook_widths(config).items()))
+
+
+def _tensor_parallel_size() -> int:
+    """This worker's tensor-parallel group size (1 outside vLLM's distributed setup)."""
+    try:  # vLLM's groups exist only inside a worker
+        from vllm.distributed import get_tensor_model_parallel_world_size
+        return int(get_tensor_model_parallel_world_size())
+    except (ImportError, AssertionError, RuntimeError):
+        return 1
 
 
 def _check_stream_layers(arch: str, layers: object) -> None:

@@ -52,6 +52,8 @@ class ServedModel:
     family: families.Family | None = None  # None only where the engine itself refused it
     # Hooks this checkpoint does not have (a parallel block's resid_mid) -> why: a 400.
     unavailable: Mapping[str, str] = field(default_factory=dict)
+    # Widths of the hooks that are not hidden_size wide (mlp_post: d_mlp).
+    hook_widths: Mapping[str, int] = field(default_factory=dict)
 
 
 def served_model(engine_client: object) -> ServedModel:
@@ -63,7 +65,14 @@ def served_model(engine_client: object) -> ServedModel:
                        num_layers=int(hf.num_hidden_layers), hidden_size=int(hf.hidden_size),
                        max_model_len=int(config.max_model_len), dtype=config.dtype,
                        architecture=arch, family=served_family(config),
-                       unavailable=hooks_unavailable(config))
+                       unavailable=hooks_unavailable(config, _tensor_parallel(engine_client)),
+                       hook_widths=families.hook_widths(hf))
+
+
+def _tensor_parallel(engine_client: object) -> int:
+    """The engine's tensor_parallel_size (1 where it does not say)."""
+    parallel = getattr(getattr(engine_client, "vllm_config", None), "parallel_config", None)
+    return int(getattr(parallel, "tensor_parallel_size", 1) or 1)
 
 
 @dataclass(frozen=True)

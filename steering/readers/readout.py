@@ -119,19 +119,22 @@ def _unb64(text: str) -> torch.Tensor:
 
 
 def parse_readout(value: object, *, num_layers: int, hidden_size: int,
-                  lookup: ReaderLookup | None = None) -> list[ReadoutItem]:
-    """Check a request's `readout` list against this model and the reader registry."""
+                  lookup: ReaderLookup | None = None,
+                  widths: Mapping[str, int] | None = None) -> list[ReadoutItem]:
+    """Check a request's `readout` list against this model and the reader registry.
+    `widths`: the hooks not hidden_size wide (mlp_post: d_mlp); a reader reads its hook's."""
     if not isinstance(value, list):
         raise ReadoutSpecError("readout", "expected a list of readout items")
     if not value:
         raise ReadoutSpecError("readout", "empty list; leave `readout` out to read nothing")
     if len(value) > MAX_ITEMS:
         raise ReadoutSpecError("readout", f"at most {MAX_ITEMS} items, got {len(value)}")
-    return [_item(i, item, num_layers, hidden_size, lookup) for i, item in enumerate(value)]
+    return [_item(i, item, num_layers, hidden_size, lookup, widths or {})
+            for i, item in enumerate(value)]
 
 
 def _item(i: int, item: object, num_layers: int, hidden_size: int,
-          lookup: ReaderLookup | None) -> ReadoutItem:
+          lookup: ReaderLookup | None, widths: Mapping[str, int]) -> ReadoutItem:
     at = f"readout[{i}]"
     if not isinstance(item, dict):
         raise ReadoutSpecError(at, "expected an object")
@@ -141,9 +144,19 @@ def _item(i: int, item: object, num_layers: int, hidden_size: int,
                                f"unknown field; accepted: {', '.join(ITEM_KEYS)}")
     if "reader" not in item:
         raise ReadoutSpecError(f"{at}.reader", 'required: {"name": ...} or an inline probe')
-    shape, probe = _reader(item["reader"], f"{at}.reader", hidden_size, lookup)
+    asked = _hook(item["hook"], f"{at}.hook") if "hook" in item else None
+    shape, probe = _reader(item["reader"], f"{at}.reader",
+                           widths.get(asked, hidden_size) if asked else hidden_size, lookup)
     default_hook, default_layer = _recorded_site(shape.hook_name)
-    hook = _hook(item.get("hook", default_hook), f"{at}.hook")
+    hook = asked or _hook(default_hook, f"{at}.hook")
+    width = widths.get(hook, hidden_size)
+    if shape.d_in != width:
+        named = isinstance(item["reader"], dict) and "name" in item["reader"]
+        raise ReadoutSpecError(f"{at}.reader" + (".name" if named else ""),
+                               f"the reader reads width {shape.d_in}; "
+                               f"{hook} of this model has width {width}"
+                               + (f" (its hidden size is {hidden_size})"
+                                  if width == hidden_size else ""))
     if "layer" in item:
         layer = _layer(item["layer"], num_layers, f"{at}.layer")
     elif default_layer is not None and hook == default_hook:
@@ -185,10 +198,7 @@ def _reader(value: object, at: str, hidden_size: int,
             raise ReadoutSpecError(f"{at}.name", f"unknown reader {name!r}") from None
         except errors.InvalidInput as exc:
             raise ReadoutSpecError(f"{at}.name", str(exc)) from None
-        if shape.d_in != hidden_size:
-            raise ReadoutSpecError(f"{at}.name", f"reader {name!r} reads width {shape.d_in}; "
-                                                 f"this model's hidden size is {hidden_size}")
-        return shape, None
+        return shape, None  # its width is checked against its hook's (_item)
     return _inline_probe(value, at, hidden_size)
 
 

@@ -65,7 +65,8 @@ def feed(
     p = len(req.prompt_token_ids)
     fed_len = p + max(0, generated - 1)
     refs = {
-        k: reference_rows(req.capture_id, k, fed_len, req.hidden_size, req.model_dtype) for k in spec.keys()
+        k: reference_rows(req.capture_id, k, fed_len, req.width(k[0]), req.model_dtype)
+        for k in spec.keys()
     }
 
     def send(lo: int, hi: int, wrong: bool = False) -> None:

@@ -401,3 +401,26 @@ def test_dated_receipts_are_read_where_the_payload_put_them(writer, root):
         assert tracker._scan(where) == {"dated-1": on_disk, "elsewhere": other}
 
     asyncio.run(scans())
+
+
+def test_a_hook_wider_than_the_stream_is_published_at_its_own_width(writer, root):
+    """mlp_post's rows are d_mlp wide (the request's hook_widths), the stream's hidden
+    wide: each tensor and the manifest say so, and the rows round-trip exactly."""
+    import dataclasses
+
+    spec = make_spec(hooks={"mlp_post": [1], "resid_post": [1]}, layout="packed")
+    req = dataclasses.replace(make_request("wide", spec, 5),
+                              hook_widths=(("mlp_post", 40), ("attn_z", 16)))
+    end, refs = feed(writer, req, 3)
+    writer.close(end)
+    receipt = writer.future("wide").result(timeout=30)
+    assert receipt.status == "ok", receipt.error
+    cap_dir = root / receipt.dir
+    manifest = json.loads((cap_dir / "manifest.json").read_text())
+    assert manifest["hook_widths"] == {"mlp_post": 40, "attn_z": 16}
+    loaded = {}
+    for entry in manifest["files"]:
+        loaded.update(load_file(cap_dir / entry["name"]))
+    assert loaded["mlp_post.1"].shape == (len(end.token_ids), 40)
+    assert loaded["resid_post.1"].shape == (len(end.token_ids), 16)
+    torch.testing.assert_close(loaded["mlp_post.1"], refs[("mlp_post", 1)], rtol=0, atol=0)

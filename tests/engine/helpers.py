@@ -44,7 +44,9 @@ def vector(seed: int, norm: float = 1.0) -> list[float]:
     return (v / np.linalg.norm(v) * norm).tolist()
 
 
-ALL_HOOKS = {"hooks": list(HOOKS), "layers": "all", "positions": "all"}
+# Every hook a dense model has (router_logits: MoE families only).
+DENSE_HOOKS = [h for h in HOOKS if h != "router_logits"]
+ALL_HOOKS = {"hooks": DENSE_HOOKS, "layers": "all", "positions": "all"}
 ATOL = 1e-4
 
 

@@ -6,9 +6,16 @@ import numpy as np
 import pytest
 
 from capsteer.engine import Request
-from capsteer.hooks import HOOKS
 
-from .helpers import ALL_HOOKS, assert_matches_hf, capsteer_engine, fed_tokens, greedy, token_prompt
+from .helpers import (
+    ALL_HOOKS,
+    DENSE_HOOKS,
+    assert_matches_hf,
+    capsteer_engine,
+    fed_tokens,
+    greedy,
+    token_prompt,
+)
 
 pytestmark = pytest.mark.engine
 
@@ -26,7 +33,8 @@ def test_all_hooks_layers_positions_equal_hf(engine_pool, model_dirs, hf_models,
     hf = hf_models[family]
     for res in results:
         caps = res.captures
-        assert sorted(caps.tensors) == sorted((h, layer) for h in HOOKS for layer in range(4))
+        assert sorted(caps.tensors) == sorted((h, layer) for h in DENSE_HOOKS
+                                              for layer in range(4))
         np.testing.assert_array_equal(caps.positions, np.arange(len(fed_tokens(res))))
         assert assert_matches_hf(hf, res) > 0
 

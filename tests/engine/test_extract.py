@@ -24,6 +24,7 @@ from .helpers import extraction_records
 
 pytestmark = [pytest.mark.engine, pytest.mark.uses_engine("extract")]
 HIDDEN = 128  # the qwen3 demo model's hidden size
+D_MLP = 256  # its intermediate size: mlp_post's width
 # vLLM's own flags, with vLLM's meanings: --dtype is the model's (a float32 checkpoint
 # would run in bfloat16 under vLLM's "auto").
 FLAGS = ["--dtype", "float32", "--max-model-len", "512", "--gpu-memory-utilization", "0.15",
@@ -53,7 +54,8 @@ def resumed_job(tmp_path_factory, model_dirs, engine_pool):
     inp.write_text("".join(json.dumps(r) + "\n" for r in records))
     out = tmp_path / "job"
     cmd = [sys.executable, "-m", "capsteer.cli", "extract", model_dirs["qwen3"], "--input",
-           str(inp), "--output", str(out), "--hooks", "resid_post,mlp_out,mlp_in", "--layers", "all",
+           str(inp), "--output", str(out), "--hooks", "resid_post,mlp_out,mlp_in,mlp_post",
+           "--layers", "all",
            "--positions", "prompt", "--shard-size", "16KiB", "--digest", "blake3", "--no-progress",
            *FLAGS]
     log = open(tmp_path / "killed.log", "wb")
@@ -69,7 +71,8 @@ def resumed_job(tmp_path_factory, model_dirs, engine_pool):
     done_before = {e["id"] for e in _index(out)}
     assert 8 <= len(done_before) < len(records), "the job was not killed mid-run"
 
-    result = extract(model_dirs["qwen3"], inp, out, hooks=["resid_post", "mlp_out", "mlp_in"],
+    result = extract(model_dirs["qwen3"], inp, out,
+                     hooks=["resid_post", "mlp_out", "mlp_in", "mlp_post"],
                      layers="all", positions="prompt", shard_size=16 << 10, progress=False,
                      digest="blake3",
                      capture_dtype="auto", dtype="float32", max_model_len=512,
@@ -92,6 +95,9 @@ def test_killed_job_resumes_to_exactly_once_and_equals_hf(resumed_job, hf_models
         tensors = load_file(out / shard["name"])
         assert {"positions", "token_ids", "resid_post.0", "mlp_out.3", "mlp_in.2"} <= set(tensors)
         assert tensors["resid_post.0"].dtype == torch.float32  # --dtype float32: the model's
+        # mlp_post's rows are d_mlp wide (the manifest says so), the stream's hidden wide
+        assert tensors["mlp_post.2"].shape[1] == D_MLP and tensors["mlp_in.2"].shape[1] == HIDDEN
+    assert job.manifest["hook_widths"] == {"mlp_post": D_MLP}
 
     hf = hf_models["qwen3"]
     for rec in records[::7]:
@@ -99,7 +105,8 @@ def test_killed_job_resumes_to_exactly_once_and_equals_hf(resumed_job, hf_models
         prompt_ids = [int(t) for t in got["token_ids"]]
         assert list(got["positions"]) == list(range(len(prompt_ids)))
         ref = hf_activations(hf, prompt_ids, prompt_len=len(prompt_ids))
-        for key in (("resid_post", 0), ("resid_post", 3), ("mlp_out", 1), ("mlp_in", 1)):
+        for key in (("resid_post", 0), ("resid_post", 3), ("mlp_out", 1), ("mlp_in", 1),
+                    ("mlp_post", 1)):
             torch.testing.assert_close(torch.as_tensor(got[key]).float(), ref[key],
                                        atol=1e-4, rtol=1e-4)
 
@@ -237,7 +244,36 @@ def test_a_transcoder_trains_from_one_jobs_mlp_in_and_mlp_out(resumed_job, hf_mo
     assert after < 0.3 < before, (before, after)  # seen (HF's rows): 2.28 -> 0.09
 
 
-STOPPED_HOOKS = ["resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out", "mlp_in"]
+def test_an_export_holds_mlp_post_at_its_own_width(resumed_job, hf_models, tmp_path):
+    """mlp_post (TL's mlp.hook_post, d_mlp wide) beside mlp_out in one SAELens export:
+    each column has its own d_in, and the rows are the MLP's own (its output projection
+    maps each mlp_post row to its mlp_out row)."""
+    import datasets
+
+    from capsteer.capture.export import export_sae_lens
+
+    out, _, _, _ = resumed_job
+    export = export_sae_lens(out, tmp_path / "post", keys=[("mlp_post", 2), ("mlp_out", 2)],
+                             context_size=16, progress=False)
+    src, dst = "blocks.2.mlp.hook_post", "blocks.2.hook_mlp_out"
+    assert list(export.columns) == [src, dst]
+    assert export.d_ins == {src: D_MLP, dst: HIDDEN}
+    assert export.sae_lens_config(src)["d_in"] == D_MLP
+    assert export.sae_lens_config(dst)["d_in"] == HIDDEN
+    ds = datasets.load_from_disk(str(export.path))
+    assert ds.features[src].shape == (16, D_MLP)
+    ds.set_format("torch", columns=[src, dst])
+    rows = ds[0:len(ds)]
+    x, y = rows[src].reshape(-1, D_MLP), rows[dst].reshape(-1, HIDDEN)
+    with torch.no_grad():
+        down = hf_models["qwen3"].model.layers[2].mlp.down_proj
+        torch.testing.assert_close(down(x[:512]), y[:512], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(x[:64], torch.stack(
+        [r["activation"] for r in open_job(out, "mlp_post", 2)][:64]))
+
+
+STOPPED_HOOKS = ["resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out", "mlp_in",
+                 "mlp_post", "attn_z"]
 
 
 @pytest.fixture(scope="module", params=["qwen3", "granite", "gpt2"])

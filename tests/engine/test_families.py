@@ -46,8 +46,12 @@ STREAM_ONLY = list(STREAM_ONLY_FAMILIES)
 # One steering point per way a hook is read: stream at a layer input / resid_mid module /
 # final norm, and both sublayer outputs.
 STEER_POINTS = [("resid_post", 1), ("resid_pre", 2), ("resid_mid", 0), ("attn_out", 2),
-                ("mlp_out", 1), ("resid_post", 3), ("mlp_in", 2)]
+                ("mlp_out", 1), ("resid_post", 3), ("mlp_in", 2), ("mlp_post", 2),
+                ("attn_z", 1)]
 PARALLEL = ("gpt_neox", "cohere")  # parallel blocks: no resid_mid
+MOE = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "gpt_oss")  # no mlp_post
+D_MLP = 256  # the demo model's intermediate size: mlp_post's width
+HEADS, D_HEAD = 4, 32  # the demo model's attention: attn_z is [4, 32] per token (128 wide)
 
 
 def _steer_points(engine) -> list[tuple[str, int]]:
@@ -63,6 +67,21 @@ def test_every_hook_layer_position_equals_hf(engine_pool, model_dirs, hf_models,
     assert ("resid_mid" in engine.unavailable) == (engine_name in (*PARALLEL, *STREAM_ONLY))
     assert ("attn_out" in engine.unavailable) == (engine_name in STREAM_ONLY)
     assert ("mlp_in" in engine.unavailable) == (engine_name in ("olmo2", *STREAM_ONLY))
+    assert ("mlp_post" in engine.unavailable) == (engine_name in (*MOE, *STREAM_ONLY))
+    assert ("router_logits" in engine.unavailable) == (engine_name not in MOE)
+    if engine_name in MOE:
+        assert "mixture of experts" in engine.unavailable["mlp_post"]
+        assert engine.hook_widths["router_logits"] == 4  # the demo MoE's experts
+        with pytest.raises(SteeringSpecError, match="read only") as info:  # capture only
+            engine.generate([Request(prompt_token_ids=token_prompt(5, 6), sampling=greedy(1),
+                                     steering={"vectors": [{"hook": "router_logits",
+                                                            "layer": 0, "vector": [1.0] * 4}]})])
+        assert info.value.field == "steering.vectors[0].hook"
+    else:
+        assert engine.hook_widths["mlp_post"] == D_MLP
+    assert ("attn_z" in engine.unavailable) == (engine_name in STREAM_ONLY)
+    assert (engine.hook_widths["attn_z"], engine.hook_widths["attn_z.heads"]) == (
+        HEADS * D_HEAD, HEADS)
     hooks = [h for h in HOOKS if h not in engine.unavailable]
     every = {**ALL_HOOKS, "hooks": hooks}
     results = engine.generate([
@@ -127,9 +146,10 @@ def test_a_model_without_a_family_row_offers_the_stream_only(engine_pool, model_
     starts (its canary passed) with resid_pre / resid_post; asking for a sublayer or
     resid_mid is refused with the reason."""
     engine = capsteer_engine(engine_pool, model_dirs, engine_name)
-    assert sorted(engine.unavailable) == ["attn_out", "mlp_in", "mlp_out", "resid_mid"]
+    assert sorted(engine.unavailable) == ["attn_out", "attn_z", "mlp_in", "mlp_out", "mlp_post",
+                                          "resid_mid", "router_logits"]
     prompt = token_prompt(4, 10)
-    for hook in ("attn_out", "mlp_out", "resid_mid", "mlp_in"):
+    for hook in ("attn_out", "mlp_out", "resid_mid", "mlp_in", "mlp_post", "attn_z"):
         with pytest.raises(SpecError, match="Transformers backend") as info:
             engine.generate([Request(prompt_token_ids=prompt, sampling=greedy(2),
                                      capture={"hooks": [hook], "layers": "all"})])
@@ -148,8 +168,19 @@ def test_a_model_without_a_family_row_offers_the_stream_only(engine_pool, model_
 
 
 def _steering(hook: str, layer: int) -> dict:
+    """Adds a unit vector times 8 (mlp_post: a d_mlp-wide one times 32, its neurons move
+    the stream less than a hidden-wide vector)."""
+    if hook == "mlp_post":
+        return {"vectors": [{"hook": hook, "layer": layer, "scale": 32.0,
+                             "vector": wide_vector(7 * layer + len(hook))}]}
     return {"vectors": [{"hook": hook, "layer": layer, "vector": vector(7 * layer + len(hook)),
                          "scale": 8.0}]}
+
+
+def wide_vector(seed: int) -> list[float]:
+    """A unit vector of mlp_post's width (d_mlp)."""
+    v = np.random.default_rng(seed).standard_normal(D_MLP)
+    return (v / np.linalg.norm(v)).tolist()
 
 
 @pytest.mark.parametrize("engine_name", FAMILIES + STREAM_ONLY_FAMILIES)
@@ -175,7 +206,8 @@ def _check_steering_equals_hf(engine, hf, prompt: list[int], cases: dict,
         + [Request(prompt_token_ids=prompt, sampling=sampling, steering=s)
            for s in cases.values()])
     references = [hf_greedy(hf, prompt, MAX_TOKENS, steering=parse_steering_spec(
-        s, num_layers=LAYERS, hidden_size=HIDDEN)) for s in cases.values()]
+        s, num_layers=LAYERS, hidden_size=HIDDEN, widths=engine.hook_widths))
+        for s in cases.values()]
     forced = engine.generate([
         Request(prompt_token_ids=prompt + ref_tokens,
                 sampling={"max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0},
@@ -228,3 +260,104 @@ def test_steering_mlp_in_edits_the_mlps_input_only(engine_pool, model_dirs, hf_m
     comp = got[("mlp_in", 1)] @ torch.tensor(v)
     torch.testing.assert_close(comp, torch.full_like(comp, 24.0), atol=1e-4, rtol=0)
     assert not torch.allclose(got[("mlp_out", 1)], was[("mlp_out", 1)])
+
+
+@pytest.mark.parametrize("engine_name", ["qwen3", "gpt2", *PARALLEL, "starcoder2"])
+def test_steering_mlp_post_and_its_neurons_equals_hf(engine_pool, model_dirs, hf_models,
+                                                     engine_name):
+    """mlp_post (the MLP's hidden activations, d_mlp wide) steered by add / ablate / clamp
+    of a d_mlp vector, and by selections of neurons (ablate zeroes them, clamp sets them,
+    add adds only there), equals an HF forward pre-hook on the output projection doing the
+    same. A selection changes the selected neurons only: captured at the steered layer,
+    every other neuron equals the unsteered run's, and mlp_out moves."""
+    engine = capsteer_engine(engine_pool, model_dirs, engine_name)
+    hf = hf_models[engine_name]
+    v = wide_vector(81)
+    neurons = sorted(np.random.default_rng(82).choice(D_MLP, 48, replace=False).tolist())
+    item = {"hook": "mlp_post", "layer": 1}
+    cases = {
+        "add": {"vectors": [{**item, "vector": v, "scale": 48.0}]},
+        "ablate": {"vectors": [{**item, "vector": v, "op": "ablate"}]},
+        "clamp": {"vectors": [{**item, "vector": v, "op": "clamp", "value": 40.0}]},
+        "ablate-neurons": {"vectors": [{**item, "op": "ablate", "neurons": neurons}]},
+        "clamp-neurons": {"vectors": [{**item, "op": "clamp", "value": 6.0,
+                                       "neurons": neurons}]},
+        "add-neurons": {"vectors": [{**item, "vector": v, "scale": 96.0, "neurons": neurons}]},
+    }
+    _check_steering_equals_hf(engine, hf, token_prompt(83, 9), cases,
+                              unchanged_ok=frozenset({"ablate", "ablate-neurons"}))
+    capture = {"hooks": ["mlp_in", "mlp_post", "mlp_out"], "layers": [1], "positions": "all"}
+    prompt = token_prompt(84, 12)
+    picked = [name for name in cases if name.endswith("-neurons")]
+    plain, *steered = engine.generate(
+        [Request(prompt_token_ids=prompt, sampling=greedy(1), capture=capture)]
+        + [Request(prompt_token_ids=prompt, sampling=greedy(1), capture=capture,
+                   steering=cases[name]) for name in picked])
+    was = plain.captures.tensors
+    assert was[("mlp_post", 1)].shape == (len(prompt), D_MLP)
+    assert assert_matches_hf(hf, plain) > 0
+    others = np.setdiff1d(np.arange(D_MLP), neurons)
+    for name, res in zip(picked, steered, strict=True):
+        spec = parse_steering_spec(cases[name], num_layers=LAYERS, hidden_size=HIDDEN,
+                                   widths=engine.hook_widths)
+        assert assert_matches_hf(hf, res, steering=spec) > 0
+        got = res.captures.tensors
+        torch.testing.assert_close(got[("mlp_in", 1)], was[("mlp_in", 1)], atol=1e-5, rtol=1e-5)
+        post, before = got[("mlp_post", 1)], was[("mlp_post", 1)]
+        torch.testing.assert_close(post[:, others], before[:, others], atol=1e-5, rtol=1e-5)
+        want = {"ablate-neurons": torch.zeros_like(before[:, neurons]),
+                "clamp-neurons": torch.full_like(before[:, neurons], 6.0),
+                "add-neurons": before[:, neurons] + 96.0 * torch.tensor(v)[neurons]}[name]
+        torch.testing.assert_close(post[:, neurons], want, atol=1e-4, rtol=1e-5)
+        assert not torch.allclose(got[("mlp_out", 1)], was[("mlp_out", 1)])
+
+
+@pytest.mark.parametrize("engine_name", ["qwen3", "gpt2", *PARALLEL, "gpt_oss"])
+def test_steering_attn_z_and_its_heads_equals_hf(engine_pool, model_dirs, hf_models,
+                                                 engine_name):
+    """attn_z (every head's output before the output projection, [heads, d_head] per
+    token, stored flat) steered by add / ablate / clamp, and by selections of heads
+    (head ablation zeroes the head's d_head slice), equals an HF forward pre-hook on the
+    attention's output projection doing the same; a selection changes the selected heads
+    only, and attn_out moves."""
+    engine = capsteer_engine(engine_pool, model_dirs, engine_name)
+    hf = hf_models[engine_name]
+    width = HEADS * D_HEAD
+    v = vector(91)
+    item = {"hook": "attn_z", "layer": 1}
+    cases = {
+        "add": {"vectors": [{**item, "vector": v, "scale": 24.0}]},
+        "clamp": {"vectors": [{**item, "vector": v, "op": "clamp", "value": 20.0}]},
+        "ablate-heads": {"vectors": [{**item, "op": "ablate", "heads": [0, 2]}]},
+        "clamp-heads": {"vectors": [{**item, "op": "clamp", "value": 3.0, "heads": [1]}]},
+        "add-heads": {"vectors": [{**item, "vector": v, "scale": 48.0, "heads": [3]}]},
+    }
+    _check_steering_equals_hf(engine, hf, token_prompt(92, 9), cases,
+                              unchanged_ok=frozenset({"ablate-heads", "clamp-heads"}))
+    capture = {"hooks": ["attn_z", "attn_out"], "layers": [1], "positions": "all"}
+    prompt = token_prompt(93, 12)
+    picked = [name for name in cases if name.endswith("-heads")]
+    plain, *steered = engine.generate(
+        [Request(prompt_token_ids=prompt, sampling=greedy(1), capture=capture)]
+        + [Request(prompt_token_ids=prompt, sampling=greedy(1), capture=capture,
+                   steering=cases[name]) for name in picked])
+    was = plain.captures.tensors[("attn_z", 1)].reshape(len(prompt), HEADS, D_HEAD)
+    assert assert_matches_hf(hf, plain) > 0
+    heads_of = {"ablate-heads": [0, 2], "clamp-heads": [1], "add-heads": [3]}
+    for name, res in zip(picked, steered, strict=True):
+        spec = parse_steering_spec(cases[name], num_layers=LAYERS, hidden_size=HIDDEN,
+                                   widths=engine.hook_widths)
+        assert assert_matches_hf(hf, res, steering=spec) > 0
+        got = res.captures.tensors[("attn_z", 1)]
+        assert got.shape == (len(prompt), width)
+        got = got.reshape(len(prompt), HEADS, D_HEAD)
+        sel = heads_of[name]
+        rest = [h for h in range(HEADS) if h not in sel]
+        torch.testing.assert_close(got[:, rest], was[:, rest], atol=1e-5, rtol=1e-5)
+        want = {"ablate-heads": torch.zeros_like(was[:, sel]),
+                "clamp-heads": torch.full_like(was[:, sel], 3.0),
+                "add-heads": was[:, sel] + 48.0 * torch.tensor(v).reshape(HEADS, D_HEAD)[sel]
+                }[name]
+        torch.testing.assert_close(got[:, sel], want, atol=1e-4, rtol=1e-5)
+        assert not torch.allclose(res.captures.tensors[("attn_out", 1)],
+                                  plain.captures.tensors[("attn_out", 1)])

@@ -122,3 +122,44 @@ def test_durable_capture_is_one_receipt_written_once(engine_pool, model_dirs, hf
             torch.testing.assert_close(on_disk.tensor(hook, layer).float(),
                                        ref[(hook, layer)][: len(fed)].float(),
                                        atol=1e-4, rtol=1e-4)
+
+
+def test_sublayer_hooks_under_parallelism(engine_pool, model_dirs, hf_models, capture_root,
+                                          engine_name):
+    """PP=2: each stage reads the inner sites (mlp_in, mlp_post, attn_z) of its own layers;
+    captures and a neuron ablation equal HF. TP=2: mlp_post and attn_z are split across
+    the ranks, so capturing or steering them is a 400 naming the hook and why (never one
+    rank's slice); mlp_in, which every rank holds whole, is captured and equals HF."""
+    from capsteer.capture.spec import SpecError
+    from capsteer.steering.spec import SteeringSpecError
+
+    engine = parallel_engine(engine_pool, model_dirs, capture_root, engine_name)
+    prompt = token_prompt(31, 20)
+    tp = engine_name == "qwen3-tp2"
+    wide = ["mlp_post", "attn_z"]
+    if tp:
+        for hook in wide:
+            assert "tensor parallelism" in engine.unavailable[hook]
+            with pytest.raises(SpecError, match="tensor_parallel_size=2") as info:
+                engine.generate([Request(prompt_token_ids=prompt, sampling=greedy(2),
+                                         capture={"hooks": [hook], "layers": [1]})])
+            assert info.value.field == f"capture.hooks.{hook}"
+            with pytest.raises(SteeringSpecError, match="split across the ranks"):
+                engine.generate([Request(prompt_token_ids=prompt, sampling=greedy(2),
+                                         steering={"vectors": [{"hook": hook, "layer": 1,
+                                                                "op": "ablate",
+                                                                "neurons" if hook == "mlp_post"
+                                                                else "heads": [0]}]})])
+    hooks = ["mlp_in"] if tp else ["mlp_in", *wide]
+    steering = None if tp else {"vectors": [{"hook": "mlp_post", "layer": 3, "op": "ablate",
+                                             "neurons": list(range(0, 256, 3))}]}
+    (res,) = engine.generate([Request(prompt_token_ids=prompt, sampling=greedy(6),
+                                      capture={"hooks": hooks, "layers": "all",
+                                               "positions": "all"}, steering=steering)])
+    assert sorted(res.captures.tensors) == sorted((h, layer) for h in hooks
+                                                  for layer in range(LAYERS))
+    spec = None if steering is None else parse_steering_spec(
+        steering, num_layers=LAYERS, hidden_size=HIDDEN, widths=engine.hook_widths)
+    assert assert_matches_hf(hf_models["qwen3"], res, steering=spec) > 0
+    if not tp:  # the ablated neurons are zero where the last stage read them
+        assert not res.captures.tensors[("mlp_post", 3)][:, ::3].any()

@@ -83,7 +83,8 @@ def main() -> None:
 
     prompts = [[int(t) for t in torch.randint(5, 700, (n,), generator=gen)] for n in
                (37, 300, 12, 90, 150, 64)]
-    all_hooks = {"hooks": list(HOOKS), "layers": "all", "positions": "all"}
+    all_hooks = {"hooks": [h for h in HOOKS if h not in engine.unavailable], "layers": "all",
+                 "positions": "all"}
     steer_add = {"vectors": [{"hook": "resid_post", "layer": layers // 2, "vector": vec(),
                               "scale": 40.0}]}
     steer_clamp = {"vectors": [{"hook": "resid_mid", "layer": 1, "vector": vec(), "op": "clamp",

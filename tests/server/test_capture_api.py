@@ -270,14 +270,20 @@ def test_hooks_endpoint(server, http):
     assert body["num_layers"] == 4 and body["hidden_size"] == 128 and body["dtype"] == "float32"
     names = {h["name"]: h for h in body["hooks"]}
     assert set(names) == {"resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out",
-                          "mlp_in"}
+                          "mlp_in", "mlp_post", "attn_z", "router_logits"}
     assert names["resid_post"]["aliases"] == ["post_block"]
     assert body["family"] == "qwen3" and body["architecture"] == "Qwen3ForCausalLM"
-    for hook in names.values():
-        assert hook["layers"] == [0, 1, 2, 3]
+    for hook in names.values():  # qwen3's MLP is dense: it has no router
+        assert hook["layers"] == ([] if hook["name"] == "router_logits" else [0, 1, 2, 3])
+    assert "dense" in names["router_logits"]["unavailable"]
+    assert names["router_logits"]["capture_only"] is True
     assert names["resid_mid"]["hf_module"] == "model.layers[L].post_attention_layernorm input"
     assert names["mlp_in"]["aliases"] == ["ln2.hook_normalized"]
     assert names["mlp_in"]["transformer_lens"] == "blocks.L.ln2.hook_normalized"
+    assert names["mlp_post"]["transformer_lens"] == "blocks.L.mlp.hook_post"
+    assert names["mlp_post"]["width"] == 256 and names["mlp_post"]["selects"] == "neurons"
+    assert names["resid_post"]["width"] == 128
+    assert names["attn_z"]["shape"] == [4, 32] and names["attn_z"]["selects"] == "heads"
 
 
 def test_openapi_documents_the_fields(server):

@@ -19,7 +19,9 @@ json_scalars = st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.float
 json_values = st.recursive(json_scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
     st.text(max_size=8), inner, max_size=4), max_leaves=12)
 hook_names = st.sampled_from(["resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out",
-                              "mlp_in", "ln2.hook_normalized", "post_block", "pre_attn",
+                              "mlp_in", "ln2.hook_normalized", "mlp_post", "mlp.hook_post",
+                              "attn_z", "attn.hook_z", "router_logits",
+                              "post_block", "pre_attn",
                               "post_mlp", "", "RESID_POST"])
 layers = st.one_of(st.sampled_from(["all", "0-3", "1:3", "-1", "3-1", "a-b", "0:"]),
                    st.integers(-6, 6), st.lists(st.integers(-6, 6), max_size=4))

@@ -26,12 +26,14 @@ def probe_readers(seed: int = 0, outputs: int = 2, activation: str = "none"):
     return {"probe": probe}.__getitem__
 
 
-def hooks_for(req_id, prompt_len, capture=None, steering=None, rt=None, readers=None):
+def hooks_for(req_id, prompt_len, capture=None, steering=None, rt=None, readers=None,
+              widths=None):
     extra = {"capsteer": {}}
     if capture is not None:
         extra["capsteer"]["capture"] = parse_capture_spec(capture, num_layers=LAYERS).to_dict()
         extra["capsteer"]["capture_id"] = "cap-" + req_id
     if steering is not None:
         extra["capsteer"]["steering"] = parse_steering_spec(
-            steering, num_layers=LAYERS, hidden_size=HIDDEN, readers=readers).to_dict()
+            steering, num_layers=LAYERS, hidden_size=HIDDEN, readers=readers,
+            widths=widths).to_dict()
     return RequestHooks.from_extra_args(req_id, extra, prompt_len, rt or runtime())

@@ -97,6 +97,66 @@ def run(dtype: torch.dtype, layout: str, device: str = "cpu") -> None:
     assert results[0][3].abs().sum() > 0
 
 
+WIDE = 2 * HIDDEN + 8  # mlp_post's width here: the tables' rows are wider than the stream's
+
+
+def run_wide(dtype: torch.dtype, device: str = "cpu") -> None:
+    """A hook wider than the stream (mlp_post, d_mlp) with neuron selections, beside stream
+    sites, in tables as wide as the widest hook: the kernel equals the torch reference,
+    clamps and ablates only the selected neurons, adds only at the selected ones, and
+    copies each site's own width."""
+    results = []
+    widths = {"mlp_post": WIDE}
+    picked = [0, 5, WIDE - 1]
+    for use_kernel in (True, False):
+        rt = HookRuntime(LAYERS, HIDDEN, dtype, torch.device(device), max_tokens=64,
+                         staging_rows=256, device_driven=True, hook_widths=widths)
+        assert rt.width == WIDE and rt.u.shape[1] == WIDE
+        reqs = {
+            "g": hooks_for("g", 2, rt=rt, widths=widths, capture={
+                "hooks": ["mlp_post", "resid_pre"], "layers": [1], "positions": "all"},
+                steering={"vectors": [
+                    {"hook": "mlp_post", "layer": 1, "op": "clamp", "value": 2.0,
+                     "neurons": picked},
+                    {"hook": "mlp_post", "layer": 1, "vector": [0.5] * WIDE, "neurons": [7]},
+                    {"hook": "resid_pre", "layer": 1, "vector": [0.25] * HIDDEN},
+                    {"hook": "mlp_post", "layer": 2, "op": "ablate",
+                     "vector": [0.0, 0.0, 0.0, 1.0] + [0.0] * (WIDE - 4)}]}),
+            "h": hooks_for("h", 3, rt=rt, widths=widths, capture={
+                "hooks": ["mlp_post"], "layers": [1, 2], "positions": "all"}),
+        }
+        plan = build_step_plan(["plain", "g", "h"], np.array([0, 2, 4, 7]),
+                               np.array([0, 0, 0]), reqs, None, host_steering=False)
+        rt.set_plan(plan, 7)
+        gen = torch.Generator().manual_seed(2)
+        stream = torch.randn(7, HIDDEN, generator=gen).to(dtype).to(device)
+        hid = [torch.randn(7, WIDE, generator=gen).to(dtype).to(device) for _ in range(LAYERS)]
+        before = [h.clone() for h in hid]
+        tap = functools.partial(tap_kernel.tap, rt) if use_kernel else rt._tap_dense_torch
+        for site in range(2 * LAYERS + 1):
+            tap(stream, None, site, STREAM_BIT)
+        for layer in range(LAYERS):
+            tap(hid[layer], None, inner_site("mlp_post", layer, LAYERS), SUB_BIT)
+        g = slice(2, 4)
+        others = [i for i in range(WIDE) if i not in picked and i != 7]
+        assert torch.equal(hid[1][:2], before[1][:2]) and torch.equal(hid[1][4:], before[1][4:])
+        assert torch.equal(hid[1][g][:, others], before[1][g][:, others])
+        assert torch.allclose(hid[1][g][:, picked].float(), torch.full((2, 3), 2.0))
+        assert torch.allclose(hid[1][g][:, 7].float(), before[1][g][:, 7].float() + 0.5,
+                              atol=2e-2)
+        assert torch.equal(hid[2][g][:, 3], torch.zeros_like(hid[2][g][:, 3]))
+        assert torch.equal(hid[2][g][:, 4:], before[2][g][:, 4:])
+        post1 = inner_site("mlp_post", 1, LAYERS)
+        off = plan.staging_offset[(0, post1)]
+        # g's two rows then h's three, each the whole d_mlp row as steered
+        torch.testing.assert_close(rt.staging[off: off + 5, :WIDE].cpu(), hid[1][2:7].cpu())
+        results.append((stream.cpu(), *[h.cpu() for h in hid],
+                        rt.staging[: plan.staging_rows].cpu()))
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    for got, want in zip(results[0], results[1], strict=True):
+        torch.testing.assert_close(got, want, **tol)
+
+
 def check_expand() -> None:
     """The one-launch row expansion equals searchsorted + gather (what the runtime's torch
     path runs) on random batches (requests ending on the same row, padding rows, more rows
@@ -125,6 +185,7 @@ if __name__ == "__main__":
     for dt in (torch.float32, torch.bfloat16):
         for layout in ("deferred", "materialized"):
             run(dt, layout)
+        run_wide(dt)
     check_expand()
     print("ok")
     sys.exit(0)

@@ -238,7 +238,7 @@ def test_the_wire_form_carries_the_gate_and_the_salt_tells_it_apart(registry):
     back = SteeringSpec.from_wire(gated.wire_text)
     np.testing.assert_array_equal(back.ops[0].gate, gated.ops[0].gate)
     assert back.ops[0].gate_bias == gated.ops[0].gate_bias and back.sharing_key == gated.sharing_key
-    ((key, (_, _, _, gate)), *_) = compose_entries(back, HIDDEN, LAYERS).items()
+    ((key, (_, _, _, gate, _)), *_) = compose_entries(back, HIDDEN, LAYERS).items()
     assert key[:2] == (SUB, 4) and torch.equal(gate[0], torch.from_numpy(gated.ops[0].gate))
     assert compose_entries(plain, HIDDEN, LAYERS)[key][3] is None
 

@@ -29,13 +29,14 @@ def _coverage(family: families.Family, materialized: bool, num_layers: int,
 @pytest.mark.parametrize("materialized", [False, True], ids=["deferred", "materialized"])
 def test_every_hook_is_read_exactly_once(family, materialized):
     """...and a parallel block's resid_mid by none (it is refused by name instead), nor
-    OLMo 2's mlp_in (no norm precedes its MLP)."""
+    OLMo 2's mlp_in (no norm precedes its MLP), nor an MoE family's mlp_post."""
     num_layers = 3
     parallel = family.parallel is not False
     seen = _coverage(family, materialized, num_layers, parallel)
     missing = families.unavailable_hooks(family, _Config(use_parallel_residual=True))
     assert set(missing) == ({"resid_mid"} if parallel else set()) | (
-        {"mlp_in"} if family.name == "olmo2" else set())
+        {"mlp_in"} if family.name == "olmo2" else set()) | (
+        {"mlp_post"} if family.moe else {"router_logits"})
     for hook in HOOKS:
         for layer in range(num_layers):
             point = hook_point(hook, layer, num_layers)
@@ -44,13 +45,17 @@ def test_every_hook_is_read_exactly_once(family, materialized):
 
 
 def test_inner_sites_follow_the_stream_sites():
-    """mlp_in(L) is site 2N+1+L; a forward reaches it once layer L ran (stop_at_layer)."""
+    """mlp_in(L) is site 2N+1+L, mlp_post(L) 3N+1+L, attn_z(L) 4N+1+L; a forward reaches
+    them once layer L ran (stop_at_layer)."""
     n = 4
-    assert site_count(n) == 3 * n + 1
+    assert site_count(n) == 6 * n + 1
     assert [hook_point("mlp_in", layer, n) for layer in range(n)] == [
         (families.SUB, 9), (families.SUB, 10), (families.SUB, 11), (families.SUB, 12)]
+    assert [hook_point("mlp_post", layer, n)[1] for layer in range(n)] == [13, 14, 15, 16]
+    assert [hook_point("attn_z", layer, n)[1] for layer in range(n)] == [17, 18, 19, 20]
+    assert [hook_point("router_logits", layer, n)[1] for layer in range(n)] == [21, 22, 23, 24]
     assert [families.site_layers(s, n) for s in range(site_count(n))] == [
-        0, 1, 1, 2, 2, 3, 3, 4, 4, 1, 2, 3, 4]
+        0, 1, 1, 2, 2, 3, 3, 4, 4, *[1, 2, 3, 4] * 4]
     assert layers_needed([("mlp_in", 1)], n) == 2
     assert layers_needed([("mlp_in", 0), ("resid_pre", 1)], n) == 1
     assert layers_needed([("mlp_in", 3)], n) is None
@@ -67,7 +72,8 @@ def test_parallel_residual_follows_the_checkpoint():
     neox = families.family_for("GPTNeoXForCausalLM")
     assert families.is_parallel(neox, _Config(use_parallel_residual=True))
     assert not families.is_parallel(neox, _Config(use_parallel_residual=False))
-    assert families.unavailable_hooks(neox, _Config(use_parallel_residual=False)) == {}
+    assert set(families.unavailable_hooks(neox, _Config(use_parallel_residual=False))) == {
+        "router_logits"}  # dense: no router; a sequential block has resid_mid
     cohere = families.family_for("CohereForCausalLM")
     reason = families.unavailable_hooks(cohere, _Config())["resid_mid"]
     assert "parallel block" in reason and "resid_post = resid_pre + attn_out + mlp_out" in reason
@@ -80,19 +86,33 @@ def test_layouts_read_the_documented_modules():
     gemma2 = families.family_for("Gemma2ForCausalLM")
     deferred = families.layer_taps(gemma2, materialized=False)
     assert [(t.module, t.read, t.offset, t.inner) for t in deferred] == [
-        ("input_layernorm", "pair", 0, None), ("pre_feedforward_layernorm", "pair", 1, None),
-        ("mlp", "input", 0, "mlp_in")]
+        ("input_layernorm", "pair", 0, None), ("self_attn.o_proj", "input", 0, "attn_z"),
+        ("pre_feedforward_layernorm", "pair", 1, None),
+        ("mlp", "input", 0, "mlp_in"), ("mlp.down_proj", "input", 0, "mlp_post")]
     # mlp_in is the MLP module's input: vLLM's native Mixtral calls it block_sparse_moe.
     mixtral = families.family_for("MixtralForCausalLM")
     assert families.mlp_in_tap(mixtral, backend=False).module == "block_sparse_moe"
     assert families.mlp_in_tap(mixtral, backend=True).module == "mlp"
+    # router_logits: the MoE router's output (capture only), vLLM's native Mixtral's gate
+    # under block_sparse_moe; gpt-oss calls its router `router`
+    assert (families.router_tap(mixtral, backend=False).module,
+            families.router_tap(mixtral, backend=False).read) == ("block_sparse_moe.gate",
+                                                                  "output")
+    gpt_oss = families.family_for("GptOssForCausalLM")
+    assert families.router_tap(gpt_oss, backend=False).module == "mlp.router"
+    assert families.router_tap(families.family_for("LlamaForCausalLM"), False) is None
     gpt2 = families.family_for("GPT2LMHeadModel")
-    assert [(t.module, t.read, t.kinds) for t in families.layer_taps(gpt2, True)][2:4] == [
+    assert [(t.module, t.read, t.kinds) for t in families.layer_taps(gpt2, True)][1:5] == [
+        ("attn.c_proj", "input", families.SUB_BIT), ("attn", "output", families.SUB_BIT),
         ("ln_2", "input", families.STREAM_BIT), ("mlp", "input", families.SUB_BIT)]
+    gpt_oss = families.family_for("GptOssForCausalLM")  # vLLM's native attention is `attn`
+    assert families.attn_z_tap(gpt_oss, backend=False).module == "attn.o_proj"
+    assert families.attn_z_tap(gpt_oss, backend=True).module == "self_attn.o_proj"
     olmo2 = families.family_for("Olmo2ForCausalLM")
     assert [(t.module, t.read, t.offset) for t in families.layer_taps(olmo2, False)] == [
-        ("", "input", 0), ("post_attention_layernorm", "output", 1), ("mlp", "input", 1),
-        ("post_feedforward_layernorm", "output", 2)]
+        ("", "input", 0), ("self_attn.o_proj", "input", 0),
+        ("post_attention_layernorm", "output", 1), ("mlp", "input", 1),
+        ("mlp.down_proj", "input", 0), ("post_feedforward_layernorm", "output", 2)]
     assert families.final_tap(olmo2, False).read == "input"
 
 
@@ -215,7 +235,8 @@ def test_the_stream_only_layout_reads_each_stream_site_once():
     assert [(site, tap.read) for site, tap in placed] == [(0, "input"), (2, "input"),
                                                           (4, "input"), (6, "output")]
     missing = families.unavailable_hooks(stream, _Config(architectures=["PhiForCausalLM"]))
-    assert sorted(missing) == ["attn_out", "mlp_in", "mlp_out", "resid_mid"]
+    assert sorted(missing) == ["attn_out", "attn_z", "mlp_in", "mlp_out", "mlp_post",
+                               "resid_mid", "router_logits"]
     assert "not offered for PhiForCausalLM" in missing["attn_out"]
     assert families.unavailable_hooks_of(_Config(architectures=["PhiForCausalLM"]), True) \
         == missing

@@ -176,7 +176,7 @@ def test_compose_add_then_ablate_then_add():
         {"hook": "resid_mid", "layer": 1, "vector": u.tolist(), "op": "ablate"},
         {"hook": "resid_mid", "layer": 1, "vector": [0.5] * HIDDEN},
     ]}, num_layers=LAYERS, hidden_size=HIDDEN)
-    ((key, (uu, alpha, w, gate)), *rest) = compose_entries(spec, HIDDEN, LAYERS).items()
+    ((key, (uu, alpha, w, gate, _)), *rest) = compose_entries(spec, HIDDEN, LAYERS).items()
     assert gate is None
     x = torch.randn(HIDDEN)
     want = x + 2.0
