@@ -32,6 +32,7 @@ from capsteer.engine_ext.payload import (
 )
 from capsteer.engine_ext.vllm.version import hooks_code_hash
 from capsteer.steering.conditions import ReaderGetter
+from capsteer.steering.patches import PatchGetter
 from capsteer.steering.spec import SteeringSpec, VectorLookup, parse_steering_spec
 
 
@@ -155,6 +156,7 @@ class Engine:
         capsteer_config: Mapping[str, Any] | None = None,
         vector_lookup: VectorLookup | None = None,
         reader_lookup: ReaderGetter | None = None,
+        patch_sources: PatchGetter | None = None,
         **llm_kwargs: Any,
     ) -> None:
         # Start-up cost: vLLM loads when an Engine is made, not at `import capsteer.engine`.
@@ -181,6 +183,8 @@ class Engine:
         self.vector_lookup = vector_lookup
         # name -> reader tensors (ReaderRegistry.tensors): `when` gates, SAE-feature vectors
         self.reader_lookup = reader_lookup
+        # capture id -> PatchSource (steering/patches.py): what `op: patch` items read
+        self.patch_sources = patch_sources
         self.tokenizer = self.llm.get_tokenizer()
         self.capture_dir = extra["capsteer"].get("capture_dir")
 
@@ -209,7 +213,8 @@ class Engine:
                 raise SpecError("capture", "one capture per request: use n=1 (send n requests)")
         steering = parse_steering_spec(
             req.steering, num_layers=self.num_layers, hidden_size=self.hidden_size,
-            lookup=self.vector_lookup, unavailable=self.unavailable, readers=self.reader_lookup)
+            lookup=self.vector_lookup, unavailable=self.unavailable, readers=self.reader_lookup,
+            patches=self.patch_sources)
         return capture, steering
 
     def generate(self, requests: Sequence[Request], *, timeout: float = 120.0) -> list[Result]:

@@ -18,6 +18,7 @@ import torch
 
 from capsteer.capture.paths import validate_capture_id
 from capsteer.capture.spec import CaptureSpec
+from capsteer.engine_ext import patches as patching
 from capsteer.engine_ext.payload import decode_payload, parse_readout_payload
 from capsteer.engine_ext.runtime import STREAM, SUB, HookRuntime, StepPlan, hook_point
 from capsteer.steering.readers.readout import ReadoutItem
@@ -75,6 +76,8 @@ class RequestHooks:
     readout_items: tuple[ReadoutItem, ...] = ()
     readout_points: dict[tuple[int, int], tuple[tuple[str, int], ...]] = field(
         default_factory=dict)
+    # Activation patches by point (engine_ext/patches.py): host mode indexes them per step.
+    patches: patching.Patches = field(default_factory=dict)
 
     @classmethod
     def capture_only(cls, req_id: str, payload: Mapping, prompt_len: int) -> RequestHooks:
@@ -135,8 +138,11 @@ class RequestHooks:
                     SteeringSpec.from_wire(wire, vectors), runtime.hidden_size,
                     runtime.num_layers))
                 hooks.steering_key = key
+                hooks.patches = patching.decode(wire, lambda h, la: hook_point(
+                    h, la, runtime.num_layers),
+                                                runtime.device, runtime.device_driven, vectors)
             hooks.shared_slot = hooks.capture is None and hooks.readout_id is None \
-                and bool(hooks.entries)
+                and bool(hooks.entries) and not hooks.patches
             hooks.slot = runtime.alloc_slot(hooks.entries, hooks.steering_key,
                                             shared=hooks.shared_slot)
         except Exception:
@@ -144,7 +150,8 @@ class RequestHooks:
             raise
         hooks.sites = shared_site_set(frozenset([site for _, site, _ in hooks.entries]
                                                  + [site for _, site in hooks.points]
-                                                 + [site for _, site in hooks.readout_points]))
+                                                 + [site for _, site in hooks.readout_points]
+                                                 + [site for _, site in hooks.patches]))
         return hooks
 
     @property
@@ -252,6 +259,7 @@ def build_step_plan(
     routes: list[CaptureRoute] = []
     token_rows: list[np.ndarray] = []
     token_owners: list[tuple[str, np.ndarray]] = []
+    patch_parts: dict[tuple[int, int], list] = {}
     # The hooked requests of the batch (hundreds a step, so comprehensions rather than one
     # loop of appends: this runs on the engine's step thread every step): their batch
     # indices, prompt lengths and slots for the whole-batch array ops below, the sites
@@ -263,7 +271,7 @@ def build_step_plan(
             # A shared row is only ever a steering-only request's: nothing is copied.
             return StepPlan(active_sites=found[0][1].sites, uniform_slot=slot)
     looped = [(i, h) for i, h in found if h.capture is not None or h.readout_id is not None
-              or (host_steering and h.entries)]
+              or (host_steering and h.entries) or h.patches]
     if any(h.group for _, h in looped):
         # Each writer's rows of a point next to each other in the staging buffer: one GPU
         # copy into that writer's ring instead of one per request (stable: batch order within).
@@ -301,6 +309,8 @@ def build_step_plan(
             if len(sel):
                 steer_rows[(kind, site)].append(sel)
                 steer_ents[(kind, site)].append(np.full(len(sel), entry, dtype=np.int64))
+        if hooks.patches:
+            patching.step_rows(hooks.patches, rows, pos, patch_parts)
         if hooks.readout_id is not None:
             # One row set for all the request's items (device mode ranks rows per request);
             # each item keeps its own positions in the sink.
@@ -337,6 +347,7 @@ def build_step_plan(
             cap_rows[point].append(sel_rows)
             cap_count[point] += len(sel_rows)
     plan.routes = routes
+    plan.patch = patching.finish(patch_parts)
     if token_rows:
         plan.token_rows = torch.from_numpy(np.concatenate(token_rows))
         plan.token_owners = token_owners

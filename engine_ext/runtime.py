@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from capsteer.capture.layouts import copy_rows
-from capsteer.engine_ext import tap_kernel
+from capsteer.engine_ext import patches, tap_kernel
 from capsteer.engine_ext.families import (
     BOTH,
     INNER_HOOKS,
@@ -82,6 +82,8 @@ class StepPlan:
     steer: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     # (kind, site) -> rows int64 [k] whose values are copied
     capture: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    # (kind, site) -> (rows int64 [k], values float32 [k, hidden]) set there (patches.py)
+    patch: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     # (kind, site) -> offset of its rows in the staging buffer (device mode)
     staging_offset: dict[tuple[int, int], int] = field(default_factory=dict)
     staging_rows: int = 0
@@ -105,7 +107,7 @@ class StepPlan:
 
     @property
     def empty(self) -> bool:
-        return not self.steer and not self.capture
+        return not self.steer and not self.capture and not self.patch
 
 
 def _same_map(a: tuple, b: tuple) -> bool:
@@ -223,8 +225,7 @@ class HookRuntime:
             self.token_stage = torch.zeros(max(staging_rows, 1), **long)
 
     def _upload(self, host: torch.Tensor) -> torch.Tensor:
-        """Host -> model device without a host sync: pinned (cached allocator) + async copy."""
-        if self.device.type != "cuda":
+        if self.device.type != "cuda":  # else without a host sync: pinned + async copy
             return host
         return _pinned_copy(host).to(self.device, non_blocking=True)
 
@@ -292,8 +293,7 @@ class HookRuntime:
         del self.shared[key]
         self.idle[key] = entries  # no row refers to them now; freed when room is needed
 
-    def live_entries(self) -> int:
-        """Entries held by specs some live request uses."""
+    def live_entries(self) -> int:  # entries held by specs some live request uses
         return sum(len(set(entries.values())) for entries, _ in self.shared.values())
 
     def _free_spec(self, key: str, entries: dict) -> None:
@@ -522,14 +522,13 @@ class HookRuntime:
 
     def _capturing(self) -> bool:
         """Whether a CUDA graph is being recorded (a hooked graph holds every site's kernel:
-        which sites a later replay's requests use is data, read by the kernel)."""
+        which sites a later replay's requests use is data)."""
         return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
     def step_needs_taps(self) -> bool:
-        """Whether this step's forward must run the tap kernels: some request of the batch
-        steers or copies at a site (`active_sites` None means every site may). Read by the
-        CUDA-graph choice before each replay (vllm.graphs.PlainGraphs): a step of plain
-        requests replays graphs recorded without the taps."""
+        """Whether this step's forward must run the tap kernels (`active_sites` None: every
+        site may). Read by the CUDA-graph choice before each replay (vllm.graphs.PlainGraphs):
+        a step of plain requests replays graphs recorded without the taps."""
         active = self.plan.active_sites
         return active is None or bool(active)
 
@@ -553,6 +552,8 @@ class HookRuntime:
                 if self.gated_entries:  # host mode has no graphs: a host branch is fine
                     steered = torch.where(self._passes(src, entries), steered, xs)
                 x[rows] = steered.to(x.dtype)
+            if (kind, site) in plan.patch:  # after the steering, before the copies
+                patches.apply(x, residual, kind, *plan.patch[(kind, site)])
             rows = plan.capture.get((kind, site))
             if rows is not None:
                 val = x[rows]  # advanced indexing copies: later in-place kernels cannot touch it
@@ -595,6 +596,5 @@ class HookRuntime:
         return ((self.gated[entries] == 0) | (score > 0)).unsqueeze(1)
 
     def take_captured(self) -> dict[tuple[int, int], torch.Tensor]:
-        """Host mode: rows copied this step, per (kind, site), in plan order."""
-        out, self.captured = self.captured, {}
+        out, self.captured = self.captured, {}  # host mode: this step's copies, in plan order
         return out
