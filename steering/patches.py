@@ -182,8 +182,10 @@ def parse_patch_item(item: Mapping, field: str, *, num_layers: int, hidden_size:
     for layer in layers:
         if (hook, layer) not in source.keys:
             held = ", ".join(f"{h}.{la}" for h, la in sorted(source.keys)) or "nothing"
-            raise PatchSpecError(f"{field}.{key}", f"{source.capture_id} did not capture "
-                                 f"{hook} at layer {layer} (it holds {held})")
+            where = f"{field}.{key}" if any(h == hook for h, _ in source.keys) else \
+                f"{field}.hook"
+            raise PatchSpecError(where, f"{source.capture_id} did not capture {hook} at "
+                                 f"layer {layer} (it holds {held})")
         rows = np.asarray(source.rows(hook, layer))
         if rows.ndim != 2 or rows.shape[1] != hidden_size:
             raise PatchSpecError(field + ".source.capture_id",
