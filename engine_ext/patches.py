@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from capsteer.engine_ext.families import STREAM
+from capsteer.steering.patches import DEVICE_REFUSAL
 from capsteer.steering.spec import SteeringSpec
 
 # (kind, site) -> (patched positions, sorted int64 [P]; their values, float32 [P, hidden])
@@ -36,8 +37,7 @@ def decode(wire: Mapping | str, point_of: Callable[[str, int], tuple[int, int]],
     if text is None and not wire.get("patches"):
         return {}
     if device_driven:
-        raise ValueError("activation patching runs on the eager engine (host mode) only in "
-                         "this version; this worker runs CUDA graphs")
+        raise ValueError(DEVICE_REFUSAL)
     spec = SteeringSpec.from_wire(wire, resolve)
     out: Patches = {}
     for op in spec.patches:

@@ -14,6 +14,7 @@ from capsteer.capture.manifest import publish_unreached
 from capsteer.capture.spec import parse_capture_spec
 from capsteer.engine_ext.plan import RequestHooks, build_step_plan
 from capsteer.engine_ext.runtime import STREAM, SUB, HookRuntime, hook_point
+from capsteer.server.fields import FieldError, ModelShape, parse_hook_fields
 from capsteer.server.patch_sources import CaptureSources
 from capsteer.server.tracker import CaptureTracker
 from capsteer.steering import patches as patch_mod
@@ -195,3 +196,21 @@ def test_the_servers_lookup_tells_pending_failed_and_missing_apart(tmp_path):
             sources("cap-failed")
         tracker.untrack("cap-flying")
     asyncio.run(scenario())
+
+
+def test_a_server_on_cuda_refuses_patches_naming_the_item():
+    """Workers on CUDA run device mode, which does not patch yet: the front end refuses
+    before anything runs, never a silently unpatched answer."""
+    steering = {"vectors": [{"hook": "resid_post", "layer": 0, "vector": [0.1] * HIDDEN},
+                            _item()]}
+    for refusal in (None, patch_mod.DEVICE_REFUSAL):
+        shape = ModelShape(LAYERS, HIDDEN, 64, 4, {}, refusal)
+        call = lambda shape=shape: parse_hook_fields(  # noqa: E731
+            {"prompt": "x", "steering": steering}, shape, lookup=None, default_layout="packed",
+            capture_default=None, patches=_source)
+        if refusal is None:
+            assert call().steering.patches
+            continue
+        with pytest.raises(FieldError) as info:
+            call()
+        assert info.value.field == "steering.vectors[1].op" and "CUDA" in str(info.value)
