@@ -8,6 +8,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from pathlib import Path
 
+import numpy as np
+
 from capsteer.capture.published import CaptureReadError
 from capsteer.capture.reader import Capture, read
 from capsteer.capture.receipts import find_receipt
@@ -56,5 +58,11 @@ class CaptureSources:
         if model != self.model:
             raise PatchSourceError(f"capture {capture_id} was taken from model {model!r}; "
                                    f"this server serves {self.model!r}")
+        def rows(hook: str, layer: int, capture: Capture = capture) -> np.ndarray:
+            try:
+                return capture.numpy(hook, layer)
+            except (OSError, ValueError, RuntimeError) as exc:  # unreadable since verified
+                raise PatchSourceError(f"capture {capture_id}: {hook}.{layer} cannot be "
+                                       f"read: {exc}") from None
         return PatchSource(capture_id, model, frozenset(capture.keys()), capture.positions,
-                           capture.numpy)
+                           rows)

@@ -28,6 +28,7 @@ SOURCE_FIELDS = frozenset({"capture_id", "positions"})
 # Floats a request's patches may carry in all (4 MiB of float32): they ride the request
 # to every worker.
 MAX_PATCH_FLOATS = 1 << 20
+_MAX_POSITION = 1 << 40  # far past any context, far inside int64
 
 
 # Why a worker on CUDA cannot patch yet (engine_ext/patches.py); the front ends refuse.
@@ -117,6 +118,8 @@ def _positions(raw: object, field: str) -> np.ndarray:
     if any(p < 0 for p in raw):
         raise PatchSpecError(field, "positions are absolute (prompt then generated), "
                                     "from 0; negative positions are not accepted")
+    if any(p >= _MAX_POSITION for p in raw):
+        raise PatchSpecError(field, f"positions lie beyond any context (>= {_MAX_POSITION})")
     if len(set(raw)) != len(raw):
         raise PatchSpecError(field, "holds a position twice")
     return np.asarray(sorted(raw), dtype=np.int64)
@@ -191,7 +194,10 @@ def parse_patch_item(item: Mapping, field: str, *, num_layers: int, hidden_size:
                 f"{field}.hook"
             raise PatchSpecError(where, f"{source.capture_id} did not capture {hook} at "
                                  f"layer {layer} (it holds {held})")
-        rows = np.asarray(source.rows(hook, layer))
+        try:
+            rows = np.asarray(source.rows(hook, layer))
+        except PatchSourceError as exc:
+            raise PatchSpecError(field + ".source.capture_id", str(exc)) from None
         if rows.ndim != 2 or rows.shape[1] != hidden_size:
             raise PatchSpecError(field + ".source.capture_id",
                                  f"{source.capture_id} holds rows of width "

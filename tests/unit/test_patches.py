@@ -87,6 +87,8 @@ BAD = [
      lambda cid: _source(cid, NAN)),
     ("negative position", [_item(positions=[-1])], "steering.vectors[0].source.positions",
      _source),
+    ("position past int64", [_item(positions=[2**70])], "steering.vectors[0].source.positions",
+     _source),
     ("position twice", [_item(positions=[2, 2])], "steering.vectors[0].source.positions",
      _source),
     ("positions not a list", [_item(positions="prompt")],
