@@ -32,13 +32,8 @@ from capsteer.engine_ext.payload import (
 )
 from capsteer.engine_ext.vllm.version import hooks_code_hash
 from capsteer.steering.conditions import ReaderGetter
-from capsteer.steering.patches import DEVICE_REFUSAL, PatchGetter
-from capsteer.steering.spec import (
-    SteeringSpec,
-    SteeringSpecError,
-    VectorLookup,
-    parse_steering_spec,
-)
+from capsteer.steering.patches import PatchGetter
+from capsteer.steering.spec import SteeringSpec, VectorLookup, parse_steering_spec
 
 
 @dataclass
@@ -171,7 +166,6 @@ class Engine:
             hooks_unavailable,
             refuse_at_vllm_config_step,
         )
-        from capsteer.engine_ext.vllm.topology import engine_device_type
 
         extra = dict(llm_kwargs.pop("additional_config", None) or {})
         extra["capsteer"] = {"hooks_code": hooks_code_hash(), **dict(capsteer_config or {})}
@@ -191,7 +185,6 @@ class Engine:
         self.reader_lookup = reader_lookup
         # capture id -> PatchSource (steering/patches.py): what `op: patch` items read
         self.patch_sources = patch_sources
-        self.device_type = engine_device_type(self.llm.llm_engine)
         self.tokenizer = self.llm.get_tokenizer()
         self.capture_dir = extra["capsteer"].get("capture_dir")
 
@@ -222,8 +215,6 @@ class Engine:
             req.steering, num_layers=self.num_layers, hidden_size=self.hidden_size,
             lookup=self.vector_lookup, unavailable=self.unavailable, readers=self.reader_lookup,
             patches=self.patch_sources)
-        if steering is not None and steering.patches and self.device_type == "cuda":
-            raise SteeringSpecError("steering.vectors", DEVICE_REFUSAL)
         return capture, steering
 
     def generate(self, requests: Sequence[Request], *, timeout: float = 120.0) -> list[Result]:

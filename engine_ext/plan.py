@@ -78,6 +78,7 @@ class RequestHooks:
         default_factory=dict)
     # Activation patches by point (engine_ext/patches.py): host mode indexes them per step.
     patches: patching.Patches = field(default_factory=dict)
+    patch_positions: np.ndarray | None = None  # their union (device mode ranks rows by it)
 
     @classmethod
     def capture_only(cls, req_id: str, payload: Mapping, prompt_len: int) -> RequestHooks:
@@ -139,12 +140,14 @@ class RequestHooks:
                     runtime.num_layers))
                 hooks.steering_key = key
                 hooks.patches = patching.decode(wire, lambda h, la: hook_point(
-                    h, la, runtime.num_layers),
-                                                runtime.device, runtime.device_driven, vectors)
+                    h, la, runtime.num_layers), runtime.device, vectors)
+                hooks.patch_positions = patching.union(hooks.patches)
             hooks.shared_slot = hooks.capture is None and hooks.readout_id is None \
                 and bool(hooks.entries) and not hooks.patches
             hooks.slot = runtime.alloc_slot(hooks.entries, hooks.steering_key,
                                             shared=hooks.shared_slot)
+            if hooks.patches and runtime.device_driven:
+                runtime.patch_table.attach(hooks.slot, hooks.patches, runtime._upload_into)
         except Exception:
             hooks.release(runtime)  # nothing half-registered stays behind
             raise
@@ -165,6 +168,8 @@ class RequestHooks:
         return self.capture is not None and self.reaches_output
 
     def release(self, runtime: HookRuntime) -> None:
+        if self.patches and runtime.device_driven:
+            runtime.patch_table.detach(self.slot)
         runtime.free_slot(self.slot, self.steering_key if self.shared_slot else None)
         self.slot, self.shared_slot = 0, False
         if self.steering_key is not None:
@@ -260,6 +265,7 @@ def build_step_plan(
     token_rows: list[np.ndarray] = []
     token_owners: list[tuple[str, np.ndarray]] = []
     patch_parts: dict[tuple[int, int], list] = {}
+    patch_ranks: list[tuple[np.ndarray, np.ndarray]] = []
     # The hooked requests of the batch (hundreds a step, so comprehensions rather than one
     # loop of appends: this runs on the engine's step thread every step): their batch
     # indices, prompt lengths and slots for the whole-batch array ops below, the sites
@@ -309,8 +315,10 @@ def build_step_plan(
             if len(sel):
                 steer_rows[(kind, site)].append(sel)
                 steer_ents[(kind, site)].append(np.full(len(sel), entry, dtype=np.int64))
-        if hooks.patches:
+        if hooks.patches and host_steering:
             patching.step_rows(hooks.patches, rows, pos, patch_parts)
+        elif hooks.patches:
+            patching.step_ranks(hooks.patch_positions, rows, pos, patch_ranks)
         if hooks.readout_id is not None:
             # One row set for all the request's items (device mode ranks rows per request);
             # each item keeps its own positions in the sink.
@@ -348,6 +356,7 @@ def build_step_plan(
             cap_count[point] += len(sel_rows)
     plan.routes = routes
     plan.patch = patching.finish(patch_parts)
+    plan.patch_ranks = patch_ranks or None
     if token_rows:
         plan.token_rows = torch.from_numpy(np.concatenate(token_rows))
         plan.token_owners = token_owners

@@ -20,7 +20,6 @@ each step only rewrites index buffers. Two modes read the same plan:
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,49 +28,11 @@ import torch
 
 from capsteer.capture.layouts import copy_rows
 from capsteer.engine_ext import patches, tap_kernel
-from capsteer.engine_ext.families import (
-    BOTH,
-    INNER_HOOKS,
-    STREAM,
-    SUB,
-    inner_site,
-    site_count,
-    site_layers,
-)
+from capsteer.engine_ext.families import BOTH, STREAM, SUB, site_count
+from capsteer.engine_ext.points import hook_point as hook_point  # re-exported
+from capsteer.engine_ext.points import layers_needed as layers_needed  # re-exported
 
 KINDS = (SUB, STREAM)
-
-
-def hook_point(hook: str, layer: int, num_layers: int) -> tuple[int, int]:
-    """(kind, site) where a hook's value is read; the same place steering acts. Stream
-    sites: input_layernorm[L] = 2L, post_attention_layernorm[L] = 2L+1, final norm = 2N;
-    an inner hook's (mlp_in) come after them (families.inner_site)."""
-    if hook in INNER_HOOKS:
-        return SUB, inner_site(hook, layer, num_layers)
-    if hook == "resid_pre":
-        return STREAM, 2 * layer
-    if hook == "resid_mid":
-        return STREAM, 2 * layer + 1
-    if hook == "resid_post":
-        return STREAM, 2 * layer + 2
-    if hook == "attn_out":
-        return SUB, 2 * layer + 1
-    if hook == "mlp_out":
-        return SUB, 2 * layer + 2
-    raise ValueError(f"unknown hook {hook!r}")
-
-
-def layers_needed(keys: Iterable[tuple[str, int]], num_layers: int) -> int | None:
-    """The fewest leading layers whose forward yields every (hook, layer) of `keys` (a
-    forward stopped after layer E-1 reads site 2E at the final norm), or None when
-    every layer is needed. Site 2L needs layers < L, sites 2L+1 and 2L+2 layer L too, as
-    does an inner hook of layer L."""
-    sites = [hook_point(hook, layer, num_layers)[1] for hook, layer in keys]
-    if not sites:
-        return None
-    # At least one layer: the final norm wants a residual.
-    stop = max(1, max(site_layers(site, num_layers) for site in sites))
-    return stop if stop < num_layers else None
 
 
 @dataclass
@@ -82,8 +43,10 @@ class StepPlan:
     steer: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     # (kind, site) -> rows int64 [k] whose values are copied
     capture: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
-    # (kind, site) -> (rows int64 [k], values float32 [k, hidden]) set there (patches.py)
+    # (kind, site) -> (rows int64 [k], values float32 [k, hidden]) set there (patches.py);
+    # device mode: (rows, ranks) of this step's patched rows, None when there are none
     patch: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    patch_ranks: list[tuple[np.ndarray, np.ndarray]] | None = None
     # (kind, site) -> offset of its rows in the staging buffer (device mode)
     staging_offset: dict[tuple[int, int], int] = field(default_factory=dict)
     staging_rows: int = 0
@@ -143,6 +106,7 @@ class HookRuntime:
         staging_rows: int = 0,
         device_driven: bool = False,
         local_sites: frozenset[int] | None = None,
+        patch_rows: int = 2048,
     ) -> None:
         self.num_layers = num_layers
         self.num_sites = site_count(num_layers)
@@ -222,6 +186,8 @@ class HookRuntime:
             self.tap_direct = self.use_kernel and tap_kernel.direct_launch_supported()
             self.tap_launchers: dict[tuple, tuple] = {}
             self.staging = torch.zeros(staging_rows + 1, hidden_size, dtype=dtype, device=device)
+            self.patch_table = patches.DeviceTable(patch_rows, hidden_size, self.num_sites,
+                                                   max_requests, max_tokens, device)
             self.token_stage = torch.zeros(max(staging_rows, 1), **long)
 
     def _upload(self, host: torch.Tensor) -> torch.Tensor:
@@ -421,6 +387,7 @@ class HookRuntime:
             self.ranks_set = False
         if plan.routes or len(self.point_base_set):  # steering-only steps skip this table
             self._update_point_base(plan)
+        self.patch_table.write_ranks(plan.patch_ranks, n, self._upload_into)
 
     def warm_kernels(self) -> None:
         """Compile `_expand` now, at start-up. Its first launch is otherwise the first step
@@ -495,6 +462,7 @@ class HookRuntime:
         self.filled_slot = 0
         self.tok_rank.fill_(-1)
         self.ranks_set = False
+        self.patch_table.write_ranks(None, 0, self._upload_into)
         self.plan = StepPlan(active_sites=frozenset())
 
     def gather_tokens(self, input_ids: torch.Tensor) -> int:
@@ -584,6 +552,7 @@ class HookRuntime:
             steered = xf + self.alpha[entries].unsqueeze(1) * proj * u + self.w[entries]
             # Always evaluated (a graph recorded now replays with later requests' gates).
             x.copy_(torch.where(self._passes(src, entries), steered, xf).to(x.dtype))
+            self.patch_table.apply_dense(x, residual, slot, kind, site)
             val = x if kind == SUB or residual is None else (x + residual).to(x.dtype)
             base = self.point_base[slot, kind, site]
             dst = torch.where((base >= 0) & (rank >= 0), base + rank,

@@ -59,7 +59,8 @@ if triton is not None:
     # for a multiple of 16 would be wrong for other sites when launched directly).
     @triton.jit(do_not_specialize=["site"])
     def _tap(x_ptr, r_ptr, slot_ptr, gen_ptr, rank_ptr, slot_entry_ptr, point_base_ptr,
-             u_ptr, w_ptr, alpha_ptr, gate_ptr, gate_b_ptr, gated_ptr, staging_ptr, site,
+             u_ptr, w_ptr, alpha_ptr, gate_ptr, gate_b_ptr, gated_ptr, staging_ptr,
+             prank_ptr, pbase_ptr, pvalues_ptr, pkeep_ptr, site,
              num_sites, hidden, stride_x, stride_r,
              stride_s, HAS_RES: tl.constexpr, KINDS: tl.constexpr, DTYPE: tl.constexpr,
              BLOCK: tl.constexpr):
@@ -74,6 +75,7 @@ if triton is not None:
         slot = tl.load(slot_ptr + row)
         gen = tl.load(gen_ptr + row)
         rank = tl.load(rank_ptr + row)
+        prank = tl.load(prank_ptr + row)  # -1 but at a patched position (engine_ext/patches)
         if slot != 0:
             offs = tl.arange(0, BLOCK)
             mask = offs < hidden
@@ -122,6 +124,20 @@ if triton is not None:
                                 x = x + alpha * proj * u
                             x = (x + w).to(DTYPE).to(tl.float32)
                             tl.store(x_ptr + row * stride_x + offs, x.to(DTYPE), mask=mask)
+                    if prank >= 0:  # a patch sets the value, after the steering
+                        pbase = tl.load(pbase_ptr + (slot * 2 + kind) * num_sites + site)
+                        if pbase >= 0:
+                            keep = tl.load(pkeep_ptr + pbase + prank)
+                            if keep != 0:
+                                v = tl.load(pvalues_ptr + (pbase + prank) * hidden + offs,
+                                            mask=mask, other=0.0)
+                                if kind == 1 and HAS_RES:
+                                    r = tl.load(r_ptr + row * stride_r + offs, mask=mask,
+                                                other=0.0).to(tl.float32)
+                                    v = v - r
+                                x = v.to(DTYPE).to(tl.float32)
+                                tl.store(x_ptr + row * stride_x + offs, x.to(DTYPE),
+                                         mask=mask)
                     if (base >= 0) & (rank >= 0):
                         if kind == 1 and HAS_RES:
                             r = tl.load(r_ptr + row * stride_r + offs, mask=mask,
@@ -194,7 +210,7 @@ def tap(runtime, x: torch.Tensor, residual: torch.Tensor | None, site: int,
     kernel = _tap[(n,)](
         x, res, runtime.tok_slot, runtime.tok_gen, runtime.tok_rank, runtime.slot_entry,
         runtime.point_base, runtime.u, runtime.w, runtime.alpha, runtime.gate, runtime.gate_b,
-        runtime.gated, runtime.staging, site,
+        runtime.gated, runtime.staging, *_patch_buffers(runtime), site,
         runtime.num_sites, hidden, x.stride(0), res.stride(0), runtime.staging.stride(0),
         HAS_RES=consts[0], KINDS=consts[1], DTYPE=consts[2], BLOCK=consts[3])
     if runtime.tap_direct and all(hasattr(kernel, a) for a in ("run", "function",
@@ -202,10 +218,16 @@ def tap(runtime, x: torch.Tensor, residual: torch.Tensor | None, site: int,
         fixed = tuple(t.data_ptr() for t in (
             runtime.tok_slot, runtime.tok_gen, runtime.tok_rank, runtime.slot_entry,
             runtime.point_base, runtime.u, runtime.w, runtime.alpha, runtime.gate,
-            runtime.gate_b, runtime.gated, runtime.staging))
+            runtime.gate_b, runtime.gated, runtime.staging, *_patch_buffers(runtime)))
         runtime.tap_launchers[key] = (kernel.run, kernel.function, kernel.packed_metadata,
                                       torch.cuda.current_device(), fixed,
                                       (runtime.staging.stride(0), *consts))
+
+
+def _patch_buffers(runtime) -> tuple[torch.Tensor, ...]:
+    """The patch table's per-row ranks, bases, values and keep flags (patches.DeviceTable)."""
+    table = runtime.patch_table
+    return table.rank, table.base, table.values, table.keep
 
 
 def _raw_stream(device_index: int) -> int:

@@ -108,6 +108,7 @@ class EngineHooks(RequestBook, StepFeed, Delivery):
             else self.config.staging_rows,
             device_driven=self.device_driven,
             local_sites=self.sites.local_sites,
+            patch_rows=self.config.patch_rows,
         )
         self.model_name = model_name(worker)
         # The server's registry, for the vectors its requests name (None: all inline)

@@ -56,7 +56,6 @@ class ModelShape:
     dtype_itemsize: int
     # Hooks the model does not have (a parallel block's resid_mid) -> the 400's reason.
     unavailable: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    no_patching: str | None = None  # why `op: patch` cannot run here (None: it can)
 
 
 @dataclass
@@ -180,10 +179,6 @@ def parse_hook_fields(
                                                readers=reader_tensors, patches=patches)
         except SteeringSpecError as exc:
             raise FieldError(exc.field, exc.reason) from None
-        if steering is not None and steering.patches and shape.no_patching:
-            first = next(i for i, item in enumerate(raw_steering["vectors"])
-                         if isinstance(item, Mapping) and item.get("op") == "patch")
-            raise FieldError(f"steering.vectors[{first}].op", shape.no_patching)
     if _lax_true(body.get("use_beam_search")) and (
             capture is not None or (steering is not None and not steering.is_noop)):
         # vLLM's beam search runs its own sampling params, without capsteer's payload

@@ -19,7 +19,6 @@ from capsteer.server.patch_sources import CaptureSources
 from capsteer.server.peers import PeerBoard
 from capsteer.server.prompt_tokens import PromptCounter
 from capsteer.server.tracker import CaptureTracker
-from capsteer.steering.patches import DEVICE_REFUSAL
 from capsteer.steering.readers.registry import ReaderRegistry
 from capsteer.steering.registry import VectorRegistry
 from capsteer.steering.spec import VectorLookup
@@ -56,8 +55,7 @@ class CapsteerState:
         model = served_model(engine)
         itemsize = torch.empty((), dtype=model.dtype).element_size()
         shape = ModelShape(model.num_layers, model.hidden_size, model.max_model_len, itemsize,
-                           dict(model.unavailable),
-                           DEVICE_REFUSAL if model.device_type == "cuda" else None)
+                           dict(model.unavailable))
         Path(settings.capture_dir).mkdir(parents=True, exist_ok=True)
         registry = VectorRegistry(settings.steering_dir, hidden_size=model.hidden_size,
                                   num_layers=model.num_layers)

@@ -31,11 +31,6 @@ MAX_PATCH_FLOATS = 1 << 20
 _MAX_POSITION = 1 << 40  # far past any context, far inside int64
 
 
-# Why a worker on CUDA cannot patch yet (engine_ext/patches.py); the front ends refuse.
-DEVICE_REFUSAL = ("activation patching runs on the eager CPU engine (host mode) in this "
-                  "version; this server's workers run on CUDA")
-
-
 class PatchSourceError(errors.InvalidInput, ValueError):
     """A capture a patch cannot read (pending, failed, another model); the parser names
     the field."""

@@ -52,7 +52,6 @@ class ServedModel:
     family: families.Family | None = None  # None only where the engine itself refused it
     # Hooks this checkpoint does not have (a parallel block's resid_mid) -> why: a 400.
     unavailable: Mapping[str, str] = field(default_factory=dict)
-    device_type: str = ""  # where the engine runs ("cuda", "cpu"): what its workers can do
 
 
 def served_model(engine_client: object) -> ServedModel:
@@ -64,19 +63,7 @@ def served_model(engine_client: object) -> ServedModel:
                        num_layers=int(hf.num_hidden_layers), hidden_size=int(hf.hidden_size),
                        max_model_len=int(config.max_model_len), dtype=config.dtype,
                        architecture=arch, family=served_family(config),
-                       unavailable=hooks_unavailable(config),
-                       device_type=engine_device_type(engine_client))
-
-
-def engine_device_type(engine_client: object) -> str:
-    """The engine's device type, from its config (the API server runs no model)."""
-    device = getattr(getattr(engine_client, "vllm_config", None), "device_config", None)
-    found = getattr(device, "device_type", None)
-    if not found:
-        from vllm.platforms import current_platform  # reason: vLLM's platform, lazily
-
-        found = current_platform.device_type
-    return str(found or "")
+                       unavailable=hooks_unavailable(config))
 
 
 @dataclass(frozen=True)

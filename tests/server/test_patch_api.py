@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from capsteer.capture import read
-from capsteer.reference import hf_greedy
-from tests.engine.test_patch import hf_patched
+from capsteer.reference import hf_greedy, hf_patched
 
 from .helpers import capture_dir, metric_value, scrape
 

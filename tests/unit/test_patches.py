@@ -14,7 +14,6 @@ from capsteer.capture.manifest import publish_unreached
 from capsteer.capture.spec import parse_capture_spec
 from capsteer.engine_ext.plan import RequestHooks, build_step_plan
 from capsteer.engine_ext.runtime import STREAM, SUB, HookRuntime, hook_point
-from capsteer.server.fields import FieldError, ModelShape, parse_hook_fields
 from capsteer.server.patch_sources import CaptureSources
 from capsteer.server.tracker import CaptureTracker
 from capsteer.steering import patches as patch_mod
@@ -172,12 +171,44 @@ def test_the_tap_sets_the_patched_rows_and_nothing_else():
     assert (SUB, sub_site) in plan.patch and stream_site in patched.sites
 
 
-def test_device_mode_refuses_a_patch_payload():
-    rt = HookRuntime(LAYERS, HIDDEN, torch.float32, torch.device("cpu"), max_tokens=64,
-                     device_driven=True, staging_rows=8)
-    with pytest.raises(ValueError, match="host mode"):
-        _hooks("p", _parse(_item()), 8, rt)
-    assert not rt.shared  # nothing half-registered stays behind
+def test_device_mode_patches_as_host_mode_and_gives_its_rows_back():
+    """The graph-safe path (fixed table, per-row ranks; the torch reference of the kernel,
+    which tests/unit/tap_kernel_check.py compares with Triton) sets the same values as
+    host mode; a request that leaves frees its rows, and a later step patches nothing."""
+    spec = _parse(_item(layer=0, positions=[5, 7, 9]), _item(hook="mlp_out", layer=1,
+                                                              positions=[4]))
+    gen = torch.Generator().manual_seed(5)
+    x0, residual, out0 = (torch.randn(7, HIDDEN, generator=gen) for _ in range(3))
+    stream_site = hook_point("resid_post", 0, LAYERS)[1]
+    sub_site = hook_point("mlp_out", 1, LAYERS)[1]
+    results = []
+    for dense in (False, True):
+        rt = HookRuntime(LAYERS, HIDDEN, torch.float32, torch.device("cpu"), max_tokens=64,
+                         device_driven=dense, staging_rows=8, patch_rows=8)
+        hooks = {"p": _hooks("p", spec, 8, rt), "q": RequestHooks("q", 3)}
+        plan = build_step_plan(["p", "q"], np.array([0, 4, 7]), np.array([4, 0]), hooks, None,
+                               host_steering=not dense)
+        rt.set_plan(plan, 7)
+        x, out = x0.clone(), out0.clone()
+        rt.tap(x, residual, stream_site)
+        rt.tap(out, residual, sub_site)
+        results.append((x, out))
+        if dense:
+            table = rt.patch_table
+            assert table.free == []  # a block per point for the union of 4 positions
+            with pytest.raises(RuntimeError, match="patch table full"):
+                _hooks("r", spec, 8, rt)
+            assert rt.free_slots[-1] == 2  # the refused request's slot came back
+            hooks["p"].release(rt)
+            assert table.free == [(0, 8)] and int((table.base >= 0).sum()) == 0
+            rt.set_plan(build_step_plan(["q"], np.array([0, 3]), np.array([3]), hooks, None,
+                                        host_steering=False), 3)
+            assert int((table.rank >= 0).sum()) == 0
+    (hx, hout), (dx, dout) = results
+    assert torch.equal(hx, dx) and torch.equal(hout, dout)
+    assert torch.allclose((dx + residual)[[1, 3]],
+                          torch.from_numpy(ROWS[("resid_post", 0)][[5, 7]]), atol=1e-6)
+    assert not torch.equal(dx, x0)
 
 
 def test_the_servers_lookup_tells_pending_failed_and_missing_apart(tmp_path):
@@ -199,20 +230,3 @@ def test_the_servers_lookup_tells_pending_failed_and_missing_apart(tmp_path):
         tracker.untrack("cap-flying")
     asyncio.run(scenario())
 
-
-def test_a_server_on_cuda_refuses_patches_naming_the_item():
-    """Workers on CUDA run device mode, which does not patch yet: the front end refuses
-    before anything runs, never a silently unpatched answer."""
-    steering = {"vectors": [{"hook": "resid_post", "layer": 0, "vector": [0.1] * HIDDEN},
-                            _item()]}
-    for refusal in (None, patch_mod.DEVICE_REFUSAL):
-        shape = ModelShape(LAYERS, HIDDEN, 64, 4, {}, refusal)
-        call = lambda shape=shape: parse_hook_fields(  # noqa: E731
-            {"prompt": "x", "steering": steering}, shape, lookup=None, default_layout="packed",
-            capture_default=None, patches=_source)
-        if refusal is None:
-            assert call().steering.patches
-            continue
-        with pytest.raises(FieldError) as info:
-            call()
-        assert info.value.field == "steering.vectors[1].op" and "CUDA" in str(info.value)
