@@ -4,7 +4,8 @@ Rows of requests without hooks (slot 0, most rows in a typical batch) return at
 once, so a site costs one small launch instead of a dozen full-tensor passes. The
 arithmetic is the torch reference's (`HookRuntime._tap_dense_torch`): per kind (sublayer
 output, then stream) x <- round(x + alpha (src.u) u + w) where the entry's gate passes
-(ungated, or gate_b + src.gate > 0), then the captured value is
+(ungated, or gate_b + src.gate > 0), then a patched row's value is set (engine_ext/
+patches.py: read only at rows whose patch rank is not -1), then the captured value is
 copied to its staging row. A row reads only what its entries need (identity: nothing,
 `add`: w, projections: u and the residual) and writes x back only when steered, so
 steering every layer costs one small read of w per steered row and site.
