@@ -33,6 +33,7 @@ from capsteer.engine_ext.payload import (
 )
 from capsteer.engine_ext.vllm.version import hooks_code_hash
 from capsteer.steering.conditions import ReaderGetter
+from capsteer.steering.patches import PatchGetter
 from capsteer.steering.spec import SteeringSpec, VectorLookup, parse_steering_spec
 
 
@@ -156,6 +157,7 @@ class Engine:
         capsteer_config: Mapping[str, Any] | None = None,
         vector_lookup: VectorLookup | None = None,
         reader_lookup: ReaderGetter | None = None,
+        patch_sources: PatchGetter | None = None,
         **llm_kwargs: Any,
     ) -> None:
         # Start-up cost: vLLM loads when an Engine is made, not at `import capsteer.engine`.
@@ -186,6 +188,8 @@ class Engine:
         self.vector_lookup = vector_lookup
         # name -> reader tensors (ReaderRegistry.tensors): `when` gates, SAE-feature vectors
         self.reader_lookup = reader_lookup
+        # capture id -> PatchSource (steering/patches.py): what `op: patch` items read
+        self.patch_sources = patch_sources
         self.tokenizer = self.llm.get_tokenizer()
         self.capture_dir = extra["capsteer"].get("capture_dir")
 
@@ -215,7 +219,7 @@ class Engine:
         steering = parse_steering_spec(
             req.steering, num_layers=self.num_layers, hidden_size=self.hidden_size,
             lookup=self.vector_lookup, unavailable=self.unavailable, readers=self.reader_lookup,
-            widths=self.hook_widths)
+            widths=self.hook_widths, patches=self.patch_sources)
         return capture, steering
 
     def generate(self, requests: Sequence[Request], *, timeout: float = 120.0) -> list[Result]:

@@ -183,6 +183,48 @@ def steering_hooks(model, spec: SteeringSpec | None, prompt_len: int):
             h.remove()
 
 
+@contextmanager
+def hf_patched(model, patches: list[tuple[str, int, list[int], torch.Tensor]]):
+    """HF hooks doing what `op: patch` does (steering/patches.py): the value at (hook,
+    layer) at absolute `positions` set to `values` ([P, hidden]); resid_post as the stream
+    entering the next layer (not the last layer), mlp_out as the MLP's output. Positions
+    past the sequence are skipped, as a request that never feeds them."""
+    family = hf_family(model)
+    layers = decoder_layers(model, family)
+    handles = []
+
+    def replace(h: torch.Tensor, positions: list[int], values: torch.Tensor) -> torch.Tensor:
+        h = h.clone()
+        inside = [i for i, p in enumerate(positions) if p < h.shape[1]]
+        h[0, [positions[i] for i in inside]] = values[inside].to(h.dtype)
+        return h
+
+    for hook, layer, positions, values in patches:
+        if hook == "resid_post":
+            def pre(mod, args, kwargs, positions=positions, values=values):
+                if args:
+                    return (replace(args[0], positions, values), *args[1:]), kwargs
+                return args, {**kwargs, "hidden_states": replace(kwargs["hidden_states"],
+                                                                 positions, values)}
+            handles.append(layers[layer + 1].register_forward_pre_hook(pre, with_kwargs=True))
+        else:
+            assert hook == "mlp_out"
+            module = layers[layer]
+            for part in family.mlp_out.split("."):
+                module = getattr(module, part)
+
+            def out(mod, args, output, positions=positions, values=values):
+                if isinstance(output, tuple):
+                    return (replace(output[0], positions, values), *output[1:])
+                return replace(output, positions, values)
+            handles.append(module.register_forward_hook(out))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 @torch.no_grad()
 def hf_activations(
     model, token_ids: Sequence[int], steering: SteeringSpec | None = None, prompt_len: int = 0

@@ -18,6 +18,7 @@ import torch
 
 from capsteer.capture.paths import validate_capture_id
 from capsteer.capture.spec import CaptureSpec, PositionSpec
+from capsteer.engine_ext import patches as patching
 from capsteer.engine_ext.payload import decode_payload, parse_readout_payload
 from capsteer.engine_ext.runtime import STREAM, SUB, HookRuntime, StepPlan, hook_point
 from capsteer.steering.readers.readout import ReadoutItem
@@ -75,6 +76,9 @@ class RequestHooks:
     readout_items: tuple[ReadoutItem, ...] = ()
     readout_points: dict[tuple[int, int], tuple[tuple[str, int], ...]] = field(
         default_factory=dict)
+    # Activation patches by point (engine_ext/patches.py): host mode indexes them per step.
+    patches: patching.Patches = field(default_factory=dict)
+    patch_positions: np.ndarray | None = None  # their union (device mode ranks rows by it)
 
     @classmethod
     def capture_only(cls, req_id: str, payload: Mapping, prompt_len: int) -> RequestHooks:
@@ -135,16 +139,22 @@ class RequestHooks:
                     SteeringSpec.from_wire(wire, vectors), runtime.hidden_size,
                     runtime.num_layers))
                 hooks.steering_key = key
+                hooks.patches = patching.decode(wire, lambda h, la: hook_point(
+                    h, la, runtime.num_layers), runtime.device, vectors)
+                hooks.patch_positions = patching.union(hooks.patches)
             hooks.shared_slot = hooks.capture is None and hooks.readout_id is None \
-                and bool(hooks.entries)
+                and bool(hooks.entries) and not hooks.patches
             hooks.slot = runtime.alloc_slot(hooks.entries, hooks.steering_key,
                                             shared=hooks.shared_slot)
+            if hooks.patches and runtime.device_driven:
+                runtime.patch_table.attach(hooks.slot, hooks.patches, runtime._upload_into)
         except Exception:
             hooks.release(runtime)  # nothing half-registered stays behind
             raise
         hooks.sites = shared_site_set(frozenset([site for _, site, _ in hooks.entries]
                                                  + [site for _, site in hooks.points]
-                                                 + [site for _, site in hooks.readout_points]))
+                                                 + [site for _, site in hooks.readout_points]
+                                                 + [site for _, site in hooks.patches]))
         return hooks
 
     @property
@@ -158,6 +168,8 @@ class RequestHooks:
         return self.capture is not None and self.reaches_output
 
     def release(self, runtime: HookRuntime) -> None:
+        if self.patches and runtime.device_driven:
+            runtime.patch_table.detach(self.slot)
         runtime.free_slot(self.slot, self.steering_key if self.shared_slot else None)
         self.slot, self.shared_slot = 0, False
         if self.steering_key is not None:
@@ -262,6 +274,8 @@ def build_step_plan(
     routes: list[CaptureRoute] = []
     token_rows: list[np.ndarray] = []
     token_owners: list[tuple[str, np.ndarray]] = []
+    patch_parts: dict[tuple[int, int], list] = {}
+    patch_ranks: list[tuple[np.ndarray, np.ndarray]] = []
     # The hooked requests of the batch (hundreds a step, so comprehensions rather than one
     # loop of appends: this runs on the engine's step thread every step): their batch
     # indices, prompt lengths and slots for the whole-batch array ops below, the sites
@@ -273,7 +287,7 @@ def build_step_plan(
             # A shared row is only ever a steering-only request's: nothing is copied.
             return StepPlan(active_sites=found[0][1].sites, uniform_slot=slot)
     looped = [(i, h) for i, h in found if h.capture is not None or h.readout_id is not None
-              or (host_steering and h.entries)]
+              or (host_steering and h.entries) or h.patches]
     if any(h.group for _, h in looped):
         # Each writer's rows of a point next to each other in the staging buffer: one GPU
         # copy into that writer's ring instead of one per request (stable: batch order within).
@@ -311,6 +325,10 @@ def build_step_plan(
             if len(sel):
                 steer_rows[(kind, site)].append(sel)
                 steer_ents[(kind, site)].append(np.full(len(sel), entry, dtype=np.int64))
+        if hooks.patches and host_steering:
+            patching.step_rows(hooks.patches, rows, pos, patch_parts)
+        elif hooks.patches:
+            patching.step_ranks(hooks.patch_positions, rows, pos, patch_ranks)
         # A request's rows are consecutive positions; `first_gen` is the index of its
         # first generated one (k: none), so the usual position kinds need no mask.
         first_gen = min(max(hooks.prompt_len - int(pos[0]), 0), k)
@@ -352,6 +370,8 @@ def build_step_plan(
             cap_rows[point].append(sel_rows)
             cap_count[point] += len(sel_rows)
     plan.routes = routes
+    plan.patch = patching.finish(patch_parts)
+    plan.patch_ranks = patch_ranks or None
     if token_rows:
         plan.token_rows = torch.from_numpy(np.concatenate(token_rows))
         plan.token_owners = token_owners

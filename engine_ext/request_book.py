@@ -118,7 +118,7 @@ class RequestBook:
         block's resid_mid), or None."""
         if not self.sites.unavailable:
             return None
-        asked = set(hooks.points) | set(hooks.readout_points) | {
+        asked = set(hooks.points) | set(hooks.readout_points) | set(hooks.patches) | {
             (kind, site) for kind, site, _ in hooks.entries}
         reasons = [reason for hook, reason in self.sites.unavailable
                    if any(hook_point(hook, layer, self.sites.num_layers) in asked

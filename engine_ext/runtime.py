@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from capsteer.capture.layouts import copy_rows
-from capsteer.engine_ext import tap_kernel
+from capsteer.engine_ext import patches, tap_kernel
 from capsteer.engine_ext.families import (  # hook_point, layers_needed: re-exported
     BOTH,
     STREAM,
@@ -57,6 +57,10 @@ class StepPlan:
     steer: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     # (kind, site) -> rows int64 [k] whose values are copied
     capture: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    # (kind, site) -> (rows int64 [k], values float32 [k, hidden]) set there (patches.py);
+    # device mode: (rows, ranks) of this step's patched rows, None when there are none
+    patch: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    patch_ranks: list[tuple[np.ndarray, np.ndarray]] | None = None
     # (kind, site) -> offset of its rows in the staging buffer (device mode)
     staging_offset: dict[tuple[int, int], int] = field(default_factory=dict)
     staging_rows: int = 0
@@ -80,7 +84,7 @@ class StepPlan:
 
     @property
     def empty(self) -> bool:
-        return not self.steer and not self.capture
+        return not self.steer and not self.capture and not self.patch
 
 
 def _same_map(a: tuple, b: tuple) -> bool:
@@ -121,6 +125,7 @@ class HookRuntime:
         device_driven: bool = False,
         local_sites: frozenset[int] | None = None,
         hook_widths: Mapping[str, int] | None = None,
+        patch_rows: int = 2048,
     ) -> None:
         self.num_layers = num_layers
         self.num_sites = site_count(num_layers)
@@ -206,11 +211,12 @@ class HookRuntime:
             self.tap_direct = self.use_kernel and tap_kernel.direct_launch_supported()
             self.tap_launchers: dict[tuple, tuple] = {}
             self.staging = torch.zeros(staging_rows + 1, self.width, dtype=dtype, device=device)
+            self.patch_table = patches.DeviceTable(patch_rows, hidden_size, self.num_sites,
+                                                   max_requests, max_tokens, device)
             self.token_stage = torch.zeros(max(staging_rows, 1), **long)
 
     def _upload(self, host: torch.Tensor) -> torch.Tensor:
-        """Host -> model device without a host sync: pinned (cached allocator) + async copy."""
-        if self.device.type != "cuda":
+        if self.device.type != "cuda":  # else without a host sync: pinned + async copy
             return host
         return _pinned_copy(host).to(self.device, non_blocking=True)
 
@@ -285,8 +291,7 @@ class HookRuntime:
         del self.shared[key]
         self.idle[key] = entries  # no row refers to them now; freed when room is needed
 
-    def live_entries(self) -> int:
-        """Entries held by specs some live request uses."""
+    def live_entries(self) -> int:  # entries held by specs some live request uses
         return sum(len(set(entries.values())) for entries, _ in self.shared.values())
 
     def _free_spec(self, key: str, entries: dict) -> None:
@@ -418,6 +423,7 @@ class HookRuntime:
             self.ranks_set = False
         if plan.routes or len(self.point_base_set):  # steering-only steps skip this table
             self._update_point_base(plan)
+        self.patch_table.write_ranks(plan.patch_ranks, n, self._upload_into)
 
     def warm_kernels(self) -> None:
         """Compile `_expand` now, at start-up. Its first launch is otherwise the first step
@@ -492,6 +498,7 @@ class HookRuntime:
         self.filled_slot = 0
         self.tok_rank.fill_(-1)
         self.ranks_set = False
+        self.patch_table.write_ranks(None, 0, self._upload_into)
         self.plan = StepPlan(active_sites=frozenset())
 
     def gather_tokens(self, input_ids: torch.Tensor) -> int:
@@ -519,14 +526,13 @@ class HookRuntime:
 
     def _capturing(self) -> bool:
         """Whether a CUDA graph is being recorded (a hooked graph holds every site's kernel:
-        which sites a later replay's requests use is data, read by the kernel)."""
+        which sites a later replay's requests use is data)."""
         return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
     def step_needs_taps(self) -> bool:
-        """Whether this step's forward must run the tap kernels: some request of the batch
-        steers or copies at a site (`active_sites` None means every site may). Read by the
-        CUDA-graph choice before each replay (vllm.graphs.PlainGraphs): a step of plain
-        requests replays graphs recorded without the taps."""
+        """Whether this step's forward must run the tap kernels (`active_sites` None: every
+        site may). Read by the CUDA-graph choice before each replay (vllm.graphs.PlainGraphs):
+        a step of plain requests replays graphs recorded without the taps."""
         active = self.plan.active_sites
         return active is None or bool(active)
 
@@ -549,6 +555,8 @@ class HookRuntime:
                 if self.gated_entries:
                     steered = torch.where(passes(self, src, entries), steered, xs)
                 x[rows] = steered.to(x.dtype)
+            if (kind, site) in plan.patch:  # after the steering, before the copies
+                patches.apply(x, residual, kind, *plan.patch[(kind, site)])
             rows = plan.capture.get((kind, site))
             if rows is not None:
                 val = x[rows]  # advanced indexing copies: later in-place kernels cannot touch it
@@ -577,6 +585,7 @@ class HookRuntime:
             steered = steer_rows(self, xf, src, entries)
             # Always evaluated (a graph recorded now replays with later requests' gates).
             x.copy_(torch.where(passes(self, src, entries), steered, xf).to(x.dtype))
+            self.patch_table.apply_dense(x, residual, slot, kind, site)
             val = x if kind == SUB or residual is None else (x + residual).to(x.dtype)
             base = self.point_base[slot, kind, site]
             dst = torch.where((base >= 0) & (rank >= 0), base + rank,
@@ -584,6 +593,5 @@ class HookRuntime:
             self.staging[:, :x.shape[-1]].index_copy_(0, dst, val)
 
     def take_captured(self) -> dict[tuple[int, int], torch.Tensor]:
-        """Host mode: rows copied this step, per (kind, site), in plan order."""
-        out, self.captured = self.captured, {}
+        out, self.captured = self.captured, {}  # host mode: this step's copies, in plan order
         return out

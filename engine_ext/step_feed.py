@@ -65,7 +65,7 @@ class StepFeed:
     def _reuse_key(self, plan: StepPlan, layout: BatchLayout) -> tuple | None:
         """What a later step must match to reuse `plan`, or None when it may not be reused.
 
-        Reusable: no capture anywhere in the batch (captured rows and tokens change every
+        Reusable: no capture or patch anywhere in the batch (their rows change every
         step) and every hooked row already generated (a prompt row's position class can
         change on the next step). With the same requests in the same rows, the next
         step's rows are then in the same class with the same slots and entries. A uniform
@@ -75,8 +75,8 @@ class StepFeed:
         if not plan.uniform_slot:
             if plan.routes or plan.batch_hooks is None or not plan.all_generated:
                 return None
-            if any(self.requests[r].capture is not None for r in layout.req_ids
-                   if r in self.requests):
+            if any(self.requests[r].capture is not None or self.requests[r].patches
+                   for r in layout.req_ids if r in self.requests):
                 return None
         return (list(layout.req_ids), layout.query_start_loc.copy(), layout.num_tokens_padded)
 

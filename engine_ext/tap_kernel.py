@@ -4,7 +4,8 @@ Rows of requests without hooks (slot 0, most rows in a typical batch) return at
 once, so a site costs one small launch instead of a dozen full-tensor passes. The
 arithmetic is the torch reference's (`HookRuntime._tap_dense_torch`): per kind (sublayer
 output, then stream) x <- round(x + alpha (src.u) u + w) where the entry's gate passes
-(ungated, or gate_b + src.gate > 0), then the captured value is
+(ungated, or gate_b + src.gate > 0), then a patched row's value is set (engine_ext/
+patches.py: read only at rows whose patch rank is not -1), then the captured value is
 copied to its staging row. A row reads only what its entries need (identity: nothing,
 `add`: w, projections: u and the residual) and writes x back only when steered, so
 steering every layer costs one small read of w per steered row and site.
@@ -60,8 +61,9 @@ if triton is not None:
     @triton.jit(do_not_specialize=["site"])
     def _tap(x_ptr, r_ptr, slot_ptr, gen_ptr, rank_ptr, slot_entry_ptr, point_base_ptr,
              u_ptr, w_ptr, alpha_ptr, gate_ptr, gate_b_ptr, gated_ptr, keep_ptr, staging_ptr,
-             site, num_sites, hidden, stride_x, stride_r,
-             stride_s, stride_t, HAS_RES: tl.constexpr, KINDS: tl.constexpr, DTYPE: tl.constexpr,
+             prank_ptr, pbase_ptr, pvalues_ptr, pkeep_ptr, site, num_sites, hidden, stride_x,
+             stride_r, stride_s, stride_t, HAS_RES: tl.constexpr, KINDS: tl.constexpr,
+             DTYPE: tl.constexpr,
              BLOCK: tl.constexpr):
         # A decode step's tap covers a few hundred rows, so its time is the chain of
         # dependent loads (row -> slot -> entry -> vector). The row's scalars are loaded
@@ -74,6 +76,7 @@ if triton is not None:
         slot = tl.load(slot_ptr + row)
         gen = tl.load(gen_ptr + row)
         rank = tl.load(rank_ptr + row)
+        prank = tl.load(prank_ptr + row)  # -1 but at a patched position (engine_ext/patches)
         if slot != 0:
             offs = tl.arange(0, BLOCK)
             mask = offs < hidden
@@ -130,6 +133,20 @@ if triton is not None:
                                                 other=0.0)
                             x = (x + w).to(DTYPE).to(tl.float32)
                             tl.store(x_ptr + row * stride_x + offs, x.to(DTYPE), mask=mask)
+                    if prank >= 0:  # a patch sets the value, after the steering
+                        pbase = tl.load(pbase_ptr + (slot * 2 + kind) * num_sites + site)
+                        if pbase >= 0:
+                            keep = tl.load(pkeep_ptr + pbase + prank)
+                            if keep != 0:
+                                v = tl.load(pvalues_ptr + (pbase + prank) * hidden + offs,
+                                            mask=mask, other=0.0)
+                                if kind == 1 and HAS_RES:
+                                    r = tl.load(r_ptr + row * stride_r + offs, mask=mask,
+                                                other=0.0).to(tl.float32)
+                                    v = v - r
+                                x = v.to(DTYPE).to(tl.float32)
+                                tl.store(x_ptr + row * stride_x + offs, x.to(DTYPE),
+                                         mask=mask)
                     if (base >= 0) & (rank >= 0):
                         if kind == 1 and HAS_RES:
                             r = tl.load(r_ptr + row * stride_r + offs, mask=mask,
@@ -202,7 +219,7 @@ def tap(runtime, x: torch.Tensor, residual: torch.Tensor | None, site: int,
     kernel = _tap[(n,)](
         x, res, runtime.tok_slot, runtime.tok_gen, runtime.tok_rank, runtime.slot_entry,
         runtime.point_base, runtime.u, runtime.w, runtime.alpha, runtime.gate, runtime.gate_b,
-        runtime.gated, runtime.keep, runtime.staging, site,
+        runtime.gated, runtime.keep, runtime.staging, *_patch_buffers(runtime), site,
         runtime.num_sites, hidden, x.stride(0), res.stride(0), runtime.staging.stride(0),
         runtime.u.stride(0), HAS_RES=consts[0], KINDS=consts[1], DTYPE=consts[2], BLOCK=consts[3])
     if runtime.tap_direct and all(hasattr(kernel, a) for a in ("run", "function",
@@ -210,10 +227,17 @@ def tap(runtime, x: torch.Tensor, residual: torch.Tensor | None, site: int,
         fixed = tuple(t.data_ptr() for t in (
             runtime.tok_slot, runtime.tok_gen, runtime.tok_rank, runtime.slot_entry,
             runtime.point_base, runtime.u, runtime.w, runtime.alpha, runtime.gate,
-            runtime.gate_b, runtime.gated, runtime.keep, runtime.staging))
+            runtime.gate_b, runtime.gated, runtime.keep, runtime.staging,
+            *_patch_buffers(runtime)))
         runtime.tap_launchers[key] = (kernel.run, kernel.function, kernel.packed_metadata,
                                       torch.cuda.current_device(), fixed,
                                       (runtime.staging.stride(0), runtime.u.stride(0), *consts))
+
+
+def _patch_buffers(runtime) -> tuple[torch.Tensor, ...]:
+    """The patch table's per-row ranks, bases, values and keep flags (patches.DeviceTable)."""
+    table = runtime.patch_table
+    return table.rank, table.base, table.values, table.keep
 
 
 def _raw_stream(device_index: int) -> int:

@@ -109,6 +109,7 @@ class EngineHooks(RequestBook, StepFeed, Delivery):
             device_driven=self.device_driven,
             local_sites=self.sites.local_sites,
             hook_widths=dict(self.sites.hook_widths),
+            patch_rows=self.config.patch_rows,
         )
         self.model_name = model_name(worker)
         # The server's registry, for the vectors its requests name (None: all inline)

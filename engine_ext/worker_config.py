@@ -41,6 +41,7 @@ class WorkerConfig:
     plain_graphs: bool | None = None  # None: on, except in an extraction job (sharded)
     stack_room: bool = _server_default("stack_room")
     max_steering_entries: int = 4096
+    patch_rows: int = 2048  # device mode's patch table (rows of hidden floats, float32)
     end_wait_s: float = 60.0  # how long a finished capture waits for its end report
     sync_debug: bool = False
     canary: str | None = None  # "warn": a failed canary is logged, never refused (diagnostics)
@@ -56,7 +57,7 @@ class WorkerConfig:
         """Unknown keys are ignored, as the worker always did."""
         known = {f.name for f in fields(cls)} - {"section"}
         given = {k: v for k, v in section.items() if k in known}
-        for name in ("capture_budget", "max_steering_entries"):
+        for name in ("capture_budget", "max_steering_entries", "patch_rows"):
             if name in given:
                 given[name] = int(given[name])
         for name in ("capture_workers", "capture_writer_processes", "staging_rows",

@@ -21,6 +21,7 @@ from capsteer.capture.spec import CaptureSpec, SpecError, parse_capture_spec
 from capsteer.capture.writer.budget import estimate_bytes
 from capsteer.engine_ext.payload import EXTRA_ARGS_KEY, build_payload
 from capsteer.steering.conditions import ReaderGetter
+from capsteer.steering.patches import PatchGetter
 from capsteer.steering.readers.readout import (
     ReaderLookup,
     ReadoutItem,
@@ -138,10 +139,12 @@ def parse_hook_fields(
     body: dict[str, Any], shape: ModelShape, *, lookup: VectorLookup | None,
     default_layout: str, capture_default: Mapping[str, Any] | None,
     readers: ReaderLookup | None = None, reader_tensors: ReaderGetter | None = None,
+    patches: PatchGetter | None = None,
 ) -> HookFields:
     """Validate the capsteer fields of an (extra_body-lifted) request body. `readers`:
     the reader registry's shapes (readout); `reader_tensors`: its tensors by name
-    (steering `when` gates, SAE-feature vectors)."""
+    (steering `when` gates, SAE-feature vectors); `patches`: the captures `op: patch`
+    items read."""
     refuse_reserved_args(body)  # also when the fields ask for nothing (capture: false)
     capture = None
     raw_capture = body.get("capture")
@@ -175,7 +178,7 @@ def parse_hook_fields(
                 steering = parse_steering_spec(raw_steering, num_layers=shape.num_layers,
                                                hidden_size=shape.hidden_size, lookup=lookup,
                                                unavailable=shape.unavailable,
-                                               readers=reader_tensors,
+                                               readers=reader_tensors, patches=patches,
                                                widths=shape.hook_widths)
         except SteeringSpecError as exc:
             raise FieldError(exc.field, exc.reason) from None

@@ -18,6 +18,7 @@ to `vllm serve`, so every vLLM endpoint and flag keeps working. The middleware:
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import json
 import logging
@@ -210,12 +211,15 @@ class CapsteerMiddleware:
             body = lift_extra_body(body)
             if global_capture is not None and "capture" not in body:
                 body["capture"] = global_capture  # a dedicated capture server
-            hooks = parse_hook_fields(
-                body, state.shape, lookup=state.vector_lookup,
+            parse = functools.partial(
+                parse_hook_fields, body, state.shape, lookup=state.vector_lookup,
                 default_layout=state.settings.capture_layout,
                 capture_default=state.settings.capture_default,
                 readers=state.readers.lookup if state.readers is not None else None,
-                reader_tensors=state.readers.tensors if state.readers is not None else None)
+                reader_tensors=state.readers.tensors if state.readers is not None else None,
+                patches=state.patch_sources)
+            # A patch reads its capture's files: off the event loop.
+            hooks = await asyncio.to_thread(parse) if b'"patch"' in raw else parse()
             capture_id = new_capture_id() if hooks.capture is not None else None
             readout_id = new_readout_id() if hooks.readout else None
             dir_time = time.time()

@@ -68,10 +68,28 @@ WHEN = {
         "above": _NUMBER, "below": _NUMBER,
     },
 }
+PATCH_ITEM = {
+    "type": "object", "description": "Set the value at this hook, layer(s) and positions to "
+    "what an earlier capture recorded there (api.md §7, docs/steering.md).",
+    "required": ["op", "source"], "additionalProperties": False,
+    "not": {"required": ["layer", "layers"]},
+    "anyOf": [{"required": ["layer"]}, {"required": ["layers"]}],
+    "properties": {
+        "op": {"type": "string", "enum": ["patch"]}, "hook": _HOOK, "layer": LAYER,
+        "layers": _LAYERS,
+        "source": {"type": "object", "required": ["capture_id", "positions"],
+                   "additionalProperties": False, "properties": {
+                       "capture_id": {"type": "string"},
+                       "positions": {"type": "array", "minItems": 1, "uniqueItems": True,
+                                     "items": {"type": "integer", "minimum": 0},
+                                     "description": "absolute positions, as captured"}}},
+    },
+}
 STEERING = {
-    "type": "object", "description": "Steer the residual stream per request (api.md §2).",
+    "type": "object", "description": "Steer the residual stream per request (api.md §2), or "
+    "patch it from a capture (api.md §7).",
     "required": ["vectors"], "additionalProperties": False,
-    "properties": {"vectors": {"type": "array", "items": {
+    "properties": {"vectors": {"type": "array", "items": {"anyOf": [PATCH_ITEM, {
         "type": "object", "required": ["vector"], "additionalProperties": False,
         "not": {"required": ["layer", "layers"]},  # not both, as the server checks
         # one of them, unless the vector is a registered name (a per-layer entry then
@@ -98,7 +116,7 @@ STEERING = {
             "op": {"type": "string", "enum": list(OPS), "default": "add"},
             "value": {**_NUMBER, "description": "clamp target"},
             "positions": {"type": "string", "enum": list(POSITIONS), "default": "all"},
-        }}}},
+        }}]}}},
 }
 CAPTURE_RESULTS = {
     "type": "object", "description": "Receipt of this request's capture (api.md §3).",

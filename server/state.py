@@ -15,6 +15,7 @@ from capsteer.engine_ext.vllm.serve import api_keys, app_engine_client, served_t
 from capsteer.engine_ext.vllm.topology import ServedModel, Topology, served_model, served_topology
 from capsteer.server.engine_link import EngineLink
 from capsteer.server.fields import ModelShape
+from capsteer.server.patch_sources import CaptureSources
 from capsteer.server.peers import PeerBoard
 from capsteer.server.prompt_tokens import PromptCounter
 from capsteer.server.tracker import CaptureTracker
@@ -42,6 +43,7 @@ class CapsteerState:
     # Under `capsteer serve` the workers read --steering-dir too (its worker_config), so a
     # request names its registry vectors instead of carrying their floats to every worker.
     by_reference: bool = False
+    patch_sources: CaptureSources | None = None  # the captures `op: patch` items read
     _readout_hub: ResultsHub | None = field(default=None, repr=False)
 
     def readout_hub(self) -> ResultsHub:
@@ -92,7 +94,8 @@ class CapsteerState:
             counter = prompt_counter(served_tokenizer(app, engine))
         return cls(settings, model, shape, registry, tracker, link,
                    api_keys(app), global_capture, topology, counter, readers,
-                   by_reference=bool(os.environ.get(ENV_VAR)))
+                   by_reference=bool(os.environ.get(ENV_VAR)),
+                   patch_sources=CaptureSources(settings.capture_dir, tracker, model.name))
 
 
 def prompt_counter(source: object) -> PromptCounter | None:

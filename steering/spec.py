@@ -22,6 +22,7 @@ import numpy as np
 from capsteer.config import errors
 from capsteer.hooks import (
     CAPTURE_ONLY,
+    WIDE_HOOKS,
     HEADS_KEY,
     HookNameError,
     canonical_hook,
@@ -35,6 +36,13 @@ from capsteer.steering.conditions import (
     parse_when,
 )
 from capsteer.steering.selections import SELECTION_FIELDS, SelectionError, parse_selection
+from capsteer.steering.patches import (
+    PatchGetter,
+    PatchOp,
+    PatchSpecError,
+    check_patches,
+    parse_patch_item,
+)
 
 OPS = ("add", "ablate", "clamp")
 POSITIONS = ("all", "prompt", "generated")
@@ -175,9 +183,11 @@ def _table_entry(entry: str | list, refs: list, stored: dict[int, object],
 
 @dataclass(frozen=True)
 class SteeringSpec:
-    """All operations of one request, in the order the request listed them."""
+    """All operations of one request, in the order the request listed them; `patches`
+    (steering/patches.py) replace values at positions after the ops at their point."""
 
     ops: tuple[SteeringOp, ...]
+    patches: tuple[PatchOp, ...] = ()
 
     def to_dict(self) -> dict:
         """Wire form, computed once: each distinct vector is encoded once (`vectors_b64`) and
@@ -224,10 +234,13 @@ class SteeringSpec:
         # The ops' text once, for the key and the wire text (to_dict's key order is fixed;
         # encoding 28+ op dicts is most of a named request's wire cost).
         ops_text = json.dumps(ops, separators=(",", ":"))
-        digest = hashlib.sha256((json.dumps(digests) + ops_text).encode()).hexdigest()
+        patched = "".join(p.digest() for p in self.patches)
+        digest = hashlib.sha256((json.dumps(digests) + ops_text + patched).encode()).hexdigest()
         body: dict = {"vectors_b64": table, "ops": ops, "key": digest}
         if refs:
             body["refs"] = [{"name": n, "sha256": h} for n, h in refs]
+        if self.patches:
+            body["patches"] = [p.to_dict() for p in self.patches]
         return body, digest, ops_text
 
     @cached_property
@@ -243,6 +256,8 @@ class SteeringSpec:
                 f'"ops":{ops_text},"key":"{digest}"')
         if "refs" in body:
             text += f',"refs":{json.dumps(body["refs"], separators=compact)}'
+        if "patches" in body:
+            text += f',"patches":{json.dumps(body["patches"], separators=compact)}'
         return text + "}"
 
     @classmethod
@@ -255,7 +270,8 @@ class SteeringSpec:
     def from_dict(cls, d: Mapping, resolve: VectorResolve | None = None) -> SteeringSpec:
         refs, stored = list(d.get("refs", ())), {}
         table = [_table_entry(t, refs, stored, resolve) for t in d.get("vectors_b64", ())]
-        return cls(tuple(SteeringOp.from_dict(o, table) for o in d["ops"]))
+        return cls(tuple(SteeringOp.from_dict(o, table) for o in d["ops"]),
+                   tuple(PatchOp.from_dict(p) for p in d.get("patches", ())))
 
     @staticmethod
     def key_of(d: Mapping) -> str | None:
@@ -282,8 +298,9 @@ class SteeringSpec:
 
     @property
     def is_noop(self) -> bool:
-        """True when every op is an `add` with scale 0 (output must equal vanilla)."""
-        return all(op.op == "add" and op.scale == 0.0 for op in self.ops)
+        """True when every op is an `add` with scale 0 and nothing is patched (output must
+        equal vanilla)."""
+        return not self.patches and all(op.op == "add" and op.scale == 0.0 for op in self.ops)
 
 
 def _parse_layers(item: Mapping, field: str, num_layers: int) -> list[int]:
@@ -427,13 +444,15 @@ def parse_steering_spec(
     obj: object, *, num_layers: int, hidden_size: int, lookup: VectorLookup | None = None,
     max_ops: int = 4096, unavailable: Mapping[str, str] | None = None,
     readers: ReaderGetter | None = None, widths: Mapping[str, int] | None = None,
+    patches: PatchGetter | None = None,
 ) -> SteeringSpec | None:
     """Validate a request's `steering` value; None when it asks for nothing.
     `widths`: the hooks not hidden_size wide (mlp_post: d_mlp), whose vectors have that
     width.
     `unavailable`: hooks the served model does not have, each with the reason its 400
     gives (a parallel block's resid_mid). `readers`: the reader registry's tensors by
-    name, for `when` gates and SAE-feature vectors (steering/conditions.py)."""
+    name, for `when` gates and SAE-feature vectors (steering/conditions.py). `patches`:
+    the captures `op: patch` items read (steering/patches.py)."""
     if obj is None:
         return None
     if not isinstance(obj, Mapping):
@@ -445,12 +464,28 @@ def parse_steering_spec(
     if not isinstance(items, list):
         raise SteeringSpecError("steering.vectors", "must be a list")
     ops: list[SteeringOp] = []
+    patched: list[PatchOp] = []
     projections: set[tuple[str, int, str]] = set()
     gates: dict[tuple[str, int, str], bytes | None] = {}  # point and class -> its gate
     for i, item in enumerate(items):
         field = f"steering.vectors[{i}]"
         if not isinstance(item, Mapping):
             raise SteeringSpecError(field, "must be an object")
+        if item.get("op") == "patch":
+            try:
+                hook = canonical_hook(item.get("hook", "resid_post"))
+            except HookNameError:
+                hook = None  # parse_patch_item names the field
+            if hook in WIDE_HOOKS or hook in CAPTURE_ONLY:
+                raise SteeringSpecError(field + ".hook", f"op patch acts on hooks of the "
+                                        f"model's hidden size for now, not on {hook}")
+            try:
+                patched += parse_patch_item(item, field, num_layers=num_layers,
+                                            hidden_size=hidden_size, getter=patches,
+                                            unavailable=unavailable)
+            except PatchSpecError as exc:
+                raise SteeringSpecError(exc.field, exc.reason) from None
+            continue
         unknown = set(item) - _VECTOR_FIELDS
         if unknown:
             raise SteeringSpecError(field, f"unknown field(s) {sorted(unknown)}")
@@ -465,7 +500,7 @@ def parse_steering_spec(
                                     "readout): steering it is not offered")
         op = item.get("op", "add")
         if op not in OPS:
-            raise SteeringSpecError(field + ".op", f"must be one of {', '.join(OPS)}")
+            raise SteeringSpecError(field + ".op", f"must be one of {', '.join(OPS)}, patch")
         positions = item.get("positions", "all")
         if positions not in POSITIONS:
             raise SteeringSpecError(field + ".positions", f"must be one of {', '.join(POSITIONS)}")
@@ -534,7 +569,11 @@ def parse_steering_spec(
                                   *(gate or (None, 0.0)), sources.get(layer), select))
             if len(ops) > max_ops:
                 raise SteeringSpecError("steering.vectors", f"more than {max_ops} (vector, layer) ops")
-    return SteeringSpec(tuple(ops)) if ops else None
+    try:
+        check_patches(patched, num_layers)
+    except PatchSpecError as exc:
+        raise SteeringSpecError(exc.field, exc.reason) from None
+    return SteeringSpec(tuple(ops), tuple(patched)) if ops or patched else None
 
 
 def _check_one_gate(gates: dict, gate: tuple[np.ndarray, float] | None, hook: str, layer: int,

@@ -13,7 +13,7 @@ from capsteer.engine_ext import tap_kernel
 from capsteer.engine_ext.families import STREAM_BIT, SUB_BIT, inner_site
 from capsteer.engine_ext.plan import build_step_plan
 from capsteer.engine_ext.runtime import HookRuntime
-from tests.unit.helpers import HIDDEN, LAYERS, hooks_for, probe_readers
+from tests.unit.helpers import HIDDEN, LAYERS, hooks_for, patch_source, probe_readers
 
 
 def run(dtype: torch.dtype, layout: str, device: str = "cpu") -> None:
@@ -61,16 +61,28 @@ def run(dtype: torch.dtype, layout: str, device: str = "cpu") -> None:
                                {"hook": "mlp_in", "layer": 0, "op": "clamp", "value": 3.0,
                                 "vector": [0.0, 0.0, 1.0] + [0.0] * (HIDDEN - 3)},
                                {"hook": "mlp_in", "layer": 2, "vector": [0.25] * HIDDEN}]}),
+            # Patches (op: patch): the stream at resid_post 0 after an add there, and the
+            # MLP's output at layer 1, at some of its rows (positions 3-6), with a copy.
+            "g": hooks_for("g", 5, rt=rt, patches=patch_source(), capture={
+                "hooks": ["resid_post"], "layers": [0], "positions": "all"}, steering={
+                "vectors": [
+                    {"hook": "resid_post", "layer": 0, "vector": [0.5] * HIDDEN},
+                    {"op": "patch", "hook": "resid_post", "layer": 0,
+                     "source": {"capture_id": "cap-src", "positions": [4, 6, 9]}},
+                    {"op": "patch", "hook": "mlp_out", "layer": 1,
+                     "source": {"capture_id": "cap-src", "positions": [3, 5]}}]}),
         }
-        plan = build_step_plan(["a", "plain", "b", "c", "d", "e", "f"],
-                               np.array([0, 3, 5, 9, 12, 15, 23, 24]),
-                               np.array([2, 0, 0, 1, 0, 0, 0]), reqs, None, host_steering=False)
-        rt.set_plan(plan, 24)
+        plan = build_step_plan(["a", "plain", "b", "c", "d", "e", "f", "g"],
+                               np.array([0, 3, 5, 9, 12, 15, 23, 24, 28]),
+                               np.array([2, 0, 0, 1, 0, 0, 0, 3]), reqs, None,
+                               host_steering=False)
+        assert plan.patch_ranks is not None
+        rt.set_plan(plan, 28)
         gen = torch.Generator().manual_seed(1)
-        x = torch.randn(24, HIDDEN, generator=gen).to(dtype)
-        res = torch.randn(24, HIDDEN, generator=gen).to(dtype)
-        stream = torch.randn(24, HIDDEN, generator=gen).to(dtype)
-        normed = torch.randn(24, HIDDEN, generator=gen).to(dtype)
+        x = torch.randn(28, HIDDEN, generator=gen).to(dtype)
+        res = torch.randn(28, HIDDEN, generator=gen).to(dtype)
+        stream = torch.randn(28, HIDDEN, generator=gen).to(dtype)
+        normed = torch.randn(28, HIDDEN, generator=gen).to(dtype)
         # e's first gate reads its rows' unsteered sublayer output: some pass, some not.
         probe = probe_readers(4)("probe")
         passes = (x[15:23].float() @ probe.weight[0] + probe.bias[0]) > 0
@@ -87,7 +99,14 @@ def run(dtype: torch.dtype, layout: str, device: str = "cpu") -> None:
         for layer in range(LAYERS):  # mlp_in: one call per layer, its own tensor
             tap(normed, None, inner_site("mlp_in", layer, LAYERS), SUB_BIT)
         # Only f's row (23) is steered: clamped to 3 along e_2, then 0.25 added.
-        assert torch.equal(normed[:23], before[:23])
+        assert torch.equal(normed[:23], before[:23]) and torch.equal(normed[24:], before[24:])
+        if layout == "materialized":  # g's patched rows hold the capture's values (nothing
+            # of g acts at later sites of the same kind)
+            rows, close = patch_source().rows, dict(atol=2e-2, rtol=2e-2)  # bf16's rounding
+            torch.testing.assert_close(x[[24, 26]].cpu().float(), rows[("mlp_out", 1)][[3, 5]],
+                                       **close)
+            torch.testing.assert_close(stream[[25, 27]].cpu().float(),
+                                       rows[("resid_post", 0)][[4, 6]], **close)
         assert abs(float(normed[23, 2]) - 3.25) < 1e-2, normed[23]
         results.append((x.cpu(), stream.cpu(), normed.cpu(),
                         rt.staging[: plan.staging_rows].cpu()))
