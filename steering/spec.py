@@ -11,7 +11,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-import math
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -19,11 +18,10 @@ from functools import cached_property
 
 import numpy as np
 
-from capsteer.config import errors
 from capsteer.hooks import (
     CAPTURE_ONLY,
-    WIDE_HOOKS,
     HEADS_KEY,
+    WIDE_HOOKS,
     HookNameError,
     canonical_hook,
     parse_layers,
@@ -35,7 +33,6 @@ from capsteer.steering.conditions import (
     feature_vector,
     parse_when,
 )
-from capsteer.steering.selections import SELECTION_FIELDS, SelectionError, parse_selection
 from capsteer.steering.patches import (
     PatchGetter,
     PatchOp,
@@ -43,13 +40,19 @@ from capsteer.steering.patches import (
     check_patches,
     parse_patch_item,
 )
+from capsteer.steering.selections import SELECTION_FIELDS, SelectionError, parse_selection
+from capsteer.steering.values import (  # SteeringSpecError: re-exported
+    SteeringSpecError,
+    all_numbers,
+    check_vector,
+    decode_b64,
+    finite_number,
+)
 
 OPS = ("add", "ablate", "clamp")
 POSITIONS = ("all", "prompt", "generated")
 _VECTOR_FIELDS = {"hook", "layer", "layers", "vector", "scale", "op", "value", "positions",
                   "when", *SELECTION_FIELDS}
-_MAX_ABS = 1e30  # far inside float32; anything larger overflows the stream anyway
-_B64_DTYPES = {"float32": np.float32, "float16": np.float16, "float64": np.float64, "bfloat16": None}
 
 # A registry lookup: name -> one vector [hidden] or per-layer vectors {layer: [hidden]}, or
 # those as NamedVectors (then the wire form carries the name, not the floats).
@@ -57,15 +60,6 @@ VectorLookup = Callable[[str], "np.ndarray | Mapping[int, np.ndarray] | NamedVec
 # A worker's reader of named vectors: (name, content sha256) -> the stored value, or an
 # error when the registry no longer holds that content under that name.
 VectorResolve = Callable[[str, str], "np.ndarray | Mapping[int, np.ndarray]"]
-
-
-class SteeringSpecError(errors.InvalidInput, ValueError):
-    """Invalid steering input; `field` names the offending request field."""
-
-    def __init__(self, field: str, reason: str) -> None:
-        super().__init__(f"{field}: {reason}")
-        self.field = self.param = field
-        self.reason = reason
 
 
 def vector_digest(vec: np.ndarray) -> str:
@@ -316,54 +310,6 @@ def _parse_layers(item: Mapping, field: str, num_layers: int) -> list[int]:
         raise SteeringSpecError(f"{field}.{key}", str(exc)) from None
 
 
-def _finite_number(value: object, field: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise SteeringSpecError(field, "must be a number")
-    try:
-        number = float(value)
-    except OverflowError:
-        raise SteeringSpecError(field, "is too large") from None
-    if not math.isfinite(number) or abs(number) > _MAX_ABS:
-        raise SteeringSpecError(field, f"must be finite and at most {_MAX_ABS:g} in magnitude")
-    return number
-
-
-def _check_vector(vec: np.ndarray, field: str, hidden: int) -> np.ndarray:
-    if vec.ndim != 1 or vec.shape[0] != hidden:
-        raise SteeringSpecError(field, f"vector has width {vec.shape[-1] if vec.ndim else 0}, "
-                                       f"the model's hidden size is {hidden}")
-    if not np.isfinite(vec).all() or (vec.size and float(np.abs(vec).max()) > _MAX_ABS):
-        raise SteeringSpecError(field, f"vector holds non-finite numbers or values beyond "
-                                       f"{_MAX_ABS:g} (float32 would overflow)")
-    return vec.astype(np.float32)
-
-
-def _decode_b64(raw: Mapping, field: str) -> np.ndarray:
-    dtype = raw.get("dtype", "float32")
-    if not isinstance(dtype, str) or dtype not in _B64_DTYPES:
-        raise SteeringSpecError(field + ".dtype", f"must be one of {', '.join(_B64_DTYPES)}")
-    try:
-        data = base64.b64decode(raw["b64"], validate=True)
-    except (ValueError, TypeError):
-        raise SteeringSpecError(field + ".b64", "is not valid base64") from None
-    if dtype == "bfloat16":
-        if len(data) % 2:
-            raise SteeringSpecError(field + ".b64", "byte length is not a multiple of 2")
-        bits = np.frombuffer(data, dtype="<u2").astype(np.uint32) << 16
-        return bits.view(np.float32)
-    np_dtype = np.dtype(_B64_DTYPES[dtype]).newbyteorder("<")
-    if len(data) % np_dtype.itemsize:
-        raise SteeringSpecError(field + ".b64", f"byte length is not a multiple of {np_dtype.itemsize}")
-    return np.frombuffer(data, dtype=np_dtype).astype(np.float32)
-
-
-def _all_numbers(values: list) -> bool:
-    """Numbers, not bools (a bool is an int); exact types first, as JSON gives them."""
-    if set(map(type, values)) <= {int, float}:
-        return True
-    return all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
-
-
 # A resolved item's vectors: {layer: vector}, and {layer: source} for the named ones.
 _Resolved = tuple[dict[int, np.ndarray], dict[int, VectorSource]]
 
@@ -388,14 +334,14 @@ def _named_vector(found: object, key: int | None, field: str, hidden: int) -> tu
     """One vector of a lookup's answer (`key` None: its single vector), checked, and its
     source when the answer is a NamedVectors (checked once per entry, not per request)."""
     if not isinstance(found, NamedVectors):
-        return _check_vector(np.asarray(found if key is None else found[key]), field,
+        return check_vector(np.asarray(found if key is None else found[key]), field,
                              hidden), None
     verdicts = found._checked
     if hidden not in verdicts:
         try:
             for vec in (found.value.values() if isinstance(found.value, Mapping)
                         else (found.value,)):
-                _check_vector(np.asarray(vec), field, hidden)
+                check_vector(np.asarray(vec), field, hidden)
             verdicts[hidden] = None
         except SteeringSpecError as exc:
             verdicts[hidden] = exc.reason
@@ -410,16 +356,16 @@ def _resolve_vectors(
 ) -> _Resolved:
     """One float32 vector per layer (and the sources of named ones)."""
     if isinstance(raw, list):
-        if not raw or not _all_numbers(raw):
+        if not raw or not all_numbers(raw):
             raise SteeringSpecError(field, "must be a non-empty list of numbers")
         try:
             values = np.asarray(raw, dtype=np.float64)
         except OverflowError:
             raise SteeringSpecError(field, "holds a number too large for float64") from None
-        vec = _check_vector(values, field, hidden)
+        vec = check_vector(values, field, hidden)
         return dict.fromkeys(layers, vec), {}
     if isinstance(raw, Mapping) and "b64" in raw:
-        vec = _check_vector(_decode_b64(raw, field), field, hidden)
+        vec = check_vector(decode_b64(raw, field), field, hidden)
         return dict.fromkeys(layers, vec), {}
     if isinstance(raw, Mapping) and "name" in raw:
         name, found = _lookup(raw, field, lookup)
@@ -504,8 +450,8 @@ def parse_steering_spec(
         positions = item.get("positions", "all")
         if positions not in POSITIONS:
             raise SteeringSpecError(field + ".positions", f"must be one of {', '.join(POSITIONS)}")
-        scale = _finite_number(item.get("scale", 1.0), field + ".scale")
-        value = _finite_number(item.get("value", 0.0), field + ".value")
+        scale = finite_number(item.get("scale", 1.0), field + ".scale")
+        value = finite_number(item.get("value", 0.0), field + ".value")
         if op == "clamp" and "value" not in item:
             raise SteeringSpecError(field + ".value", "clamp needs a 'value'")
         width = int((widths or {}).get(hook, hidden_size))
