@@ -89,8 +89,10 @@ def test_every_status_capsteers_endpoints_answer_is_in_the_openapi_schema(server
 
 def test_the_schema_refuses_a_steering_item_with_both_layer_and_layers(http):
     schema = http.get("/openapi.json").json()["components"]["schemas"]
-    item = schema["CompletionRequest"]["properties"]["steering"]["properties"]["vectors"]["items"]
-    assert item["not"] == {"required": ["layer", "layers"]}
+    items = schema["CompletionRequest"]["properties"]["steering"]["properties"]["vectors"]["items"]
+    # Each item is a vector op or an `op: patch` item; neither may give both.
+    assert len(items["anyOf"]) == 2
+    assert all(item["not"] == {"required": ["layer", "layers"]} for item in items["anyOf"])
     body = {"model": "demo", "prompt": "x", "max_tokens": 1, "steering": {"vectors": [
         {"hook": "resid_post", "layer": 0, "layers": [1], "vector": [0.0] * 128}]}}
     r = http.post("/v1/completions", json=body)
