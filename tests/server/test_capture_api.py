@@ -243,14 +243,18 @@ def test_abort_before_the_engine_ran_it_gets_an_error_receipt(server, http, clie
     prompts, tokens = 64, 440
     for _ in range(5):
         queued = _capture_queued_behind_a_long_batch(http, client, prompts, tokens)
-        if queued is not None:
+        if queued is None:
+            continue
+        capture_id, completion_tokens = queued
+        assert completion_tokens == prompts * tokens
+        body = wait_for_receipt(http, capture_id, timeout_s=30)
+        # A capture with rows means a worker ran the request before the client's abort
+        # reached the engine (the queue drained first): the precondition missed, try again.
+        if not (body["status"] == "ok" and body["positions"] > 0):
             break
     else:  # the precondition, not the behaviour, could not be set up: say so, loudly
-        pytest.skip("in 5 batches of 64 no quick /metrics scrape saw 32 requests waiting "
-                    "while the batch still ran (the test process stalls under load)")
-    capture_id, completion_tokens = queued
-    assert completion_tokens == prompts * tokens
-    body = wait_for_receipt(http, capture_id, timeout_s=30)
+        pytest.skip("in 5 batches of 64 no captured request stayed queued until its client "
+                    "left (the test process stalls under load)")
     # Only the server writes this reason: no worker opened the capture.
     assert body["status"] == "error" and "before the engine ran it" in body["error"], body
     assert body["files"] == [] and body["positions"] == 0
