@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from capsteer.config import errors
-from capsteer.hooks import HookNameError, canonical_hook, parse_layers
+from capsteer.hooks import CAPTURE_ONLY, WIDE_HOOKS, HookNameError, canonical_hook, parse_layers
 
 PATCH_FIELDS = frozenset({"hook", "layer", "layers", "op", "source"})
 SOURCE_FIELDS = frozenset({"capture_id", "positions"})
@@ -160,6 +160,9 @@ def parse_patch_item(item: Mapping, field: str, *, num_layers: int, hidden_size:
         raise PatchSpecError(field + ".hook", str(exc)) from None
     if unavailable and hook in unavailable:
         raise PatchSpecError(field + ".hook", unavailable[hook])
+    if hook in WIDE_HOOKS or hook in CAPTURE_ONLY:  # the patch table is as wide as the stream
+        raise PatchSpecError(field + ".hook", f"op patch acts on hooks of the model's hidden "
+                             f"size for now, not on {hook}")
     if "layer" in item and "layers" in item:
         raise PatchSpecError(field, "give either 'layer' or 'layers', not both")
     key = "layer" if "layer" in item else "layers"

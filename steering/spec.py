@@ -21,7 +21,6 @@ import numpy as np
 from capsteer.hooks import (
     CAPTURE_ONLY,
     HEADS_KEY,
-    WIDE_HOOKS,
     HookNameError,
     canonical_hook,
     parse_layers,
@@ -418,13 +417,6 @@ def parse_steering_spec(
         if not isinstance(item, Mapping):
             raise SteeringSpecError(field, "must be an object")
         if item.get("op") == "patch":
-            try:
-                hook = canonical_hook(item.get("hook", "resid_post"))
-            except HookNameError:
-                hook = None  # parse_patch_item names the field
-            if hook in WIDE_HOOKS or hook in CAPTURE_ONLY:
-                raise SteeringSpecError(field + ".hook", f"op patch acts on hooks of the "
-                                        f"model's hidden size for now, not on {hook}")
             try:
                 patched += parse_patch_item(item, field, num_layers=num_layers,
                                             hidden_size=hidden_size, getter=patches,
