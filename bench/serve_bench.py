@@ -37,6 +37,7 @@ import json
 import random
 import secrets
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -142,6 +143,8 @@ def client_main(plan_path: Path) -> None:
         add_cli_args(parser)
         args = parser.parse_args(job["argv"])
         before = capsteer_counts(plan["url"]) if plan["capsteer"] else {}
+        cpu0 = process_cpu(plan.get("server_pid"))
+        spies = start_spies(plan, Path(args.result_dir), job["case"])
         t0 = time.monotonic()
         # vLLM prints its arguments and report per case: into the case's log, not the call's
         with open(Path(args.result_dir) / f"{job['case']}.log", "w") as log, \
@@ -149,6 +152,11 @@ def client_main(plan_path: Path) -> None:
             result = distinct_run(args, job["distinct"], plan["hidden"]) if job["distinct"] \
                 else main(args)
         wall, counts = time.monotonic() - t0, {}
+        cpu1 = process_cpu(plan.get("server_pid"))
+        for spy in spies:  # py-spy writes its profile on SIGINT
+            spy.send_signal(signal.SIGINT)
+            spy.wait(60)
+        cpu = {role: cpu1[role] - cpu0.get(role, 0.0) for role in cpu1}
         if plan["capsteer"]:
             deadline = time.monotonic() + 180  # captures still in flight belong to this case
             while job["capture"] and time.monotonic() < deadline and capsteer_counts(
@@ -160,11 +168,43 @@ def client_main(plan_path: Path) -> None:
             for child in Path(plan["capture_dir"]).glob("*"):
                 shutil.rmtree(child, ignore_errors=True)
         row = {"case": job["case"], "wall_s": wall, "client": job["client"],
-               "capsteer_counts": counts, **{k: result.get(k) for k in METRICS}}
+               "capsteer_counts": counts, "cpu_s": cpu, **{k: result.get(k) for k in METRICS}}
         with open(plan["results"], "a") as fh:
             fh.write(json.dumps(row) + "\n")
         print(f"  {job['case']:<14} {row['output_throughput'] or 0:10.1f} tok/s "
-              f"{row['request_throughput'] or 0:8.2f} req/s  {wall:6.1f} s", flush=True)
+              f"{row['request_throughput'] or 0:8.2f} req/s  {wall:6.1f} s  busy cores: "
+              + " ".join(f"{role} {cpu[role] / wall:.2f}" for role in sorted(cpu)), flush=True)
+
+
+def start_spies(plan: dict[str, Any], out: Path, case: str) -> list[subprocess.Popen]:
+    """--py-spy: sample the server's API, engine core and worker for the case, each into
+    <case>-<role>.txt (py-spy's raw folded stacks with thread names)."""
+    roles = process_cpu(plan.get("server_pid"), pids=True) if plan.get("py_spy") else {}
+    return [subprocess.Popen([plan["py_spy"], "record", "--pid", str(pid), "--rate", "100",
+                              "--format", "raw", "--threads", "--nonblocking", "--output",
+                              str(out / f"{case}-{role}.txt")], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+            for role, pid in roles.items() if role in ("api", "engine_core", "worker")]
+
+
+def process_cpu(root_pid: int | None, pids: bool = False) -> dict[str, Any]:
+    """CPU seconds so far of the server's processes by role, from /proc: where a case's host
+    time goes, and whether one (the API server's event loop) is saturated (busy near 1.0).
+    `pids`: each role's first process id instead."""
+    procs = {}  # pid -> (parent, name, cpu seconds)
+    for stat in Path("/proc").glob("[0-9]*/stat") if root_pid else ():
+        with contextlib.suppress(OSError):
+            name, _, rest = stat.read_text().partition("(")[2].rpartition(")")
+            f = rest.split()
+            procs[int(stat.parent.name)] = (int(f[1]), name, (int(f[11]) + int(f[12])) / 100)
+    tree, out = [root_pid] if root_pid in procs else [], {}
+    for pid in tree:  # grows as children are found
+        tree += [kid for kid, (parent, _, _) in procs.items() if parent == pid]
+        name = procs[pid][1]
+        role = "api" if pid == root_pid else "engine_core" if "EngineCor" in name else \
+            "worker" if "Worker" in name else "other" if name.startswith("VLLM") else "writer"
+        out[role] = out.get(role, pid) if pids else out.get(role, 0.0) + procs[pid][2]
+    return out
 
 
 def distinct_run(args: argparse.Namespace, n: int, hidden: int) -> dict[str, Any]:
@@ -246,7 +286,7 @@ def put_readers(root: Path, hidden: int) -> None:
 
 
 def drive(config: str, url: str, model: str, a: argparse.Namespace, raw_dir: Path,
-          tag: str, capture_dir: Path | None) -> dict[str, Any]:
+          tag: str, capture_dir: Path | None, server_pid: int | None = None) -> dict[str, Any]:
     """Every case of `config` against the server at `url`, in one client process."""
     layers = hidden = 0
     if config == "capsteer":
@@ -265,6 +305,7 @@ def drive(config: str, url: str, model: str, a: argparse.Namespace, raw_dir: Pat
             for case in cases(config, layers, a.cases)
             for argv in [bench_argv(case, a, url, model, result_dir)]]
     plan = {"url": url, "capsteer": config == "capsteer", "hidden": hidden, "jobs": jobs,
+            "server_pid": server_pid, "py_spy": a.py_spy,
             "results": str(result_dir / "client.jsonl"),
             "capture_dir": str(capture_dir) if capture_dir else None}
     (result_dir / "plan.json").write_text(json.dumps(plan, indent=1))
@@ -342,7 +383,8 @@ def run_managed(a: argparse.Namespace) -> None:
                     print(f"{tag}: NO START\n{exc}", flush=True)
                     break
                 try:
-                    got = drive(config, server.url, str(model), a, raw, tag, a.work / "captures")
+                    got = drive(config, server.url, str(model), a, raw, tag, a.work / "captures",
+                                server.proc.pid)
                 except BaseException:
                     print(server.log_tail(80), file=sys.stderr)
                     raise
@@ -523,6 +565,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         ap.add_argument(name, type=float, default=default)
     ap.add_argument("--work", type=Path, default=Path("/tmp/capsteer-serve-bench"))
     ap.add_argument("--readers-dir", type=Path, help="--attach: capsteer's (else under --work)")
+    ap.add_argument("--py-spy", default=None, help="py-spy's path: profile each case's server")
     ap.add_argument("--out", type=Path, default=Path(perf_models.default_out()) / "serve")
     ap.add_argument("--merge", type=Path, nargs="+", default=None, metavar="DIR",
                     help="run nothing: summarize the raw files of these --out dirs into --out")

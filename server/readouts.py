@@ -133,17 +133,23 @@ class ReadoutResponder(BodyRewriter):
         if b'"choices":[]' in event or event.count(b'"index":') != 1:
             return None
         found = _find_value(event, _TOKEN_IDS)
-        if found is None or _find_value(event, _PROMPT_IDS, null_ok=False) is not None:
+        if found is None:
             return None
-        start, end = found
-        ids = event[start + 1: end - 1].strip() if event[start] == ord("[") else b""
-        if ids:
-            self.output.extend(int(t) for t in ids.split(b","))
+        cuts = [found]  # spans of the keys cut: token ids, then a null prompt's ids if any
+        at = event.find(_PROMPT_IDS)
+        if at >= 0:
+            if not event.startswith(b"null", at + len(_PROMPT_IDS)):
+                return None
+            cuts.append((at, at + len(_PROMPT_IDS) + 4))
+        start, end = found[1], found[2]
+        ids = event[start + 1: end - 1] if event[start] == 91 else b""  # 91: "["
+        if ids.strip():
+            self.output.extend(map(int, ids.split(b",")))
         entries = _ENCODE(await self._chunk_entries())
         if not self.keep_token_ids:
-            event = _cut_key(_cut_key(event, _TOKEN_IDS), _PROMPT_IDS)
+            event = _cut_spans(event, cuts)
         close = event.rindex(b"}")
-        return event[:close] + b',"readout":' + entries + event[close:]
+        return b"".join((event[:close], b',"readout":', entries, event[close:]))
 
     async def _chunk_entries(self) -> list[dict[str, Any]]:
         """The readouts of the positions this chunk makes final, for each item."""
@@ -236,11 +242,12 @@ class ReadoutResponder(BodyRewriter):
         if item.index in self.errors:
             entry["error"] = self.errors[item.index]
             return entry
-        tokens = (self.prompt or []) + self.output
+        prompt, output = self.prompt or [], self.output
         have = self.values[item.index]
         positions = [p for p in self._expected(item, start, limit) if p in have]
         entry["positions"] = positions
-        entry["token_ids"] = [tokens[p] for p in positions]
+        entry["token_ids"] = [prompt[p] if p < len(prompt) else output[p - len(prompt)]
+                              for p in positions]
         key = "scores" if item.reader.kind == "probe" else "features"
         entry[key] = [have[p] for p in positions]
         return entry
@@ -255,27 +262,37 @@ class ReadoutResponder(BodyRewriter):
                 choice.pop("prompt_token_ids", None)
 
 
-def _find_value(event: bytes, key: bytes, *, null_ok: bool = True) -> tuple[int, int] | None:
-    """Where `key`'s value (a flat list or null) lies in `event`: (start, end) bytes."""
+def _find_value(event: bytes, key: bytes) -> tuple[int, int, int] | None:
+    """Where `key` and its value (a flat list or null) lie in `event`: (key's start, the
+    value's start, its end) in bytes."""
     at = event.find(key)
     if at < 0:
         return None
     start = at + len(key)
     if event.startswith(b"null", start):
-        return (start, start + 4) if null_ok else None
+        return at, start, start + 4
     if event.startswith(b"[", start):
-        return start, event.index(b"]", start) + 1
+        return at, start, event.index(b"]", start) + 1
     return None
+
+
+def _cut_spans(event: bytes, spans: list[tuple[int, ...]]) -> bytes:
+    """`event` without each (start, ..., end) span of a key and its value, and one comma
+    beside each."""
+    keep, last = [], 0
+    for span in sorted(spans):
+        at, end = span[0], span[-1]
+        if at - 1 >= last and event[at - 1: at] == b",":
+            at -= 1
+        elif event[end: end + 1] == b",":
+            end += 1
+        keep.append(event[last:at])
+        last = end
+    keep.append(event[last:])
+    return b"".join(keep)
 
 
 def _cut_key(event: bytes, key: bytes) -> bytes:
     """`event` without `key` and its value (a flat list or null) and one comma beside it."""
     found = _find_value(event, key)
-    if found is None:
-        return event
-    at, end = event.find(key), found[1]
-    if event[at - 1: at] == b",":
-        at -= 1
-    elif event[end: end + 1] == b",":
-        end += 1
-    return event[:at] + event[end:]
+    return event if found is None else _cut_spans(event, [found])

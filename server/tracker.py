@@ -26,6 +26,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from capsteer.capture.layouts import MANIFEST_FILE
 from capsteer.capture.manifest import publish_unreached
 from capsteer.capture.paths import relative_dir
 from capsteer.capture.receipts import Receipt, find_receipt, pending, receipt_at
@@ -40,6 +41,8 @@ ASK_AFTER_S = 1.0
 # manifest rarely exists yet, and hundreds in flight cost a file open each per tick.
 SWEEP_S = 0.25
 AskUnwritten = Callable[[Sequence[str]], Awaitable[dict[str, Receipt]]]
+# A capture whose manifest exists, found for its reservation (its receipt was not read).
+_DURABLE = pending("", "durable; receipt not read")
 
 
 @dataclass
@@ -57,12 +60,14 @@ class CaptureTracker:
     """Reservations and receipt waits for captures in flight (asyncio, one event loop)."""
 
     def __init__(self, root: str | Path, budget_bytes: int, *, poll_s: float = 0.02,
-                 forget_after_s: float = 3600.0, peers: PeerBoard | None = None,
-                 model: str = "") -> None:
+                 idle_poll_s: float = 0.1, forget_after_s: float = 3600.0,
+                 peers: PeerBoard | None = None, model: str = "") -> None:
         self.root = Path(root)
         self.model = model
         self.budget = budget_bytes
-        self.poll_s = poll_s
+        # Ticks every poll_s while a client waits for a receipt, else every idle_poll_s:
+        # then only the reservation waits, and fewer ticks find more manifests each.
+        self.poll_s, self.idle_poll_s = poll_s, idle_poll_s
         self.forget_after_s = forget_after_s
         self._tracked: dict[str, _Tracked] = {}
         self._task: asyncio.Task | None = None
@@ -167,8 +172,9 @@ class CaptureTracker:
         while self._tracked:
             where = self.poll_targets()
             ids = list(where)
+            read = {c for c in ids if self._tracked[c].waiters}
             try:
-                found = await asyncio.to_thread(self._scan, where) if where else {}
+                found = await asyncio.to_thread(self._scan, where, read) if where else {}
             except Exception:  # keep polling; a broken root shows up in receipts' timeouts
                 log.exception("capsteer: scanning the capture root failed")
                 found = {}
@@ -179,7 +185,8 @@ class CaptureTracker:
                 entry = self._tracked.get(capture_id)
                 if entry is None:
                     continue
-                if receipt is None and now - entry.since < self.forget_after_s:
+                if (receipt is None and now - entry.since < self.forget_after_s) or \
+                        (receipt is _DURABLE and entry.waiters):  # a waiter came: read it next
                     continue
                 if receipt is None:
                     log.warning("capsteer: capture %s not durable after %.0f s; no longer tracked",
@@ -192,7 +199,8 @@ class CaptureTracker:
                 for fut in entry.waiters:
                     if not fut.done():
                         fut.set_result(receipt)
-            await asyncio.sleep(self.poll_s)
+            waited = any(entry.waiters for entry in self._tracked.values())
+            await asyncio.sleep(self.poll_s if waited else self.idle_poll_s)
 
     async def _ask_engine(self, found: dict[str, Receipt], now: float) -> dict[str, Receipt]:
         """Outcomes the workers hold because the disk refused their manifests."""
@@ -221,17 +229,22 @@ class CaptureTracker:
             return None
         return relative_dir(capture_id, entry.spec.tag, entry.dir_time)
 
-    def _scan(self, where: dict[str, tuple[str | None, float]]) -> dict[str, Receipt]:
-        """Each capture's manifest where its payload put it (one file read). The root is
-        searched for captures not dated here, and, at most once a second, for those
-        pending longer than SEARCH_AFTER_S (an outcome that landed elsewhere)."""
+    def _scan(self, where: dict[str, tuple[str | None, float]],
+              read: set[str] | None = None) -> dict[str, Receipt]:
+        """Each capture's manifest where its payload put it (one file read; for a capture
+        not in `read`, when given, only whether it exists: nobody waits for its receipt).
+        The root is searched for captures not dated here, and, at most once a second, for
+        those pending longer than SEARCH_AFTER_S (an outcome that landed elsewhere)."""
         now = time.monotonic()
         search = now - self._searched_at >= 1.0
         if search:
             self._searched_at = now
         out = {}
         for capture_id, (rel, since) in where.items():
-            receipt = receipt_at(self.root, rel) if rel else None
+            if rel and read is not None and capture_id not in read:
+                receipt = _DURABLE if (self.root / rel / MANIFEST_FILE).exists() else None
+            else:
+                receipt = receipt_at(self.root, rel) if rel else None
             if receipt is None and (rel is None or (search and now - since > SEARCH_AFTER_S)):
                 receipt = find_receipt(self.root, capture_id)
             if receipt is not None:

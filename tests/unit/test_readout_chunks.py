@@ -11,7 +11,14 @@ import pytest
 import torch
 
 from capsteer.capture.spec import parse_positions
-from capsteer.server.readouts import ReadoutResponder, _cut_key
+from capsteer.server.readouts import (
+    _PROMPT_IDS,
+    _TOKEN_IDS,
+    ReadoutResponder,
+    _cut_key,
+    _cut_spans,
+    _find_value,
+)
 from capsteer.steering.readers.kinds import LinearProbe
 from capsteer.steering.readers.readout import ReadoutItem
 from capsteer.steering.readers.registry import ReaderShape
@@ -121,3 +128,16 @@ def test_cut_key_removes_one_key_and_one_comma():
     assert _cut_key(b'{"token_ids":null,"b":2}', b'"token_ids":') == b'{"b":2}'
     assert _cut_key(b'{"prompt_token_ids":[3],"x":1}', b'"token_ids":') == \
         b'{"prompt_token_ids":[3],"x":1}'
+
+
+@pytest.mark.parametrize("event", [
+    b'{"prompt_token_ids":null,"token_ids":[5],"x":1}',
+    b'{"x":1,"prompt_token_ids":null,"token_ids":[5]}',
+    b'{"token_ids":[5],"x":1,"prompt_token_ids":null}',
+    b'{"prompt_token_ids":null,"token_ids":[5]}',
+    b'{"token_ids":[5,6],"prompt_token_ids":null,"x":[1]}'])
+def test_cutting_both_keys_at_once_equals_cutting_one_after_the_other(event):
+    both = _cut_spans(event, [_find_value(event, _TOKEN_IDS), _find_value(event, _PROMPT_IDS)])
+    assert both == _cut_key(_cut_key(event, _TOKEN_IDS), _PROMPT_IDS)
+    assert json.loads(both) == {k: v for k, v in json.loads(event).items()
+                                if k not in ("token_ids", "prompt_token_ids")}
