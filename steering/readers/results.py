@@ -97,16 +97,21 @@ class ResultsStream:
 
 @dataclass
 class Inbox:
-    """One readout's records as the hub delivers them; `ready` is set on each delivery."""
+    """One readout's records as the hub delivers them; a waiting response's future is
+    resolved on the next delivery or at its deadline (by the hub's task: no timer, no
+    task per wait, as a stream waits for most of its chunks)."""
 
     records: list[dict[str, Any]] = field(default_factory=list)
-    ready: asyncio.Event = field(default_factory=asyncio.Event)
-    waiting: bool = False
+    waiter: asyncio.Future | None = None
+    deadline: float = 0.0
 
     def take(self) -> list[dict[str, Any]]:
         out, self.records = self.records, []
-        self.ready.clear()
         return out
+
+    def wake(self) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
 
 
 class _Tail:
@@ -147,18 +152,23 @@ class ResultsHub:
 
     async def wait(self, inbox: Inbox, timeout_s: float) -> None:
         """Until the hub delivers something to `inbox` or `timeout_s` passes."""
-        inbox.waiting = True
+        if inbox.records:
+            return
+        inbox.waiter = asyncio.get_running_loop().create_future()
+        inbox.deadline = time.monotonic() + timeout_s
         try:
-            await asyncio.wait_for(inbox.ready.wait(), timeout_s)
-        except TimeoutError:
-            pass
+            await inbox.waiter
         finally:
-            inbox.waiting = False
+            inbox.waiter = None
 
     async def _run(self) -> None:
         while self.inboxes:
-            waiting = any(inbox.waiting for inbox in self.inboxes.values())
-            self.pump(waiting)
+            waiting = [inbox for inbox in self.inboxes.values() if inbox.waiter is not None]
+            self.pump(bool(waiting))
+            now = time.monotonic()
+            for inbox in waiting:
+                if inbox.records or now >= inbox.deadline:
+                    inbox.wake()
             await asyncio.sleep(self.poll_s if waiting else self.idle_s)
 
     def pump(self, waiting: bool = True) -> None:
@@ -192,7 +202,7 @@ class ResultsHub:
         inbox = self.inboxes.get(record.get("r", ""))
         if inbox is not None:
             inbox.records.append(record)
-            inbox.ready.set()
+            inbox.wake()
 
     def _scan(self) -> None:
         try:
