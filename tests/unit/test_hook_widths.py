@@ -234,3 +234,26 @@ def test_the_schema_bounds_a_vector_by_the_hook_widths():
                                           "vector": [0.5] * width}]}}
         assert ok(body) == valid, width
     assert "24 (mlp_post)" in json.dumps(fields)
+
+
+def test_attn_z_of_its_own_width_and_an_saes_recorded_hook(tmp_path):
+    """Gemma-like: heads * d_head (2 x 6) is not the hidden size; an SAE that records
+    SAELens's `blocks.0.mlp.hook_post` reads mlp_post by default."""
+    widths = {"mlp_post": D_MLP, "attn_z": 12, HEADS_KEY: 2}
+    reg = VectorRegistry(tmp_path / "vectors", hidden_size=HIDDEN, num_layers=LAYERS,
+                         hook_widths=widths)
+    z = RNG.standard_normal(12).astype(np.float32)
+    assert reg.put("heads", _npy(z))["hooks"] == ["attn_z"]
+    spec = parse_steering_spec({"vectors": [{"hook": "attn_z", "layer": 0, "vector": {
+        "name": "heads"}}]}, num_layers=LAYERS, hidden_size=HIDDEN, lookup=reg.lookup,
+        widths=widths)
+    assert np.array_equal(spec.ops[0].vector, z)
+    with pytest.raises(SteeringSpecError, match="'heads' has width 12; mlp_post is 24 wide"):
+        parse_steering_spec({"vectors": [{"hook": "mlp_post", "layer": 0, "vector": {
+            "name": "heads"}}]}, num_layers=LAYERS, hidden_size=HIDDEN, lookup=reg.lookup,
+            widths=widths)
+    readers = ReaderRegistry(tmp_path / "readers", hidden_size=HIDDEN, hook_widths=widths)
+    readers.put("mlp-sae", _sae_tar(tmp_path, D_MLP))
+    (item,) = parse_readout([{"reader": {"name": "mlp-sae"}}], num_layers=LAYERS,
+                            hidden_size=HIDDEN, lookup=readers.lookup, widths=widths)
+    assert (item.hook, item.layer, item.reader.d_in) == ("mlp_post", 0, D_MLP)
