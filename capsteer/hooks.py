@@ -7,6 +7,7 @@ reference fork. See docs/ and ../shared/design/api.md §2.
 from __future__ import annotations
 
 import re
+from collections.abc import Collection, Mapping
 
 import numpy as np
 
@@ -145,3 +146,33 @@ def parse_layers(value: object, num_layers: int) -> tuple[int, ...]:
     else:
         raise ValueError(f"expected \"all\", a list, \"a-b\" or \"a:b\", got {value!r}")
     return tuple(sorted(set(layers)))
+
+
+def width_table(hidden_size: int, hook_widths: Mapping[str, int] | None = None,
+                unavailable: Mapping[str, str] | Collection[str] | None = None, *,
+                steerable: bool = False) -> dict[str, int]:
+    """Each hook the model has (`steerable`: each one a steering item may name), with its
+    width: `hook_widths` (a ModelShape's: mlp_post's d_mlp...), else the hidden size. A
+    hook of `hook_widths` absent from it (router_logits of a dense model) counts only
+    where that mapping names it."""
+    widths = dict(hook_widths or {})
+    missing = set(unavailable or ())
+    return {h: int(widths.get(h, hidden_size)) for h in HOOKS
+            if h not in missing and not (steerable and h in CAPTURE_ONLY)
+            and (h != "router_logits" or h in widths)}
+
+
+def describe_widths(table: Mapping[str, int], hidden_size: int | None = None) -> str:
+    """`128 (the hidden size: resid_pre, resid_post, ...), 256 (mlp_post)`: the widths a
+    model's hooks have, for messages that refuse a width none of them has."""
+    by_width: dict[int, list[str]] = {}
+    for hook, width in table.items():
+        by_width.setdefault(int(width), []).append(hook)
+    return ", ".join(f"{w} ({'the hidden size: ' if w == hidden_size else ''}"
+                     f"{', '.join(hooks)})" for w, hooks in sorted(by_width.items()))
+
+
+def hook_width_text(hook: str, width: int, hidden_size: int | None = None) -> str:
+    """`mlp_post is 256 wide at this model` (with `its hidden size` where it is)."""
+    return f"{hook} is {width} wide at this model" + (
+        " (its hidden size)" if width == hidden_size else "")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,12 +56,15 @@ class ReadoutSink(CaptureSink):
     copies_rows = True  # rows are read before `write` returns
 
     def __init__(self, root: str | None, readers_dir: str | None, hidden_size: int,
-                 device: torch.device | str) -> None:
+                 device: torch.device | str,
+                 hook_widths: Mapping[str, int] | None = None) -> None:
+        """`hook_widths`: the model's hooks not hidden_size wide, whose readers the
+        registry then serves too (the server checked each against its hook)."""
         self.root = Path(root) if root else None
         self.stream = results.ResultsStream(self.root) if self.root is not None else None
         self._pending: list[bytes] = []  # this step's records, written at its end
-        self.registry = ReaderRegistry(readers_dir, hidden_size=hidden_size) \
-            if readers_dir else None
+        self.registry = ReaderRegistry(readers_dir, hidden_size=hidden_size,
+                                       hook_widths=hook_widths) if readers_dir else None
         self.device = torch.device(device)
         self.live: dict[str, _Readout] = {}
         self._readers: OrderedDict[tuple, Reader] = OrderedDict()

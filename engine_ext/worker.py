@@ -115,7 +115,7 @@ class EngineHooks(RequestBook, StepFeed, Delivery):
         # The server's registry, for the vectors its requests name (None: all inline)
         self.vectors = None if self.config.steering_dir is None else VectorReader(
             self.config.steering_dir, hidden_size=self.sites.hidden_size,
-            num_layers=self.sites.num_layers)
+            num_layers=self.sites.num_layers, hook_widths=dict(self.sites.hook_widths))
         self.capture_rank = is_capture_rank()
         # A server's payload key (payload.PAYLOAD_KEY_ENV); None in the in-process engine
         self.payload_key = os.environ.get(PAYLOAD_KEY_ENV) or None
@@ -129,7 +129,8 @@ class EngineHooks(RequestBook, StepFeed, Delivery):
             if self.capture_rank else None
         # Readouts' rows go to their readers, the scores to the server (engine_ext.readouts).
         self.readouts = ReadoutSink(self.config.readout_dir, self.config.readers_dir,
-                                    self.sites.hidden_size, worker.device)
+                                    self.sites.hidden_size, worker.device,
+                                    dict(self.sites.hook_widths))
         self.sinks: dict[str, CaptureSink] = {}  # capture_id -> the sink its request chose
         self.requests: dict[str, RequestHooks] = {}
         self.prompts: dict[str, tuple[int, ...]] = {}

@@ -7,11 +7,12 @@ vLLM parses the body), so the generated schema is extended after the fact.
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from typing import Any
 
 from capsteer.capture.paths import CAPTURE_ID_RE
 from capsteer.capture.spec import DTYPES, LAYOUTS, SPEC_KEYS
-from capsteer.hooks import ALIASES, HOOKS
+from capsteer.hooks import ALIASES, HOOKS, describe_widths, width_table
 from capsteer.steering.formats import FORMATS
 from capsteer.steering.readers.kinds import ACTIVATIONS
 from capsteer.steering.readers.readout import ITEM_KEYS
@@ -22,8 +23,9 @@ from capsteer.steering.spec import OPS, POSITIONS
 _HOOK = {"type": "string", "enum": [*HOOKS, *ALIASES]}
 MAX_ABS = 1e30  # steering.spec's and steering.formats' bound on every number
 _NUMBER = {"type": "number", "minimum": -MAX_ABS, "maximum": MAX_ABS}
-# A steering vector: `document` sets its length to the served model's hidden size.
-VECTOR = {"type": "array", "items": _NUMBER, "description": "hidden_size numbers"}
+# A steering vector: `document` bounds its length by the served model's hook widths.
+VECTOR = {"type": "array", "items": _NUMBER,
+          "description": "as many numbers as its hook is wide (hidden_size; mlp_post: d_mlp)"}
 # `for_model` bounds these by the served model: its layers, its context.
 LAYER = {"type": "integer", "description": "a layer; negative counts from the end"}
 POSITION = {"type": "integer",
@@ -189,7 +191,12 @@ VECTOR_INFO = {
     "properties": {
         "name": {"type": "string"}, "kind": {"enum": ["single", "per_layer", None]},
         "layers": {"type": ["array", "null"], "items": {"type": "integer"}},
-        "hidden_size": {"type": ["integer", "null"]},
+        "hidden_size": {"type": ["integer", "null"], "description": "the vectors' width "
+                        "(its first name: the same as `width`)"},
+        "width": {"type": ["integer", "null"], "description": "the vectors' width: the width "
+                  "of the hook they steer"},
+        "hooks": {"type": ["array", "null"], "items": {"type": "string"},
+                  "description": "this model's hooks of that width (where it can steer)"},
         "source_format": {"type": ["string", "null"]}, "created": _NULLABLE_NUMBER,
         "sha256": {"type": ["string", "null"]}, "bytes": {"type": "integer"},
         "norm": _NULLABLE_NUMBER,
@@ -297,12 +304,17 @@ def extend_schema(schema: dict[str, Any]) -> dict[str, Any]:
 
 
 def for_model(schema: dict[str, Any], hidden_size: int, num_layers: int,
-              max_model_len: int) -> dict[str, Any]:
-    """A copy of `schema` with the served model's bounds: a steering vector's width, the
-    layer indices, the positions a context holds; so a client (or a schema-driven test)
-    can tell what this server takes."""
-    bounds = [(VECTOR, {"minItems": hidden_size, "maxItems": hidden_size,
-                        "description": f"{hidden_size} numbers (the model's hidden size)"}),
+              max_model_len: int, widths: Mapping[str, int] | None = None) -> dict[str, Any]:
+    """A copy of `schema` with the served model's bounds: a steering vector's width (from
+    the narrowest to the widest hook steering may name: `widths`, hooks.width_table's,
+    default the hidden size alone), the layer indices, the positions a context holds; so
+    a client (or a schema-driven test) can tell what this server takes."""
+    widths = dict(widths) if widths else {"resid_post": hidden_size}
+    low, high = min(widths.values()), max(widths.values())
+    text = (f"{hidden_size} numbers (the model's hidden size)" if low == high == hidden_size
+            else f"as many numbers as the item's hook is wide: "
+                 f"{describe_widths(widths, hidden_size)}")
+    bounds = [(VECTOR, {"minItems": low, "maxItems": high, "description": text}),
               (LAYER, {"minimum": -num_layers, "maximum": num_layers - 1}),
               (POSITION, {"minimum": -max_model_len, "maximum": max_model_len - 1})]
     out = copy.deepcopy(schema)
@@ -331,7 +343,9 @@ def document(app: Any) -> None:
             if state is not None:
                 shape = state.shape
                 schema = for_model(schema, shape.hidden_size, shape.num_layers,
-                                   shape.max_model_len)
+                                   shape.max_model_len, width_table(
+                                       shape.hidden_size, shape.hook_widths,
+                                       shape.unavailable, steerable=True))
             app._capsteer_schema = schema
         return app._capsteer_schema
 

@@ -66,9 +66,12 @@ class CapsteerState:
         shape = ModelShape(model.num_layers, model.hidden_size, model.max_model_len, itemsize,
                            dict(model.unavailable), dict(model.hook_widths))
         Path(settings.capture_dir).mkdir(parents=True, exist_ok=True)
+        # Named vectors and readers are as wide as any hook the model has (mlp_post: d_mlp).
         registry = VectorRegistry(settings.steering_dir, hidden_size=model.hidden_size,
-                                  num_layers=model.num_layers)
-        readers = ReaderRegistry(settings.readers_dir, hidden_size=model.hidden_size)
+                                  num_layers=model.num_layers, hook_widths=shape.hook_widths,
+                                  unavailable=shape.unavailable)
+        readers = ReaderRegistry(settings.readers_dir, hidden_size=model.hidden_size,
+                                 hook_widths=shape.hook_widths, unavailable=shape.unavailable)
         global_capture = None
         if getattr(settings, "global_capture", None):
             global_capture = parse_capture_shorthand(settings.global_capture)

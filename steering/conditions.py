@@ -58,7 +58,8 @@ def _array(t: Any) -> np.ndarray:
     return np.asarray(t, dtype=np.float64)
 
 
-def _reader(readers: ReaderGetter | None, name: object, field: str, hidden: int) -> Any:
+def _reader(readers: ReaderGetter | None, name: object, field: str, hidden: int,
+            where: str | None = None) -> Any:
     if not isinstance(name, str) or not name:
         raise ConditionError(field, "must be a non-empty string (a registered reader's name)")
     if readers is None:
@@ -70,8 +71,8 @@ def _reader(readers: ReaderGetter | None, name: object, field: str, hidden: int)
     except errors.InvalidInput as exc:
         raise ConditionError(field, str(exc)) from None
     if reader.d_in != hidden:
-        raise ConditionError(field, f"reader {name!r} reads width {reader.d_in}; this hook's "
-                                    f"width is {hidden}")
+        raise ConditionError(field, f"reader {name!r} reads width {reader.d_in}; "
+                             + (where or f"this hook's width is {hidden}"))
     return reader
 
 
@@ -84,13 +85,14 @@ def _index(value: object, n: int, field: str, what: str) -> int:
 
 
 def feature_vector(raw: Mapping, field: str, hidden: int,
-                   readers: ReaderGetter | None) -> np.ndarray:
-    """`{"reader": name, "feature": i}` -> the SAE's decoder row W_dec[i], float32."""
+                   readers: ReaderGetter | None, where: str | None = None) -> np.ndarray:
+    """`{"reader": name, "feature": i}` -> the SAE's decoder row W_dec[i], float32; `hidden`
+    is the width of the item's hook, which `where` names (hooks.hook_width_text)."""
     unknown = sorted(set(raw) - set(FEATURE_FIELDS))
     if unknown:
         raise ConditionError(f"{field}.{unknown[0]}",
                              'unknown field; an SAE feature is {"reader": name, "feature": i}')
-    reader = _reader(readers, raw.get("reader"), field + ".reader", hidden)
+    reader = _reader(readers, raw.get("reader"), field + ".reader", hidden, where)
     if reader.kind != "sae":
         raise ConditionError(field + ".reader", f"reader {raw['reader']!r} is a {reader.kind}, "
                                                 "not an SAE: only an SAE has decoder rows")
@@ -112,8 +114,8 @@ def _threshold(value: object, field: str) -> float:
     return number
 
 
-def parse_when(raw: object, field: str, hidden: int,
-               readers: ReaderGetter | None) -> tuple[np.ndarray, float]:
+def parse_when(raw: object, field: str, hidden: int, readers: ReaderGetter | None,
+               where: str | None = None) -> tuple[np.ndarray, float]:
     """A steering item's `when` as the linear gate (g float32 [hidden], b): the item
     applies at a token where src . g + b > 0."""
     if not isinstance(raw, Mapping):
@@ -126,7 +128,7 @@ def parse_when(raw: object, field: str, hidden: int,
     ref = raw.get("reader")
     if not (isinstance(ref, Mapping) and set(ref) == {"name"}):
         raise ConditionError(field + ".reader", 'must be {"name": ...} (a registered reader)')
-    reader = _reader(readers, ref["name"], field + ".reader.name", hidden)
+    reader = _reader(readers, ref["name"], field + ".reader.name", hidden, where)
     n = reader.outputs if reader.kind == "probe" else reader.d_sae
     if "index" not in raw and not (reader.kind == "probe" and n == 1):
         raise ConditionError(field + ".index", f"is required: reader {ref['name']!r} has {n} "

@@ -58,6 +58,7 @@ from types import MappingProxyType
 import numpy as np
 
 from capsteer.config import errors
+from capsteer.hooks import describe_widths
 
 FORMATS = ("safetensors", "pt", "npy", "json", "gguf")
 _ALIASES = {"pth": "pt", "torch": "pt", "bin": "pt", "numpy": "npy", "st": "safetensors"}
@@ -141,9 +142,12 @@ def sniff_format(data: bytes) -> str | None:
 
 
 def decode_vectors(
-    data: bytes, *, hidden_size: int, num_layers: int, fmt: str | None = None
+    data: bytes, *, hidden_size: int, num_layers: int, fmt: str | None = None,
+    widths: Mapping[str, int] | None = None,
 ) -> DecodedVectors:
-    """Decode one upload into validated float32 vectors for a model of this geometry."""
+    """Decode one upload into validated float32 vectors for a model of this geometry.
+    `widths`: the width of each hook the vectors may steer (hooks.width_table; default:
+    the hidden size alone); every vector of one upload has one of them, the same one."""
     if len(data) > MAX_VECTOR_BYTES:
         raise VectorTooLargeError(
             f"upload is {len(data)} bytes; the limit is {MAX_VECTOR_BYTES} bytes")
@@ -154,7 +158,7 @@ def decode_vectors(
         raise VectorFormatError(
             "unrecognised vector file: expected safetensors, a torch .pt file, .npy, JSON "
             f"or GGUF (first bytes {bytes(data[:8])!r}); pass the format explicitly if it is one")
-    ctx = _Ctx(hidden_size, num_layers, chosen)
+    ctx = _Ctx(hidden_size, num_layers, chosen, widths)
     single, per_layer = _DECODERS[chosen](data, ctx)
     return ctx.finish(single, per_layer)
 
@@ -162,17 +166,31 @@ def decode_vectors(
 class _Ctx:
     """Model geometry plus the shared checks every format goes through."""
 
-    def __init__(self, hidden: int, layers: int, fmt: str) -> None:
+    def __init__(self, hidden: int, layers: int, fmt: str,
+                 widths: Mapping[str, int] | None = None) -> None:
         self.hidden, self.layers, self.fmt = hidden, layers, fmt
+        self.widths = dict(widths) if widths else {"the hidden size": hidden}
+        self.width: int | None = None  # the first vector's: the upload's others match it
+
+    def _expected(self) -> str:
+        if self.width is not None:
+            return f"width {self.width} (as the upload's other vectors)"
+        if set(self.widths.values()) == {self.hidden}:
+            return f"width {self.hidden} (the model's hidden size)"
+        return ("the width of one of this model's hooks: "
+                f"{describe_widths(self.widths, self.hidden)}")
 
     def vector(self, arr: np.ndarray, where: str) -> np.ndarray:
         arr = np.asarray(arr)
         if arr.dtype.kind not in "fiu":
             raise VectorFormatError(f"{where}: expected numbers, found dtype {arr.dtype}")
-        if arr.ndim != 1 or arr.shape[0] != self.hidden:
+        fits = arr.ndim == 1 and (arr.shape[0] == self.width if self.width is not None
+                                  else arr.shape[0] in self.widths.values())
+        if not fits:
             raise VectorFormatError(
-                f"{where}: expected a vector of width {self.hidden} (the model's hidden size), "
-                f"found shape {list(arr.shape)}")
+                f"{where}: expected a vector of {self._expected()}, found shape "
+                f"{list(arr.shape)}")
+        self.width = int(arr.shape[0])
         with np.errstate(over="ignore", invalid="ignore"):
             out = np.array(arr, dtype=np.float32, copy=True)  # own memory, never the upload's
         if not np.isfinite(out).all():
@@ -199,10 +217,11 @@ class _Ctx:
             if arr.shape[0] != self.layers:
                 raise VectorFormatError(
                     f"{where}: a 2-D array needs one row per layer, shape [{self.layers}, "
-                    f"{self.hidden}]; found shape {list(arr.shape)}")
+                    f"width]; found shape {list(arr.shape)}")
             return None, {i: self.vector(arr[i], f"{where}[{i}]") for i in range(self.layers)}
         raise VectorFormatError(
-            f"{where}: expected shape [{self.hidden}] or [{self.layers}, {self.hidden}], "
+            f"{where}: expected shape [width] or [{self.layers}, width] (width: "
+            f"{self._expected()}), "
             f"found shape {list(arr.shape)}")
 
     def named(self, tensors: Mapping[str, np.ndarray], where: str) -> tuple:

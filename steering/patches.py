@@ -21,7 +21,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from capsteer.config import errors
-from capsteer.hooks import CAPTURE_ONLY, WIDE_HOOKS, HookNameError, canonical_hook, parse_layers
+from capsteer.hooks import (
+    CAPTURE_ONLY,
+    WIDE_HOOKS,
+    HookNameError,
+    canonical_hook,
+    hook_width_text,
+    parse_layers,
+)
 
 PATCH_FIELDS = frozenset({"hook", "layer", "layers", "op", "source"})
 SOURCE_FIELDS = frozenset({"capture_id", "positions"})
@@ -200,7 +207,7 @@ def parse_patch_item(item: Mapping, field: str, *, num_layers: int, hidden_size:
             raise PatchSpecError(field + ".source.capture_id",
                                  f"{source.capture_id} holds rows of width "
                                  f"{rows.shape[-1] if rows.ndim else 0} at {hook}.{layer}; "
-                                 f"this model's hidden size is {hidden_size}")
+                                 + hook_width_text(hook, hidden_size, hidden_size))
         values = np.ascontiguousarray(rows[at], dtype=np.float32)
         if not np.isfinite(values).all():
             raise PatchSpecError(field + ".source.capture_id",

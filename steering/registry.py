@@ -7,8 +7,14 @@ would not invalidate. Files are published atomically (temp file, fsync, rename,
 fsync dir), so a reader never sees half a vector.
 
 On disk: `<root>/<name>.safetensors` holding tensor `vector` (one vector) or
-`layer.N` tensors (0-based resid_post layers), float32, with metadata
-`source_format`, `created`, `sha256` (of the upload), `hidden_size`, `num_layers`.
+`layer.N` tensors (0-based layers), float32, with metadata `source_format`, `created`,
+`sha256` (of the upload), `hidden_size` and `num_layers` (the model's at upload) and
+`width` (the vectors').
+
+A vector is as wide as the hook it steers: the hidden size for the stream hooks, d_mlp
+for mlp_post, heads x d_head for attn_z. An upload is kept at its own width when some
+hook of the model has that width, and each request checks it against the hook it names
+(steering/spec.py), so one registry holds stream and mlp_post vectors side by side.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from types import MappingProxyType
 import numpy as np
 
 from capsteer.config import errors
+from capsteer.hooks import describe_widths, width_table
 from capsteer.steering import formats
 from capsteer.steering.formats import (
     DecodedVectors,
@@ -88,12 +95,17 @@ class VectorRegistry:
     """Files under `root`, validated against one model's geometry on every read."""
 
     def __init__(self, root: str | Path, *, hidden_size: int, num_layers: int,
+                 hook_widths: Mapping[str, int] | None = None,
+                 unavailable: Mapping[str, str] | None = None,
                  cache_entries: int = 128, read_only: bool = False) -> None:
-        """`read_only`: a reader beside the server's registry (a worker): the directory is
-        neither created nor cleaned."""
+        """`hook_widths`, `unavailable`: the model's hooks not hidden_size wide and those it
+        lacks (a ModelShape's); a vector must be as wide as one hook it has that steering
+        may name. `read_only`: a reader beside the server's registry (a worker): the
+        directory is neither created nor cleaned."""
         self.root = Path(root)
         self.hidden_size = int(hidden_size)
         self.num_layers = int(num_layers)
+        self.widths = width_table(hidden_size, hook_widths, unavailable, steerable=True)
         self._cache: OrderedDict[str, tuple[tuple, _Stored]] = OrderedDict()
         self._cache_entries = cache_entries
         self._lock = threading.Lock()
@@ -117,7 +129,7 @@ class VectorRegistry:
             raise VectorTooLargeError(
                 f"upload is {len(data)} bytes; the limit is {formats.MAX_VECTOR_BYTES} bytes")
         decoded = decode_vectors(data, hidden_size=self.hidden_size,
-                                 num_layers=self.num_layers, fmt=fmt)
+                                 num_layers=self.num_layers, fmt=fmt, widths=self.widths)
         if decoded.single is not None:
             tensors = {"vector": decoded.single}
         else:
@@ -130,6 +142,7 @@ class VectorRegistry:
             "sha256": hashlib.sha256(data).hexdigest(),
             "hidden_size": str(self.hidden_size),
             "num_layers": str(self.num_layers),
+            "width": str(decoded.width),
         }
         from safetensors.numpy import save
 
@@ -258,6 +271,7 @@ class VectorRegistry:
 
     def _decode_file(self, name: str, blob: bytes) -> _Stored:
         info: dict = {"name": name, "kind": None, "layers": None, "hidden_size": None,
+                      "width": None, "hooks": None,
                       "source_format": None, "created": None, "sha256": None,
                       "bytes": len(blob), "norm": None, "norms": None, "error": None}
         try:
@@ -288,7 +302,9 @@ class VectorRegistry:
             info["error"] = f"vector {name!r}: stored file holds no usable 1-D vectors"
             return _Stored(None, info, info["error"])
         width = int(arrays[0].shape[0])
-        info["hidden_size"] = width
+        # `hidden_size` is the width under its first name (vectors were all stream-wide)
+        info["hidden_size"] = info["width"] = width
+        info["hooks"] = [h for h, w in self.widths.items() if w == width]
         if single is not None:
             info["kind"], info["norm"] = "single", _norm(single)
             decoded = DecodedVectors(single, None, info["source_format"] or "safetensors")
@@ -305,9 +321,10 @@ class VectorRegistry:
 
     def _incompatibility(self, name: str, width: int, per_layer: dict | None,
                          arrays: list[np.ndarray]) -> str | None:
-        if width != self.hidden_size:
-            return (f"vector {name!r} has width {width}, but this model's hidden size is "
-                    f"{self.hidden_size} (it was uploaded for another model; upload it again)")
+        if width not in self.widths.values():
+            return (f"vector {name!r} has width {width}, but no hook this model steers has "
+                    f"that width (it has {describe_widths(self.widths, self.hidden_size)}): "
+                    "it was uploaded for another model; upload it again")
         if per_layer is not None:
             beyond = [k for k in per_layer if k >= self.num_layers]
             if beyond:
@@ -326,9 +343,9 @@ class VectorReader:
     after a request was checked is never used for it."""
 
     def __init__(self, root: str | Path, *, hidden_size: int, num_layers: int,
-                 keep: int = 32) -> None:
+                 hook_widths: Mapping[str, int] | None = None, keep: int = 32) -> None:
         self.registry = VectorRegistry(root, hidden_size=hidden_size, num_layers=num_layers,
-                                       read_only=True)
+                                       hook_widths=hook_widths, read_only=True)
         self._kept: OrderedDict[str, np.ndarray | Mapping[int, np.ndarray]] = OrderedDict()
         self._keep = keep
 

@@ -23,6 +23,7 @@ from capsteer.hooks import (
     HEADS_KEY,
     HookNameError,
     canonical_hook,
+    hook_width_text,
     parse_layers,
     resolve_layer,
 )
@@ -91,7 +92,7 @@ class NamedVectors:
 
     @cached_property
     def _checked(self) -> dict[int, str | None]:
-        return {}  # hidden size -> why the value does not fit (None: it does)
+        return {}  # (width, whose width) -> why the value does not fit (None: it does)
 
 
 @dataclass(frozen=True)
@@ -328,32 +329,36 @@ def _lookup(raw: Mapping, field: str, lookup: VectorLookup | None) -> tuple[str,
         raise SteeringSpecError(field + ".name", exc.reason) from None
 
 
-def _named_vector(found: object, key: int | None, field: str, hidden: int) -> tuple[
-        np.ndarray, VectorSource | None]:
-    """One vector of a lookup's answer (`key` None: its single vector), checked, and its
-    source when the answer is a NamedVectors (checked once per entry, not per request)."""
+def _named_vector(name: str, found: object, key: int | None, field: str, width: int,
+                  where: str) -> tuple[np.ndarray, VectorSource | None]:
+    """One vector of a lookup's answer (`key` None: its single vector), checked against the
+    width of the hook it steers (`where` says it), and its source when the answer is a
+    NamedVectors (checked once per entry and hook, not per request)."""
+    what = f"vector {name!r}"
     if not isinstance(found, NamedVectors):
         return check_vector(np.asarray(found if key is None else found[key]), field,
-                             hidden), None
-    verdicts = found._checked
-    if hidden not in verdicts:
+                             width, where, what), None
+    verdicts, at = found._checked, (width, where)
+    if at not in verdicts:
         try:
             for vec in (found.value.values() if isinstance(found.value, Mapping)
                         else (found.value,)):
-                check_vector(np.asarray(vec), field, hidden)
-            verdicts[hidden] = None
+                check_vector(np.asarray(vec), field, width, where, what)
+            verdicts[at] = None
         except SteeringSpecError as exc:
-            verdicts[hidden] = exc.reason
-    if verdicts[hidden] is not None:
-        raise SteeringSpecError(field, verdicts[hidden])
+            verdicts[at] = exc.reason
+    if verdicts[at] is not None:
+        raise SteeringSpecError(field, verdicts[at])
     vec = np.asarray(found.value if key is None else found.value[key], dtype=np.float32)
     return vec, VectorSource(found.name, found.sha256, key, found.digests[key])
 
 
 def _resolve_vectors(
-    raw: object, field: str, layers: list[int], hidden: int, lookup: VectorLookup | None
+    raw: object, field: str, layers: list[int], hidden: int, lookup: VectorLookup | None,
+    where: str | None = None,
 ) -> _Resolved:
-    """One float32 vector per layer (and the sources of named ones)."""
+    """One float32 vector per layer (and the sources of named ones); `hidden` is the width
+    of the item's hook, which `where` names (hooks.hook_width_text)."""
     if isinstance(raw, list):
         if not raw or not all_numbers(raw):
             raise SteeringSpecError(field, "must be a non-empty list of numbers")
@@ -361,10 +366,10 @@ def _resolve_vectors(
             values = np.asarray(raw, dtype=np.float64)
         except OverflowError:
             raise SteeringSpecError(field, "holds a number too large for float64") from None
-        vec = check_vector(values, field, hidden)
+        vec = check_vector(values, field, hidden, where)
         return dict.fromkeys(layers, vec), {}
     if isinstance(raw, Mapping) and "b64" in raw:
-        vec = check_vector(decode_b64(raw, field), field, hidden)
+        vec = check_vector(decode_b64(raw, field), field, hidden, where)
         return dict.fromkeys(layers, vec), {}
     if isinstance(raw, Mapping) and "name" in raw:
         name, found = _lookup(raw, field, lookup)
@@ -376,11 +381,11 @@ def _resolve_vectors(
                 raise SteeringSpecError(field + ".name",
                                         f"vector {name!r} has no entry for layer(s) {missing}")
             for layer in layers:
-                vectors[layer], src = _named_vector(found, layer, field, hidden)
+                vectors[layer], src = _named_vector(name, found, layer, field, hidden, where)
                 if src is not None:
                     sources[layer] = src
             return vectors, sources
-        vec, src = _named_vector(found, None, field, hidden)
+        vec, src = _named_vector(name, found, None, field, hidden, where)
         return dict.fromkeys(layers, vec), (dict.fromkeys(layers, src) if src else {})
     raise SteeringSpecError(field, "must be a list of numbers, {'name': ...} or {'b64': ..., 'dtype': ...}")
 
@@ -447,6 +452,7 @@ def parse_steering_spec(
         if op == "clamp" and "value" not in item:
             raise SteeringSpecError(field + ".value", "clamp needs a 'value'")
         width = int((widths or {}).get(hook, hidden_size))
+        where = hook_width_text(hook, width, hidden_size)
         try:
             select = parse_selection(item, field, hook, width, (widths or {}).get(HEADS_KEY))
         except SelectionError as exc:
@@ -467,22 +473,22 @@ def parse_steering_spec(
         gate = None
         try:
             if "when" in item:
-                gate = parse_when(item["when"], field + ".when", width, readers)
+                gate = parse_when(item["when"], field + ".when", width, readers, where)
             if isinstance(item["vector"], Mapping) and "reader" in item["vector"]:
                 if layers is None:  # a decoder row is one vector, for any layer
                     raise SteeringSpecError(field + ".layer", "is required (or 'layers')")
-                vec = feature_vector(item["vector"], field + ".vector", width, readers)
+                vec = feature_vector(item["vector"], field + ".vector", width, readers, where)
                 item = {**item, "vector": vec.tolist()}
         except ConditionError as exc:
             raise SteeringSpecError(exc.field, exc.reason) from None
         if layers is None:
             layers = list(range(num_layers))
             vectors, sources = _resolve_per_layer_name(item["vector"], field + ".vector",
-                                                       width, lookup, num_layers)
+                                                       width, lookup, num_layers, where)
             layers = sorted(vectors)
         else:
             vectors, sources = _resolve_vectors(item["vector"], field + ".vector", layers,
-                                                width, lookup)
+                                                width, lookup, where)
         for layer in layers:
             vec = vectors[layer]
             _check_one_gate(gates, gate, hook, layer, positions, num_layers, field)
@@ -532,9 +538,10 @@ def _check_one_gate(gates: dict, gate: tuple[np.ndarray, float] | None, hook: st
 
 
 def _resolve_per_layer_name(
-    raw: Mapping, field: str, hidden: int, lookup: VectorLookup | None, num_layers: int
+    raw: Mapping, field: str, hidden: int, lookup: VectorLookup | None, num_layers: int,
+    where: str | None = None,
 ) -> _Resolved:
-    _, found = _lookup(raw, field, lookup)
+    name, found = _lookup(raw, field, lookup)
     value = found.value if isinstance(found, NamedVectors) else found
     if not isinstance(value, Mapping):
         raise SteeringSpecError(field.rsplit(".", 1)[0] + ".layer",
@@ -545,7 +552,7 @@ def _resolve_per_layer_name(
             resolved = resolve_layer(int(layer), num_layers)
         except ValueError as exc:
             raise SteeringSpecError(field + ".name", str(exc)) from None
-        out[resolved], src = _named_vector(found, layer, field, hidden)
+        out[resolved], src = _named_vector(name, found, layer, field, hidden, where)
         if src is not None:
             sources[resolved] = src
     return out, sources

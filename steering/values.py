@@ -36,10 +36,14 @@ def finite_number(value: object, field: str) -> float:
     return number
 
 
-def check_vector(vec: np.ndarray, field: str, hidden: int) -> np.ndarray:
-    if vec.ndim != 1 or vec.shape[0] != hidden:
-        raise SteeringSpecError(field, f"vector has width {vec.shape[-1] if vec.ndim else 0}, "
-                                       f"the model's hidden size is {hidden}")
+def check_vector(vec: np.ndarray, field: str, width: int, where: str | None = None,
+                 what: str = "vector") -> np.ndarray:
+    """`vec` as float32 if it is `width` wide and finite; `where` says whose width that is
+    (hooks.hook_width_text: `mlp_post is 256 wide at this model`), `what` names the vector
+    (`vector 'honesty'`)."""
+    if vec.ndim != 1 or vec.shape[0] != width:
+        raise SteeringSpecError(field, f"{what} has width {vec.shape[-1] if vec.ndim else 0}; "
+                                       + (where or f"the model's hidden size is {width}"))
     if not np.isfinite(vec).all() or (vec.size and float(np.abs(vec).max()) > MAX_ABS):
         raise SteeringSpecError(field, f"vector holds non-finite numbers or values beyond "
                                        f"{MAX_ABS:g} (float32 would overflow)")

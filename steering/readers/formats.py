@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from capsteer.config import errors
+from capsteer.hooks import describe_widths
 from capsteer.steering.formats import _st_array  # the vector decoder's safetensors dtypes
 from capsteer.steering.readers.kinds import ACTIVATIONS
 
@@ -109,10 +110,12 @@ def zip_member_names(source: bytes | Path) -> list[str]:
 
 
 def decode_probe(data: bytes, *, hidden_size: int, fmt: str,
-                 activation: str | None = None) -> DecodedProbe:
+                 activation: str | None = None,
+                 widths: Mapping[str, int] | None = None) -> DecodedProbe:
     """Decode one probe upload (format already chosen) for a model of this width.
 
-    `activation` (the request's `?activation=`) wins over one the file names.
+    `activation` (the request's `?activation=`) wins over one the file names; `widths`
+    (hooks.width_table) are the widths it may read (default: the hidden size alone).
     """
     if len(data) > MAX_PROBE_BYTES:
         raise ReaderTooLargeError(
@@ -121,12 +124,15 @@ def decode_probe(data: bytes, *, hidden_size: int, fmt: str,
         raise ReaderFormatError(f"{fmt} is not a probe format", "format")
     arrays, meta = _DECODERS[fmt](data)
     return check_probe(arrays, meta, hidden_size=hidden_size, source_format=fmt,
-                       activation=activation)
+                       activation=activation, widths=widths)
 
 
 def check_probe(arrays: Mapping[str, object], meta: Mapping[str, object], *, hidden_size: int,
-                source_format: str, activation: str | None = None) -> DecodedProbe:
-    """Validate `weight`/`coef_`, `bias`/`intercept_`, names and activation."""
+                source_format: str, activation: str | None = None,
+                widths: Mapping[str, int] | None = None) -> DecodedProbe:
+    """Validate `weight`/`coef_`, `bias`/`intercept_`, names and activation. `widths`:
+    each hook the probe may read with its width (hooks.width_table); its `d` is one of
+    them (default: the hidden size)."""
     weight_raw = _pick(arrays, _WEIGHT_KEYS, "weight")
     if weight_raw is None:
         raise ReaderFormatError(
@@ -135,10 +141,17 @@ def check_probe(arrays: Mapping[str, object], meta: Mapping[str, object], *, hid
     weight = _finite(weight_raw, "weight")
     if weight.ndim == 1:
         weight = weight[None, :]
-    if weight.ndim != 2 or weight.shape[1] != hidden_size:
+    allowed = set(widths.values()) if widths else {hidden_size}
+    if weight.ndim != 2 or weight.shape[1] not in allowed:
+        shape = list(np.shape(weight_raw))
+        if allowed == {hidden_size}:
+            raise ReaderFormatError(
+                f"weight has shape {shape}; expected [k, {hidden_size}] or [{hidden_size}] "
+                f"({hidden_size} is the model's hidden size)", "weight")
+        assert widths is not None
         raise ReaderFormatError(
-            f"weight has shape {list(np.shape(weight_raw))}; expected [k, {hidden_size}] or "
-            f"[{hidden_size}] ({hidden_size} is the model's hidden size)", "weight")
+            f"weight has shape {shape}; expected [k, d] or [d] with d the width of a hook it "
+            f"reads: {describe_widths(widths, hidden_size)}", "weight")
     k = weight.shape[0]
     if not 1 <= k <= MAX_OUTPUTS:
         raise ReaderFormatError(f"weight has {k} outputs; 1..{MAX_OUTPUTS} allowed", "weight")

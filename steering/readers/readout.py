@@ -30,7 +30,13 @@ import torch
 
 from capsteer.capture.spec import PositionSpec, SpecError, parse_positions
 from capsteer.config import errors
-from capsteer.hooks import HookNameError, canonical_hook, parse_tl_hook_name, resolve_layer
+from capsteer.hooks import (
+    HookNameError,
+    canonical_hook,
+    hook_width_text,
+    parse_tl_hook_name,
+    resolve_layer,
+)
 from capsteer.steering.readers.formats import ReaderFormatError, check_probe
 from capsteer.steering.readers.kinds import LinearProbe, Reader
 from capsteer.steering.readers.registry import ReaderRegistry, ReaderShape
@@ -145,18 +151,18 @@ def _item(i: int, item: object, num_layers: int, hidden_size: int,
     if "reader" not in item:
         raise ReadoutSpecError(f"{at}.reader", 'required: {"name": ...} or an inline probe')
     asked = _hook(item["hook"], f"{at}.hook") if "hook" in item else None
-    shape, probe = _reader(item["reader"], f"{at}.reader",
-                           widths.get(asked, hidden_size) if asked else hidden_size, lookup)
+    inline_hook = asked or "resid_post"  # an inline probe records no hook
+    shape, probe = _reader(item["reader"], f"{at}.reader", hidden_size, lookup,
+                           {inline_hook: widths.get(inline_hook, hidden_size)})
     default_hook, default_layer = _recorded_site(shape.hook_name)
     hook = asked or _hook(default_hook, f"{at}.hook")
     width = widths.get(hook, hidden_size)
     if shape.d_in != width:
         named = isinstance(item["reader"], dict) and "name" in item["reader"]
+        what = f"reader {shape.name!r}" if shape.name else "the reader"
         raise ReadoutSpecError(f"{at}.reader" + (".name" if named else ""),
-                               f"the reader reads width {shape.d_in}; "
-                               f"{hook} of this model has width {width}"
-                               + (f" (its hidden size is {hidden_size})"
-                                  if width == hidden_size else ""))
+                               f"{what} reads width {shape.d_in}; "
+                               + hook_width_text(hook, width, hidden_size))
     if "layer" in item:
         layer = _layer(item["layer"], num_layers, f"{at}.layer")
     elif default_layer is not None and hook == default_hook:
@@ -178,8 +184,10 @@ def _item(i: int, item: object, num_layers: int, hidden_size: int,
     return ReadoutItem(i, shape, probe, hook, layer, positions, top_k, threshold)
 
 
-def _reader(value: object, at: str, hidden_size: int,
-            lookup: ReaderLookup | None) -> tuple[ReaderShape, LinearProbe | None]:
+def _reader(value: object, at: str, hidden_size: int, lookup: ReaderLookup | None,
+            inline: Mapping[str, int]) -> tuple[ReaderShape, LinearProbe | None]:
+    """The item's reader: a registered one's shape, or an inline probe checked against
+    `inline` (its hook with that hook's width)."""
     if not isinstance(value, dict) or not value:
         raise ReadoutSpecError(at, 'expected {"name": ...} or an inline probe '
                                    '{"weight": [[...]], "bias": [...]}')
@@ -199,11 +207,11 @@ def _reader(value: object, at: str, hidden_size: int,
         except errors.InvalidInput as exc:
             raise ReadoutSpecError(f"{at}.name", str(exc)) from None
         return shape, None  # its width is checked against its hook's (_item)
-    return _inline_probe(value, at, hidden_size)
+    return _inline_probe(value, at, hidden_size, inline)
 
 
-def _inline_probe(value: dict, at: str,
-                  hidden_size: int) -> tuple[ReaderShape, LinearProbe]:
+def _inline_probe(value: dict, at: str, hidden_size: int,
+                  widths: Mapping[str, int]) -> tuple[ReaderShape, LinearProbe]:
     unknown = sorted(set(value) - _INLINE_KEYS)
     if unknown:
         raise ReadoutSpecError(f"{at}.{unknown[0]}", "unknown field of an inline probe; "
@@ -214,7 +222,8 @@ def _inline_probe(value: dict, at: str,
             arrays[key] = _numbers(value[key], f"{at}.{key}", allow_strings=key == "classes_")
     meta = {key: value[key] for key in ("names", "activation") if key in value}
     try:
-        probe = check_probe(arrays, meta, hidden_size=hidden_size, source_format="inline")
+        probe = check_probe(arrays, meta, hidden_size=hidden_size, source_format="inline",
+                            widths=widths)
     except ReaderFormatError as exc:
         raise ReadoutSpecError(f"{at}.{exc.param or 'weight'}", str(exc)) from None
     reader = LinearProbe(torch.from_numpy(probe.weight.copy()),

@@ -12,6 +12,12 @@ architecture, k, normalization, hook name). An operator may also place a SAELens
 directory (`cfg.json` + `sae_weights.safetensors`) at `<root>/<name>/`; it is read
 by path, checked like an upload. A file and a directory of one name: the file wins.
 
+A reader is as wide as the hook it reads (its `d_in`): the hidden size for the stream
+hooks, d_mlp for mlp_post, heads x d_head for attn_z, the experts for router_logits. An
+upload is kept at its own width when some hook of the model has that width; a readout,
+gate or SAE-feature vector checks it against the hook it names (readout.py,
+conditions.py).
+
 Descriptions come from the file header alone (cheap, cached per file version), so
 the API process checks a request's readers without loading their weights; `get`
 loads the tensors for whoever runs them.
@@ -27,7 +33,7 @@ import tempfile
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +41,7 @@ from typing import Any
 import torch
 
 from capsteer.config import errors
+from capsteer.hooks import describe_widths, width_table
 from capsteer.steering.readers import formats
 from capsteer.steering.readers.formats import (
     ReaderFormatError,
@@ -103,12 +110,18 @@ class ReaderShape:
 
 
 class ReaderRegistry:
-    """Reader files under `root`, checked against one model's hidden width."""
+    """Reader files under `root`, checked against the widths of one model's hooks."""
 
-    def __init__(self, root: str | Path, *, hidden_size: int, cache_entries: int = 256) -> None:
+    def __init__(self, root: str | Path, *, hidden_size: int,
+                 hook_widths: Mapping[str, int] | None = None,
+                 unavailable: Mapping[str, str] | None = None,
+                 cache_entries: int = 256) -> None:
+        """`hook_widths`, `unavailable`: the model's hooks not hidden_size wide and those it
+        lacks (a ModelShape's); a reader's d_in must be the width of a hook it has."""
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.hidden_size = int(hidden_size)
+        self.widths = width_table(hidden_size, hook_widths, unavailable)
         self._cache: OrderedDict[str, tuple[tuple, dict[str, Any]]] = OrderedDict()
         self._cache_entries = cache_entries
         # (name, sha256) -> tensors, most recent last, within TENSOR_CACHE_BYTES (`tensors`)
@@ -156,7 +169,8 @@ class ReaderRegistry:
             scratch = Path(tempfile.mkdtemp(prefix=f".{name}.", suffix=".tmp", dir=self.root))
             try:
                 extract_archive(source, scratch, chosen)
-                decoded = load_sae_dir(scratch, hidden_size=self.hidden_size)
+                decoded = load_sae_dir(scratch, hidden_size=self.hidden_size,
+                                       widths=self.widths)
             finally:
                 remove_tree(scratch)
             sae = decoded.sae
@@ -164,7 +178,7 @@ class ReaderRegistry:
                        "b_dec": sae.b_dec}
             if sae.threshold is not None:
                 tensors["threshold"] = sae.threshold
-            kind, outputs, config = "sae", sae.d_sae, decoded.config
+            kind, outputs, config, d_in = "sae", sae.d_sae, decoded.config, sae.d_in
         else:
             if size > formats.MAX_PROBE_BYTES:
                 raise ReaderTooLargeError(
@@ -172,15 +186,15 @@ class ReaderRegistry:
                     "body")
             data = source if isinstance(source, bytes) else source.read_bytes()
             probe = decode_probe(data, hidden_size=self.hidden_size, fmt=chosen,
-                                 activation=activation)
+                                 activation=activation, widths=self.widths)
             tensors = {"weight": torch.from_numpy(probe.weight.copy()),
                        "bias": torch.from_numpy(probe.bias.copy())}
-            kind, outputs = "probe", int(probe.weight.shape[0])
+            kind, (outputs, d_in) = "probe", map(int, probe.weight.shape)
             config = {"architecture": "linear", "activation": probe.activation,
                       "names": list(probe.names) if probe.names is not None else None}
         metadata = {"format": FILE_KIND, "kind": kind, "source_format": chosen,
                     "created": repr(time.time()), "sha256": digest,
-                    "d_in": str(self.hidden_size), "outputs": str(outputs),
+                    "d_in": str(d_in), "outputs": str(outputs),
                     "config": json.dumps(config)}
         from safetensors.torch import save_file  # torch's writer; only puts need it
 
@@ -221,7 +235,8 @@ class ReaderRegistry:
             raise ReaderRegistryError(f"reader {name!r} was replaced since the request was "
                                       "checked; send the request again", "name")
         if info["storage"] == "directory":
-            return load_sae_dir(self.root / name, hidden_size=self.hidden_size).sae
+            return load_sae_dir(self.root / name, hidden_size=self.hidden_size,
+                                widths=self.widths).sae
         return _reader_from_file(self.path(name), info)
 
     def tensors(self, name: str) -> Reader:
@@ -315,7 +330,7 @@ class ReaderRegistry:
 
     def _base_info(self, name: str, storage: str) -> dict[str, Any]:
         return {"name": name, "kind": None, "storage": storage, "architecture": None,
-                "d_in": None, "outputs": None, "d_sae": None, "activation": None,
+                "d_in": None, "hooks": None, "outputs": None, "d_sae": None, "activation": None,
                 "names": None, "config": None, "source_format": None, "created": None,
                 "sha256": None, "bytes": None, "error": None}
 
@@ -342,22 +357,33 @@ class ReaderRegistry:
         else:
             info.update(outputs=outputs, activation=config.get("activation"),
                         names=config.get("names"))
-        if d_in != self.hidden_size:
-            info["error"] = (f"reader {name!r} reads width {d_in}, but this model's hidden "
-                             f"size is {self.hidden_size} (it was uploaded for another model)")
+        info["error"] = self._unfit(name, d_in)
+        info["hooks"] = self._hooks_of(d_in)
         return info
+
+    def _hooks_of(self, width: int) -> list[str]:
+        """The hooks of this model a reader of `width` reads (`hooks` in its description)."""
+        return [h for h, w in self.widths.items() if w == width]
+
+    def _unfit(self, name: str, d_in: int) -> str | None:
+        if d_in in self.widths.values():
+            return None
+        return (f"reader {name!r} reads width {d_in}, but no hook of this model has that "
+                f"width (it has {describe_widths(self.widths, self.hidden_size)}): it was "
+                "uploaded for another model")
 
     def _describe_dir(self, name: str, directory: Path) -> dict[str, Any]:
         info = self._base_info(name, "directory")
         info.update(kind="sae", source_format="directory")
         try:
-            decoded = load_sae_dir(directory, hidden_size=self.hidden_size)
+            decoded = load_sae_dir(directory, hidden_size=self.hidden_size, widths=self.widths)
         except ReaderFormatError as exc:
             info["error"] = f"reader {name!r}: {exc}"
             return info
         weights = directory / WEIGHTS_FILE
         info.update(architecture=decoded.config["architecture"], d_in=decoded.sae.d_in,
                     d_sae=decoded.sae.d_sae, config=decoded.config,
+                    hooks=self._hooks_of(decoded.sae.d_in),
                     bytes=weights.stat().st_size, created=weights.stat().st_mtime,
                     sha256=_dir_identity(directory))
         return info

@@ -24,12 +24,14 @@ import shutil
 import tarfile
 import zipfile
 import zlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO
 
 import torch
 
+from capsteer.hooks import describe_widths
 from capsteer.steering.readers.formats import ReaderFormatError, ReaderTooLargeError
 from capsteer.steering.readers.kinds import SparseAutoencoder
 
@@ -215,17 +217,24 @@ def _int_field(cfg: dict[str, Any], key: str, low: int, high: int) -> int:
     return value
 
 
-def load_sae_dir(directory: Path, *, hidden_size: int) -> DecodedSAE:
-    """Read and check one SAELens directory for a model of this hidden width."""
+def load_sae_dir(directory: Path, *, hidden_size: int,
+                 widths: Mapping[str, int] | None = None) -> DecodedSAE:
+    """Read and check one SAELens directory for a model of this hidden width; `widths`
+    (hooks.width_table): each hook it may read with its width, its d_in one of them
+    (default: the hidden size)."""
     cfg = read_config(directory)
     arch = cfg.get("architecture", "standard")
     if arch not in ("standard", "jumprelu", "topk"):
         raise ReaderFormatError(f"SAE architecture {arch!r} is not supported; accepted: "
                                 "standard (ReLU), jumprelu, topk", "architecture")
     d_in = _int_field(cfg, "d_in", 1, 1 << 20)
-    if d_in != hidden_size:
+    if not widths and d_in != hidden_size:
         raise ReaderFormatError(f"the SAE's d_in is {d_in}, but this model's hidden size is "
                                 f"{hidden_size}", "d_in")
+    if widths and d_in not in widths.values():
+        raise ReaderFormatError(f"the SAE's d_in is {d_in}, but no hook of this model has "
+                                f"that width (it has {describe_widths(widths, hidden_size)})",
+                                "d_in")
     d_sae = _int_field(cfg, "d_sae", 1, MAX_D_SAE)
     normalize = cfg.get("normalize_activations", "none")
     if normalize not in _NORMALIZE:

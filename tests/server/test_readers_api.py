@@ -111,7 +111,8 @@ def test_bad_uploads_are_400s_naming_the_field(server, http, case):
 
 
 def test_sae_for_another_width_is_a_400_naming_d_in(server, http, tmp_path):
-    sae = TopKSAE(TopKSAEConfig(d_in=HIDDEN * 2, d_sae=64, k=4))
+    # 3 x hidden: no hook of the demo model has it (mlp_post's d_mlp is 2 x hidden)
+    sae = TopKSAE(TopKSAEConfig(d_in=HIDDEN * 3, d_sae=64, k=4))
     sae.save_model(tmp_path / "wide")
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w") as zf:
@@ -119,6 +120,8 @@ def test_sae_for_another_width_is_a_400_naming_d_in(server, http, tmp_path):
             zf.write(path, path.name)
     r = _put(http, "wide-sae", buf.getvalue())
     assert r.status_code == 400 and r.json()["error"]["param"] == "d_in", r.text
+    assert "d_in is 384, but no hook of this model has that width" in r.text
+    assert "256 (mlp_post)" in r.text
 
 
 def test_admin_key_names_and_missing_readers(server, http):

@@ -513,11 +513,12 @@ def test_other_width_is_an_error_not_silently_used(tmp_path):
     big = VectorRegistry(tmp_path, hidden_size=HIDDEN * 2, num_layers=LAYERS * 2)
     small.put("honesty", npy(VEC))
     big.put("deep", json.dumps({"layers": {"6": [0.5] * (HIDDEN * 2)}}).encode())
-    with pytest.raises(VectorRegistryError, match="hidden size is 16"):
+    with pytest.raises(VectorRegistryError, match=r"width 8, but no hook .* 16 \(the hidden"):
         big.get("honesty")
     with pytest.raises(SteeringSpecError, match="width 8"):
         big.lookup("honesty")
-    with pytest.raises(SteeringSpecError, match="hidden size is 8"):  # a 400, not a 500
+    with pytest.raises(SteeringSpecError,  # a 400, not a 500
+                       match=r"'deep' has width 16, but no hook this model steers"):
         parse_steering_spec({"vectors": [{"layer": 0, "vector": {"name": "deep"}}]},
                             num_layers=LAYERS, hidden_size=HIDDEN, lookup=small.lookup)
     assert issubclass(VectorRegistryError, VectorFormatError)
