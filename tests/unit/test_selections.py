@@ -292,3 +292,22 @@ def test_each_tensor_parallel_rank_steers_its_columns_and_gathers_captures_whole
             hooks_for("p", 3, rt=rt, widths=WIDTHS, steering={"vectors": [
                 {"hook": "mlp_post", "layer": 1, "op": "ablate", "vector": vec.tolist()}]})
     torch.testing.assert_close(out[0], want)
+
+
+def test_the_workers_refuse_a_readout_of_split_columns_but_not_a_capture():
+    """A payload that skipped the front end: under TP a readout of mlp_post is refused
+    with the reason its key gives; a capture of it is served (gathered)."""
+    from types import SimpleNamespace
+
+    from capsteer.engine_ext.request_book import RequestBook
+
+    reasons = families.tensor_parallel_reasons(2, gathered=True)
+    book = SimpleNamespace(sites=SimpleNamespace(unavailable=tuple(reasons.items()),
+                                                 num_layers=LAYERS))
+    point = hook_point("mlp_post", 1, LAYERS)
+    read = SimpleNamespace(points={}, readout_points={point: (("mlp_post", 1),)}, patches={},
+                           entries={})
+    captured = SimpleNamespace(points={point: (("mlp_post", 1),)}, readout_points={},
+                               patches={}, entries={})
+    assert RequestBook._unavailable_hook(book, read) == reasons["mlp_post:readout"]
+    assert RequestBook._unavailable_hook(book, captured) is None
