@@ -166,6 +166,7 @@ class Engine:
         from capsteer.engine_ext.vllm.refusals import (
             hooks_unavailable,
             refuse_at_vllm_config_step,
+            shards_gathered,
         )
 
         extra = dict(llm_kwargs.pop("additional_config", None) or {})
@@ -177,9 +178,10 @@ class Engine:
         self.num_layers = int(hf.num_hidden_layers)
         self.hidden_size = int(hf.hidden_size)
         # Hooks this model does not have (a parallel block's resid_mid): refused by name.
+        vllm_config = self.llm.llm_engine.vllm_config
         self.unavailable = hooks_unavailable(
             self.llm.llm_engine.model_config,
-            int(self.llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size))
+            int(vllm_config.parallel_config.tensor_parallel_size), shards_gathered(vllm_config))
         # Widths of the hooks not hidden_size wide (mlp_post: d_mlp).
         self.hook_widths = families.hook_widths(self.llm.llm_engine.model_config.hf_text_config)
         self.dtype = self.llm.llm_engine.model_config.dtype  # what the model runs in

@@ -35,9 +35,19 @@ SELECTIONS: dict[str, str] = {"mlp_post": "neurons", "attn_z": "heads"}
 CAPTURE_ONLY: tuple[str, ...] = ("router_logits",)
 # The key under which hook widths give attn_z's head count ([heads, d_head] per token).
 HEADS_KEY = "attn_z.heads"
+# Uses of a hook that can be refused on their own (beside the hook as a whole): a key
+# `hook_use(hook, use)` in a model's unavailable hooks refuses that use only, with its reason.
+PROJECTION, READOUT = "projection", "readout"
 _TL_RE = re.compile(r"blocks\.(\d+)\.(.+)")
 # Version of what each hook name means; written into every manifest.
 HOOK_SEMANTICS_VERSION = "1"
+
+
+def hook_use(hook: str, use: str) -> str:
+    """The key refusing one use of a hook (PROJECTION: ablate/clamp along a vector and
+    `when` gates; READOUT) in a model's unavailable hooks, where the hook itself is offered
+    (tensor parallelism splits mlp_post's and attn_z's columns across the ranks)."""
+    return f"{hook}:{use}"
 
 
 class HookNameError(errors.InvalidInput, ValueError):

@@ -27,14 +27,16 @@ class Delivery:
     def _after_step(self) -> None:
         self.planned = False
         plan = self.runtime.plan
-        sinks = {r.capture_id: self.sinks[r.capture_id] for r in plan.routes}
         if not self.device_driven:
             captured = self.runtime.take_captured()
-            self._deliver(plan, sinks, lambda r: captured[r.point][
-                r.offset: r.offset + len(r.positions)])
+            if self.capture_rank:  # other TP ranks copy rows only to gather them (request_book)
+                sinks = {r.capture_id: self.sinks[r.capture_id] for r in plan.routes}
+                self._deliver(plan, sinks, lambda r: captured[r.point][
+                    r.offset: r.offset + len(r.positions)])
             self.runtime.set_plan(StepPlan(), 0)
             self._close_complete_captures()
             return
+        sinks = {r.capture_id: self.sinks[r.capture_id] for r in plan.routes}
         if not plan.routes:  # steering only: the index stays valid for a reused plan
             self._close_complete_captures()
             return

@@ -46,7 +46,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from capsteer.hooks import HEADS_KEY, WIDE_HOOKS
+from capsteer.hooks import HEADS_KEY, PROJECTION, READOUT, SELECTIONS, WIDE_HOOKS, hook_use
 
 SUB, STREAM = 0, 1  # what a site's value is: the sublayer output or the stream
 SUB_BIT, STREAM_BIT = 1 << SUB, 1 << STREAM
@@ -312,16 +312,36 @@ def unavailable_hooks(family: Family, config: object) -> dict[str, str]:
     return missing
 
 
-def tensor_parallel_reasons(tensor_parallel_size: int) -> dict[str, str]:
-    """Hooks refused under tensor parallelism: their columns are split across ranks
-    (each rank holds a slice of d_mlp), and a capture or steering of one rank's slice
-    would be silently partial."""
+def tensor_parallel_reasons(tensor_parallel_size: int, gathered: bool = False) -> dict[str, str]:
+    """What tensor parallelism refuses of the hooks whose columns are split across the
+    ranks (mlp_post: d_mlp columns, attn_z: heads), keyed as `unavailable_hooks`.
+
+    `gathered` (host-driven engines, CPU): the ranks gather each captured row whole for
+    TP rank 0 and steer their own columns, so the hooks are offered but for what needs
+    every rank's columns at once: a projection (ablate/clamp along a vector, a `when`
+    gate) and readouts. Otherwise (device-driven, GPU) the hooks are refused whole: a
+    capture or steering of one rank's slice would be silently partial."""
     if tensor_parallel_size <= 1:
         return {}
-    return {h: (f"{h} is not offered under tensor parallelism (tensor_parallel_size="
-                f"{tensor_parallel_size}): its columns are split across the ranks and "
-                "capsteer does not assemble them; serve with tensor_parallel_size=1")
-            for h in WIDE_HOOKS}
+    if not gathered:
+        return {h: (f"{h} is not offered under tensor parallelism on GPU engines "
+                    f"(tensor_parallel_size={tensor_parallel_size}): its columns are split "
+                    "across the ranks and capsteer does not assemble them there yet; serve "
+                    "with tensor_parallel_size=1")
+                for h in WIDE_HOOKS}
+    reasons = {}
+    for h in WIDE_HOOKS:
+        reasons[hook_use(h, PROJECTION)] = (
+            f"{h} under tensor parallelism (tensor_parallel_size={tensor_parallel_size}) "
+            "takes add and ablate/clamp of selected "
+            f"{SELECTIONS[h]} only: its columns are split across the ranks, and a projection "
+            "onto a vector (ablate/clamp without a selection) or a `when` gate needs all of "
+            "them at once; serve with tensor_parallel_size=1 for those")
+        reasons[hook_use(h, READOUT)] = (
+            f"readouts of {h} are not offered under tensor parallelism (tensor_parallel_size="
+            f"{tensor_parallel_size}): its columns are split across the ranks; capture it "
+            "instead (captures gather the ranks' columns)")
+    return reasons
 
 
 def hook_widths(config: object) -> dict[str, int]:

@@ -16,6 +16,7 @@ from capsteer.engine_ext.payload import decode_payload, parse_readout_payload, p
 from capsteer.engine_ext.plan import RequestHooks, shared_site_set
 from capsteer.engine_ext.runtime import hook_point
 from capsteer.engine_ext.vllm.batch import finished_requests, new_requests
+from capsteer.hooks import READOUT
 
 logger = logging.getLogger("vllm.capsteer")  # under vLLM's configured logger
 _OPENED_KEPT = 65536  # capture ids remembered for end reports (front ends report within seconds)
@@ -68,8 +69,17 @@ class RequestBook:
             if hooks.readout_id is not None:
                 self._start_readout(hooks)
             if hooks.capture is not None and not self.capture_rank:
-                hooks.capture = None  # the stream is replicated across TP ranks: rank 0 writes
-                hooks.points = {}
+                # The stream is replicated across TP ranks: rank 0 writes. This rank keeps
+                # the points whose columns are split across the ranks, to copy the same rows
+                # as rank 0 there and gather them whole for it (runtime.split_columns); it
+                # opens no sink and delivers nothing (Delivery._after_step).
+                hooks.points = {p: k for p, k in hooks.points.items()
+                                if p[1] in self.runtime.shards}
+                if not hooks.points:
+                    hooks.capture = None
+                elif not hooks.needs_output_length:  # dropped when rank 0 closes it early
+                    self.closable[req_id] = hooks
+                continue
             if hooks.capture is not None:
                 if hooks.capture_id in self.sinks:  # e.g. n>1 children share SamplingParams
                     hooks.capture_id = f"{hooks.capture_id}-{len(self.sinks)}"
@@ -120,9 +130,16 @@ class RequestBook:
             return None
         asked = set(hooks.points) | set(hooks.readout_points) | set(hooks.patches) | {
             (kind, site) for kind, site, _ in hooks.entries}
-        reasons = [reason for hook, reason in self.sites.unavailable
-                   if any(hook_point(hook, layer, self.sites.num_layers) in asked
-                          for layer in range(self.sites.num_layers))]
+        # A use refused on its own (hooks.hook_use): readouts here; a projection on split
+        # columns is refused where its entries are cut (selections.local_map).
+        uses = {"": asked, READOUT: set(hooks.readout_points)}
+        reasons = []
+        for key, reason in self.sites.unavailable:
+            hook, _, use = key.partition(":")
+            points = uses.get(use, set())
+            if any(hook_point(hook, layer, self.sites.num_layers) in points
+                   for layer in range(self.sites.num_layers)):
+                reasons.append(reason)
         return "; ".join(reasons) or None
 
     def _hooks_refused(self, req_id: str, prompt, payload: Mapping, exc: Exception) -> None:

@@ -20,7 +20,7 @@ each step only rewrites index buffers. Two modes read the same plan:
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,8 +40,10 @@ from capsteer.engine_ext.families import (  # hook_point, layers_needed: re-expo
 from capsteer.engine_ext.selections import (
     GATED,
     MASKED,
+    local_map,
     pad_row,
     passes,
+    same_map,
     site_widths,
     steer_rows,
 )
@@ -87,18 +89,6 @@ class StepPlan:
         return not self.steer and not self.capture and not self.patch
 
 
-def _same_map(a: tuple, b: tuple) -> bool:
-    """Whether two composed maps (u, alpha, w, gate, keep) are equal (then they share an
-    entry)."""
-    (u, alpha, w, gate, keep), (u2, alpha2, w2, gate2, keep2) = a, b
-    same_gate = gate is gate2 or (gate is not None and gate2 is not None and
-                                  gate[1] == gate2[1] and torch.equal(gate[0], gate2[0]))
-    same_keep = keep is keep2 or (keep is not None and keep2 is not None
-                                  and torch.equal(keep, keep2))
-    return same_gate and same_keep and alpha == alpha2 and torch.equal(u, u2) \
-        and torch.equal(w, w2)
-
-
 def _pinned_copy(host: torch.Tensor) -> torch.Tensor:
     """`host` in a pinned block, copied on this thread (`copy_rows`): torch's own copy
     splits a large tensor over its OpenMP team, whose threads then spin on their cores
@@ -139,6 +129,8 @@ class HookRuntime:
         self.width = max(self.site_widths)
         self.dtype = dtype
         self.device = device
+        self.shards: dict[int, slice] = {}  # TP: site -> this rank's columns (split_columns)
+        self.gather_columns: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.device_driven = device_driven
         self.max_tokens = max_tokens
         # Entry 0 is the identity (alpha 0, u 0, w 0). y = x + alpha * (src . u) u + w where
@@ -215,6 +207,14 @@ class HookRuntime:
                                                    max_requests, max_tokens, device)
             self.token_stage = torch.zeros(max(staging_rows, 1), **long)
 
+    def split_columns(self, shards: dict[int, slice],
+                      gather: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Tensor parallelism (host mode): tables at `shards`' sites hold this rank's columns
+        and captured rows there are gathered whole (every rank copies the same rows)."""
+        if self.device_driven and shards:
+            raise ValueError("device-driven runtimes do not gather split columns yet")
+        self.shards, self.gather_columns = shards, gather
+
     def _upload(self, host: torch.Tensor) -> torch.Tensor:
         if self.device.type != "cuda":  # else without a host sync: pinned + async copy
             return host
@@ -273,8 +273,9 @@ class HookRuntime:
             made: dict[tuple[int, int], list[tuple[tuple, int]]] = {}
             try:
                 for k, mapping in build().items():
-                    same = [i for m2, i in made.get(k[:2], ()) if _same_map(m2, mapping)]
-                    entries[k] = same[0] if same else self.alloc_entry(*mapping)
+                    same = [i for m2, i in made.get(k[:2], ()) if same_map(m2, mapping)]
+                    entries[k] = same[0] if same else self.alloc_entry(
+                        *local_map(mapping, self.shards.get(k[1])))
                     made.setdefault(k[:2], []).append((mapping, entries[k]))
             except Exception:
                 for idx in set(entries.values()):
@@ -562,6 +563,8 @@ class HookRuntime:
                 val = x[rows]  # advanced indexing copies: later in-place kernels cannot touch it
                 if kind == STREAM and residual is not None:  # residual may be an fp32 copy
                     val = (val + residual[rows]).to(x.dtype)
+                if site in self.shards:  # every rank's plan copies these rows (request_book)
+                    val = self.gather_columns(val)
                 self.captured[(kind, site)] = val
 
     def _tap_dense(self, x: torch.Tensor, residual: torch.Tensor | None, site: int,

@@ -30,6 +30,7 @@ from capsteer.engine_ext.plan import RequestHooks
 from capsteer.engine_ext.readouts import ReadoutSink
 from capsteer.engine_ext.request_book import CaptureEnding, RequestBook
 from capsteer.engine_ext.runtime import HookRuntime, StepPlan, hook_point
+from capsteer.engine_ext.selections import column_shards
 from capsteer.engine_ext.step_feed import StepFeed
 from capsteer.engine_ext.tap_op import install_runtime
 from capsteer.engine_ext.vllm.batch import (
@@ -51,7 +52,12 @@ from capsteer.engine_ext.vllm.sites import (
     stop_forward_at,
     stop_forward_problem,
 )
-from capsteer.engine_ext.vllm.topology import is_capture_rank, pipeline_stage
+from capsteer.engine_ext.vllm.topology import (
+    gather_columns,
+    is_capture_rank,
+    pipeline_stage,
+    tensor_parallel_rank,
+)
 from capsteer.engine_ext.vllm.version import check_vllm_version
 from capsteer.engine_ext.vllm.worker_access import (
     checkpoint_dtype,
@@ -111,6 +117,13 @@ class EngineHooks(RequestBook, StepFeed, Delivery):
             hook_widths=dict(self.sites.hook_widths),
             patch_rows=self.config.patch_rows,
         )
+        rank, size = tensor_parallel_rank()
+        if size > 1 and not self.device_driven:  # mlp_post's and attn_z's columns are split
+            self.runtime.split_columns(
+                column_shards({h: w for h, w in self.sites.hook_widths
+                               if h not in dict(self.sites.unavailable)},
+                              self.sites.num_layers, rank, size),
+                gather_columns)
         self.model_name = model_name(worker)
         # The server's registry, for the vectors its requests name (None: all inline)
         self.vectors = None if self.config.steering_dir is None else VectorReader(

@@ -20,6 +20,7 @@ from typing import Any
 from capsteer.capture.spec import CaptureSpec, SpecError, parse_capture_spec
 from capsteer.capture.writer.budget import estimate_bytes
 from capsteer.engine_ext.payload import EXTRA_ARGS_KEY, build_payload
+from capsteer.hooks import READOUT, hook_use
 from capsteer.steering.conditions import ReaderGetter
 from capsteer.steering.patches import PatchGetter
 from capsteer.steering.readers.readout import (
@@ -208,8 +209,9 @@ def _check_readout_request(body: Mapping[str, Any], readout: list[ReadoutItem],
                            capture: CaptureSpec | None, shape: ModelShape) -> None:
     """What a readout needs of the rest of the request (400 naming the field otherwise)."""
     for item in readout:
-        if item.hook in shape.unavailable:
-            raise FieldError(f"readout[{item.index}].hook", shape.unavailable[item.hook])
+        for key in (item.hook, hook_use(item.hook, READOUT)):
+            if key in shape.unavailable:
+                raise FieldError(f"readout[{item.index}].hook", shape.unavailable[key])
     if capture is not None:
         raise FieldError("readout", "a request reads out or captures, not both yet: send the "
                          "capture as a request of its own")

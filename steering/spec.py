@@ -21,8 +21,10 @@ import numpy as np
 from capsteer.hooks import (
     CAPTURE_ONLY,
     HEADS_KEY,
+    PROJECTION,
     HookNameError,
     canonical_hook,
+    hook_use,
     hook_width_text,
     parse_layers,
     resolve_layer,
@@ -457,6 +459,11 @@ def parse_steering_spec(
             select = parse_selection(item, field, hook, width, (widths or {}).get(HEADS_KEY))
         except SelectionError as exc:
             raise SteeringSpecError(exc.field, exc.reason) from None
+        limit = (unavailable or {}).get(hook_use(hook, PROJECTION))
+        if limit is not None and op != "add" and select is None:  # mlp_post/attn_z under TP
+            raise SteeringSpecError(field + ".op", limit)
+        if limit is not None and "when" in item:
+            raise SteeringSpecError(field + ".when", limit)
         if select is not None and op != "add":  # the selected slices are zeroed or set
             if "vector" in item:
                 raise SteeringSpecError(field + ".vector", f"{op} with a selection acts on "

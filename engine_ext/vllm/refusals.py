@@ -100,13 +100,22 @@ def served_family(model_config: object) -> families.Family | None:
     return family
 
 
-def hooks_unavailable(model_config: object, tensor_parallel_size: int = 1) -> dict[str, str]:
+def hooks_unavailable(model_config: object, tensor_parallel_size: int = 1,
+                      gathered: bool = False) -> dict[str, str]:
     """The hooks the served model does not have (or not under this tensor parallelism),
-    each with the reason its 400 gives."""
+    each with the reason its 400 gives; `gathered`: see shards_gathered."""
     missing = families.unavailable_hooks_of(
         getattr(model_config, "hf_config", None),
         served_family(model_config) is families.TRANSFORMERS_STREAM)
-    return {**families.tensor_parallel_reasons(tensor_parallel_size), **missing}
+    return {**families.tensor_parallel_reasons(tensor_parallel_size, gathered), **missing}
+
+
+def shards_gathered(vllm_config: object) -> bool:
+    """Whether this engine's workers gather the split columns of mlp_post and attn_z under
+    tensor parallelism: host-driven workers (CPU) do, inside the tap; device-driven ones
+    (CUDA, worker_access.device_driven) not yet."""
+    device = getattr(getattr(vllm_config, "device_config", None), "device_type", "cuda")
+    return str(device) != "cuda"
 
 
 def config_architecture_problem(model_config: object) -> str | None:

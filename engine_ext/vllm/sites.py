@@ -171,7 +171,8 @@ def find_sites(model: nn.Module, stop_at_layer: int | None = None) -> ModelSites
                       embedding_multiplier=_config_float(model, family.embedding_multiplier),
                       parallel=parallel,
                       unavailable=tuple({
-                          **families.tensor_parallel_reasons(_tensor_parallel_size()),
+                          **families.tensor_parallel_reasons(
+                              _tensor_parallel_size(), _host_driven(model)),
                           **families.unavailable_hooks(
                               family, model.config if family is families.TRANSFORMERS_STREAM
                               else config)}.items()),
@@ -186,6 +187,13 @@ def _tensor_parallel_size() -> int:
         return int(get_tensor_model_parallel_world_size())
     except (ImportError, AssertionError, RuntimeError):
         return 1
+
+
+def _host_driven(model: nn.Module) -> bool:
+    """Whether this worker's hooks are host-driven (not on CUDA: worker_access.device_driven),
+    whose taps gather the columns tensor parallelism splits (runtime.split_columns)."""
+    param = next(model.parameters(), None)
+    return param is None or param.device.type != "cuda"
 
 
 def _check_stream_layers(arch: str, layers: object) -> None:

@@ -13,6 +13,7 @@ from capsteer.engine_ext.vllm.refusals import (
     data_parallel_problem,
     hooks_unavailable,
     served_family,
+    shards_gathered,
 )
 from capsteer.engine_ext.vllm.version import UnsupportedError
 
@@ -26,6 +27,27 @@ def is_capture_rank() -> bool:
         return get_tensor_model_parallel_rank() == 0
     except (ImportError, AssertionError, RuntimeError):
         return True
+
+
+def tensor_parallel_rank() -> tuple[int, int]:
+    """(this worker's tensor-parallel rank, the group's size); (0, 1) outside vLLM's
+    distributed setup."""
+    try:
+        from vllm.distributed import get_tp_group
+
+        group = get_tp_group()
+        return int(group.rank_in_group), int(group.world_size)
+    except (ImportError, AssertionError, RuntimeError):
+        return 0, 1
+
+
+def gather_columns(rows: torch.Tensor) -> torch.Tensor:
+    """`rows` [k, d/tp] of every tensor-parallel rank side by side, [k, d], rank 0's
+    columns first: vLLM's own all-gather over the TP group (a collective: every rank calls
+    it with the same k)."""
+    from vllm.distributed import tensor_model_parallel_all_gather  # inside a worker only
+
+    return tensor_model_parallel_all_gather(rows.contiguous(), dim=-1)
 
 
 def pipeline_stage() -> tuple[int, int]:
@@ -65,7 +87,9 @@ def served_model(engine_client: object) -> ServedModel:
                        num_layers=int(hf.num_hidden_layers), hidden_size=int(hf.hidden_size),
                        max_model_len=int(config.max_model_len), dtype=config.dtype,
                        architecture=arch, family=served_family(config),
-                       unavailable=hooks_unavailable(config, _tensor_parallel(engine_client)),
+                       unavailable=hooks_unavailable(
+                           config, _tensor_parallel(engine_client),
+                           shards_gathered(getattr(engine_client, "vllm_config", None))),
                        hook_widths=families.hook_widths(hf))
 
 

