@@ -33,19 +33,16 @@ SIDES = ("hf", "capsteer", "vllm")
 ALL_SIDES = ("hf", "capsteer", "capsteer_full", "vllm")
 TARGET_VS_VLLM = 0.90
 TARGET_VS_HF = 10.0
+DEMO = ("model layer stream residual token vector capture steering attention mlp norm batch "
+        "shard index prompt").split()
 
 
 def _prompt_set(a: argparse.Namespace, seed: int, n: int | None = None) -> list[str]:
-    """Word prompts: demo-model words (24-96 of them), or with --shape --prompt-tokens words
-    of the whole word-level vocabulary (one word = one token)."""
-    rng = random.Random(seed)
-    if a.shape:
-        n_words = perf_models.SHAPES[a.shape].vocab - len(perf_models.SPECIALS)
-        return [" ".join(f"w{rng.randrange(n_words)}" for _ in range(rng.randint(*a.token_range)))
-                for _ in range(n or a.prompts)]
-    words = ("model layer stream residual token vector capture steering attention mlp norm "
-             "batch shard index prompt").split()
-    return [" ".join(rng.choice(words) for _ in range(rng.randint(24, 96)))
+    """Word prompts: 24-96 demo words, or with --shape --prompt-tokens vocabulary words (tokens)."""
+    rng, shape = random.Random(seed), perf_models.SHAPES.get(a.shape or "")
+    words = [f"w{i}" for i in range(shape.vocab - len(perf_models.SPECIALS))] if shape else DEMO
+    lo, hi = a.token_range if shape else (24, 96)
+    return [" ".join(rng.choice(words) for _ in range(rng.randint(lo, hi)))
             for _ in range(n or a.prompts)]
 
 
@@ -124,13 +121,13 @@ def run_hf(a: argparse.Namespace, layers: list[int], out: Path) -> dict[str, Any
             "length_sorted_chunks": careful, "tokens_per_s": tokens / run_s}
 
 
-def _engine_kwargs(a: argparse.Namespace, mem: float) -> dict[str, Any]:
-    return {"dtype": a.dtype, "gpu_memory_utilization": mem, "max_model_len": a.max_model_len,
+def _engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
+    return {"dtype": a.dtype, "gpu_memory_utilization": perf_models.MEM[a.device],
+            "max_model_len": a.max_model_len,
             **(perf_models.engine_kwargs(a.shape) if a.shape else {})}
 
 
-def run_capsteer(a: argparse.Namespace, layers: list[int], out: Path, mem: float,
-                 full_forward: bool = False) -> dict[str, Any]:
+def run_capsteer(a: argparse.Namespace, layers: list[int], out: Path, full: bool) -> dict[str, Any]:
     from capsteer.capture.spec import parse_capture_spec
     from capsteer.engine import Engine
     from capsteer.extraction.job import job_config
@@ -141,8 +138,8 @@ def run_capsteer(a: argparse.Namespace, layers: list[int], out: Path, mem: float
     n_layers, t0 = a.num_layers, time.perf_counter()
     spec = parse_capture_spec({"hooks": ["resid_post"], "layers": layers, "positions": "prompt"},
                               num_layers=n_layers)
-    kw = _engine_kwargs(a, mem)
-    config = job_config(job, spec, 256 << 20, kw, num_layers=n_layers, full_forward=full_forward)
+    kw = _engine_kwargs(a)
+    config = job_config(job, spec, 256 << 20, kw, num_layers=n_layers, full_forward=full)
     engine = Engine(a.model, capsteer_config=config, **kw)
     load_s, lines = time.perf_counter() - t0, []  # lines: every pass's rows (see one())
 
@@ -169,14 +166,13 @@ def run_capsteer(a: argparse.Namespace, layers: list[int], out: Path, mem: float
             **_medians(reps)}
 
 
-def run_vllm(a: argparse.Namespace, mem: float) -> dict[str, Any]:
-    """Stock vLLM prefilling the same prompts (max_tokens=1), nothing captured: the engine's
-    own speed on this machine, to separate it from capture overhead."""
+def run_vllm(a: argparse.Namespace) -> dict[str, Any]:
+    """Stock vLLM prefilling the same prompts: the engine's own speed, without capture."""
     from vllm import LLM, SamplingParams
 
     t0, sp = time.perf_counter(), SamplingParams(max_tokens=1, temperature=0.0)
     llm = LLM(model=a.model, max_num_batched_tokens=2048,  # the extraction job's step size
-              **_engine_kwargs(a, mem))
+              **_engine_kwargs(a))
     load_s = time.perf_counter() - t0
     if a.warmup:
         llm.generate(_prompt_set(a, 1000, 64), sp, use_tqdm=False)
@@ -199,19 +195,18 @@ def _medians(reps: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _one(a: argparse.Namespace) -> dict[str, Any]:
-    mem = 0.85 if a.device == "cuda" else 0.3
     a.num_layers = json.loads((Path(a.model) / "config.json").read_text())["num_hidden_layers"]
     layers = list(range(a.num_layers)) if a.capture_layers == "all" else [
         int(x) for x in a.capture_layers.split(",")]
     if a.device == "cuda":  # the previous side's engine core may still be exiting
-        perf_models.wait_gpu_free(mem + 0.05)
+        perf_models.wait_gpu_free(perf_models.MEM[a.device] + 0.05)
     work = Path(tempfile.mkdtemp(prefix=f"capsteer-x-{a.one}-", dir=a.work))
     try:
         if a.one == "hf":
             return run_hf(a, layers, work)
         if a.one in ("capsteer", "capsteer_full"):
-            return run_capsteer(a, layers, work, mem, full_forward=a.one == "capsteer_full")
-        return run_vllm(a, mem)
+            return run_capsteer(a, layers, work, full=a.one == "capsteer_full")
+        return run_vllm(a)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -45,13 +45,12 @@ def server_argv(config: str, model: Path, shape: str, args: argparse.Namespace, 
             "--host", "127.0.0.1", "--port", str(port), *perf_models.serve_flags(shape),
             "--max-model-len", str(max_len), "--seed", "0",
             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-            "--gpu-memory-utilization", "0.85" if args.device == "cuda" else "0.3"]
+            "--gpu-memory-utilization", str(perf_models.MEM[args.device])]
     if args.burst_priority is not None:  # vLLM's own policy, in both configurations
         argv += ["--scheduling-policy", "priority"]
     if config == "vanilla":
         return [*argv, "--vanilla"]
-    # A step of burst prompts captures every layer of up to max-num-batched-tokens tokens:
-    # the GPU staging buffer holds them all (its default holds 4 rows a token).
+    # The staging buffer holds a whole step of burst prompts at every layer (default: 4 a token).
     staging = args.max_num_batched_tokens * perf_models.SHAPES[shape].layers
     return [*argv, "--capture-dir", str(capture_dir), "--capture-staging-rows", str(staging),
             *args.capsteer_flags]
@@ -65,9 +64,8 @@ class Traffic:
         import httpx
         from openai import AsyncOpenAI
 
-        # No retries (they would hide latency), so an idle pooled connection must be dropped
-        # before the server's 5 s keep-alive closes it: reusing one as uvicorn closes it
-        # fails the request (httpx.ReadError, seen on GPU after the 103-request warm-up).
+        # No retries (they would hide latency), so idle pooled connections go before the
+        # server's 5 s keep-alive closes them: reusing one then fails (httpx.ReadError on GPU).
         http = httpx.AsyncClient(timeout=900, limits=httpx.Limits(
             max_connections=None, max_keepalive_connections=None, keepalive_expiry=2.0))
         self.client = AsyncOpenAI(base_url=url + "/v1", api_key="none", timeout=900,
@@ -182,8 +180,7 @@ def tpot_s(r: dict) -> float | None:
 
 
 def by_offset(plain: list[dict], bursts: list[dict], tpot: bool) -> dict[str, float]:
-    """Medians by a burst-phase request's start after the latest burst's: TTFT in 0.5 s bins,
-    or time per output token in 2 s bins after the quiet phase's (what a burst leaves behind)."""
+    """Medians by start after the latest burst's: TTFT (0.5 s bins) or TPOT (2 s, and quiet)."""
     width = 2.0 if tpot else 0.5
     bins: dict[float, list[float]] = {}
     for r in plain:
@@ -218,10 +215,7 @@ def figures(plain: list[dict], bursts: list[dict]) -> dict[str, Any]:
 
 
 def run_process(config: str, model: Path, args: argparse.Namespace, work: Path) -> dict:
-    """One server's run: start it, drive its traffic, stop it."""
-    capture_dir = work / "captures"
-    shutil.rmtree(capture_dir, ignore_errors=True)
-    capture_dir.mkdir(parents=True)
+    capture_dir = perf_models.fresh_dir(work / "captures")
     port = free_port()
     # cwd: not the checkout, whose capsteer/ folder would shadow the installed package
     server = ManagedServer(server_argv(config, model, args.shape, args, port, capture_dir),
@@ -250,8 +244,7 @@ HEADS = ["q ttft", "q lat", "q tpot", "p ttft", "p ttft95", "p lat", "p lat95", 
 
 
 def print_process(label: str, f: dict) -> None:
-    """A process's figures (seconds; time per output token in ms), and its TTFT and TPOT by
-    start time after a burst's start."""
+    """A process's figures (seconds, TPOT in ms); TTFT and TPOT by start after a burst's."""
     cells = [f"{f.get(g, {}).get(k, float('nan')) * (1000 if k.startswith('tpot') else 1):9.3f}"
              for g, k in KEYS]
     burst = f["burst_median_s"]

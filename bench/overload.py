@@ -48,10 +48,9 @@ def server_argv(model: Path, port: int, policy: str, args: argparse.Namespace,
             "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "demo",
             "--dtype", "float32", "--kv-cache-memory-bytes", str(256 << 20),
             "--max-model-len", "512", "--max-num-seqs", str(args.max_num_seqs),
-            "--enforce-eager", "--seed", "0",
-            "--capture-dir", str(capture_dir), "--capture-overload", policy,
-            "--capture-budget", args.budget, "--capture-writer-processes", "1",
-            "--capture-wait-timeout", "300"]
+            "--enforce-eager", "--seed", "0", "--capture-dir", str(capture_dir),
+            "--capture-overload", policy, "--capture-budget", args.budget,
+            "--capture-writer-processes", "1", "--capture-wait-timeout", "300"]
 
 
 def session_processes(sid: int, module: str) -> list[int]:
@@ -192,7 +191,6 @@ class PolicyRun:
 
 
 def table(record: dict[str, Any]) -> str:
-    """One policy's bursts and memory, as printed."""
     lines = [f"{record['policy']}: server ready in {record['start_s']} s",
              "  load  seconds  HTTP                     receipts                  verified  "
              "dropped/metric  429/metric  Retry-After",]

@@ -22,6 +22,7 @@ that would not finish.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import queue
@@ -31,7 +32,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +52,6 @@ WORKLOADS = {"cuda": {"prefill": (256, 512, 64), "decode": (256, 128, 512)},
 SHAPE = {"cuda": "qwen3-0.6b", "cpu": "qwen3-tiny"}
 IDENTITY = {"cuda": (64, (16, 256), 32), "cpu": (64, (8, 64), 16)}  # requests, prompt range, gen
 STEP_TOKENS = {"cuda": 2048, "cpu": 512}  # max_num_batched_tokens, the same for every config
-MEM = {"cuda": 0.85, "cpu": 0.3}
 DD_MIB = {"cuda": 4096, "cpu": 256}
 
 
@@ -85,13 +85,13 @@ class Turns:
     def __init__(self, ctl_fd: int | None) -> None:
         self.ctl = os.fdopen(ctl_fd, "w", buffering=1) if ctl_fd is not None else None
 
-    def take(self, phase: int, timed_s: float = 0.0) -> None:
+    @contextlib.contextmanager
+    def turn(self, phase: int, timed_s: float = 0.0) -> Iterator[None]:
         if self.ctl is not None:
             self.ctl.write(f"want {phase} {timed_s:.6f}\n")
             if (line := sys.stdin.readline()).strip() != "go":
                 raise SystemExit(f"turn protocol: expected 'go', got {line!r}")
-
-    def give(self) -> None:
+        yield
         if self.ctl is not None:
             self.ctl.write("done\n")
 
@@ -150,13 +150,7 @@ def run_process(a: argparse.Namespace) -> dict[str, Any]:
                               max_num_batched_tokens=a.step_tokens)
     # One path for every process: the capsteer config is part of vLLM's compile-cache key,
     # so a per-process path would recompile in every process; turns keep writers apart.
-    capture_dir = Path(a.work) / "captures"
-
-    def clear_captures() -> None:
-        shutil.rmtree(capture_dir, ignore_errors=True)
-        capture_dir.mkdir(parents=True, exist_ok=True)
-
-    clear_captures()
+    capture_dir = perf_models.fresh_dir(Path(a.work) / "captures")
     started = time.perf_counter()
     staging = a.step_tokens * (shape.layers + 1)  # P3-all: a whole step, every layer
     batch, close = open_engine(a.config, a.model, kw, capture_dir, staging)
@@ -165,60 +159,56 @@ def run_process(a: argparse.Namespace) -> dict[str, Any]:
                           "scale": 1.0}]} if a.config == "steer" else None
     capture = {"hooks": ["resid_post"], "layers": [shape.layers // 2], "positions": "prompt",
                "layout": "packed"} if a.config == "capture" else None
-    capture_all = {"hooks": ["resid_post"], "layers": "all", "positions": "prompt",
-                   "layout": "packed"}
     out: dict[str, Any] = {"config": a.config, "slot": a.slot,
                            "round": (a.slot - 1) // len(a.configs.split(",")) + 1,
                            "shape": a.shape, "device": a.device, "pid": os.getpid(),
                            "import_s": import_s, "startup_s": startup_s, "engine_kwargs": kw,
                            "min_seconds": a.min_seconds, "paired": True, "workloads": {}}
     if a.config in ("vanilla", "plain") and a.identity:
-        turns.take(0)
-        out["identity_tokens"] = batch(_identity_prompts(a.device, shape.vocab), gen_id)["tokens"]
-        turns.give()
+        with turns.turn(0):
+            prompts = _identity_prompts(a.device, shape.vocab)
+            out["identity_tokens"] = batch(prompts, gen_id)["tokens"]
     for w_index, (name, (n, prompt, gen)) in enumerate(workloads.items()):
         seed0 = {"prefill": 1_000, "decode": 2_000}[name]
         # Untimed warm-up: a quarter batch at full prompt length, 64 tokens out (CUDA graphs
         # are captured at start-up; this covers first-use set-up, not every batch size).
-        turns.take(1 + 2 * w_index)
-        t, times = time.perf_counter(), []
-        batch(_prompts(seed0 + 999, max(1, n // 4), prompt, shape.vocab), min(gen, 64), capture, steer)
-        warm_s = time.perf_counter() - t
-        turns.give()
-        clear_captures()
+        with turns.turn(1 + 2 * w_index):
+            t, times = time.perf_counter(), []
+            batch(_prompts(seed0 + 999, max(1, n // 4), prompt, shape.vocab), min(gen, 64),
+                  capture, steer)
+            warm_s = time.perf_counter() - t
+        perf_models.fresh_dir(capture_dir)
         cached = nbytes = generated = 0
         while sum(times) < a.min_seconds or len(times) < a.min_batches:
             prompts = _prompts(seed0 + len(times), n, prompt, shape.vocab)
-            turns.take(2 + 2 * w_index, sum(times))
-            t = time.perf_counter()  # after the turn: waiting for it is not timed
-            got = batch(prompts, gen, capture, steer)
-            times.append(time.perf_counter() - t)
-            turns.give()
+            with turns.turn(2 + 2 * w_index, sum(times)):
+                t = time.perf_counter()  # after the turn: waiting for it is not timed
+                got = batch(prompts, gen, capture, steer)
+                times.append(time.perf_counter() - t)
             cached, nbytes = cached + got["cached"], nbytes + got["bytes"]
             generated += sum(len(x) for x in got["tokens"])
-        clear_captures()  # untimed: every workload writes afresh
+        perf_models.fresh_dir(capture_dir)  # untimed: every workload writes afresh
         tokens = len(times) * n * prompt + generated
         rep = {"batches": len(times), "seconds": sum(times), "batch_s": times, "tokens": tokens,
                "tokens_per_s": tokens / sum(times), "cached_tokens": cached, "capture_bytes": nbytes}
         out["workloads"][name] = {"requests": n, "prompt": prompt, "gen": gen, "warmup_s": warm_s,
                                   "reps": [rep], "median_tokens_per_s": rep["tokens_per_s"]}
     if a.do_p3all and a.config == "capture":
-        turns.take(99)  # alone on the GPU, after every other process's timed batches
-        out["p3all"] = _p3all(a, batch, clear_captures, capture_all, capture_dir)
-        turns.give()
+        with turns.turn(99):  # alone on the GPU, after every other process's timed batches
+            out["p3all"] = _p3all(a, batch, capture_dir)
     out["process_s"] = time.time() - t_start
     close()
     shutil.rmtree(capture_dir, ignore_errors=True)
     return out
 
 
-def _p3all(a: argparse.Namespace, batch: Callable[..., dict[str, int]],
-           clear: Callable[[], None], capture_all: dict, capture_dir: Path) -> dict[str, Any]:
+def _p3all(a: argparse.Namespace, batch: Callable[..., dict], capture_dir: Path) -> dict[str, Any]:
     """All layers x all prompt positions, durable: MB/s vs the disk's fsync'd dd rate."""
     (n, prompt, gen), vocab = WORKLOADS[a.device]["prefill"], perf_models.SHAPES[a.shape].vocab
+    spec = {"hooks": ["resid_post"], "layers": "all", "positions": "prompt", "layout": "packed"}
     dd_before = disk_rate(capture_dir / "dd", DD_MIB[a.device])
-    batch(_prompts(3_999, max(4, n // 16), prompt, vocab), gen, capture_all)  # warm-up
-    clear()
+    batch(_prompts(3_999, max(4, n // 16), prompt, vocab), gen, spec)  # warm-up
+    perf_models.fresh_dir(capture_dir)
     times: list[float] = []
     nbytes = 0
     while sum(times) < a.min_seconds or not times:
@@ -226,9 +216,9 @@ def _p3all(a: argparse.Namespace, batch: Callable[..., dict[str, int]],
         if times and shutil.disk_usage(capture_dir).free < 3 * nbytes / len(times):
             break
         prompts, t = _prompts(3_000 + len(times), n, prompt, vocab), time.perf_counter()
-        nbytes += batch(prompts, gen, capture_all)["bytes"]
+        nbytes += batch(prompts, gen, spec)["bytes"]
         times.append(time.perf_counter() - t)
-    clear()
+    perf_models.fresh_dir(capture_dir)
     dd_after = disk_rate(capture_dir / "dd", DD_MIB[a.device])
     disk, rate = max(dd_before, dd_after), nbytes / sum(times) / 1e6
     return {"batches": len(times), "seconds": sum(times), "bytes": nbytes, "mb_s": rate,
@@ -371,7 +361,7 @@ class _Child:
             / f"perf-proc-{slot:02d}-{config}.json"
         self.result.unlink(missing_ok=True)
         read_fd, write_fd = os.pipe()
-        share = MEM[a.device] / len(a.configs.split(","))
+        share = perf_models.MEM[a.device] / len(a.configs.split(","))
         cmd = [sys.executable, __file__, "--one", config, "--slot", str(slot), "--model", model,
                "--device", a.device, "--shape", a.shape, "--min-seconds", str(a.min_seconds),
                "--min-batches", str(a.min_batches), "--work", a.work,
@@ -384,8 +374,7 @@ class _Child:
                                      stdin=subprocess.PIPE, text=True, pass_fds=(write_fd,))
         os.close(write_fd)
         self.want: tuple[int, float] | None = None
-        self.busy = True  # starting up, or running a turn
-        self.turns = 0
+        self.busy, self.turns = True, 0  # busy: starting up, or running a turn
 
         def read() -> None:
             with os.fdopen(read_fd) as fh:
