@@ -5,8 +5,7 @@ Sides (`--sides`), one process each: capsteer (resid_post at the chosen layers x
 position, its forward stopped after the deepest, as the CLI); capsteer_full (`--full-forward`);
 vllm (max_tokens=1, nothing captured); hf (rows of real tokens saved per batch, `os.sync`;
 the fastest `--hf-batch` size on probe batches; with `--shape` length-sorted chunks and
-`logits_to_keep=1`). `--shape` (perf_models.py) picks a geometry, else a demo Qwen3 of
---hidden/--layers. capsteer and vllm run --reps passes over fresh prompt sets after a
+`logits_to_keep=1`). capsteer and vllm run --reps passes over fresh prompt sets after a
 warm-up; HF one pass until --hf-min-seconds. Writes <tag>-<date>-extract[-layers-L].json.
 """
 

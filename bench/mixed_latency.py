@@ -1,16 +1,14 @@
 """Plain requests' latency beside capture bursts, through the real server (issue 12).
 
 Each process is one server, `capsteer serve --vanilla` (stock vLLM) or capsteer, interleaved
-over rounds. After a warm-up: quiet (C closed-loop clients stream completions, prompt P, G
-generated, for Q s), then bursts (the clients go on while R requests, prompt L, one token,
-start every B s; in capsteer each captures resid_post at every layer over the prompt,
-durable, with `capture_wait`: P6's shape). Plain requests are grouped: quiet, bursts (the
-whole phase) and beside (overlapping a burst); per group the median and p95 of TTFT and
-latency, each burst's time, capsteer / vanilla ratios per round and over the medians
-(above 1 = slower), TTFT and TPOT by start after a burst. Captures are deleted only between
-phases.
-
-Writes <out>/mixed-latency.json (every request's times). CPU runs are a smoke test only: on 2
+over rounds. After a warm-up: quiet (closed-loop clients stream completions), then bursts
+(the clients go on while --burst-requests one-token requests start every --burst-every s; in
+capsteer each captures resid_post at every layer over the prompt, durable, with
+`capture_wait`: P6's shape). Plain requests are grouped: quiet, bursts (the whole phase) and
+beside (overlapping a burst); per group the median and p95 of TTFT and latency, each burst's
+time, capsteer / vanilla ratios per round and over the medians (above 1 = slower), TTFT and
+TPOT by start after a burst. Captures are deleted only between phases. Writes
+<out>/mixed-latency.json (every request's times). CPU runs are a smoke test only: on 2
 cores vLLM's processes busy-wait, so streamed tokens arrive late and together.
 """
 
@@ -235,9 +233,8 @@ def run_process(config: str, model: Path, args: argparse.Namespace, work: Path) 
 
 
 KEYS = [("quiet", "ttft_median_s"), ("quiet", "latency_median_s"), ("quiet", "tpot_median_s"),
-        ("bursts", "ttft_median_s"), ("bursts", "ttft_p95_s"),
-        ("bursts", "latency_median_s"), ("bursts", "latency_p95_s"),
-        ("beside", "latency_median_s"), ("beside", "latency_p95_s"),
+        ("bursts", "ttft_median_s"), ("bursts", "ttft_p95_s"), ("bursts", "latency_median_s"),
+        ("bursts", "latency_p95_s"), ("beside", "latency_median_s"), ("beside", "latency_p95_s"),
         ("settled", "tpot_median_s")]
 HEADS = ["q ttft", "q lat", "q tpot", "p ttft", "p ttft95", "p lat", "p lat95", "b lat",
          "b lat95", "s tpot"]

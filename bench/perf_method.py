@@ -5,18 +5,16 @@ P1, >= 0.99); steer (every request steered at all layers: P2, >= 0.95); capture 
 at one layer x all prompt positions, packed, durable: P3, >= 0.90; the first capture process
 also measures P3-all, all layers, bytes/s over the disk's `dd conv=fsync` rate). Workloads
 on the Qwen3-0.6B shape: prefill 256 x (512 in + 64 out), decode 256 x (128 in + 512 out),
-greedy, ignore_eos, fresh prompts every batch (no prefix-cache hit); after an untimed
-warm-up, whole batches until --min-seconds; tokens/s = (prompt + generated) / time. vanilla
-and plain also generate 64 greedy requests for `plain_identity`.
+greedy, fresh prompts every batch; after an untimed warm-up, whole batches until
+--min-seconds; tokens/s = (prompt + generated) / time. vanilla and plain also generate 64
+greedy requests for `plain_identity`.
 
 A round's processes are alive together and take turns batch by batch (the next batch goes
 to the one with the least timed seconds in the earliest phase), so a drifting host slows
 all alike. Verdicts use the paired ratios (config / vanilla of the same round): median,
-spread min-max, >= 3 rounds; met / missed only when the spread excludes the target.
-
-Process files (`perf-proc-SS-CONFIG.json`, in --out and --work) from calls run with
-`--slots` combine into `<tag>-<date>-perf-method.json`; `--deadline EPOCH` starts no round
-that would not finish.
+spread min-max, >= 3 rounds; met / missed only when the spread excludes the target. Process
+files (`perf-proc-SS-CONFIG.json`) from `--slots` calls combine into
+`<tag>-<date>-perf-method.json`; `--deadline EPOCH` starts no round that would not finish.
 """
 
 from __future__ import annotations

@@ -1,5 +1,4 @@
-"""Model shapes with real vocabularies written where they run, and the helpers every bench
-script shares (devices, verdicts, result files, plots, child processes).
+"""Model shapes with real vocabularies written where they run, and the bench scripts' helpers.
 
 A word-level tokenizer ("w0 w1 ...") of the real vocabulary: the demo model's ~1k would drop
 most of the embedding and LM-head cost. Weights: `random`, drawn with std 0.1 (greedy tokens
@@ -23,7 +22,7 @@ from typing import Any
 
 SPECIALS = ["<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 RESULTS = Path(__file__).resolve().parent / "results"
-MEM = {"cuda": 0.85, "cpu": 0.3}  # gpu_memory_utilization of a process alone on its device
+MEM = {"cuda": 0.85, "cpu": 0.3}  # gpu_memory_utilization (perf_method splits it per round)
 
 
 @dataclass(frozen=True)

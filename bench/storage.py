@@ -1,16 +1,15 @@
 """P5: capture write rate vs the disk's own fsync'd sequential rate, by paired rounds.
 
 Each round measures the disk and the packed writer back to back, the order alternating.
-The disk: `dd if=/dev/zero bs=1M conv=fsync`, a Python loop of 1 MiB writes then one fsync,
-that loop with writeback started as written, that loop cut into request-sized files (each
-fsync'd and renamed, its directory fsync'd, on as many threads as writer processes) and
-O_DIRECT writes. The writer: requests shaped like a real model (default 32 layers x 4096
-hidden, bf16, 512 positions = 128 MiB a request) through the capture writer (in this
-process, or `--processes N` writer processes as the engine runs them), timed from the first
-open to the last manifest durable; MB/s counts published data bytes. A round's ratio is the
-writer's rate over the round's best disk figure, so a drifting disk moves both sides alike;
-ratio = the rounds' median, spread = min-max, met where every round reaches 0.8, missed
-where none does. Beside it: the writer over the writeback loop and over the files loop.
+The disk: `dd if=/dev/zero bs=1M conv=fsync`; a loop of 1 MiB writes then one fsync, also
+with writeback started per write, and cut into request-sized files published as the writer
+does (as many threads as writer processes); O_DIRECT writes. The writer: requests shaped
+like a real model (default 32 layers x 4096 hidden, bf16, 512 positions = 128 MiB), in this
+process or `--processes N` writer processes, timed from the first open to the last manifest
+durable; MB/s counts published data bytes. A round's ratio: the writer's rate over the
+round's best disk figure (a drifting disk moves both alike); ratio = the rounds' median,
+spread = min-max, met where every round reaches 0.8, missed where none does. Beside it: the
+writer over the writeback loop and over the files loop.
 """
 
 from __future__ import annotations

@@ -109,8 +109,7 @@ def main() -> None:
                   f"(start-up {rows[-1]['startup_s']:.0f} s)", flush=True)
     finally:
         shutil.rmtree(capture_dir, ignore_errors=True)
-    # ratios against the mean of the vanilla processes
-    vanilla = [r["tokens_per_s"] for r in rows if r["config"] == "vanilla"]
+    vanilla = [r["tokens_per_s"] for r in rows if r["config"] == "vanilla"]  # ratios: vs their mean
     print(f"\n{'config':10}{'wall s':>9}{'tok/s':>12}{'vs vanilla':>12}{'target':>8}")
     for r in rows:
         r.update({"ratio_vs_vanilla": r["tokens_per_s"] / statistics.mean(vanilla)} if vanilla else {})
