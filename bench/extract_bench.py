@@ -28,7 +28,6 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import perf_models
 
-SIDES = ("hf", "capsteer", "vllm")
 ALL_SIDES = ("hf", "capsteer", "capsteer_full", "vllm")
 TARGET_VS_VLLM = 0.90
 TARGET_VS_HF = 10.0
@@ -51,7 +50,7 @@ def run_hf(a: argparse.Namespace, layers: list[int], out: Path) -> dict[str, Any
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    t0 = time.perf_counter()
+    t0, dtype = time.perf_counter(), getattr(torch, a.dtype)
     tok = AutoTokenizer.from_pretrained(a.model)
     tok.pad_token = tok.pad_token or tok.eos_token or tok.unk_token
     tok.padding_side = "right"
@@ -59,10 +58,9 @@ def run_hf(a: argparse.Namespace, layers: list[int], out: Path) -> dict[str, Any
     if shape is not None and shape.weights == "dummy":  # no checkpoint: HF's own init
         with torch.device(a.device):
             model = AutoModelForCausalLM.from_config(perf_models.hf_config(shape),
-                                                     dtype=getattr(torch, a.dtype)).eval()
+                                                     dtype=dtype).eval()
     else:
-        model = AutoModelForCausalLM.from_pretrained(a.model, dtype=getattr(torch, a.dtype)
-                                                     ).eval().to(a.device)
+        model = AutoModelForCausalLM.from_pretrained(a.model, dtype=dtype).eval().to(a.device)
     load_s, prompts, careful = time.perf_counter() - t0, _prompt_set(a, 0), bool(a.shape)
     keep_kw: dict[str, Any] = {"logits_to_keep": 1} if careful and (
         "logits_to_keep" in inspect.signature(model.forward).parameters) else {}
@@ -235,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hf-batch", default="16", help="one size, or several to pick the best")
     ap.add_argument("--no-warmup", dest="warmup", action="store_false")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    ap.add_argument("--sides", default=",".join(SIDES), help=f"of {','.join(ALL_SIDES)}")
+    ap.add_argument("--sides", default="hf,capsteer,vllm", help=f"of {','.join(ALL_SIDES)}")
     ap.add_argument("--capture-layers", default="all",
                     help="'all' or comma-separated layers (e.g. one layer for SAE training)")
     ap.add_argument("--work", default=None, help="directory for the model and outputs")
@@ -252,8 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(a.result_file).write_text(json.dumps(_one(a)))
         return 0
     base = Path(tempfile.mkdtemp(prefix="capsteer-bench-", dir=a.work))
-    # Model and job paths are part of vLLM's compile-cache key (the job directory sits in
-    # capsteer's engine config): the same from run to run, a warm machine does not recompile.
+    # Stable model and job paths (in vLLM's compile-cache key): a warm machine does not recompile.
     stable = Path(a.work or tempfile.gettempdir())
     rows: dict[str, Any] = {}
     try:

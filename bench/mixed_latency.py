@@ -39,10 +39,9 @@ def server_argv(config: str, model: Path, shape: str, args: argparse.Namespace, 
                 capture_dir: Path) -> list[str]:
     """The same engine flags for both configurations; capsteer adds its capture root."""
     max_len = max(args.prompt + args.gen, args.burst_prompt + 1) + 16
-    argv = [sys.executable, "-m", "capsteer.cli", "serve", str(model),
-            "--host", "127.0.0.1", "--port", str(port), *perf_models.serve_flags(shape),
-            "--max-model-len", str(max_len), "--seed", "0",
-            "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+    argv = [sys.executable, "-m", "capsteer.cli", "serve", str(model), "--host", "127.0.0.1",
+            "--port", str(port), *perf_models.serve_flags(shape), "--max-model-len", str(max_len),
+            "--seed", "0", "--max-num-batched-tokens", str(args.max_num_batched_tokens),
             "--gpu-memory-utilization", str(perf_models.MEM[args.device])]
     if args.burst_priority is not None:  # vLLM's own policy, in both configurations
         argv += ["--scheduling-policy", "priority"]
@@ -198,8 +197,7 @@ def figures(plain: list[dict], bursts: list[dict]) -> dict[str, Any]:
                          ("latency", [r["end"] - r["start"] for r in rs])):
             if xs:
                 out[name].update({f"{what}_median_s": statistics.median(xs), f"{what}_p95_s": p95(xs)})
-    tpot = [t for r in plain if r["phase"] == "quiet" and (t := tpot_s(r)) is not None]
-    if tpot:
+    if tpot := [t for r in plain if r["phase"] == "quiet" and (t := tpot_s(r)) is not None]:
         out["quiet"]["tpot_median_s"] = statistics.median(tpot)
     settled = [t for r in plain if r["phase"] == "bursts" and (t := tpot_s(r)) is not None
                and (since := since_burst(r, bursts)) is not None and since >= SETTLED_S]
@@ -321,8 +319,7 @@ def merge(files: list[Path], out: Path) -> None:
             for f in files]  # results/ keeps them gzipped
     first = runs[0]
     for f, run in zip(files, runs, strict=True):
-        if (run["shape"], run["workload"], run["capsteer_flags"]) != (
-                first["shape"], first["workload"], first["capsteer_flags"]):
+        if any(run[k] != first[k] for k in ("shape", "workload", "capsteer_flags")):
             raise SystemExit(f"{f}: another shape, workload or flags than {files[0]}")
     processes, offset = [], 0
     for run in runs:  # rounds renumbered; figures of this code

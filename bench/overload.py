@@ -1,14 +1,13 @@
 """The overload policies under a burst of concurrent captures, through the real server.
 
 Per policy: `capsteer serve` on the demo model (a 256 KiB capture budget, one writer
-process), `--loads` bursts of `--requests` concurrent completions with `capture_wait`, and
-the promise checked: block, every response 200 and every capture ok and verified; drop,
-every response 200, the dropped receipts exactly the increase of
-`capsteer_capture_dropped_total`, the rest ok; reject, every refusal a 429 with
-`Retry-After`, as many as the increase of `capsteer_capture_rejected_total`, the admitted
-ok. The writer processes' memory (RssAnon, RssShmem: the shared ring, RssFile) after a
-warm-up, each burst and `--idle-s` idle seconds. Prints a table per policy; exits 1 when a
-promise broke.
+process), `--loads` bursts of `--requests` concurrent completions with `capture_wait`, and the
+promise checked: block, every response 200 and every capture ok and verified; drop, every
+response 200, the dropped receipts exactly the increase of `capsteer_capture_dropped_total`,
+the rest ok; reject, every refusal a 429 with `Retry-After`, as many as the increase of
+`capsteer_capture_rejected_total`, the admitted ok. The writer processes' memory (RssAnon,
+RssShmem: the shared ring, RssFile) after a warm-up, each burst and `--idle-s` idle seconds.
+Prints a table per policy; exits 1 when a promise broke.
 """
 
 from __future__ import annotations

@@ -77,8 +77,7 @@ def _identity_prompts(device: str, vocab: int) -> list[list[int]]:
 
 
 class Turns:
-    """A process's side of the turn protocol: before using the GPU it says its phase and timed
-    seconds and waits for "go"; after, "done". Started by hand (no --ctl-fd): never waits."""
+    """A process's side of the turn protocol (want, go, done); by hand (no --ctl-fd): no waits."""
 
     def __init__(self, ctl_fd: int | None) -> None:
         self.ctl = os.fdopen(ctl_fd, "w", buffering=1) if ctl_fd is not None else None
@@ -96,8 +95,7 @@ class Turns:
 
 def open_engine(config: str, model: str, kw: dict[str, Any], capture_dir: Path,
                 staging: int) -> tuple[Callable[..., dict[str, Any]], Callable[[], None]]:
-    """`config`'s engine (vanilla: stock `vllm.LLM`) and its close, with `batch(prompts, gen,
-    capture, steer)` running one batch to completion (captures: until durable) -> counters."""
+    """`config`'s engine (vanilla: `vllm.LLM`): one batch to completion (captures: durable)."""
     from vllm import LLM, SamplingParams
 
     if config == "vanilla":
@@ -146,8 +144,7 @@ def run_process(a: argparse.Namespace) -> dict[str, Any]:
     kw: dict[str, Any] = dict(perf_models.engine_kwargs(a.shape), seed=0,
                               max_model_len=longest + 16, gpu_memory_utilization=a.mem_fraction,
                               max_num_batched_tokens=a.step_tokens)
-    # One path for every process: the capsteer config is part of vLLM's compile-cache key,
-    # so a per-process path would recompile in every process; turns keep writers apart.
+    # One path for all processes (it is in vLLM's compile-cache key); turns keep writers apart.
     capture_dir = perf_models.fresh_dir(Path(a.work) / "captures")
     started = time.perf_counter()
     staging = a.step_tokens * (shape.layers + 1)  # P3-all: a whole step, every layer
@@ -168,8 +165,7 @@ def run_process(a: argparse.Namespace) -> dict[str, Any]:
             out["identity_tokens"] = batch(prompts, gen_id)["tokens"]
     for w_index, (name, (n, prompt, gen)) in enumerate(workloads.items()):
         seed0 = {"prefill": 1_000, "decode": 2_000}[name]
-        # Untimed warm-up: a quarter batch at full prompt length, 64 tokens out (CUDA graphs
-        # are captured at start-up; this covers first-use set-up, not every batch size).
+        # Untimed warm-up: first-use set-up, not every batch size (CUDA graphs: at start-up).
         with turns.turn(1 + 2 * w_index):
             t, times = time.perf_counter(), []
             batch(_prompts(seed0 + 999, max(1, n // 4), prompt, shape.vocab), min(gen, 64),
@@ -257,9 +253,8 @@ def summarize(procs: list[dict[str, Any]]) -> dict[str, Any]:
         for wl, s in stats.get(cfg, {}).items():
             v = van.get(wl)
             by_round = dict(zip(v["rounds"], v["per_process"], strict=True)) if v else {}
-            paired = [x / by_round[r] for r, x in zip(s["rounds"], s["per_process"], strict=True)
-                      if r in by_round]
-            if not paired:
+            if not (paired := [x / by_round[r] for r, x in
+                               zip(s["rounds"], s["per_process"], strict=True) if r in by_round]):
                 continue
             lo, hi = min(paired), max(paired)
             # processes of a round took turns on the GPU: judge by the rounds' ratios
@@ -277,8 +272,7 @@ def summarize(procs: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {"stats": stats, "ratios": ratios}
     keys: dict[str, Any] = {}
     for key, cfg in (("p1_plain", "plain"), ("p3_capture_one_layer", "capture")):
-        per = ratios.get(cfg, {})
-        if per:  # the min over the workloads; its bounds are the min of the bounds
+        if per := ratios.get(cfg, {}):  # the min over the workloads; its bounds: the bounds' min
             lo, hi = min(r["lo"] for r in per.values()), min(r["hi"] for r in per.values())
             few = any(r["samples"] < MIN_PROCESSES for r in per.values())
             keys[key] = {"value": min(r["ratio"] for r in per.values()), "lo": lo, "hi": hi,
@@ -362,10 +356,9 @@ class _Child:
         share = perf_models.MEM[a.device] / len(a.configs.split(","))
         cmd = [sys.executable, __file__, "--one", config, "--slot", str(slot), "--model", model,
                "--device", a.device, "--shape", a.shape, "--min-seconds", str(a.min_seconds),
-               "--min-batches", str(a.min_batches), "--work", a.work,
-               "--step-tokens", str(a.step_tokens), "--workloads", a.workloads,
-               "--result-file", str(self.result), "--configs", a.configs,
-               "--ctl-fd", str(write_fd), "--mem-fraction", f"{share:.4f}",
+               "--min-batches", str(a.min_batches), "--work", a.work, "--workloads", a.workloads,
+               "--step-tokens", str(a.step_tokens), "--result-file", str(self.result),
+               "--configs", a.configs, "--ctl-fd", str(write_fd), "--mem-fraction", f"{share:.4f}",
                *(["--do-p3all"] if p3all else []), *(["--no-identity"] if a.no_identity else [])]
         self.log = logs / f"slot-{slot:02d}-{config}.log"
         self.proc = subprocess.Popen(cmd, stdout=self.log.open("w"), stderr=subprocess.STDOUT,
@@ -381,6 +374,9 @@ class _Child:
             events.put((self, ["eof"]))
 
         threading.Thread(target=read, daemon=True).start()
+
+    def ready(self) -> bool:  # asking for a turn, or exited
+        return self.want is not None or self.proc.poll() is not None
 
     def go(self) -> None:
         assert self.proc.stdin is not None
@@ -437,21 +433,17 @@ def drive_paired(a: argparse.Namespace) -> int:
             p3all_done = p3all_done or p3
             child = _Child(a, slot, config, model, logs, p3, events)
             children.append(child)
-            _wait_event(children, events,
-                        lambda c=child: c.want is not None or c.proc.poll() is not None,
-                        a.deadline)
+            _wait_event(children, events, child.ready, a.deadline)
             print(f"round {r}: slot {slot} {config} up after {time.time() - child.started:.0f} s",
                   flush=True)
         while any(c.proc.poll() is None for c in children):
-            _wait_event(children, events,
-                        lambda cs=children: all(c.want is not None or c.proc.poll() is not None
-                                                for c in cs), a.deadline)
+            _wait_event(children, events, lambda cs=children: all(c.ready() for c in cs),
+                        a.deadline)
             waiting = [c for c in children if c.want is not None and c.proc.poll() is None]
-            if not waiting:
-                continue
-            nxt = min(waiting, key=lambda c: (c.want, c.slot))
-            nxt.go()
-            _wait_event(children, events, lambda c=nxt: not c.busy, a.deadline)
+            if waiting:
+                nxt = min(waiting, key=lambda c: (c.want, c.slot))
+                nxt.go()
+                _wait_event(children, events, lambda c=nxt: not c.busy, a.deadline)
         for c in children:
             if c.proc.returncode != 0 or not c.result.exists():
                 failed.append(c.slot)

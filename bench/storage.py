@@ -59,7 +59,7 @@ def dd_rate(directory: Path, mib: int) -> float | None:
 
 
 def loop_rate(directory: Path, mib: int, writeback: bool = False) -> float:
-    """MB/s of 1 MiB writes of random bytes, then one fsync (`writeback`: started per block)."""
+    """MB/s of 1 MiB random writes, then one fsync (`writeback`: per block, as the writer does)."""
     block, target, t0 = os.urandom(MIB), directory / "loop.bin", time.perf_counter()
     _write_fsynced(target, block, mib, FileSystem() if writeback else None)
     dt = time.perf_counter() - t0
@@ -106,8 +106,8 @@ def direct_rate(directory: Path, mib: int) -> float | None:
 
 
 def files_rate(directory: Path, mib: int, file_mib: int, streams: int = 1) -> float:
-    """MB/s of the writeback loop as `file_mib` files on `streams` threads, each published as
-    the writer does (fsync, rename, directory fsync): the disk's own price of durability."""
+    """MB/s of the writeback loop as `file_mib` files on `streams` threads, published as the
+    writer does (fsync, rename, directory fsync): the disk's own price of durability."""
     block, target, fs = os.urandom(MIB), directory / "files", FileSystem()
     target.mkdir(exist_ok=True)
     n_files = max(1, mib // file_mib)
@@ -126,8 +126,7 @@ def files_rate(directory: Path, mib: int, file_mib: int, streams: int = 1) -> fl
 
 
 def writer_rate(directory: Path, a: argparse.Namespace) -> dict[str, float]:
-    """The packed writer's publish rate, in this process or through `--processes` children
-    (the engine's path); their rings are faulted in first, as a server's, unless cold."""
+    """The packed writer's publish rate, here or in `--processes` children (the engine's path)."""
     layers, hidden, prompt, processes = a.layers, a.hidden, a.prompt, a.processes
     spec = parse_capture_spec({"hooks": ["resid_post"], "layers": "all", "positions": "all",
                                "layout": "packed"}, num_layers=layers)
@@ -173,8 +172,7 @@ def writer_rate(directory: Path, a: argparse.Namespace) -> dict[str, float]:
     dt, cpu, child_cpu = time.perf_counter() - t0, time.process_time() - c0, _children_cpu_s() - k0
     receipts = [find_receipt(root, f"bench-packed-{i}") for i in range(n_requests)]
     w.shutdown()
-    bad = [r for r in receipts if r is None or r.status != "ok"]
-    if bad:
+    if bad := [r for r in receipts if r is None or r.status != "ok"]:
         raise SystemExit(f"packed: {len(bad)} captures failed: {bad[0]}")
     data = sum(r.bytes for r in receipts if r is not None)
     shutil.rmtree(root)
@@ -203,7 +201,7 @@ def paired_rounds(work: Path, args: argparse.Namespace) -> dict[str, Any]:
               f"{args.processes} writer process(es), {args.ring_bytes / MIB:.0f} MiB rings"
               f"{' (cold)' if args.cold_rings else ''}" if args.processes else "in-process writer"))
     file_mib = max(1, args.layers * args.prompt * args.hidden * 2 // MIB)  # one request's file
-    streams = max(1, args.processes)
+    n, streams = args.total_mib, max(1, args.processes)
     print(f"{'round':>5} {'order':<13}{'dd':>7}{'loop':>7}{'wb loop':>8}{'files':>7}{'direct':>7}"
           f"{'writer':>8}{'ratio':>7}{'vs dd':>7}{'cpu s/GB':>12}"
           f"   (files: the wb loop as {file_mib} MiB files, each fsync'd and renamed, "
@@ -218,7 +216,6 @@ def paired_rounds(work: Path, args: argparse.Namespace) -> dict[str, Any]:
         e: dict[str, Any] = {"round": r + 1, "order": "writer, disk" if r % 2 else "disk, writer"}
 
         def disk(e: dict[str, Any] = e) -> None:
-            n = args.total_mib
             e.update(dd_mb_s=dd_rate(work, n), loop_mb_s=loop_rate(work, n),
                      writeback_mb_s=loop_rate(work, n, writeback=True),
                      files_mb_s=files_rate(work, n, file_mib, streams),
@@ -303,9 +300,8 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(result))
         if args.out is not None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
-            perf_models.write_result(args.out, {
-                "kind": "storage", **perf_models.meta("storage.py", device), "result": result},
-                "storage")
+            doc = {"kind": "storage", **perf_models.meta("storage.py", device), "result": result}
+            perf_models.write_result(args.out, doc, "storage")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0

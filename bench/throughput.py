@@ -24,8 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as `python bench
 import perf_method
 import perf_models
 
-SHAPE = {("cuda", False): "qwen3-0.6b", ("cuda", True): "llama3-8b-36l",
-         ("cpu", False): "qwen3-tiny", ("cpu", True): "llama-tiny"}
+P6_SHAPE = {"cuda": "llama3-8b-36l", "cpu": "llama-tiny"}  # else perf_method's SHAPE
 
 
 def workload(device: str, p6: bool) -> dict[str, int]:
@@ -39,8 +38,7 @@ def run_one(a: argparse.Namespace) -> dict:
     cfg, shape = workload(a.device, a.p6), perf_models.SHAPES[a.shape]
     kw = dict(perf_models.engine_kwargs(a.shape), max_model_len=cfg["prompt"] + cfg["gen"] + 16,
               seed=0, gpu_memory_utilization=perf_models.MEM[a.device],
-              # the same scheduler chunk for every configuration, vanilla included
-              max_num_batched_tokens=2048 if a.device == "cuda" else 512)
+              max_num_batched_tokens=perf_method.STEP_TOKENS[a.device])  # vanilla's too
     steer = {"vectors": [{"hook": "resid_post", "layers": "all", "scale": 1.0,
                           "vector": [0.01] * shape.hidden}]} if a.one == "steer" else None
     capture = {"hooks": ["resid_post"], "layers": "all", "positions": "prompt",
@@ -83,7 +81,7 @@ def main() -> None:
         ap.add_argument(hidden, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=perf_models.default_out())
     args = ap.parse_args()
-    args.shape = args.shape or SHAPE[(args.device, args.p6)]
+    args.shape = args.shape or (P6_SHAPE if args.p6 else perf_method.SHAPE)[args.device]
     if args.one:
         Path(args.result_file).write_text(json.dumps(run_one(args)))
         return
