@@ -5,8 +5,7 @@ Sides (`--sides`), one process each: capsteer (resid_post at the chosen layers x
 position, its forward stopped after the deepest, as the CLI); capsteer_full (`--full-forward`);
 vllm (max_tokens=1, nothing captured); hf (rows of real tokens saved per batch, `os.sync`;
 the fastest `--hf-batch` size on probe batches; with `--shape` length-sorted chunks and
-`logits_to_keep=1`). `--shape` (perf_models.py) picks a geometry, else a demo Qwen3 of
---hidden/--layers. capsteer and vllm run --reps passes over fresh prompt sets after a
+`logits_to_keep=1`). capsteer and vllm run --reps passes over fresh prompt sets after a
 warm-up; HF one pass until --hf-min-seconds. Writes <tag>-<date>-extract[-layers-L].json.
 """
 
@@ -29,23 +28,19 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import perf_models
 
-SIDES = ("hf", "capsteer", "vllm")
 ALL_SIDES = ("hf", "capsteer", "capsteer_full", "vllm")
 TARGET_VS_VLLM = 0.90
 TARGET_VS_HF = 10.0
+DEMO = ("model layer stream residual token vector capture steering attention mlp norm batch "
+        "shard index prompt").split()
 
 
 def _prompt_set(a: argparse.Namespace, seed: int, n: int | None = None) -> list[str]:
-    """Word prompts: demo-model words (24-96 of them), or with --shape --prompt-tokens words
-    of the whole word-level vocabulary (one word = one token)."""
-    rng = random.Random(seed)
-    if a.shape:
-        n_words = perf_models.SHAPES[a.shape].vocab - len(perf_models.SPECIALS)
-        return [" ".join(f"w{rng.randrange(n_words)}" for _ in range(rng.randint(*a.token_range)))
-                for _ in range(n or a.prompts)]
-    words = ("model layer stream residual token vector capture steering attention mlp norm "
-             "batch shard index prompt").split()
-    return [" ".join(rng.choice(words) for _ in range(rng.randint(24, 96)))
+    """Word prompts: 24-96 demo words, or with --shape --prompt-tokens vocabulary words (tokens)."""
+    rng, shape = random.Random(seed), perf_models.SHAPES.get(a.shape or "")
+    words = [f"w{i}" for i in range(shape.vocab - len(perf_models.SPECIALS))] if shape else DEMO
+    lo, hi = a.token_range if shape else (24, 96)
+    return [" ".join(rng.choice(words) for _ in range(rng.randint(lo, hi)))
             for _ in range(n or a.prompts)]
 
 
@@ -55,7 +50,7 @@ def run_hf(a: argparse.Namespace, layers: list[int], out: Path) -> dict[str, Any
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    t0 = time.perf_counter()
+    t0, dtype = time.perf_counter(), getattr(torch, a.dtype)
     tok = AutoTokenizer.from_pretrained(a.model)
     tok.pad_token = tok.pad_token or tok.eos_token or tok.unk_token
     tok.padding_side = "right"
@@ -63,10 +58,9 @@ def run_hf(a: argparse.Namespace, layers: list[int], out: Path) -> dict[str, Any
     if shape is not None and shape.weights == "dummy":  # no checkpoint: HF's own init
         with torch.device(a.device):
             model = AutoModelForCausalLM.from_config(perf_models.hf_config(shape),
-                                                     dtype=getattr(torch, a.dtype)).eval()
+                                                     dtype=dtype).eval()
     else:
-        model = AutoModelForCausalLM.from_pretrained(a.model, dtype=getattr(torch, a.dtype)
-                                                     ).eval().to(a.device)
+        model = AutoModelForCausalLM.from_pretrained(a.model, dtype=dtype).eval().to(a.device)
     load_s, prompts, careful = time.perf_counter() - t0, _prompt_set(a, 0), bool(a.shape)
     keep_kw: dict[str, Any] = {"logits_to_keep": 1} if careful and (
         "logits_to_keep" in inspect.signature(model.forward).parameters) else {}
@@ -124,13 +118,13 @@ def run_hf(a: argparse.Namespace, layers: list[int], out: Path) -> dict[str, Any
             "length_sorted_chunks": careful, "tokens_per_s": tokens / run_s}
 
 
-def _engine_kwargs(a: argparse.Namespace, mem: float) -> dict[str, Any]:
-    return {"dtype": a.dtype, "gpu_memory_utilization": mem, "max_model_len": a.max_model_len,
+def _engine_kwargs(a: argparse.Namespace) -> dict[str, Any]:
+    return {"dtype": a.dtype, "gpu_memory_utilization": perf_models.MEM[a.device],
+            "max_model_len": a.max_model_len,
             **(perf_models.engine_kwargs(a.shape) if a.shape else {})}
 
 
-def run_capsteer(a: argparse.Namespace, layers: list[int], out: Path, mem: float,
-                 full_forward: bool = False) -> dict[str, Any]:
+def run_capsteer(a: argparse.Namespace, layers: list[int], out: Path, full: bool) -> dict[str, Any]:
     from capsteer.capture.spec import parse_capture_spec
     from capsteer.engine import Engine
     from capsteer.extraction.job import job_config
@@ -141,8 +135,8 @@ def run_capsteer(a: argparse.Namespace, layers: list[int], out: Path, mem: float
     n_layers, t0 = a.num_layers, time.perf_counter()
     spec = parse_capture_spec({"hooks": ["resid_post"], "layers": layers, "positions": "prompt"},
                               num_layers=n_layers)
-    kw = _engine_kwargs(a, mem)
-    config = job_config(job, spec, 256 << 20, kw, num_layers=n_layers, full_forward=full_forward)
+    kw = _engine_kwargs(a)
+    config = job_config(job, spec, 256 << 20, kw, num_layers=n_layers, full_forward=full)
     engine = Engine(a.model, capsteer_config=config, **kw)
     load_s, lines = time.perf_counter() - t0, []  # lines: every pass's rows (see one())
 
@@ -169,14 +163,13 @@ def run_capsteer(a: argparse.Namespace, layers: list[int], out: Path, mem: float
             **_medians(reps)}
 
 
-def run_vllm(a: argparse.Namespace, mem: float) -> dict[str, Any]:
-    """Stock vLLM prefilling the same prompts (max_tokens=1), nothing captured: the engine's
-    own speed on this machine, to separate it from capture overhead."""
+def run_vllm(a: argparse.Namespace) -> dict[str, Any]:
+    """Stock vLLM prefilling the same prompts: the engine's own speed, without capture."""
     from vllm import LLM, SamplingParams
 
     t0, sp = time.perf_counter(), SamplingParams(max_tokens=1, temperature=0.0)
     llm = LLM(model=a.model, max_num_batched_tokens=2048,  # the extraction job's step size
-              **_engine_kwargs(a, mem))
+              **_engine_kwargs(a))
     load_s = time.perf_counter() - t0
     if a.warmup:
         llm.generate(_prompt_set(a, 1000, 64), sp, use_tqdm=False)
@@ -199,19 +192,18 @@ def _medians(reps: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _one(a: argparse.Namespace) -> dict[str, Any]:
-    mem = 0.85 if a.device == "cuda" else 0.3
     a.num_layers = json.loads((Path(a.model) / "config.json").read_text())["num_hidden_layers"]
     layers = list(range(a.num_layers)) if a.capture_layers == "all" else [
         int(x) for x in a.capture_layers.split(",")]
     if a.device == "cuda":  # the previous side's engine core may still be exiting
-        perf_models.wait_gpu_free(mem + 0.05)
+        perf_models.wait_gpu_free(perf_models.MEM[a.device] + 0.05)
     work = Path(tempfile.mkdtemp(prefix=f"capsteer-x-{a.one}-", dir=a.work))
     try:
         if a.one == "hf":
             return run_hf(a, layers, work)
         if a.one in ("capsteer", "capsteer_full"):
-            return run_capsteer(a, layers, work, mem, full_forward=a.one == "capsteer_full")
-        return run_vllm(a, mem)
+            return run_capsteer(a, layers, work, full=a.one == "capsteer_full")
+        return run_vllm(a)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -241,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hf-batch", default="16", help="one size, or several to pick the best")
     ap.add_argument("--no-warmup", dest="warmup", action="store_false")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    ap.add_argument("--sides", default=",".join(SIDES), help=f"of {','.join(ALL_SIDES)}")
+    ap.add_argument("--sides", default="hf,capsteer,vllm", help=f"of {','.join(ALL_SIDES)}")
     ap.add_argument("--capture-layers", default="all",
                     help="'all' or comma-separated layers (e.g. one layer for SAE training)")
     ap.add_argument("--work", default=None, help="directory for the model and outputs")
@@ -258,8 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(a.result_file).write_text(json.dumps(_one(a)))
         return 0
     base = Path(tempfile.mkdtemp(prefix="capsteer-bench-", dir=a.work))
-    # Model and job paths are part of vLLM's compile-cache key (the job directory sits in
-    # capsteer's engine config): the same from run to run, a warm machine does not recompile.
+    # Stable model and job paths (in vLLM's compile-cache key): a warm machine does not recompile.
     stable = Path(a.work or tempfile.gettempdir())
     rows: dict[str, Any] = {}
     try:

@@ -1,16 +1,14 @@
 """Plain requests' latency beside capture bursts, through the real server (issue 12).
 
 Each process is one server, `capsteer serve --vanilla` (stock vLLM) or capsteer, interleaved
-over rounds. After a warm-up: quiet (C closed-loop clients stream completions, prompt P, G
-generated, for Q s), then bursts (the clients go on while R requests, prompt L, one token,
-start every B s; in capsteer each captures resid_post at every layer over the prompt,
-durable, with `capture_wait`: P6's shape). Plain requests are grouped: quiet, bursts (the
-whole phase) and beside (overlapping a burst); per group the median and p95 of TTFT and
-latency, each burst's time, capsteer / vanilla ratios per round and over the medians
-(above 1 = slower), TTFT and TPOT by start after a burst. Captures are deleted only between
-phases.
-
-Writes <out>/mixed-latency.json (every request's times). CPU runs are a smoke test only: on 2
+over rounds. After a warm-up: quiet (closed-loop clients stream completions), then bursts
+(the clients go on while --burst-requests one-token requests start every --burst-every s; in
+capsteer each captures resid_post at every layer over the prompt, durable, with
+`capture_wait`: P6's shape). Plain requests are grouped: quiet, bursts (the whole phase) and
+beside (overlapping a burst); per group the median and p95 of TTFT and latency, each burst's
+time, capsteer / vanilla ratios per round and over the medians (above 1 = slower), TTFT and
+TPOT by start after a burst. Captures are deleted only between phases. Writes
+<out>/mixed-latency.json (every request's times). CPU runs are a smoke test only: on 2
 cores vLLM's processes busy-wait, so streamed tokens arrive late and together.
 """
 
@@ -41,17 +39,15 @@ def server_argv(config: str, model: Path, shape: str, args: argparse.Namespace, 
                 capture_dir: Path) -> list[str]:
     """The same engine flags for both configurations; capsteer adds its capture root."""
     max_len = max(args.prompt + args.gen, args.burst_prompt + 1) + 16
-    argv = [sys.executable, "-m", "capsteer.cli", "serve", str(model),
-            "--host", "127.0.0.1", "--port", str(port), *perf_models.serve_flags(shape),
-            "--max-model-len", str(max_len), "--seed", "0",
-            "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-            "--gpu-memory-utilization", "0.85" if args.device == "cuda" else "0.3"]
+    argv = [sys.executable, "-m", "capsteer.cli", "serve", str(model), "--host", "127.0.0.1",
+            "--port", str(port), *perf_models.serve_flags(shape), "--max-model-len", str(max_len),
+            "--seed", "0", "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+            "--gpu-memory-utilization", str(perf_models.MEM[args.device])]
     if args.burst_priority is not None:  # vLLM's own policy, in both configurations
         argv += ["--scheduling-policy", "priority"]
     if config == "vanilla":
         return [*argv, "--vanilla"]
-    # A step of burst prompts captures every layer of up to max-num-batched-tokens tokens:
-    # the GPU staging buffer holds them all (its default holds 4 rows a token).
+    # The staging buffer holds a whole step of burst prompts at every layer (default: 4 a token).
     staging = args.max_num_batched_tokens * perf_models.SHAPES[shape].layers
     return [*argv, "--capture-dir", str(capture_dir), "--capture-staging-rows", str(staging),
             *args.capsteer_flags]
@@ -65,9 +61,8 @@ class Traffic:
         import httpx
         from openai import AsyncOpenAI
 
-        # No retries (they would hide latency), so an idle pooled connection must be dropped
-        # before the server's 5 s keep-alive closes it: reusing one as uvicorn closes it
-        # fails the request (httpx.ReadError, seen on GPU after the 103-request warm-up).
+        # No retries (they would hide latency), so idle pooled connections go before the
+        # server's 5 s keep-alive closes them: reusing one then fails (httpx.ReadError on GPU).
         http = httpx.AsyncClient(timeout=900, limits=httpx.Limits(
             max_connections=None, max_keepalive_connections=None, keepalive_expiry=2.0))
         self.client = AsyncOpenAI(base_url=url + "/v1", api_key="none", timeout=900,
@@ -182,8 +177,7 @@ def tpot_s(r: dict) -> float | None:
 
 
 def by_offset(plain: list[dict], bursts: list[dict], tpot: bool) -> dict[str, float]:
-    """Medians by a burst-phase request's start after the latest burst's: TTFT in 0.5 s bins,
-    or time per output token in 2 s bins after the quiet phase's (what a burst leaves behind)."""
+    """Medians by start after the latest burst's: TTFT (0.5 s bins) or TPOT (2 s, and quiet)."""
     width = 2.0 if tpot else 0.5
     bins: dict[float, list[float]] = {}
     for r in plain:
@@ -203,8 +197,7 @@ def figures(plain: list[dict], bursts: list[dict]) -> dict[str, Any]:
                          ("latency", [r["end"] - r["start"] for r in rs])):
             if xs:
                 out[name].update({f"{what}_median_s": statistics.median(xs), f"{what}_p95_s": p95(xs)})
-    tpot = [t for r in plain if r["phase"] == "quiet" and (t := tpot_s(r)) is not None]
-    if tpot:
+    if tpot := [t for r in plain if r["phase"] == "quiet" and (t := tpot_s(r)) is not None]:
         out["quiet"]["tpot_median_s"] = statistics.median(tpot)
     settled = [t for r in plain if r["phase"] == "bursts" and (t := tpot_s(r)) is not None
                and (since := since_burst(r, bursts)) is not None and since >= SETTLED_S]
@@ -218,10 +211,7 @@ def figures(plain: list[dict], bursts: list[dict]) -> dict[str, Any]:
 
 
 def run_process(config: str, model: Path, args: argparse.Namespace, work: Path) -> dict:
-    """One server's run: start it, drive its traffic, stop it."""
-    capture_dir = work / "captures"
-    shutil.rmtree(capture_dir, ignore_errors=True)
-    capture_dir.mkdir(parents=True)
+    capture_dir = perf_models.fresh_dir(work / "captures")
     port = free_port()
     # cwd: not the checkout, whose capsteer/ folder would shadow the installed package
     server = ManagedServer(server_argv(config, model, args.shape, args, port, capture_dir),
@@ -241,17 +231,15 @@ def run_process(config: str, model: Path, args: argparse.Namespace, work: Path) 
 
 
 KEYS = [("quiet", "ttft_median_s"), ("quiet", "latency_median_s"), ("quiet", "tpot_median_s"),
-        ("bursts", "ttft_median_s"), ("bursts", "ttft_p95_s"),
-        ("bursts", "latency_median_s"), ("bursts", "latency_p95_s"),
-        ("beside", "latency_median_s"), ("beside", "latency_p95_s"),
+        ("bursts", "ttft_median_s"), ("bursts", "ttft_p95_s"), ("bursts", "latency_median_s"),
+        ("bursts", "latency_p95_s"), ("beside", "latency_median_s"), ("beside", "latency_p95_s"),
         ("settled", "tpot_median_s")]
 HEADS = ["q ttft", "q lat", "q tpot", "p ttft", "p ttft95", "p lat", "p lat95", "b lat",
          "b lat95", "s tpot"]
 
 
 def print_process(label: str, f: dict) -> None:
-    """A process's figures (seconds; time per output token in ms), and its TTFT and TPOT by
-    start time after a burst's start."""
+    """A process's figures (seconds, TPOT in ms); TTFT and TPOT by start after a burst's."""
     cells = [f"{f.get(g, {}).get(k, float('nan')) * (1000 if k.startswith('tpot') else 1):9.3f}"
              for g, k in KEYS]
     burst = f["burst_median_s"]
@@ -331,8 +319,7 @@ def merge(files: list[Path], out: Path) -> None:
             for f in files]  # results/ keeps them gzipped
     first = runs[0]
     for f, run in zip(files, runs, strict=True):
-        if (run["shape"], run["workload"], run["capsteer_flags"]) != (
-                first["shape"], first["workload"], first["capsteer_flags"]):
+        if any(run[k] != first[k] for k in ("shape", "workload", "capsteer_flags")):
             raise SystemExit(f"{f}: another shape, workload or flags than {files[0]}")
     processes, offset = [], 0
     for run in runs:  # rounds renumbered; figures of this code

@@ -1,14 +1,12 @@
 """The overload policies under a burst of concurrent captures, through the real server.
 
 Per policy: `capsteer serve` on the demo model (a 256 KiB capture budget, one writer
-process), `--loads` bursts of `--requests` concurrent completions with `capture` and
-`capture_wait`, and the policy's promise checked: block, every response 200 and every
-capture ok and verified (`capsteer.capture.read`); drop, every response 200, the dropped
-receipts exactly the increase of `capsteer_capture_dropped_total`, the rest ok; reject,
-every refusal a 429 with `Retry-After`, as many as the increase of
+process), `--loads` bursts of `--requests` concurrent completions with `capture_wait`, and the
+promise checked: block, every response 200 and every capture ok and verified; drop, every
+response 200, the dropped receipts exactly the increase of `capsteer_capture_dropped_total`,
+the rest ok; reject, every refusal a 429 with `Retry-After`, as many as the increase of
 `capsteer_capture_rejected_total`, the admitted ok. The writer processes' memory (RssAnon,
 RssShmem: the shared ring, RssFile) after a warm-up, each burst and `--idle-s` idle seconds.
-
 Prints a table per policy; exits 1 when a promise broke.
 """
 
@@ -48,10 +46,9 @@ def server_argv(model: Path, port: int, policy: str, args: argparse.Namespace,
             "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "demo",
             "--dtype", "float32", "--kv-cache-memory-bytes", str(256 << 20),
             "--max-model-len", "512", "--max-num-seqs", str(args.max_num_seqs),
-            "--enforce-eager", "--seed", "0",
-            "--capture-dir", str(capture_dir), "--capture-overload", policy,
-            "--capture-budget", args.budget, "--capture-writer-processes", "1",
-            "--capture-wait-timeout", "300"]
+            "--enforce-eager", "--seed", "0", "--capture-dir", str(capture_dir),
+            "--capture-overload", policy, "--capture-budget", args.budget,
+            "--capture-writer-processes", "1", "--capture-wait-timeout", "300"]
 
 
 def session_processes(sid: int, module: str) -> list[int]:
@@ -192,7 +189,6 @@ class PolicyRun:
 
 
 def table(record: dict[str, Any]) -> str:
-    """One policy's bursts and memory, as printed."""
     lines = [f"{record['policy']}: server ready in {record['start_s']} s",
              "  load  seconds  HTTP                     receipts                  verified  "
              "dropped/metric  429/metric  Retry-After",]

