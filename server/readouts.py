@@ -31,7 +31,9 @@ _DONE = b"data: [DONE]"
 _TOKEN_IDS = b'"token_ids":'
 _PROMPT_IDS = b'"prompt_token_ids":'
 _RANGES = ("all", "prompt", "generated")  # position kinds whose positions are a range
-_ENCODE = msgspec.json.Encoder().encode  # ~10x json.dumps on a chunk's few small lists
+# ~10x json.dumps on a chunk's few small lists; writes the workers' scores as they came
+# (msgspec.Raw, steering/readers/results.py)
+_ENCODE = msgspec.json.Encoder().encode
 
 
 class ReadoutResponder(BodyRewriter):
@@ -49,8 +51,9 @@ class ReadoutResponder(BodyRewriter):
         self._inbox = hub.open(readout_id)
         self.prompt: list[int] | None = None
         self.output: list[int] = []
-        # item -> position -> its scores or [feature, value] pairs; item -> why it failed
-        self.values: dict[int, dict[int, Any]] = {item.index: {} for item in items}
+        # item -> position -> its scores or [feature, value] pairs (the worker's JSON);
+        # item -> why it failed
+        self.values: dict[int, dict[int, msgspec.Raw]] = {item.index: {} for item in items}
         self.errors: dict[int, str] = {}
         self.sent: dict[int, int] = {item.index: 0 for item in items}  # positions streamed
         self.complete: dict[int, int] = {item.index: 0 for item in items}  # all below arrived
@@ -89,7 +92,7 @@ class ReadoutResponder(BodyRewriter):
             data["readout_results"] = [self._entry(item, 0, self._fed_limit())
                                        for item in self.items]
             self._strip_token_ids(data)
-            body = json.dumps(data).encode()
+            body = _ENCODE(data)
         else:
             body = bytes(self._body)
         await self._send_json_raw(body)
@@ -124,7 +127,7 @@ class ReadoutResponder(BodyRewriter):
             return event
         chunk["readout"] = await self._chunk_entries()
         self._strip_token_ids(chunk)
-        return b"data: " + json.dumps(chunk).encode()
+        return b"data: " + _ENCODE(chunk)
 
     async def _event_bytes(self, event: bytes) -> bytes | None:
         """A chunk after the prompt's, edited as bytes: its token ids read, its readout
@@ -226,15 +229,14 @@ class ReadoutResponder(BodyRewriter):
         if pump and not self._inbox.records:
             self._hub.pump()
         for record in self._inbox.take():
-            index = int(record.get("i", -1))
-            if index not in self.values:
+            have = self.values.get(record.i)
+            if have is None:
                 continue
-            if "error" in record:
-                self.errors.setdefault(index, str(record["error"]))
+            if record.error is not None:
+                self.errors.setdefault(record.i, record.error)
                 continue
-            got = record.get("s", record.get("f"))
-            for p, value in zip(record["p"], got, strict=True):
-                self.values[index].setdefault(int(p), value)
+            for p, value in zip(record.p, record.values, strict=True):
+                have.setdefault(p, value)
 
     def _entry(self, item: ReadoutItem, start: int, limit: int) -> dict[str, Any]:
         entry: dict[str, Any] = {"item": item.index, "reader": item.reader.name,

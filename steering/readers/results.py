@@ -28,8 +28,28 @@ import msgspec
 SUFFIX = ".jsonl"
 _PREFIX = "w-"
 ROTATE_BYTES = 64 << 20  # a stream file is replaced past this; the server deletes the old one
-_DECODE = msgspec.json.Decoder().decode  # the server reads every record of every readout
 _ENCODE = msgspec.json.Encoder().encode  # a worker writes one per request and step
+
+
+class Record(msgspec.Struct):
+    """A record as the server reads it. Each position's scores or features stay the JSON
+    the worker wrote (`msgspec.Raw`): the server only forwards them into responses, so it
+    never parses or re-encodes them."""
+
+    r: str = ""
+    i: int = -1
+    p: list[int] = msgspec.field(default_factory=list)
+    s: list[msgspec.Raw] | None = None
+    f: list[msgspec.Raw] | None = None
+    error: str | None = None
+    next: str | None = None
+
+    @property
+    def values(self) -> list[msgspec.Raw]:
+        return self.s if self.s is not None else self.f or []
+
+
+_DECODE = msgspec.json.Decoder(Record).decode  # the server reads every record of every readout
 
 
 def probe_record(readout_id: str, item: int, positions: list[int],
@@ -101,11 +121,11 @@ class Inbox:
     resolved on the next delivery or at its deadline (by the hub's task: no timer, no
     task per wait, as a stream waits for most of its chunks)."""
 
-    records: list[dict[str, Any]] = field(default_factory=list)
+    records: list[Record] = field(default_factory=list)
     waiter: asyncio.Future | None = None
     deadline: float = 0.0
 
-    def take(self) -> list[dict[str, Any]]:
+    def take(self) -> list[Record]:
         out, self.records = self.records, []
         return out
 
@@ -191,15 +211,15 @@ class ResultsHub:
                 if line:
                     self._deliver(name, _DECODE(line))
 
-    def _deliver(self, name: str, record: dict[str, Any]) -> None:
-        if "next" in record:  # the writer moved on: this file is read to its end
+    def _deliver(self, name: str, record: Record) -> None:
+        if record.next is not None:  # the writer moved on: this file is read to its end
             tail = self._tails.pop(name)
             tail.file.close()
             tail.path.unlink(missing_ok=True)
             self._done.add(name)
             self._scan()
             return
-        inbox = self.inboxes.get(record.get("r", ""))
+        inbox = self.inboxes.get(record.r)
         if inbox is not None:
             inbox.records.append(record)
             inbox.wake()

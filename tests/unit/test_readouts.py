@@ -139,8 +139,8 @@ def test_the_hub_delivers_each_record_once_across_rotations(tmp_path):
         return a.take(), b.take(), files
 
     got_a, got_b, files = asyncio.run(main())
-    assert [r["i"] for r in got_a] == list(range(30))
-    assert [r["i"] for r in got_b] == list(range(30))
+    assert [r.i for r in got_a] == list(range(30))
+    assert [r.i for r in got_b] == list(range(30))
     # Files replaced by their writer are deleted once read; the live ones stay.
     assert len(files) == 2 and all(str(os.getpid()) in f for f in files)
 
