@@ -5,8 +5,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import subprocess
 import sys
+import time
 from pathlib import Path
+
+import pytest
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 
@@ -71,3 +76,23 @@ def test_verdicts_need_three_rounds_and_every_round_on_one_side():
     assert sb.verdict(0.99, 1.04, "<= 1.05", 3) == "met"
     assert sb.verdict(1.01, 1.09, "<= 1.05", 3) == "unresolved"
     assert sb.verdict(1.06, 1.09, "<= 1.05", 3) == "missed"
+
+
+@pytest.mark.proc
+def test_process_cpu_counts_the_server_tree_by_role():
+    """The root is the API; a child's CPU time is counted under its role (a plain python
+    child: `writer`, the role of every child not named by vLLM), and is seen to grow."""
+    child = subprocess.Popen([sys.executable, "-c",
+                              "import time\nt = time.process_time()\n"
+                              "while time.process_time() - t < 0.4: pass\ntime.sleep(30)"])
+    try:
+        before = sb.process_cpu(os.getpid()).get("writer", 0.0)
+        deadline = time.monotonic() + 20
+        while sb.process_cpu(os.getpid()).get("writer", 0.0) - before < 0.3:
+            assert time.monotonic() < deadline, "the child's CPU time never showed"
+            time.sleep(0.05)
+        assert sb.process_cpu(os.getpid(), pids=True)["api"] == os.getpid()
+        assert sb.process_cpu(None) == {}
+    finally:
+        child.kill()
+        child.wait()
