@@ -125,3 +125,13 @@ def wait_for_receipt(http: httpx.Client | str, capture_id: str, timeout_s: float
         if body["status"] != "pending" or time.monotonic() > deadline:
             return body
         time.sleep(0.05)
+
+
+def greedy_ids(client, prompt: list[int], steering: dict | None, max_tokens: int = 12) -> list[int]:
+    """Greedy token ids of a completion through the OpenAI SDK, steered if given."""
+    extra: dict = {"return_token_ids": True}
+    if steering is not None:
+        extra["steering"] = steering
+    out = client.completions.create(model="demo", prompt=prompt, max_tokens=max_tokens,
+                                    temperature=0, extra_body=extra)
+    return list(out.choices[0].token_ids)

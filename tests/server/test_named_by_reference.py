@@ -14,7 +14,7 @@ import pytest
 from capsteer.server.fields import ModelShape, parse_hook_fields, rewrite_body
 from capsteer.steering.registry import VectorRegistry
 
-from .helpers import ADMIN_KEY, metric_value, scrape
+from .helpers import ADMIN_KEY, greedy_ids, metric_value, scrape
 
 pytestmark = [pytest.mark.server, pytest.mark.uses_engine("server")]
 HIDDEN, LAYERS = 128, 4
@@ -40,12 +40,7 @@ def _put(http, name: str, rows: np.ndarray) -> None:
 
 
 def _tokens(client, steering: dict | None) -> list[int]:
-    extra: dict = {"return_token_ids": True}
-    if steering is not None:
-        extra["steering"] = steering
-    out = client.completions.create(model="demo", prompt=PROMPT_IDS, max_tokens=12,
-                                    temperature=0, extra_body=extra)
-    return list(out.choices[0].token_ids)
+    return greedy_ids(client, PROMPT_IDS, steering)
 
 
 def _named(name: str) -> dict:

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from capsteer.reference import hf_activations
+from tests.server.helpers import greedy_ids
 from tests.upload_bodies import npz_bytes
 
 from .helpers import ADMIN_KEY
@@ -35,12 +36,7 @@ def _npy(arr: np.ndarray) -> bytes:
 
 
 def _tokens(client, steering: dict | None) -> list[int]:
-    extra: dict = {"return_token_ids": True}
-    if steering is not None:
-        extra["steering"] = steering
-    out = client.completions.create(model="demo", prompt=PROMPT_IDS, max_tokens=12,
-                                    temperature=0, extra_body=extra)
-    return list(out.choices[0].token_ids)
+    return greedy_ids(client, PROMPT_IDS, steering)
 
 
 def _post(http, **fields):
