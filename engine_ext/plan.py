@@ -314,13 +314,17 @@ def build_step_plan(
         all_pos = np.repeat(start_positions[at].astype(np.int64), n_rows) + offset_in_req
         all_gen = all_pos >= np.repeat(
             np.array([h.prompt_len for _, h in looped], np.int64), n_rows)
+        # Python ints, converted once: hundreds of requests read them every step.
+        n_list, first_list = n_rows.tolist(), first.tolist()
+        pos0_list = start_positions[at].tolist()
     for j, (i, hooks) in enumerate(looped):
-        k = int(n_rows[j])
+        k = n_list[j]
         if k <= 0:
             continue
-        a = int(first[j])
-        rows, pos, generated = all_rows[a: a + k], all_pos[a: a + k], all_gen[a: a + k]
+        a = first_list[j]
+        rows, pos = all_rows[a: a + k], all_pos[a: a + k]
         for (kind, site, cls), entry in (hooks.entries.items() if host_steering else ()):
+            generated = all_gen[a: a + k]
             sel = rows[generated] if cls == GENERATED else rows[~generated]
             if len(sel):
                 steer_rows[(kind, site)].append(sel)
@@ -331,7 +335,8 @@ def build_step_plan(
             patching.step_ranks(hooks.patch_positions, rows, pos, patch_ranks)
         # A request's rows are consecutive positions; `first_gen` is the index of its
         # first generated one (k: none), so the usual position kinds need no mask.
-        first_gen = min(max(hooks.prompt_len - int(pos[0]), 0), k)
+        pos0 = pos0_list[j]
+        first_gen = min(max(hooks.prompt_len - pos0, 0), k)
         if hooks.readout_id is not None:
             # One row set for all the request's items (device mode ranks rows per request);
             # each item keeps its own positions in the sink.
@@ -347,7 +352,7 @@ def build_step_plan(
                     cap_count[point] += len(sel_rows)
         if hooks.capture is None:
             continue
-        hooks.fed_len = max(hooks.fed_len, int(pos[-1]) + 1)
+        hooks.fed_len = max(hooks.fed_len, pos0 + k)
         sel = _kept(hooks.capture.positions, pos, hooks.prompt_len, first_gen)
         if sel is None:
             continue

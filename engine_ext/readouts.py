@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import torch
 
@@ -48,6 +49,20 @@ class _Readout:
     items: dict[tuple[str, int], list[tuple[ReadoutItem, Reader]]]
     prompt_len: int
     sent_upto: dict[int, int] = field(default_factory=dict)  # item -> past its last position sent
+    # A route's keys -> its (item, reader, record head) reads, built on first use: the
+    # device path looks them up once per request and step, not key by key.
+    reads: dict[tuple[tuple[str, int], ...], tuple[tuple[ReadoutItem, Reader, bytes | None],
+                                                   ...]] = field(default_factory=dict)
+
+    def reads_of(self, keys: tuple[tuple[str, int], ...]
+                 ) -> tuple[tuple[ReadoutItem, Reader, bytes | None], ...]:
+        found = self.reads.get(keys)
+        if found is None:
+            found = self.reads[keys] = tuple(
+                (item, reader, _record_head(self.readout_id, item.index,
+                                            not isinstance(reader, LinearProbe)))
+                for key in keys for item, reader in self.items.get(key, ()))
+        return found
 
 
 class ReadoutSink(CaptureSink):
@@ -127,19 +142,27 @@ class ReadoutSink(CaptureSink):
         `site_widths`: each site's width (staging is as wide as the widest hook)."""
         by_point: dict[tuple[int, int], list[tuple[Any, slice]]] = {}
         for route, span in routes:
-            by_point.setdefault(route.point, []).append((route, span))
+            group = by_point.get(route.point)
+            if group is None:
+                by_point[route.point] = [(route, span)]
+            else:
+                group.append((route, span))
+        live = self.live
         jobs = []
         for group in by_point.values():
             uses: dict[int, list] = {}  # id(reader) -> [reader, top_k, threshold, uses]
             for route, span in group:
-                state = self.live.get(route.capture_id)
-                for key in (route.keys if state is not None else ()):
-                    for item, reader in state.items.get(key, ()):
-                        use = uses.setdefault(id(reader), [reader, 1, math.inf, []])
-                        if item.top_k is not None:
-                            use[1] = max(use[1], item.top_k)
-                            use[2] = min(use[2], float(item.threshold or 0.0))
-                        use[3].append((state, item, route, span))
+                state = live.get(route.capture_id)
+                if state is None:
+                    continue
+                for item, reader, head in state.reads_of(route.keys):
+                    use = uses.get(id(reader))
+                    if use is None:
+                        use = uses[id(reader)] = [reader, 1, math.inf, []]
+                    if item.top_k is not None:
+                        use[1] = max(use[1], item.top_k)
+                        use[2] = min(use[2], float(item.threshold or 0.0))
+                    use[3].append((state, item, head, route, span))
             if not uses:
                 continue
             first = min(span.start for _, span in group)
@@ -148,7 +171,9 @@ class ReadoutSink(CaptureSink):
             for reader, top_k, threshold, items in uses.values():
                 out = _run(reader, block, top_k, threshold)
                 jobs.append((first, [t.to("cpu", non_blocking=True) for t in out], items))
-        landed = torch.cuda.Event() if self.device.type == "cuda" else None
+        # A blocking event: the harvester sleeps until the copies land rather than spin
+        # a core for the whole step (as the harvester's own slots do).
+        landed = torch.cuda.Event(blocking=True) if self.device.type == "cuda" else None
         if landed is not None:
             landed.record()
 
@@ -157,24 +182,76 @@ class ReadoutSink(CaptureSink):
                 landed.synchronize()
             rows_read = 0
             for first, out, items in jobs:
-                host = [t.numpy() for t in out]
-                for state, item, route, span in items:
-                    at = self._new_positions(state, item, route.positions)
-                    if not len(at):
-                        continue
-                    rows_read += len(at)
-                    base = span.start - first
-                    if isinstance(at, range):  # a run: slices, no per-request indexing
-                        p0 = int(route.positions[0])
-                        positions = list(range(p0 + at.start, p0 + at.stop))
-                        got = [h[base + at.start: base + at.stop] for h in host]
-                    else:
-                        positions = route.positions[at].tolist()
-                        got = [h[base + at] for h in host]
-                    self._pending.append(_encode(state.readout_id, item, positions, got))
+                rows_read += self._write_job(first, [t.numpy() for t in out], items)
             metrics.READOUT_ROWS.inc(rows_read)
             self.end_step()
         return write_results
+
+    def _write_job(self, first: int, host: list[np.ndarray], items: list) -> int:
+        """One pass's records (see `launch`), in `items`' order. A request reading one row
+        (a decode step) takes it from one gather of all such rows, turned into Python lists
+        at once; a run of rows (a prefill chunk) is one slice of its own, as its lists are
+        freed right after its record (a whole prefill block's lists alive at once would
+        wake Python's cycle collector). Returns the rows read."""
+        sae = len(host) == 2
+        mid = _SAE_MID if sae else _PROBE_MID
+        records: list = []  # bytes, or [head, positions, cut, index into its gathered rows]
+        singles: dict[tuple[int, float], list[int]] = {}  # (top_k, threshold) -> rows
+        rows_read = 0
+        for state, item, head, route, span in items:
+            positions = route.positions
+            kind = item.positions.kind
+            if len(positions) == 1 and kind in _RANGES:  # a decode step: one position
+                p = int(positions[0])
+                if p < state.sent_upto.get(item.index, 0) or (
+                        kind == "generated" and p < state.prompt_len) or (
+                        kind == "prompt" and p >= state.prompt_len):
+                    continue
+                state.sent_upto[item.index] = p + 1
+                at: range | np.ndarray = range(0, 1)
+                got_positions = [p]
+            else:
+                at = self._new_positions(state, item, positions)
+                if not len(at):
+                    continue
+                got_positions = list(range(int(positions[0]) + at.start,
+                                           int(positions[0]) + at.stop)) \
+                    if isinstance(at, range) else positions[at].tolist()
+            rows_read += len(at)
+            base = span.start - first
+            if head is not None and len(at) == 1:
+                cut = (int(item.top_k or 1), float(item.threshold or 0.0)) if sae else (0, 0.0)
+                rows = singles.setdefault(cut, [])
+                records.append([head, got_positions, cut, len(rows)])
+                rows.append(base + at[0])
+                continue
+            got = [h[base + at.start: base + at.stop] if isinstance(at, range)
+                   else h[base + at] for h in host]
+            if head is None:  # a record head the format did not allow (see _record_head)
+                records.append(_encode(state.readout_id, item, got_positions, got))
+                continue
+            if sae:
+                pairs, bounds = _features(got, int(item.top_k or 1), float(item.threshold or 0.0))
+                rows_out = [pairs[bounds[j]: bounds[j + 1]] for j in range(len(at))]
+            else:
+                rows_out = got[0].tolist()
+            records.append(b"".join((head, _ENCODE(got_positions), mid, _ENCODE(rows_out),
+                                     _END)))
+        values: dict[tuple[int, float], list] = {}
+        for cut, rows in singles.items():
+            if sae:
+                pairs, bounds = _features([h[rows] for h in host], *cut)
+                values[cut] = [pairs[bounds[j]: bounds[j + 1]] for j in range(len(rows))]
+            else:
+                values[cut] = host[0][rows].tolist()
+        pending = self._pending
+        for record in records:
+            if isinstance(record, bytes):
+                pending.append(record)
+                continue
+            head, got_positions, cut, j = record
+            pending += (head, _ENCODE(got_positions), mid, _ENCODE([values[cut][j]]), _END)
+        return rows_read
 
     @staticmethod
     def _new_positions(state: _Readout, item: ReadoutItem,
@@ -244,6 +321,32 @@ def _run(reader: Reader, x: torch.Tensor, top_k: int, threshold: float) -> list[
     if len(parts) == 1:
         return list(parts[0])
     return [torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])]
+
+
+_ENCODE = msgspec.json.Encoder().encode
+_PROBE_MID, _SAE_MID, _END = b',"s":', b',"f":', b"}\n"
+
+
+def _record_head(readout_id: str, index: int, sae: bool) -> bytes | None:
+    """The bytes a request's records of one item start with, up to its positions: cut
+    from the record results.py writes (the device path writes the rest piece by piece,
+    the same bytes); None if that record does not end as expected."""
+    record = (results.sae_record if sae else results.probe_record)(readout_id, index, [], [])
+    tail = b'"p":[]' + (_SAE_MID if sae else _PROBE_MID) + b"[]" + _END
+    return record[:-len(tail)] + b'"p":' if record.endswith(tail) else None
+
+
+def _features(host: list[np.ndarray], k: int, threshold: float) -> tuple[list, list[int]]:
+    """An SAE pass's (id, value) pairs an item with `k` and `threshold` keeps, every row's
+    in one list, and where each row's start (row r: pairs[bounds[r]: bounds[r + 1]]):
+    `_encode`'s rule, applied to all rows at once."""
+    ids, values = host[0][:, :k], host[1][:, :k]
+    # Compared as float64, as _encode compares each value (a float32 array against a
+    # Python float would compare in float32).
+    keep = (ids >= 0) & (values.astype(np.float64) > threshold)
+    bounds = np.zeros(len(ids) + 1, np.int64)
+    np.cumsum(keep.sum(axis=1), out=bounds[1:])
+    return list(zip(ids[keep].tolist(), values[keep].tolist(), strict=True)), bounds.tolist()
 
 
 def _encode(readout_id: str, item: ReadoutItem, positions: list[int],

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 from types import SimpleNamespace
 
@@ -16,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from capsteer.capture.spec import parse_positions
-from capsteer.engine_ext.readouts import ReadoutSink, _Readout
+from capsteer.engine_ext.readouts import ReadoutSink, _encode, _Readout, _run
 from capsteer.steering.readers.kinds import LinearProbe
 from capsteer.steering.readers.readout import ReadoutItem
 from capsteer.steering.readers.registry import ReaderRegistry, ReaderShape
@@ -175,3 +176,135 @@ def test_new_positions_of_a_run_equal_the_mask_rule(kind):
         if len(want):
             ref = int(positions[want[-1]]) + 1
         start = max(0, start + n - int(rng.integers(0, 4)))  # sometimes a recompute
+
+
+def _reference_device_path(sink: ReadoutSink, routes, staging) -> None:
+    """The device path as it was before its per-step Python was cut (one pass per point
+    and reader, each request's rows sliced and encoded on their own): the fast path must
+    write these bytes."""
+    by_point: dict = {}
+    for route, span in routes:
+        by_point.setdefault(route.point, []).append((route, span))
+    for group in by_point.values():
+        uses: dict = {}
+        for route, span in group:
+            state = sink.live.get(route.capture_id)
+            for key in (route.keys if state is not None else ()):
+                for item, reader in state.items.get(key, ()):
+                    use = uses.setdefault(id(reader), [reader, 1, math.inf, []])
+                    if item.top_k is not None:
+                        use[1] = max(use[1], item.top_k)
+                        use[2] = min(use[2], float(item.threshold or 0.0))
+                    use[3].append((state, item, route, span))
+        first = min(span.start for _, span in group)
+        block = staging[first: max(span.stop for _, span in group)].to(torch.float32)
+        for reader, top_k, threshold, items in uses.values():
+            host = [t.numpy() for t in _run(reader, block, top_k, threshold)]
+            for state, item, route, span in items:
+                at = sink._new_positions(state, item, route.positions)
+                if not len(at):
+                    continue
+                base = span.start - first
+                if isinstance(at, range):
+                    p0 = int(route.positions[0])
+                    positions = list(range(p0 + at.start, p0 + at.stop))
+                    got = [h[base + at.start: base + at.stop] for h in host]
+                else:
+                    positions = route.positions[at].tolist()
+                    got = [h[base + at] for h in host]
+                sink._pending.append(_encode(state.readout_id, item, positions, got))
+    sink.end_step()
+
+
+def test_device_records_are_the_reference_bytes_and_the_host_values(tmp_path):
+    """A mixed run (prefill chunks, decode rows, two rows at once, a recompute from an
+    earlier position, positions a list keeps apart; probes and SAE items with different
+    top_k and threshold, two keys sharing one point): the device path writes the bytes of
+    the reference encoding, record for record, and the values the host path writes."""
+    registry = _registry(tmp_path / "readers")
+    sae = registry.lookup("sae")
+    probe = LinearProbe(torch.randn(3, D, generator=torch.Generator().manual_seed(1)),
+                        torch.arange(3.0), "sigmoid")
+    inline = ReaderShape(None, "probe", D, 3, None)
+    spec = [(0, "probe", "resid_post", 0, "all", None, None),
+            (1, "sae", "resid_post", 0, "generated", 5, 0.0),
+            (2, "sae", "resid_post", 0, [0, 2, 7], 2, 0.3),
+            (3, "sae", "resid_pre", 1, "prompt", 3, 0.25),
+            (4, "probe", "resid_pre", 1, "generated", None, None)]
+    items = [ReadoutItem(i, inline if kind == "probe" else sae,
+                         probe if kind == "probe" else None, hook, layer,
+                         parse_positions(pos), k, thr)
+             for i, kind, hook, layer, pos, k, thr in spec]
+    sinks = {name: ReadoutSink(str(tmp_path / name), str(tmp_path / "readers"), D, "cpu")
+             for name in ("host", "dev", "ref")}
+    asked = {"ro-a": items, "ro-b": items[1:4], "ro-c": items, "ro-d": [items[2]]}
+    for sink in sinks.values():
+        for rid, its in asked.items():
+            sink.start(rid, its, prompt_len=4)
+    keys = (("resid_post", 0), ("resid_pre", 1))  # one point: one route reads both
+    steps = [{"ro-a": [0, 1, 2, 3], "ro-b": [0, 1], "ro-c": [0, 1, 2, 3], "ro-d": [0, 2]},
+             {"ro-a": [4], "ro-b": [2, 3], "ro-c": [4], "ro-d": [7]},
+             {"ro-a": [5], "ro-b": [4], "ro-c": [2, 3, 4, 5]},  # c recomputes from 2
+             {"ro-a": [6, 7], "ro-b": [5], "ro-c": [6]},
+             {"ro-a": [8], "ro-b": [3, 4, 5, 6], "ro-c": [7], "ro-d": [2, 7]}]
+    gen = torch.Generator().manual_seed(3)
+    for step in steps:
+        routes, at = [], 1
+        for rid, pos in step.items():
+            route = SimpleNamespace(capture_id=rid, point=(1, 2), keys=keys,
+                                    positions=np.array(pos))
+            routes.append((route, slice(at, at + len(pos))))
+            at += len(pos) + 1  # a gap: another request's rows
+        staging = torch.randn(at + 2, D, generator=gen)
+        for route, span in routes:
+            for hook, layer in route.keys:
+                sinks["host"].write(route.capture_id, hook, layer, route.positions,
+                                    staging[span])
+        sinks["host"].end_step()
+        sinks["dev"].launch(routes, staging)()
+        _reference_device_path(sinks["ref"], routes, staging)
+    got, want = _stream_bytes(tmp_path / "dev"), _stream_bytes(tmp_path / "ref")
+    assert got == want and got.count(b"\n") > 30
+    for rid in asked:
+        on_host, on_dev = _records(tmp_path / "host", rid), _records(tmp_path / "dev", rid)
+        assert on_dev.keys() == on_host.keys()
+        for i in on_host:
+            assert on_dev[i].keys() == on_host[i].keys()
+            for p, want_row in on_host[i].items():
+                row = on_dev[i][p]
+                assert len(row) == len(want_row)
+                if items[i].top_k is not None:  # the same features, values to rounding
+                    assert [f for f, _ in row] == [f for f, _ in want_row]
+                    row, want_row = [v for _, v in row], [v for _, v in want_row]
+                assert np.allclose(row, want_row, atol=1e-6)
+    assert sorted(_records(tmp_path / "dev", "ro-c")[0]) == list(range(8))  # each once
+    assert sorted(_records(tmp_path / "dev", "ro-d")[2]) == [0, 2, 7]
+
+
+def test_sae_rows_keep_what_the_encoder_keeps_at_the_edges(tmp_path):
+    """An SAE pass's results cut to an item's top_k and threshold: a value equal to the
+    threshold in float32 but above it in float64, a NaN, ids of -1 between kept ones,
+    rows of one position and runs: the device path's bytes are `_encode`'s."""
+    sink = ReadoutSink(str(tmp_path / "out"), None, D, "cpu")
+    shape = ReaderShape("sae", "sae", D, 8, "0" * 64)
+    ids = np.array([[5, 3, -1, 2], [1, -1, 4, 6], [7, 0, 2, -1], [3, 1, 0, 2]], np.int64)
+    values = np.array([[0.9, np.float32(0.3), 0.0, 0.2], [np.nan, 0.0, 0.5, 0.31],
+                       [2.0, 1.0, 0.4, 0.0], [0.3, 0.3, 0.29, 0.1]], np.float32)
+    want = []
+    jobs = []
+    for n, (k, thr) in enumerate([(4, 0.3), (2, 0.0), (3, 0.25), (4, -1.0)]):
+        item = ReadoutItem(0, shape, None, "resid_post", 0, parse_positions("all"), k, thr)
+        state = _Readout(f"ro-{n}", {("resid_post", 0): [(item, object())]}, prompt_len=2)
+        head = state.reads_of((("resid_post", 0),))[0][2]
+        assert head is not None
+        for rows in ([0], [1], [2], [3], [0, 1, 2, 3]):
+            route = SimpleNamespace(positions=np.array(rows) + 10 * len(want))
+            want.append(_encode(state.readout_id, item, route.positions.tolist(),
+                                [ids[rows], values[rows]]))
+            jobs.append((state, item, head, route, slice(rows[0], rows[-1] + 1)))
+    sink._write_job(0, [ids, values], jobs)
+    assert b"".join(sink._pending) == b"".join(want)
+
+
+def _stream_bytes(root) -> bytes:
+    return b"".join(path.read_bytes() for path in sorted(root.glob("w-*.jsonl")))
