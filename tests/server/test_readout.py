@@ -153,8 +153,9 @@ def test_readout_equals_hf_and_streams_the_same(server, client, http, hf_models,
     hooks = {h["name"]: h for h in http.get("/v1/capsteer/hooks").json()["hooks"]}
     assert {"ro-probe", "ro-sae-topk"} <= set(hooks["resid_post"]["readers"])
 
-    # Streaming: each chunk carries the scores of the steps that produced its tokens.
-    stream = _chat(client, ITEMS, stream=True)
+    # Streaming: each chunk carries the scores of the steps that produced its tokens
+    # (log-probs count a chunk's tokens: vLLM merges tokens into one chunk under load).
+    stream = _chat(client, ITEMS, stream=True, logprobs=True)
     seen = {i: {"positions": [], "token_ids": [], "values": []} for i in range(len(ITEMS))}
     generated = 0
     for chunk in stream:
@@ -163,17 +164,19 @@ def test_readout_equals_hf_and_streams_the_same(server, client, http, hf_models,
             continue
         ids = (chunk.choices[0].model_extra or {}).get("token_ids")
         assert ids is None  # the client did not ask for token ids
+        logprobs = chunk.choices[0].logprobs
+        brought = len(logprobs.content or []) if logprobs else 0
         for entry in extra.get("readout", []):
             assert "error" not in entry, entry
             # Scores of positions fed so far: the prompt, then each token but the newest.
-            assert all(p < prompt_len + max(generated, 1) for p in entry["positions"]), \
-                (entry["positions"], generated)
+            fed_so_far = prompt_len + max(generated + brought - 1, 1)
+            assert all(p < fed_so_far for p in entry["positions"]), \
+                (entry["positions"], generated, brought)
             into = seen[entry["item"]]
             into["positions"] += entry["positions"]
             into["token_ids"] += entry["token_ids"]
             into["values"] += entry.get("scores", entry.get("features"))
-        if chunk.choices[0].delta.content or chunk.choices[0].finish_reason:
-            generated += 1
+        generated += brought
     for i, full in enumerate(results):
         got = seen[i]
         assert got["positions"] == full["positions"]
