@@ -107,6 +107,29 @@ def assert_matches_hf(hf_model, result, keys=None, steering=None) -> int:
     return compared
 
 
+def assert_logprobs_match(result, ref_lps, what: tuple = ()) -> None:
+    """Each generated step's returned log-probs within LOGPROB_ATOL of HF's."""
+    for step, (got, want) in enumerate(zip(result.logprobs, ref_lps, strict=True)):
+        for token, lp in got.items():
+            assert abs(lp - float(want[token])) < LOGPROB_ATOL, (*what, step, token)
+
+
+def assert_teacher_forced_match(forced, prompt_len: int, ref_tokens: list[int], ref_lps,
+                                what: tuple = ()) -> None:
+    """HF's tokens fed after the prompt: each one's prompt log-prob within LOGPROB_ATOL."""
+    for step, (token, ref_lp) in enumerate(zip(ref_tokens, ref_lps, strict=True)):
+        got = forced.prompt_logprobs[prompt_len + step][token]
+        assert abs(got - float(ref_lp[token])) < LOGPROB_ATOL, (*what, "teacher-forced", step)
+
+
+def assert_unsteered_like_hf(hf, prompt: list[int], results) -> None:
+    """Batch isolation: plain requests beside steered ones equal HF without hooks."""
+    plain_ref, plain_lps = hf_greedy(hf, prompt, MAX_TOKENS)
+    for res in results:
+        assert res.token_ids == plain_ref
+        assert_logprobs_match(res, plain_lps, ("plain",))
+
+
 def check_steering_equals_hf(engine, hf, prompt: list[int], cases: dict,
                               unchanged_ok: frozenset = frozenset()) -> None:
     """Each case's steering: the same 32 greedy tokens as HF's hooks doing the same, top-5
@@ -127,12 +150,8 @@ def check_steering_equals_hf(engine, hf, prompt: list[int], cases: dict,
         for s, (ref_tokens, _) in zip(cases.values(), references, strict=True)])
     for point, res, (ref_tokens, ref_lps), tf in zip(cases, steered, references, forced,
                                                       strict=True):
-        for step, (token, ref_lp) in enumerate(zip(ref_tokens, ref_lps, strict=True)):
-            got = tf.prompt_logprobs[len(prompt) + step][token]
-            assert abs(got - float(ref_lp[token])) < LOGPROB_ATOL, (point, "teacher-forced", step)
+        assert_teacher_forced_match(tf, len(prompt), ref_tokens, ref_lps, (point,))
         assert res.token_ids == ref_tokens, point
         if point not in unchanged_ok:
             assert res.token_ids != plain.token_ids, f"steering at {point} changed nothing"
-        for step, (got, want) in enumerate(zip(res.logprobs, ref_lps, strict=True)):
-            for token, lp in got.items():
-                assert abs(lp - float(want[token])) < LOGPROB_ATOL, (point, step, token)
+        assert_logprobs_match(res, ref_lps, (point,))

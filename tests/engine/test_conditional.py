@@ -19,8 +19,10 @@ from capsteer.steering.readers.registry import ReaderRegistry
 
 from .helpers import (
     HIDDEN,
-    LOGPROB_ATOL,
     MAX_TOKENS,
+    assert_logprobs_match,
+    assert_teacher_forced_match,
+    assert_unsteered_like_hf,
     capsteer_engine,
     greedy,
     token_prompt,
@@ -167,20 +169,11 @@ def test_conditional_steering_equals_hf_hook(engine_pool, model_dirs, hf_models,
             sampling={"max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0},
             steering=steering)])
     assert steered.token_ids == ref_tokens
-    for step, (got, want) in enumerate(zip(steered.logprobs, ref_lps, strict=True)):
-        for token, lp in got.items():
-            assert abs(lp - float(want[token])) < LOGPROB_ATOL, (step, token)
-    for step, (token, ref_lp) in enumerate(zip(ref_tokens, ref_lps, strict=True)):
-        got = forced.prompt_logprobs[len(prompt) + step][token]
-        assert abs(got - float(ref_lp[token])) < LOGPROB_ATOL, ("teacher-forced", step)
+    assert_logprobs_match(steered, ref_lps)
+    assert_teacher_forced_match(forced, len(prompt), ref_tokens, ref_lps)
     assert steered.token_ids != plain.token_ids, "conditional steering changed nothing"
     assert steered.token_ids != always.token_ids, "the gate made no difference"
-    plain_ref, plain_lps = hf_greedy(hf, prompt, MAX_TOKENS)
-    for res in (plain, plain2):  # batch isolation
-        assert res.token_ids == plain_ref
-        for step, (got, want) in enumerate(zip(res.logprobs, plain_lps, strict=True)):
-            for token, lp in got.items():
-                assert abs(lp - float(want[token])) < LOGPROB_ATOL, ("plain", step, token)
+    assert_unsteered_like_hf(hf, prompt, (plain, plain2))
 
 
 def test_sae_feature_vector_equals_its_decoder_row_inline(engine_pool, model_dirs, readers):

@@ -12,7 +12,15 @@ from capsteer.engine import Request
 from capsteer.reference import hf_greedy, hf_patched
 from capsteer.steering.patches import PatchSource
 
-from .helpers import LOGPROB_ATOL, MAX_TOKENS, capsteer_engine, greedy, token_prompt
+from .helpers import (
+    MAX_TOKENS,
+    assert_logprobs_match,
+    assert_teacher_forced_match,
+    assert_unsteered_like_hf,
+    capsteer_engine,
+    greedy,
+    token_prompt,
+)
 
 pytestmark = pytest.mark.engine
 
@@ -65,19 +73,10 @@ def test_patch_equals_hf_with_the_captured_values(engine_pool, model_dirs, hf_mo
     finally:
         engine.patch_sources = None
     assert patched.token_ids == ref_tokens
-    for step, (got, want) in enumerate(zip(patched.logprobs, ref_lps, strict=True)):
-        for token, lp in got.items():
-            assert abs(lp - float(want[token])) < LOGPROB_ATOL, (step, token)
-    for step, (token, ref_lp) in enumerate(zip(ref_tokens, ref_lps, strict=True)):
-        got = forced.prompt_logprobs[len(prompt) + step][token]
-        assert abs(got - float(ref_lp[token])) < LOGPROB_ATOL, ("teacher-forced", step)
+    assert_logprobs_match(patched, ref_lps)
+    assert_teacher_forced_match(forced, len(prompt), ref_tokens, ref_lps)
     assert patched.token_ids != plain.token_ids, "the patch changed nothing"
-    plain_ref, plain_lps = hf_greedy(hf, prompt, MAX_TOKENS)
-    for res in (plain, plain2):  # batch isolation
-        assert res.token_ids == plain_ref
-        for step, (got, want) in enumerate(zip(res.logprobs, plain_lps, strict=True)):
-            for token, lp in got.items():
-                assert abs(lp - float(want[token])) < LOGPROB_ATOL, ("plain", step, token)
+    assert_unsteered_like_hf(hf, prompt, (plain, plain2))
 
 
 def test_patching_a_prompt_with_its_own_capture_changes_nothing(engine_pool, model_dirs):
