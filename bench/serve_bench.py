@@ -197,12 +197,15 @@ def process_cpu(root_pid: int | None, pids: bool = False) -> dict[str, Any]:
             name, _, rest = stat.read_text().partition("(")[2].rpartition(")")
             f = rest.split()
             procs[int(stat.parent.name)] = (int(f[1]), name, (int(f[11]) + int(f[12])) / 100)
-    tree, out = [root_pid] if root_pid in procs else [], {}
+    tree, out, roles = [root_pid] if root_pid in procs else [], {}, {}
     for pid in tree:  # grows as children are found
         tree += [kid for kid, (parent, _, _) in procs.items() if parent == pid]
-        name = procs[pid][1]
+        parent, name = procs[pid][:2]
+        # capture writers are the processes a worker starts (capture/writer/process.py)
         role = "api" if pid == root_pid else "engine_core" if "EngineCor" in name else \
-            "worker" if "Worker" in name else "other" if name.startswith("VLLM") else "writer"
+            "worker" if "Worker" in name else \
+            "writer" if roles.get(parent) == "worker" else "other"
+        roles[pid] = role
         out[role] = out.get(role, pid) if pids else out.get(role, 0.0) + procs[pid][2]
     return out
 

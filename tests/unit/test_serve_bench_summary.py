@@ -78,21 +78,30 @@ def test_verdicts_need_three_rounds_and_every_round_on_one_side():
     assert sb.verdict(1.06, 1.09, "<= 1.05", 3) == "missed"
 
 
+BURN = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.4: pass\n"
+
+
 @pytest.mark.proc
 def test_process_cpu_counts_the_server_tree_by_role():
-    """The root is the API; a child's CPU time is counted under its role (a plain python
-    child: `writer`, the role of every child not named by vLLM), and is seen to grow."""
-    child = subprocess.Popen([sys.executable, "-c",
-                              "import time\nt = time.process_time()\n"
-                              "while time.process_time() - t < 0.4: pass\ntime.sleep(30)"])
+    """The root is the API; a process named like vLLM's worker is `worker`, its own child
+    (a capture writer) `writer`, any other child `other`; CPU time is seen to grow."""
+    worker = subprocess.Popen([sys.executable, "-c", (
+        "import ctypes, subprocess, sys, time\n"
+        "ctypes.CDLL(None).prctl(15, b'VllmWorker-0', 0, 0, 0)\n"  # PR_SET_NAME: its comm
+        f"subprocess.Popen([sys.executable, '-c', {BURN + 'time.sleep(30)'!r}])\n"
+        "time.sleep(30)")])
+    other = subprocess.Popen([sys.executable, "-c", BURN + "time.sleep(30)"])
     try:
-        before = sb.process_cpu(os.getpid()).get("writer", 0.0)
         deadline = time.monotonic() + 20
-        while sb.process_cpu(os.getpid()).get("writer", 0.0) - before < 0.3:
-            assert time.monotonic() < deadline, "the child's CPU time never showed"
+        while (got := sb.process_cpu(os.getpid())).get("writer", 0.0) < 0.3 \
+                or got.get("other", 0.0) < 0.3:
+            assert time.monotonic() < deadline, f"the children's CPU time never showed: {got}"
             time.sleep(0.05)
-        assert sb.process_cpu(os.getpid(), pids=True)["api"] == os.getpid()
+        roles = sb.process_cpu(os.getpid(), pids=True)
+        assert roles["api"] == os.getpid() and roles["worker"] == worker.pid
+        assert roles["other"] == other.pid
         assert sb.process_cpu(None) == {}
     finally:
-        child.kill()
-        child.wait()
+        for child in (worker, other):
+            child.kill()
+            child.wait()
