@@ -202,7 +202,9 @@ def process_cpu(root_pid: int | None, pids: bool = False) -> dict[str, Any]:
         tree += [kid for kid, (parent, _, _) in procs.items() if parent == pid]
         parent, name = procs[pid][:2]
         # capture writers are the processes a worker starts (capture/writer/process.py)
-        role = "api" if pid == root_pid else "engine_core" if "EngineCor" in name else \
+        # --api-server-count N: the root launches N API processes ("VLLM::APIServer_i")
+        role = "api" if pid == root_pid or "APIServer" in name else \
+            "engine_core" if "EngineCor" in name else \
             "worker" if "Worker" in name else \
             "writer" if roles.get(parent) == "worker" else "other"
         roles[pid] = role
