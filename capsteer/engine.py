@@ -278,7 +278,7 @@ class Engine:
             raise ReadoutSpecError("readout", "a request reads out or captures, not both yet: "
                                               "send the capture as a request of its own")
         if int(req.sampling.get("n", 1) or 1) > 1:
-            raise ReadoutSpecError("readout", "readout needs n=1 (one sequence per request)")
+            raise ReadoutSpecError("n", "readout needs n=1 (one sequence per request)")
         return items
 
     def _readouts(self) -> ReadoutCollector:
