@@ -4,8 +4,11 @@ Configurations, one process each: vanilla (stock `vllm.LLM`); plain (capsteer, n
 P1, >= 0.99); steer (every request steered at all layers: P2, >= 0.95); capture (resid_post
 at one layer x all prompt positions, packed, durable: P3, >= 0.90; the first capture process
 also measures P3-all, all layers, bytes/s over the disk's `dd conv=fsync` rate). Not in the
-default set: capture_mlp_post (P3 at the MLP's hidden activations, d_mlp wide, >= 0.90) and
-steer_conditional (steer's vector gated per token by a probe at every layer, >= 0.95). Workloads
+default set: capture_mlp_post (P3 at the MLP's hidden activations, d_mlp wide, >= 0.90),
+steer_conditional (steer's vector gated per token by a probe at every layer, >= 0.95),
+readout_probe / readout_sae16k (a one-output probe / a 16,384-feature TopK SAE, top_k 16, read
+at the middle layer's resid_post on every token, results collected in the timed batch: >= 0.97
+/ 0.90). Workloads
 on the Qwen3-0.6B shape: prefill 256 x (512 in + 64 out), decode 256 x (128 in + 512 out),
 greedy, fresh prompts every batch; after an untimed warm-up, whole batches until
 --min-seconds; tokens/s = (prompt + generated) / time. vanilla and plain also generate 64
@@ -44,11 +47,13 @@ import storage
 from perf_models import device_name
 
 CONFIGS = ("vanilla", "plain", "steer", "capture")
-MORE_CONFIGS = ("capture_mlp_post", "steer_conditional")
+MORE_CONFIGS = ("capture_mlp_post", "steer_conditional", "readout_probe", "readout_sae16k")
 TARGETS = {"plain": 0.99, "steer": 0.95, "capture": 0.90, "capture_mlp_post": 0.90,
-           "steer_conditional": 0.95}
+           "steer_conditional": 0.95, "readout_probe": 0.97, "readout_sae16k": 0.90}
 CAPTURED = {"capture": "resid_post", "capture_mlp_post": "mlp_post"}  # config -> hook
 PROBE = "bench-probe"  # steer_conditional's gate: a one-output probe in a reader registry
+READ = {"readout_probe": {"reader": {"name": perf_models.PROBE}},  # config -> its readout item
+        "readout_sae16k": {"reader": {"name": perf_models.SAE16K}, "top_k": 16}}
 MIN_PROCESSES = 3  # rounds per configuration before a ratio's spread counts
 # name: (requests, prompt tokens, generated tokens)
 WORKLOADS = {"cuda": {"prefill": (256, 512, 64), "decode": (256, 128, 512)},
@@ -124,19 +129,29 @@ def open_engine(config: str, model: str, kw: dict[str, Any], capture_dir: Path, 
         weight = np.random.default_rng(0).standard_normal((1, hidden)) / hidden ** 0.5
         readers.put(PROBE, json.dumps({"weight": weight.tolist(), "bias": [0.0],
                                        "activation": "none"}).encode(), "json")
-    engine = Engine(model, capsteer_config={"capture_dir": str(capture_dir),
-                                            "staging_rows": staging},
+    config_section: dict[str, Any] = {"capture_dir": str(capture_dir), "staging_rows": staging}
+    readout = None
+    if config in READ:  # the readers the workers load, in a directory of this process's own
+        config_section["readers_dir"] = str(capture_dir.parent / f"readers-{config}")
+        perf_models.put_readers(Path(config_section["readers_dir"]), hidden)
+    engine = Engine(model, capsteer_config=config_section,
                     reader_lookup=readers.get if readers else None, **kw)
+    if config in READ:  # the middle layer, as the capture configs
+        readout = [{**READ[config], "hook": "resid_post", "layer": engine.num_layers // 2}]
 
     def batch(prompts: list[list[int]], gen: int, capture: object = None,
               steer: object = None) -> dict[str, Any]:
         sampling = {"max_tokens": gen, "temperature": 0.0, "ignore_eos": True}
         results = engine.generate([Request(prompt_token_ids=p, sampling=sampling, steering=steer,
-                                           capture=capture, durable=capture is not None)
+                                           capture=capture, durable=capture is not None,
+                                           readout=readout)
                                    for p in prompts], timeout=900)
         bad = [r.receipt for r in results if r.receipt is not None and r.receipt.status != "ok"]
         if bad:
             raise RuntimeError(f"{len(bad)} captures failed, e.g. {bad[0]}")
+        if readout is not None and (bad := [e for r in results for e in r.readout_results
+                                            if "error" in e]):
+            raise RuntimeError(f"{len(bad)} readouts failed, e.g. {bad[0]}")
         return {"cached": sum(r.num_cached_tokens for r in results),
                 "bytes": sum(r.receipt.bytes for r in results if r.receipt is not None),
                 "tokens": [r.token_ids for r in results]}
@@ -290,7 +305,9 @@ def summarize(procs: list[dict[str, Any]]) -> dict[str, Any]:
     keys: dict[str, Any] = {}
     for key, cfg in (("p1_plain", "plain"), ("p3_capture_one_layer", "capture"),
                      ("p3_capture_mlp_post", "capture_mlp_post"),
-                     ("steer_conditional_engine", "steer_conditional")):
+                     ("steer_conditional_engine", "steer_conditional"),
+                     ("readout_probe_engine", "readout_probe"),
+                     ("readout_sae16k_engine", "readout_sae16k")):
         if per := ratios.get(cfg, {}):  # the min over the workloads; its bounds: the bounds' min
             lo, hi = min(r["lo"] for r in per.values()), min(r["hi"] for r in per.values())
             few = any(r["samples"] < MIN_PROCESSES for r in per.values())

@@ -233,3 +233,31 @@ def run_child(cmd: list[str], result: Path, what: str) -> dict[str, Any]:
         print(proc.stdout[-3000:], proc.stderr[-6000:], flush=True)
         raise SystemExit(f"{what} failed")
     return json.loads(result.read_text())
+
+
+# The readout benchmarks' readers (serve_bench's cases, perf_method's readout configs).
+PROBE, SAE16K = "sb-probe", "sb-sae16k"
+
+
+def put_readers(root: Path, hidden: int) -> None:
+    """A one-output probe and a 16,384-feature TopK SAE (SAELens's files) in `root`."""
+    # The benchmarks' driver processes import this module without numpy or capsteer.
+    import io
+
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from capsteer.steering.readers.registry import ReaderRegistry
+
+    rng = np.random.default_rng(12)
+    sae = {"W_enc": rng.standard_normal((hidden, 16384), np.float32) / hidden ** 0.5,
+           "b_enc": np.zeros(16384, np.float32), "b_dec": np.zeros(hidden, np.float32),
+           "W_dec": rng.standard_normal((16384, hidden), np.float32) / 128}
+    (root / SAE16K).mkdir(parents=True, exist_ok=True)
+    save_file(sae, str(root / SAE16K / "sae_weights.safetensors"))
+    (root / SAE16K / "cfg.json").write_text(json.dumps({
+        "architecture": "topk", "k": 64, "d_in": hidden, "d_sae": 16384,
+        "sae_lens_version": "6.5.0"}))
+    probe = io.BytesIO()
+    np.save(probe, rng.standard_normal((1, hidden), np.float32))
+    ReaderRegistry(root, hidden_size=hidden).put(PROBE, probe.getvalue(), "npy")

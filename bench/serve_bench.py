@@ -48,14 +48,12 @@ from typing import Any
 
 import httpx
 import numpy as np
-from safetensors.numpy import save_file
 
 sys.path.insert(0, str(Path(__file__).parent))  # run as `python bench/serve_bench.py`
 import perf_models
 import summary as summary_file
 
 from capsteer.server.process import ManagedServer, free_port
-from capsteer.steering.readers.registry import ReaderRegistry
 
 CONFIGS = ("vanilla", "capsteer")
 VECTOR_NAME = "serve-bench"
@@ -97,13 +95,13 @@ def cases(config: str, layers: int, chosen: tuple[str, ...]) -> list[Case]:
                                        "scale": STEER_SCALE}]}}
     cap = {"capture": {"hooks": ["resid_post"], "layers": [layers // 2], "positions": "all"}}
     read = {"hook": "resid_post", "layer": layers // 2}  # a probe / a 16k TopK SAE, every token
-    when = {"when": {"reader": {"name": "sb-probe"}, "index": 0, "above": 0.0}}
+    when = {"when": {"reader": {"name": perf_models.PROBE}, "index": 0, "above": 0.0}}
     every = [Case("plain", "long"), Case("short", "short"), Case("steer_all", "long", steer),
              *(Case(f"distinct_{n}", "long", distinct=n) for n in DISTINCT),
              Case("capture", "long", cap, capture=True),
              Case("capture_wait", "long", {**cap, "capture_wait": True}, capture=True),
-             Case("readout_probe", "long", {"readout": [{"reader": {"name": "sb-probe"}, **read}]}),
-             Case("readout_sae16k", "long", {"readout": [{"reader": {"name": "sb-sae16k"},
+             Case("readout_probe", "long", {"readout": [{"reader": {"name": perf_models.PROBE}, **read}]}),
+             Case("readout_sae16k", "long", {"readout": [{"reader": {"name": perf_models.SAE16K},
                                                           "top_k": 16, **read}]}),
              Case("steer_conditional", "long", {"steering": {"vectors": [
                  {**steer["steering"]["vectors"][0], **when}]}})]
@@ -274,22 +272,6 @@ def put_vector(url: str, layers: int, hidden: int, admin_key: str | None) -> Non
               timeout=60).raise_for_status()
 
 
-def put_readers(root: Path, hidden: int) -> None:
-    """The readout cases' probe and 16k TopK SAE (SAELens's files), in --readers-dir."""
-    rng = np.random.default_rng(12)
-    sae = {"W_enc": rng.standard_normal((hidden, 16384), np.float32) / hidden ** 0.5,
-           "b_enc": np.zeros(16384, np.float32), "b_dec": np.zeros(hidden, np.float32),
-           "W_dec": rng.standard_normal((16384, hidden), np.float32) / 128}
-    (root / "sb-sae16k").mkdir(parents=True, exist_ok=True)
-    save_file(sae, str(root / "sb-sae16k" / "sae_weights.safetensors"))
-    (root / "sb-sae16k" / "cfg.json").write_text(json.dumps({
-        "architecture": "topk", "k": 64, "d_in": hidden, "d_sae": 16384,
-        "sae_lens_version": "6.5.0"}))
-    probe = io.BytesIO()
-    np.save(probe, rng.standard_normal((1, hidden), np.float32))
-    ReaderRegistry(root, hidden_size=hidden).put("sb-probe", probe.getvalue(), "npy")
-
-
 def drive(config: str, url: str, model: str, a: argparse.Namespace, raw_dir: Path,
           tag: str, capture_dir: Path | None, server_pid: int | None = None) -> dict[str, Any]:
     """Every case of `config` against the server at `url`, in one client process."""
@@ -300,7 +282,7 @@ def drive(config: str, url: str, model: str, a: argparse.Namespace, raw_dir: Pat
         if {"steer_all", "steer_conditional"} & set(a.cases):
             put_vector(url, layers, hidden, a.admin_key)
         if {"readout_probe", "readout_sae16k", "steer_conditional"} & set(a.cases):
-            put_readers(a.readers_dir or a.work / "readers", hidden)
+            perf_models.put_readers(a.readers_dir or a.work / "readers", hidden)
     result_dir = raw_dir / tag
     shutil.rmtree(result_dir, ignore_errors=True)
     result_dir.mkdir(parents=True)

@@ -2,13 +2,18 @@
 
 A thin layer over `vllm.LLM` with capsteer's worker. The server and the
 extraction job turn their inputs into the same `extra_args` payload this builds.
+Readouts (probe / SAE scores per token) come back in `Result.readout_results`, the
+structure the server's non-streaming responses carry.
 """
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,10 +35,15 @@ from capsteer.engine_ext.payload import (
     WORKER_CLS,
     build_payload,
     needs_end_report,
+    new_readout_id,
 )
 from capsteer.engine_ext.vllm.version import hooks_code_hash
+from capsteer.hooks import READOUT, hook_use
 from capsteer.steering.conditions import ReaderGetter
 from capsteer.steering.patches import PatchGetter
+from capsteer.steering.readers.collect import Finished, ReadoutCollector
+from capsteer.steering.readers.readout import ReadoutItem, ReadoutSpecError, parse_readout
+from capsteer.steering.readers.registry import ReaderRegistry
 from capsteer.steering.spec import SteeringSpec, VectorLookup, parse_steering_spec
 
 
@@ -47,6 +57,7 @@ class Request:
     capture: object = None
     steering: object = None
     durable: bool = False  # publish the capture to the capture root instead of returning it
+    readout: object = None  # the HTTP `readout` field's list (api.md §7)
 
 
 @dataclass
@@ -63,6 +74,8 @@ class Result:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     num_cached_tokens: int = 0
     receipt: Receipt | None = None  # durable captures: status, directory, files
+    # With `readout`: one entry per item, as the server's `readout_results` (api.md §7).
+    readout_results: list[dict[str, Any]] | None = None
 
 
 def _logprob_steps(steps) -> list[dict[int, float] | None] | None:
@@ -171,6 +184,19 @@ class Engine:
 
         extra = dict(llm_kwargs.pop("additional_config", None) or {})
         extra["capsteer"] = {"hooks_code": hooks_code_hash(), **dict(capsteer_config or {})}
+        # Readout results reach this process through files the workers append to (as they
+        # reach the server): a private directory unless one is configured, removed on
+        # close; named readers come from `readers_dir` (a private, empty one otherwise,
+        # that `self.readers.put` fills).
+        self._private: str | None = None
+        for key in ("readout_dir", "readers_dir"):
+            if not extra["capsteer"].get(key):
+                if self._private is None:
+                    self._private = tempfile.mkdtemp(prefix="capsteer-engine-")
+                    self._cleanup = weakref.finalize(self, shutil.rmtree, self._private, True)
+                extra["capsteer"][key] = f"{self._private}/{key.removesuffix('_dir')}s"
+        self.readout_dir: str = extra["capsteer"]["readout_dir"]
+        self.readers_dir: str = extra["capsteer"]["readers_dir"]
         mark_launcher()  # its engine processes exit if this process is killed
         refuse_at_vllm_config_step(WORKER_CLS)  # before the engine starts, not after
         self.llm = LLM(model=model, worker_cls=WORKER_CLS, additional_config=extra, **llm_kwargs)
@@ -194,6 +220,10 @@ class Engine:
         self.patch_sources = patch_sources
         self.tokenizer = self.llm.get_tokenizer()
         self.capture_dir = extra["capsteer"].get("capture_dir")
+        # The server's reader registry, on this engine's readers_dir: readouts name its readers.
+        self.readers = ReaderRegistry(self.readers_dir, hidden_size=self.hidden_size,
+                                      hook_widths=self.hook_widths, unavailable=self.unavailable)
+        self._collector: ReadoutCollector | None = None  # made at the first readout
 
     def stats(self) -> list[dict]:
         """Each worker's diagnostics (mode, plan builds and reuses, sync-checked steps)."""
@@ -206,10 +236,16 @@ class Engine:
         return list(self.llm.collective_rpc(RPC_WRITER_STATS))
 
     def close(self) -> None:
-        """Stop the engine-core process now rather than at interpreter exit."""
+        """Stop the engine-core process now rather than at interpreter exit, and remove the
+        private readout directory if this engine made one."""
         core = getattr(self.llm.llm_engine, "engine_core", None)
         if core is not None:
             core.shutdown()
+        if self._collector is not None:
+            self._collector.close()
+            self._collector = None
+        if self._private is not None:
+            self._cleanup()
 
     def parse(self, req: Request) -> tuple[CaptureSpec | None, SteeringSpec | None]:
         capture = None
@@ -224,18 +260,52 @@ class Engine:
             widths=self.hook_widths, patches=self.patch_sources)
         return capture, steering
 
+    def parse_readout(self, req: Request,
+                      items: list[ReadoutItem] | None = None) -> list[ReadoutItem] | None:
+        """A request's readout items (`items`: already parsed from its `readout`), checked
+        as the server checks the HTTP field."""
+        if req.readout is None:
+            return None
+        if items is None:
+            items = parse_readout(req.readout, num_layers=self.num_layers,
+                                  hidden_size=self.hidden_size, lookup=self.readers.lookup,
+                                  widths=self.hook_widths)
+        for item in items:
+            for key in (item.hook, hook_use(item.hook, READOUT)):
+                if key in self.unavailable:
+                    raise ReadoutSpecError(f"readout[{item.index}].hook", self.unavailable[key])
+        if req.capture not in (None, False):
+            raise ReadoutSpecError("readout", "a request reads out or captures, not both yet: "
+                                              "send the capture as a request of its own")
+        if int(req.sampling.get("n", 1) or 1) > 1:
+            raise ReadoutSpecError("n", "readout needs n=1 (one sequence per request)")
+        return items
+
+    def _readouts(self) -> ReadoutCollector:
+        if self._collector is None:
+            self._collector = ReadoutCollector(self.readout_dir)
+        return self._collector
+
     def generate(self, requests: Sequence[Request], *, timeout: float = 120.0) -> list[Result]:
+        """Every request's output, with its captures and readout results once complete
+        (TimeoutError after `timeout` seconds of waiting for them past the generation)."""
+        # vLLM loads with the engine, not at `import capsteer.engine`.
         from vllm import SamplingParams
 
         prompts, params, capture_ids, durable, specs = [], [], [], [], []
         payload_dir_time: dict[str, float] = {}  # dates each capture's directory
         parsed: dict[tuple[int, int], tuple] = {}  # a batch often shares one spec object
         awaited: dict[int, str] = {}  # prompt index -> capture id whose end the workers await
+        readouts: dict[int, tuple[str, list[ReadoutItem]]] = {}  # prompt index -> id, items
+        read_items: dict[int, list[ReadoutItem] | None] = {}  # a batch often shares one list
         for req in requests:
             memo = (id(req.capture), id(req.steering))
             if memo not in parsed or int(req.sampling.get("n", 1) or 1) > 1:
                 parsed[memo] = self.parse(req)
             capture, steering = parsed[memo]
+            items = read_items[id(req.readout)] = self.parse_readout(
+                req, read_items.get(id(req.readout)))
+            readout_id = new_readout_id() if items else None
             specs.append(capture)
             if req.durable and not self.capture_dir:
                 raise ValueError("durable captures need capsteer_config['capture_dir']")
@@ -243,7 +313,8 @@ class Engine:
             prompt_len = None if req.prompt_token_ids is None else len(req.prompt_token_ids)
             reports = req.durable and capture is not None and \
                 needs_end_report(capture, prompt_len)
-            payload = build_payload(capture, steering, durable=req.durable, await_end=reports)
+            payload = build_payload(capture, steering, durable=req.durable, await_end=reports,
+                                    readout=items, readout_id=readout_id)
             prompt: dict[str, Any] = (
                 {"prompt_token_ids": list(req.prompt_token_ids)}
                 if req.prompt_token_ids is not None else {"prompt": req.prompt})
@@ -261,6 +332,11 @@ class Engine:
             durable.append(req.durable)
             if reports:
                 awaited[len(prompts) - 1] = payload.capture_id
+            if readout_id is not None:
+                readouts[len(prompts) - 1] = (readout_id, items)
+        collector = self._readouts() if readouts else None
+        for readout_id, items in readouts.values():  # records are kept from here on
+            collector.open(readout_id, items)
         # Manifests are read while the batch runs: a capture closed mid-batch is found
         # then, not in a serial pass over every manifest after the last output.
         poller = _ReceiptPoller(self.capture_dir, {
@@ -273,12 +349,18 @@ class Engine:
                 outputs = self.llm.generate(prompts, params, use_tqdm=False)
             captures = self._collect(
                 [c for c, d in zip(capture_ids, durable, strict=True) if c and not d], timeout)
+            read = {} if collector is None else dict(zip(readouts, collector.collect(
+                [Finished(rid, items, list(outputs[i].prompt_token_ids or []),
+                          list(outputs[i].outputs[0].token_ids))
+                 for i, (rid, items) in readouts.items()], timeout), strict=True))
         except BaseException:
             poller.stop()
+            if collector is not None:
+                collector.discard([rid for rid, _ in readouts.values()])
             raise
         receipts = poller.wait(timeout)
         results = []
-        for out, cid, spec in zip(outputs, capture_ids, specs, strict=True):
+        for i, (out, cid, spec) in enumerate(zip(outputs, capture_ids, specs, strict=True)):
             completion = out.outputs[0]
             if cid in captures and spec is not None:
                 captures[cid] = _final_positions(
@@ -291,7 +373,8 @@ class Engine:
                 logprobs=_logprob_steps(completion.logprobs),
                 prompt_logprobs=_logprob_steps(out.prompt_logprobs),
                 num_cached_tokens=int(out.num_cached_tokens or 0),
-                receipt=receipts.get(cid) if cid else None))
+                receipt=receipts.get(cid) if cid else None,
+                readout_results=read.get(i)))
         return results
 
     def _run_reporting_ends(self, prompts: list[dict[str, Any]], params: list[Any],

@@ -20,9 +20,9 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
-import numpy as np
 
 from capsteer.server.responses import BodyRewriter
+from capsteer.steering.readers.collect import ReadoutValues, fed_limit
 from capsteer.steering.readers.readout import ReadoutItem
 from capsteer.steering.readers.results import ResultsHub
 
@@ -30,7 +30,6 @@ Send = Callable[[dict], Awaitable[None]]
 _DONE = b"data: [DONE]"
 _TOKEN_IDS = b'"token_ids":'
 _PROMPT_IDS = b'"prompt_token_ids":'
-_RANGES = ("all", "prompt", "generated")  # position kinds whose positions are a range
 # ~10x json.dumps on a chunk's few small lists; writes the workers' scores as they came
 # (msgspec.Raw, steering/readers/results.py)
 _ENCODE = msgspec.json.Encoder().encode
@@ -52,9 +51,10 @@ class ReadoutResponder(BodyRewriter):
         self.prompt: list[int] | None = None
         self.output: list[int] = []
         # item -> position -> its scores or [feature, value] pairs (the worker's JSON);
-        # item -> why it failed
-        self.values: dict[int, dict[int, msgspec.Raw]] = {item.index: {} for item in items}
-        self.errors: dict[int, str] = {}
+        # item -> why it failed (steering/readers/collect.py, shared with the engine)
+        self.got = ReadoutValues(items)
+        self.values: dict[int, dict[int, msgspec.Raw]] = self.got.values
+        self.errors: dict[int, str] = self.got.errors
         self.sent: dict[int, int] = {item.index: 0 for item in items}  # positions streamed
         self.complete: dict[int, int] = {item.index: 0 for item in items}  # all below arrived
 
@@ -178,19 +178,7 @@ class ReadoutResponder(BodyRewriter):
 
     def _fed_limit(self) -> int:
         """Positions below this have been fed (see module docstring)."""
-        prompt = len(self.prompt or ())
-        return prompt + max(len(self.output) - 1, 0)
-
-    def _expected(self, item: ReadoutItem, start: int, limit: int) -> list[int]:
-        """The positions in [start, limit) the item reads."""
-        prompt = len(self.prompt or ())
-        kind = item.positions.kind
-        if kind in _RANGES:
-            lo = max(start, prompt) if kind == "generated" else start
-            hi = min(limit, prompt) if kind == "prompt" else limit
-            return list(range(lo, hi))
-        span = np.arange(start, limit, dtype=np.int64)
-        return span[item.positions.candidate(span, prompt)].tolist()
+        return fed_limit(len(self.prompt or ()), len(self.output))
 
     async def _wait_for(self, limit: int) -> None:
         """Until every item has its positions below `limit` (or failed, or time ran out);
@@ -204,8 +192,7 @@ class ReadoutResponder(BodyRewriter):
                 start = self.complete[item.index]
                 if item.index in self.errors or start >= limit:
                     continue
-                have = self.values[item.index]
-                lacking = [p for p in self._expected(item, start, limit) if p not in have]
+                lacking = self.got.missing(item, len(self.prompt or ()), start, limit)
                 if lacking:
                     self.complete[item.index] = lacking[0]
                     missing.append(item)
@@ -228,31 +215,10 @@ class ReadoutResponder(BodyRewriter):
     def _read(self, *, pump: bool) -> None:
         if pump and not self._inbox.records:
             self._hub.pump()
-        for record in self._inbox.take():
-            have = self.values.get(record.i)
-            if have is None:
-                continue
-            if record.error is not None:
-                self.errors.setdefault(record.i, record.error)
-                continue
-            for p, value in zip(record.p, record.values, strict=True):
-                have.setdefault(p, value)
+        self.got.add(self._inbox.take())
 
     def _entry(self, item: ReadoutItem, start: int, limit: int) -> dict[str, Any]:
-        entry: dict[str, Any] = {"item": item.index, "reader": item.reader.name,
-                                 "hook": item.hook, "layer": item.layer}
-        if item.index in self.errors:
-            entry["error"] = self.errors[item.index]
-            return entry
-        prompt, output = self.prompt or [], self.output
-        have = self.values[item.index]
-        positions = [p for p in self._expected(item, start, limit) if p in have]
-        entry["positions"] = positions
-        entry["token_ids"] = [prompt[p] if p < len(prompt) else output[p - len(prompt)]
-                              for p in positions]
-        key = "scores" if item.reader.kind == "probe" else "features"
-        entry[key] = [have[p] for p in positions]
-        return entry
+        return self.got.entry(item, self.prompt or [], self.output, start, limit)
 
     def _strip_token_ids(self, data: dict) -> None:
         if self.keep_token_ids:

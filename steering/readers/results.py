@@ -1,8 +1,9 @@
-"""Readout results on their way from the workers to the server.
+"""Readout results on their way from the workers to the server (or the in-process engine).
 
 Each worker process appends to one stream file of its own under the server's readout
 directory (`ResultsStream`); each API server process tails every stream file there with one
-`ResultsHub`, which hands each record to the response waiting for that readout id. One
+`ResultsHub` (the in-process engine: one `ResultsReader`, its synchronous core), which
+hands each record to the response waiting for that readout id. One
 write per step on the worker's side and one read per poll on the server's, whatever the
 number of readouts in flight. A line is a record:
 `{"r": readout_id, "i": item, "p": [positions], "s": [[score, ...], ...]}` for a probe,
@@ -141,55 +142,31 @@ class _Tail:
         self.partial = b""
 
 
-class ResultsHub:
-    """An API server process's reader of every worker's stream (see module docstring).
-    `pump` reads what is new and delivers it; the hub's task pumps every `poll_s` while a
-    response waits for records, and every `idle_s` otherwise."""
+class ResultsReader:
+    """A reader of every worker stream under `root` (see module docstring), synchronous:
+    `pump` reads what is new and hands each record to its readout's inbox. The server's
+    `ResultsHub` pumps it from its event loop; the in-process engine pumps it after
+    `LLM.generate` (steering/readers/collect.py)."""
 
-    def __init__(self, root: str | Path, *, poll_s: float = 0.001, idle_s: float = 0.02,
-                 scan_s: float = 0.1, scan_waiting_s: float = 0.005) -> None:
+    def __init__(self, root: str | Path, *, scan_s: float = 0.1,
+                 scan_waiting_s: float = 0.005) -> None:
         self.root = Path(root)
-        self.poll_s, self.idle_s = poll_s, idle_s
         # New stream files (a worker's first readout) are looked for every scan_s, or
-        # every scan_waiting_s while a response waits.
+        # every scan_waiting_s while someone waits.
         self.scan_s, self.scan_waiting_s = scan_s, scan_waiting_s
         self.inboxes: dict[str, Inbox] = {}
         self._tails: dict[str, _Tail] = {}
         self._done: set[str] = set()  # files replaced by their writer and read to the end
         self._scanned = 0.0
-        self._task: asyncio.Task | None = None
         self.root.mkdir(parents=True, exist_ok=True)
         self._sweep_dead_writers()
 
     def open(self, readout_id: str) -> Inbox:
-        inbox = self.inboxes[readout_id] = Inbox()
-        if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._run())
+        self.inboxes[readout_id] = inbox = Inbox()
         return inbox
 
     def close(self, readout_id: str) -> None:
         self.inboxes.pop(readout_id, None)
-
-    async def wait(self, inbox: Inbox, timeout_s: float) -> None:
-        """Until the hub delivers something to `inbox` or `timeout_s` passes."""
-        if inbox.records:
-            return
-        inbox.waiter = asyncio.get_running_loop().create_future()
-        inbox.deadline = time.monotonic() + timeout_s
-        try:
-            await inbox.waiter
-        finally:
-            inbox.waiter = None
-
-    async def _run(self) -> None:
-        while self.inboxes:
-            waiting = [inbox for inbox in self.inboxes.values() if inbox.waiter is not None]
-            self.pump(bool(waiting))
-            now = time.monotonic()
-            for inbox in waiting:
-                if inbox.records or now >= inbox.deadline:
-                    inbox.wake()
-            await asyncio.sleep(self.poll_s if waiting else self.idle_s)
 
     def pump(self, waiting: bool = True) -> None:
         """Read every stream's new complete lines and deliver their records."""
@@ -256,8 +233,50 @@ class ResultsHub:
                 pass
 
     def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
         for tail in self._tails.values():
             tail.file.close()
         self._tails.clear()
+
+
+class ResultsHub(ResultsReader):
+    """An API server process's reader of every worker's stream, pumped by a task of its
+    event loop every `poll_s` while a response waits for records, every `idle_s`
+    otherwise."""
+
+    def __init__(self, root: str | Path, *, poll_s: float = 0.001, idle_s: float = 0.02,
+                 scan_s: float = 0.1, scan_waiting_s: float = 0.005) -> None:
+        super().__init__(root, scan_s=scan_s, scan_waiting_s=scan_waiting_s)
+        self.poll_s, self.idle_s = poll_s, idle_s
+        self._task: asyncio.Task | None = None
+
+    def open(self, readout_id: str) -> Inbox:
+        inbox = super().open(readout_id)
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run())
+        return inbox
+
+    async def wait(self, inbox: Inbox, timeout_s: float) -> None:
+        """Until the hub delivers something to `inbox` or `timeout_s` passes."""
+        if inbox.records:
+            return
+        inbox.waiter = asyncio.get_running_loop().create_future()
+        inbox.deadline = time.monotonic() + timeout_s
+        try:
+            await inbox.waiter
+        finally:
+            inbox.waiter = None
+
+    async def _run(self) -> None:
+        while self.inboxes:
+            waiting = [inbox for inbox in self.inboxes.values() if inbox.waiter is not None]
+            self.pump(bool(waiting))
+            now = time.monotonic()
+            for inbox in waiting:
+                if inbox.records or now >= inbox.deadline:
+                    inbox.wake()
+            await asyncio.sleep(self.poll_s if waiting else self.idle_s)
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        super().stop()
