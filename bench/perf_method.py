@@ -51,7 +51,6 @@ MORE_CONFIGS = ("capture_mlp_post", "steer_conditional", "readout_probe", "reado
 TARGETS = {"plain": 0.99, "steer": 0.95, "capture": 0.90, "capture_mlp_post": 0.90,
            "steer_conditional": 0.95, "readout_probe": 0.97, "readout_sae16k": 0.90}
 CAPTURED = {"capture": "resid_post", "capture_mlp_post": "mlp_post"}  # config -> hook
-PROBE = "bench-probe"  # steer_conditional's gate: a one-output probe in a reader registry
 READ = {"readout_probe": {"reader": {"name": perf_models.PROBE}},  # config -> its readout item
         "readout_sae16k": {"reader": {"name": perf_models.SAE16K}, "top_k": 16}}
 MIN_PROCESSES = 3  # rounds per configuration before a ratio's spread counts
@@ -121,21 +120,12 @@ def open_engine(config: str, model: str, kw: dict[str, Any], capture_dir: Path, 
         return generate, llm.llm_engine.engine_core.shutdown
     from capsteer.engine import Engine, Request  # not in the vanilla process
 
-    readers = None
-    if config == "steer_conditional":
-        from capsteer.steering.readers.registry import ReaderRegistry
-
-        readers = ReaderRegistry(capture_dir.parent / "readers", hidden_size=hidden)
-        weight = np.random.default_rng(0).standard_normal((1, hidden)) / hidden ** 0.5
-        readers.put(PROBE, json.dumps({"weight": weight.tolist(), "bias": [0.0],
-                                       "activation": "none"}).encode(), "json")
     config_section: dict[str, Any] = {"capture_dir": str(capture_dir), "staging_rows": staging}
-    readout = None
-    if config in READ:  # the readers the workers load, in a directory of this process's own
+    if config in READ or config == "steer_conditional":  # readers of this process's own
         config_section["readers_dir"] = str(capture_dir.parent / f"readers-{config}")
         perf_models.put_readers(Path(config_section["readers_dir"]), hidden)
-    engine = Engine(model, capsteer_config=config_section,
-                    reader_lookup=readers.get if readers else None, **kw)
+    engine = Engine(model, capsteer_config=config_section, **kw)
+    readout = None
     if config in READ:  # the middle layer, as the capture configs
         readout = [{**READ[config], "hook": "resid_post", "layer": engine.num_layers // 2}]
 
@@ -183,7 +173,8 @@ def run_process(a: argparse.Namespace) -> dict[str, Any]:
     steer = {"vectors": [{"hook": "resid_post", "layers": "all", "vector": [0.01] * shape.hidden,
                           "scale": 1.0}]} if a.config in ("steer", "steer_conditional") else None
     if a.config == "steer_conditional":  # about half the tokens pass a random probe's test
-        steer["vectors"][0]["when"] = {"reader": {"name": PROBE}, "index": 0, "above": 0.0}
+        steer["vectors"][0]["when"] = {"reader": {"name": perf_models.PROBE}, "index": 0,
+                                       "above": 0.0}
     capture = {"hooks": [CAPTURED[a.config]], "layers": [shape.layers // 2],
                "positions": "prompt", "layout": "packed"} if a.config in CAPTURED else None
     out: dict[str, Any] = {"config": a.config, "slot": a.slot,

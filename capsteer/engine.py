@@ -223,6 +223,8 @@ class Engine:
         # The server's reader registry, on this engine's readers_dir: readouts name its readers.
         self.readers = ReaderRegistry(self.readers_dir, hidden_size=self.hidden_size,
                                       hook_widths=self.hook_widths, unavailable=self.unavailable)
+        if self.reader_lookup is None:  # `when` gates and SAE-feature vectors name them too
+            self.reader_lookup = self.readers.tensors
         self._collector: ReadoutCollector | None = None  # made at the first readout
 
     def stats(self) -> list[dict]:

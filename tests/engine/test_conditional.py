@@ -59,11 +59,11 @@ def readers(tmp_path_factory):
 @contextmanager
 def readers_on(engine, registry):
     """The shared engine parses with this registry's readers for the test's duration."""
-    engine.reader_lookup = registry.get
+    before, engine.reader_lookup = engine.reader_lookup, registry.get
     try:
         yield
     finally:
-        engine.reader_lookup = None
+        engine.reader_lookup = before
 
 
 @contextmanager

@@ -5,10 +5,12 @@ scores and SAE top-k features equal HF activations read by the same probe and by
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from capsteer.engine import Request
 from capsteer.steering.readers.readout import ReadoutSpecError
+from capsteer.steering.values import SteeringSpecError
 from tests.readout_refs import ITEMS, check_against_hf, put_readers, reader_bodies
 
 from .helpers import capsteer_engine, greedy, token_prompt
@@ -67,3 +69,21 @@ def test_bad_readout_is_refused_naming_the_field(engine_pool, model_dirs, reader
     with pytest.raises(ReadoutSpecError) as err:
         engine.generate([Request(prompt_token_ids=[5, 6, 7], **request_kw)])
     assert err.value.param == param
+
+
+def test_a_when_gate_names_a_reader_of_the_engines_registry(engine_pool, model_dirs, readers):
+    """Without a `reader_lookup` of the caller's, a `when` gate reads the same registry the
+    readouts do (readers_dir): the reader's own tensors, and an unknown name is refused."""
+    engine = capsteer_engine(engine_pool, model_dirs, "qwen3")
+    put_readers(engine.readers, readers[1])
+    when = {"reader": {"name": "ro-probe"}, "index": 2, "above": 0.5}
+    vector = {"hook": "resid_post", "layer": 1, "vector": [0.1] * engine.hidden_size,
+              "when": when}
+    _, steering = engine.parse(Request(prompt_token_ids=[5], steering={"vectors": [vector]}))
+    weight = engine.readers.get("ro-probe").weight[2].numpy()
+    assert steering is not None and [op.gate is not None and np.allclose(op.gate, weight)
+                                     for op in steering.ops] == [True]
+    with pytest.raises(SteeringSpecError) as err:
+        engine.parse(Request(prompt_token_ids=[5], steering={"vectors": [
+            {**vector, "when": {**when, "reader": {"name": "absent"}}}]}))
+    assert "when.reader.name" in err.value.param
