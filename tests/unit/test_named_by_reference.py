@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import os
+import shutil
 import time
 from collections.abc import Mapping
 
@@ -220,3 +221,18 @@ def test_server_reuses_the_parse_of_a_named_field_until_the_vector_changes(regis
     # Inline floats are parsed per request (no reuse).
     body = _inline(_rows(1), _rows(2)[0])
     assert parse(body) is not parse(body)
+
+
+def test_content_files_are_written_at_the_first_check_where_missing(registry, tmp_path):
+    """A directory filled before content files existed (or whose content went unused past
+    CONTENT_KEEP_SECONDS): the server's first check of a name writes its content, which
+    every rank then reads."""
+    shutil.rmtree(tmp_path / "vectors" / reg_mod.CONTENT_DIR)
+    server = VectorRegistry(tmp_path / "vectors", hidden_size=HIDDEN, num_layers=LAYERS)
+    spec = _parse(NAMED, server.lookup_named)
+    for ref in spec.to_dict()["refs"]:
+        assert server.content_path(ref["sha256"]).exists()
+    payload = build_payload(None, spec).extra_args["capsteer"]
+    keys = {RequestHooks.from_payload("a", payload, 4, _runtime(), reader).steering_key
+            for reader in _ranks(tmp_path)}
+    assert keys == {_parse(_inline(_rows(1), _rows(2)[0]), None).sharing_key}
