@@ -7,7 +7,7 @@ reference fork. See docs/ and ../shared/design/api.md §2.
 from __future__ import annotations
 
 import re
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 
 import numpy as np
 
@@ -66,6 +66,32 @@ def canonical_hook(name: object) -> str:
             return ALIASES[key]
     accepted = ", ".join((*HOOKS, *ALIASES))
     raise HookNameError(f"unknown hook {name!r}; accepted: {accepted}")
+
+
+def read_only_refusal(hook: str) -> str | None:
+    """Why a steering item may not name `hook` (None: it may): capture-only hooks are
+    read, never steered."""
+    if hook in CAPTURE_ONLY:
+        return f"{hook} is read only (capture and readout): steering it is not offered"
+    return None
+
+
+def parse_item_hook(item: Mapping, field: str, unavailable: Mapping[str, str] | None,
+                    error_cls: Callable[[str, str], Exception],
+                    refusal: Callable[[str], str | None] = read_only_refusal) -> str:
+    """A steering item's canonical `hook` (default resid_post), or `error_cls(field +
+    ".hook", reason)` raised: one parse for every op kind, so the name, the model's
+    unavailable hooks and the op's own refusal (`refusal`) are checked in one order."""
+    try:
+        hook = canonical_hook(item.get("hook", "resid_post"))
+    except HookNameError as exc:
+        raise error_cls(field + ".hook", str(exc)) from None
+    if unavailable and hook in unavailable:
+        raise error_cls(field + ".hook", unavailable[hook])
+    reason = refusal(hook)
+    if reason is not None:
+        raise error_cls(field + ".hook", reason)
+    return hook
 
 
 def tl_hook_name(hook: str, layer: int | str) -> str:

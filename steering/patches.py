@@ -24,9 +24,8 @@ from capsteer.config import errors
 from capsteer.hooks import (
     CAPTURE_ONLY,
     WIDE_HOOKS,
-    HookNameError,
-    canonical_hook,
     hook_width_text,
+    parse_item_hook,
     parse_layers,
 )
 
@@ -152,6 +151,13 @@ def _source(raw: object, field: str, getter: PatchGetter | None) -> tuple[PatchS
     return source, positions
 
 
+def _patch_refusal(hook: str) -> str | None:
+    """The patch table is as wide as the stream: wide and capture-only hooks are refused."""
+    if hook in WIDE_HOOKS or hook in CAPTURE_ONLY:
+        return f"op patch acts on hooks of the model's hidden size for now, not on {hook}"
+    return None
+
+
 def parse_patch_item(item: Mapping, field: str, *, num_layers: int, hidden_size: int,
                      getter: PatchGetter | None,
                      unavailable: Mapping[str, str] | None = None) -> list[PatchOp]:
@@ -161,15 +167,7 @@ def parse_patch_item(item: Mapping, field: str, *, num_layers: int, hidden_size:
     if unknown:
         raise PatchSpecError(field, f"unknown field(s) {sorted(unknown)} (a patch takes "
                                     f"{', '.join(sorted(PATCH_FIELDS))})")
-    try:
-        hook = canonical_hook(item.get("hook", "resid_post"))
-    except HookNameError as exc:
-        raise PatchSpecError(field + ".hook", str(exc)) from None
-    if unavailable and hook in unavailable:
-        raise PatchSpecError(field + ".hook", unavailable[hook])
-    if hook in WIDE_HOOKS or hook in CAPTURE_ONLY:  # the patch table is as wide as the stream
-        raise PatchSpecError(field + ".hook", f"op patch acts on hooks of the model's hidden "
-                             f"size for now, not on {hook}")
+    hook = parse_item_hook(item, field, unavailable, PatchSpecError, _patch_refusal)
     if "layer" in item and "layers" in item:
         raise PatchSpecError(field, "give either 'layer' or 'layers', not both")
     key = "layer" if "layer" in item else "layers"

@@ -11,6 +11,13 @@ On disk: `<root>/<name>.safetensors` holding tensor `vector` (one vector) or
 `sha256` (of the upload), `hidden_size` and `num_layers` (the model's at upload) and
 `width` (the vectors').
 
+Content the server checked a request against is also kept by its content sha256,
+`<root>/.content/<sha256>.safetensors`, and the workers read that file, never the name:
+every tensor-parallel rank of a request then reads the same bytes, whatever is put under
+the name meanwhile, so the ranks steer alike or refuse alike (a rank that refused alone
+would leave the others in a collective by themselves). A content file stays at least
+CONTENT_KEEP_SECONDS / 2 after the last request checked against it.
+
 A vector is as wide as the hook it steers: the hidden size for the stream hooks, d_mlp
 for mlp_post, heads x d_head for attn_z. An upload is kept at its own width when some
 hook of the model has that width, and each request checks it against the hook it names
@@ -21,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import struct
@@ -48,6 +56,12 @@ from capsteer.steering.store import fsync_dir, publish_atomic, remove_stale_temp
 
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 SUFFIX = ".safetensors"
+CONTENT_DIR = ".content"  # content files by sha256 (a dot name: never listed as a vector)
+# A content file untouched this long is removed at the next put or delete; each request
+# checked against it touches it when it is older than a quarter of this.
+CONTENT_KEEP_SECONDS = 3600.0
+_SHA_RE = re.compile(r"[0-9a-f]{64}")
+logger = logging.getLogger("vllm.capsteer")  # under vLLM's configured logger
 FILE_KIND = "capsteer-steering-vector/1"
 _LAYER_TENSOR_RE = re.compile(r"layer\.(\d{1,6})")
 
@@ -109,6 +123,8 @@ class VectorRegistry:
         self._cache: OrderedDict[str, tuple[tuple, _Stored]] = OrderedDict()
         self._cache_entries = cache_entries
         self._lock = threading.Lock()
+        self.read_only = read_only
+        self._touched: dict[str, float] = {}  # content sha256 -> when this process kept it
         if not read_only:
             self.root.mkdir(parents=True, exist_ok=True)
             remove_stale_temps(self.root)
@@ -144,11 +160,37 @@ class VectorRegistry:
             "num_layers": str(self.num_layers),
             "width": str(decoded.width),
         }
-        from safetensors.numpy import save
-
-        blob = save(tensors, metadata=metadata)
+        blob = _save(tensors, metadata)
+        # Its content file first: a request checked against the new entry finds it there.
+        self._keep_content(NamedVectors.of(name, decoded.value()), strict=True)
         publish_atomic(self.root, path, lambda tmp: Path(tmp).write_bytes(blob))
+        self._drop_old_content()
         return self.info(name)
+
+    def content_path(self, sha256: str) -> Path:
+        """The file keeping the entry content whose NamedVectors.sha256 is `sha256`."""
+        if not isinstance(sha256, str) or not _SHA_RE.fullmatch(sha256):
+            raise VectorNameError(f"invalid content sha256 {sha256!r}")
+        return self.root / CONTENT_DIR / (sha256 + SUFFIX)
+
+    def get_content(self, sha256: str) -> NamedVectors:
+        """The entry content kept under `sha256` (what a request was checked against),
+        checked against this model and against the sha256 itself; VectorNotFoundError
+        when no such content is kept, SteeringSpecError when it is unusable here."""
+        path = self.content_path(sha256)
+        try:
+            blob = path.read_bytes()
+        except FileNotFoundError:
+            raise VectorNotFoundError(f"content {sha256[:16]}...") from None
+        stored = self._decode_file(f"content {sha256[:16]}...", blob)
+        if stored.error is not None or stored.named is None:
+            raise SteeringSpecError("steering.vectors[].vector.name",
+                                    stored.error or "stored content is unusable")
+        if stored.named.sha256 != sha256:  # damaged, or written by something else
+            raise SteeringSpecError("steering.vectors[].vector.name",
+                                    f"content file {path.name} holds other content "
+                                    f"({stored.named.sha256[:16]}...)")
+        return stored.named
 
     def get(self, name: str) -> DecodedVectors:
         """The stored vectors; VectorRegistryError if this model cannot use them."""
@@ -201,6 +243,7 @@ class VectorRegistry:
             with self._lock:
                 self._cache.pop(name, None)
         fsync_dir(self.root)
+        self._drop_old_content()
         return True
 
     def lookup(self, name: str) -> np.ndarray | Mapping[int, np.ndarray]:
@@ -232,9 +275,59 @@ class VectorRegistry:
         if stored.error is not None or stored.named is None:  # as `lookup` refuses it
             raise SteeringSpecError("steering.vectors[].vector.name",
                                     stored.error or f"vector {name!r} is unusable")
+        if not self.read_only:  # the server: the workers will read exactly this content
+            self._keep_content(stored.named)
         return stored.named
 
     # --- internals ----------------------------------------------------------------
+
+    def _keep_content(self, named: NamedVectors, strict: bool = False) -> None:
+        """Make `named`'s content readable by its sha256 for at least CONTENT_KEEP_SECONDS
+        / 2 more (written if missing, touched when older than a quarter of that). A
+        failure raises when `strict` (an upload), else is logged (a request's check)."""
+        now = time.time()
+        if now - self._touched.get(named.sha256, 0.0) < CONTENT_KEEP_SECONDS / 4:
+            return
+        path = self.content_path(named.sha256)
+        try:
+            try:
+                os.utime(path)
+            except FileNotFoundError:  # put by older code, or unused for a long while
+                path.parent.mkdir(exist_ok=True)
+                value = named.value
+                tensors = ({"vector": np.asarray(value)} if not isinstance(value, Mapping)
+                           else {f"layer.{k}": np.asarray(v) for k, v in value.items()})
+                blob = _save(tensors, {"format": FILE_KIND, "name": named.name})
+                publish_atomic(path.parent, path, lambda tmp: Path(tmp).write_bytes(blob))
+        except OSError:  # every worker then refuses the request alike (logged, counted)
+            if strict:
+                raise
+            logger.exception("capsteer: cannot keep vector %r's content at %s; requests "
+                             "naming it run unsteered", named.name, path)
+            return
+        with self._lock:  # checks run on the event loop and in threads (patch reads)
+            self._touched[named.sha256] = now
+            if len(self._touched) > 4 * self._cache_entries:  # forget the oldest half
+                for sha, _ in sorted(self._touched.items(), key=lambda kv: kv[1])[
+                        :len(self._touched) // 2]:
+                    del self._touched[sha]
+
+    def _drop_old_content(self) -> None:
+        """Content files no request was checked against for CONTENT_KEEP_SECONDS."""
+        folder = self.root / CONTENT_DIR
+        cutoff = time.time() - CONTENT_KEEP_SECONDS
+        try:
+            entries = list(os.scandir(folder))
+        except FileNotFoundError:
+            return
+        for entry in entries:
+            try:
+                if entry.name.endswith(SUFFIX) and \
+                        entry.stat(follow_symlinks=False).st_mtime < cutoff:
+                    os.unlink(entry.path)
+            except OSError:  # removed by another process meanwhile
+                pass
+        remove_stale_temps(folder)
 
     def _load(self, name: str) -> _Stored:
         """Read `name`, reusing the cached decode while the file is unchanged.
@@ -338,9 +431,10 @@ class VectorRegistry:
 
 class VectorReader:
     """A worker's reader of the named vectors requests refer to (steering/spec.py's wire
-    form): read from the server's registry directory, checked against the content sha256
-    the server saw, and kept by that sha256 (the last `keep` entries), so a vector replaced
-    after a request was checked is never used for it."""
+    form): the content the server checked, read by its sha256 from the server's registry
+    directory (`.content/`), never by name, and kept by that sha256 (the last `keep`
+    entries). Every rank of a request reads the same bytes, so all of them steer with
+    that content or all refuse it, whatever is put under the name meanwhile."""
 
     def __init__(self, root: str | Path, *, hidden_size: int, num_layers: int,
                  hook_widths: Mapping[str, int] | None = None, keep: int = 32) -> None:
@@ -350,27 +444,31 @@ class VectorReader:
         self._keep = keep
 
     def __call__(self, name: str, sha256: str) -> np.ndarray | Mapping[int, np.ndarray]:
-        """`VectorResolve`: the value of `name` whose content is `sha256`, else
-        VectorChangedError."""
+        """`VectorResolve`: the content `sha256` that `name` held when the request was
+        checked, else VectorChangedError."""
         kept = self._kept.get(sha256)
         if kept is not None:
             self._kept.move_to_end(sha256)
             return kept
         try:
-            named = self.registry.lookup_named(name)
+            named = self.registry.get_content(sha256)
         except (KeyError, SteeringSpecError, VectorNameError) as exc:
             raise VectorChangedError(
-                f"steering vector {name!r} is not readable in {self.registry.root} "
-                f"({exc})") from None
-        if named.sha256 != sha256:
-            raise VectorChangedError(
-                f"steering vector {name!r} was replaced after the request was checked (its "
-                f"content sha256 is {named.sha256[:16]}..., the request's {sha256[:16]}...): "
-                "it is not steered with the other vector")
+                f"steering vector {name!r}: the content the request was checked against "
+                f"(sha256 {str(sha256)[:16]}...) is not readable in "
+                f"{self.registry.root / CONTENT_DIR} ({exc})") from None
         self._kept[sha256] = named.value
         while len(self._kept) > self._keep:
             self._kept.popitem(last=False)
         return named.value
+
+
+def _save(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> bytes:
+    """A safetensors file of float32 `tensors`."""
+    from safetensors.numpy import save  # safetensors loads only where vectors are written
+
+    return save({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in tensors.items()},
+                metadata=dict(metadata))
 
 
 def _norm(vec: np.ndarray) -> float:

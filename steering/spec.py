@@ -19,13 +19,11 @@ from functools import cached_property
 import numpy as np
 
 from capsteer.hooks import (
-    CAPTURE_ONLY,
     HEADS_KEY,
     PROJECTION,
-    HookNameError,
-    canonical_hook,
     hook_use,
     hook_width_text,
+    parse_item_hook,
     parse_layers,
     resolve_layer,
 )
@@ -434,15 +432,7 @@ def parse_steering_spec(
         unknown = set(item) - _VECTOR_FIELDS
         if unknown:
             raise SteeringSpecError(field, f"unknown field(s) {sorted(unknown)}")
-        try:
-            hook = canonical_hook(item.get("hook", "resid_post"))
-        except HookNameError as exc:
-            raise SteeringSpecError(field + ".hook", str(exc)) from None
-        if unavailable and hook in unavailable:
-            raise SteeringSpecError(field + ".hook", unavailable[hook])
-        if hook in CAPTURE_ONLY:
-            raise SteeringSpecError(field + ".hook", f"{hook} is read only (capture and "
-                                    "readout): steering it is not offered")
+        hook = parse_item_hook(item, field, unavailable, SteeringSpecError)
         op = item.get("op", "add")
         if op not in OPS:
             raise SteeringSpecError(field + ".op", f"must be one of {', '.join(OPS)}, patch")

@@ -182,6 +182,33 @@ def wide_vector(seed: int) -> list[float]:
     return (v / np.linalg.norm(v)).tolist()
 
 
+def _layer1_cases(hook: str, cases: dict[str, dict]) -> dict[str, dict]:
+    """Each case's `steering`: one item at `hook` layer 1 with the case's fields, its op
+    the case name's first word (`clamp-neurons`: clamp)."""
+    return {name: {"vectors": [{"hook": hook, "layer": 1, "op": name.split("-")[0], **f}]}
+            for name, f in cases.items()}
+
+
+def _selection_runs(engine, hf, cases: dict[str, dict], suffix: str, hooks: list[str],
+                    prompt: list[int]) -> tuple[dict, dict[str, dict]]:
+    """One batch: `prompt` plain and steered by each case named `*{suffix}` (the
+    selections), each capturing `hooks` at layer 1; every run's captures equal HF's (the
+    steered ones under their spec). The plain captures, and each selection's."""
+    capture = {"hooks": hooks, "layers": [1], "positions": "all"}
+    picked = [name for name in cases if name.endswith(suffix)]
+    plain, *steered = engine.generate(
+        [Request(prompt_token_ids=prompt, sampling=greedy(1), capture=capture)]
+        + [Request(prompt_token_ids=prompt, sampling=greedy(1), capture=capture,
+                   steering=cases[name]) for name in picked])
+    assert assert_matches_hf(hf, plain) > 0
+    for name, res in zip(picked, steered, strict=True):
+        spec = parse_steering_spec(cases[name], num_layers=LAYERS, hidden_size=HIDDEN,
+                                   widths=engine.hook_widths)
+        assert assert_matches_hf(hf, res, steering=spec) > 0
+    return plain.captures.tensors, {name: res.captures.tensors
+                                    for name, res in zip(picked, steered, strict=True)}
+
+
 @pytest.mark.parametrize("engine_name", FAMILIES + STREAM_ONLY_FAMILIES)
 def test_add_steering_equals_hf_hook(engine_pool, model_dirs, hf_models, engine_name):
     """At every kind of point: the same 32 greedy tokens as an HF forward hook adding the
@@ -242,34 +269,22 @@ def test_steering_mlp_post_and_its_neurons_equals_hf(engine_pool, model_dirs, hf
     hf = hf_models[engine_name]
     v = wide_vector(81)
     neurons = sorted(np.random.default_rng(82).choice(D_MLP, 48, replace=False).tolist())
-    item = {"hook": "mlp_post", "layer": 1}
-    cases = {
-        "add": {"vectors": [{**item, "vector": v, "scale": 48.0}]},
-        "ablate": {"vectors": [{**item, "vector": v, "op": "ablate"}]},
-        "clamp": {"vectors": [{**item, "vector": v, "op": "clamp", "value": 40.0}]},
-        "ablate-neurons": {"vectors": [{**item, "op": "ablate", "neurons": neurons}]},
-        "clamp-neurons": {"vectors": [{**item, "op": "clamp", "value": 6.0,
-                                       "neurons": neurons}]},
-        "add-neurons": {"vectors": [{**item, "vector": v, "scale": 96.0, "neurons": neurons}]},
-    }
+    cases = _layer1_cases("mlp_post", {
+        "add": {"vector": v, "scale": 48.0},
+        "ablate": {"vector": v},
+        "clamp": {"vector": v, "value": 40.0},
+        "ablate-neurons": {"neurons": neurons},
+        "clamp-neurons": {"value": 6.0, "neurons": neurons},
+        "add-neurons": {"vector": v, "scale": 96.0, "neurons": neurons},
+    })
     check_steering_equals_hf(engine, hf, token_prompt(83, 9), cases,
                               unchanged_ok=frozenset({"ablate", "ablate-neurons"}))
-    capture = {"hooks": ["mlp_in", "mlp_post", "mlp_out"], "layers": [1], "positions": "all"}
     prompt = token_prompt(84, 12)
-    picked = [name for name in cases if name.endswith("-neurons")]
-    plain, *steered = engine.generate(
-        [Request(prompt_token_ids=prompt, sampling=greedy(1), capture=capture)]
-        + [Request(prompt_token_ids=prompt, sampling=greedy(1), capture=capture,
-                   steering=cases[name]) for name in picked])
-    was = plain.captures.tensors
+    was, selected = _selection_runs(engine, hf, cases, "-neurons",
+                                    ["mlp_in", "mlp_post", "mlp_out"], prompt)
     assert was[("mlp_post", 1)].shape == (len(prompt), D_MLP)
-    assert assert_matches_hf(hf, plain) > 0
     others = np.setdiff1d(np.arange(D_MLP), neurons)
-    for name, res in zip(picked, steered, strict=True):
-        spec = parse_steering_spec(cases[name], num_layers=LAYERS, hidden_size=HIDDEN,
-                                   widths=engine.hook_widths)
-        assert assert_matches_hf(hf, res, steering=spec) > 0
-        got = res.captures.tensors
+    for name, got in selected.items():
         torch.testing.assert_close(got[("mlp_in", 1)], was[("mlp_in", 1)], atol=1e-5, rtol=1e-5)
         post, before = got[("mlp_post", 1)], was[("mlp_post", 1)]
         torch.testing.assert_close(post[:, others], before[:, others], atol=1e-5, rtol=1e-5)
@@ -292,34 +307,24 @@ def test_steering_attn_z_and_its_heads_equals_hf(engine_pool, model_dirs, hf_mod
     hf = hf_models[engine_name]
     width = HEADS * D_HEAD
     v = vector(91)
-    item = {"hook": "attn_z", "layer": 1}
-    cases = {
-        "add": {"vectors": [{**item, "vector": v, "scale": 24.0}]},
-        "clamp": {"vectors": [{**item, "vector": v, "op": "clamp", "value": 20.0}]},
-        "ablate-heads": {"vectors": [{**item, "op": "ablate", "heads": [0, 2]}]},
-        "clamp-heads": {"vectors": [{**item, "op": "clamp", "value": 3.0, "heads": [1]}]},
-        "add-heads": {"vectors": [{**item, "vector": v, "scale": 48.0, "heads": [3]}]},
-    }
+    cases = _layer1_cases("attn_z", {
+        "add": {"vector": v, "scale": 24.0},
+        "clamp": {"vector": v, "value": 20.0},
+        "ablate-heads": {"heads": [0, 2]},
+        "clamp-heads": {"value": 3.0, "heads": [1]},
+        "add-heads": {"vector": v, "scale": 48.0, "heads": [3]},
+    })
     check_steering_equals_hf(engine, hf, token_prompt(92, 9), cases,
                               unchanged_ok=frozenset({"ablate-heads", "clamp-heads"}))
-    capture = {"hooks": ["attn_z", "attn_out"], "layers": [1], "positions": "all"}
     prompt = token_prompt(93, 12)
-    picked = [name for name in cases if name.endswith("-heads")]
-    plain, *steered = engine.generate(
-        [Request(prompt_token_ids=prompt, sampling=greedy(1), capture=capture)]
-        + [Request(prompt_token_ids=prompt, sampling=greedy(1), capture=capture,
-                   steering=cases[name]) for name in picked])
-    was = plain.captures.tensors[("attn_z", 1)].reshape(len(prompt), HEADS, D_HEAD)
-    assert assert_matches_hf(hf, plain) > 0
-    heads_of = {"ablate-heads": [0, 2], "clamp-heads": [1], "add-heads": [3]}
-    for name, res in zip(picked, steered, strict=True):
-        spec = parse_steering_spec(cases[name], num_layers=LAYERS, hidden_size=HIDDEN,
-                                   widths=engine.hook_widths)
-        assert assert_matches_hf(hf, res, steering=spec) > 0
-        got = res.captures.tensors[("attn_z", 1)]
+    plain, selected = _selection_runs(engine, hf, cases, "-heads", ["attn_z", "attn_out"],
+                                      prompt)
+    was = plain[("attn_z", 1)].reshape(len(prompt), HEADS, D_HEAD)
+    for name, caps in selected.items():
+        got = caps[("attn_z", 1)]
         assert got.shape == (len(prompt), width)
         got = got.reshape(len(prompt), HEADS, D_HEAD)
-        sel = heads_of[name]
+        sel = cases[name]["vectors"][0]["heads"]
         rest = [h for h in range(HEADS) if h not in sel]
         torch.testing.assert_close(got[:, rest], was[:, rest], atol=1e-5, rtol=1e-5)
         want = {"ablate-heads": torch.zeros_like(was[:, sel]),
@@ -327,5 +332,4 @@ def test_steering_attn_z_and_its_heads_equals_hf(engine_pool, model_dirs, hf_mod
                 "add-heads": was[:, sel] + 48.0 * torch.tensor(v).reshape(HEADS, D_HEAD)[sel]
                 }[name]
         torch.testing.assert_close(got[:, sel], want, atol=1e-4, rtol=1e-5)
-        assert not torch.allclose(res.captures.tensors[("attn_out", 1)],
-                                  plain.captures.tensors[("attn_out", 1)])
+        assert not torch.allclose(caps[("attn_out", 1)], plain[("attn_out", 1)])

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -29,12 +30,16 @@ def main() -> None:
     parser.add_argument("--out", default=".")
     parser.add_argument("--model-root", default="/tmp/capsteer-patch-models")
     args = parser.parse_args()
+    # After argparse: --help answers without loading torch and vLLM.
     import torch
 
     from capsteer.demo_model import DemoShape, write_demo_model
-    from capsteer.engine import Engine, Request
-    from capsteer.reference import hf_greedy, hf_patched, load_hf
-    from capsteer.steering.patches import PatchSource
+    from capsteer.engine import Engine
+    from capsteer.reference import hf_greedy, load_hf
+
+    # The checkout's `tests` package, after the installed capsteer (appended, not prepended).
+    sys.path.append(str(Path(__file__).resolve().parents[2]))
+    from tests.engine.patch_runs import capture_points, run_patched
 
     gpu = args.device == "cuda"
     shape = DemoShape(hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=4, head_dim=64,
@@ -55,41 +60,13 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     source, prompt = ([int(t) for t in torch.randint(5, 700, (n,), generator=gen)]
                       for n in (40, 30))
-    (cap,) = engine.generate([Request(
-        prompt_token_ids=source, sampling={"max_tokens": 2, "temperature": 0.0},
-        capture={"hooks": {"resid_post": [2], "mlp_out": [4]}, "positions": "all"})])
-    captured = cap.captures
-    assert captured is not None and captured.error is None, captured
-
-    def sources(capture_id: str) -> PatchSource:
-        if capture_id != cap.capture_id:
-            raise KeyError(capture_id)
-        return PatchSource.of_tensors(capture_id, "demo", captured.positions,
-                                      captured.tensors)
-    engine.patch_sources = sources
-    resid_at, mlp_at = [3, 4, 5, 6, 7], [10, 31, 33]  # 31, 33: B's generated positions
-    steering = {"vectors": [
-        {"op": "patch", "hook": "resid_post", "layer": 2,
-         "source": {"capture_id": cap.capture_id, "positions": resid_at}},
-        {"op": "patch", "hook": "mlp_out", "layer": 4,
-         "source": {"capture_id": cap.capture_id, "positions": mlp_at}}]}
-    index = {int(p): i for i, p in enumerate(captured.positions)}
-
-    def rows(hook: str, layer: int, at: list[int]):
-        return captured.tensors[(hook, layer)][[index[p] for p in at]].float().to(args.device)
+    # mlp_out's 31, 33: B's generated positions
+    points = [("resid_post", 2, [3, 4, 5, 6, 7]), ("mlp_out", 4, [10, 31, 33])]
+    cap = capture_points(engine, source, points, {"max_tokens": 2, "temperature": 0.0})
     sampling = {"max_tokens": TOKENS, "temperature": 0.0, "ignore_eos": True, "logprobs": 5}
-    plain, patched, plain2 = engine.generate([
-        Request(prompt_token_ids=prompt, sampling=sampling),
-        Request(prompt_token_ids=prompt, sampling=sampling, steering=steering),
-        Request(prompt_token_ids=prompt, sampling=sampling)])
-    with torch.no_grad(), hf_patched(hf, [
-            ("resid_post", 2, resid_at, rows("resid_post", 2, resid_at)),
-            ("mlp_out", 4, mlp_at, rows("mlp_out", 4, mlp_at))]):
-        ref_tokens, ref_lps = hf_greedy(hf, prompt, TOKENS)
-    (forced,) = engine.generate([Request(
-        prompt_token_ids=prompt + ref_tokens,
-        sampling={"max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0},
-        steering=steering)])
+    run = run_patched(engine, hf, cap, prompt, points, sampling, device=args.device)
+    plain, patched, plain2, forced = run.plain, run.patched, run.plain2, run.forced
+    ref_tokens, ref_lps = run.ref_tokens, run.ref_lps
     with torch.no_grad():
         plain_ref, plain_lps = hf_greedy(hf, prompt, TOKENS)
     row["patched_tokens_equal_hf"] = patched.token_ids == ref_tokens

@@ -1,6 +1,7 @@
 """Named vectors travel to the workers by reference (name and content sha256), through the
 real server: the same tokens as the floats sent inline, a replaced vector used from the
-next request on, and a vector that changed under a request never steers it."""
+next request on, and a vector that changed under a request steers it with the content the
+server checked, never the other."""
 
 from __future__ import annotations
 
@@ -82,13 +83,18 @@ def test_replaced_vector_steers_the_next_request(server, client, http):
     assert got == _tokens(client, _inline(second)) != _tokens(client, _inline(first))
 
 
-def test_vector_changed_under_a_request_never_steers_it(server, client, http):
+def test_vector_changed_under_a_request_steers_with_the_checked_content(server, client, http):
     """The race, made deterministic: the file's bytes change in place (same inode, size,
     header and mtime) after the API process cached its decode, so the server checks the
-    request against the old content while the workers, which never read it, find other
-    content: they refuse the request's steering (counted) rather than use either vector."""
+    request against the old content while the name's file holds other content. The
+    workers read the content the server checked, kept by its sha256, never the name's
+    file: they steer with the old vector, as every tensor-parallel rank would, and refuse
+    nothing (tests/unit/test_named_by_reference.py: content gone is refused alike)."""
     old, new = _rows(44), _rows(45)
+    kept = server.workdir / "vectors" / ".content"
+    before = set(os.listdir(kept)) if kept.exists() else set()
     _put(http, "tampered", old)  # the server decodes it here (its cache keys on the file)
+    (content,) = set(os.listdir(kept)) - before  # the old content, by its sha256
     path = server.workdir / "vectors" / "tampered.safetensors"
     st = os.stat(path)
     blob = path.read_bytes()
@@ -100,6 +106,6 @@ def test_vector_changed_under_a_request_never_steers_it(server, client, http):
     assert os.stat(path).st_size == st.st_size
     refused = metric_value(scrape(server.url), "capsteer_steering_refused_total")
     got = _tokens(client, _named("tampered"))
-    assert metric_value(scrape(server.url), "capsteer_steering_refused_total") == refused + 1
-    assert got == _tokens(client, None)  # unsteered: neither vector
-    assert got != _tokens(client, _inline(new))
+    assert metric_value(scrape(server.url), "capsteer_steering_refused_total") == refused
+    assert got == _tokens(client, _inline(old)) != _tokens(client, _inline(new))
+    assert (kept / content).exists()

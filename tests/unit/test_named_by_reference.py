@@ -1,10 +1,14 @@
 """Named steering vectors travel by reference: the payload names the registry entry and its
-content sha256, a worker reads it from the same directory, and never steers with another
-vector stored under that name meanwhile."""
+content sha256, and every worker reads that content from the same directory (kept by its
+sha256), never another vector stored under that name meanwhile."""
 
 from __future__ import annotations
 
 import io
+import os
+import shutil
+import time
+from collections.abc import Mapping
 
 import numpy as np
 import pytest
@@ -14,6 +18,7 @@ from capsteer.engine_ext.payload import build_payload
 from capsteer.engine_ext.plan import RequestHooks
 from capsteer.engine_ext.runtime import HookRuntime
 from capsteer.server.fields import FieldError, ModelShape, parse_hook_fields
+from capsteer.steering import registry as reg_mod
 from capsteer.steering.registry import VectorChangedError, VectorReader, VectorRegistry
 from capsteer.steering.spec import SteeringSpec, parse_steering_spec
 
@@ -91,36 +96,87 @@ def test_named_payload_is_small_and_builds_the_inline_entries(registry, tmp_path
         SteeringSpec.from_wire(named.wire_text)
 
 
-def test_a_replaced_vector_is_refused_never_used(registry, tmp_path):
-    """The vector changes between the server's check and the worker's read: the worker
-    refuses the request's hooks (request_book logs it, counts it in
-    capsteer_steering_refused_total and ends a capture with an error receipt)."""
+def _ranks(tmp_path) -> list[VectorReader]:
+    """Two tensor-parallel ranks' readers of the server's registry directory."""
+    return [VectorReader(tmp_path / "vectors", hidden_size=HIDDEN, num_layers=LAYERS)
+            for _ in range(2)]
+
+
+def test_a_vector_replaced_between_two_ranks_loads_steers_both_alike(registry, tmp_path):
+    """The race under tensor parallelism: rank 0 reads the request's vectors, the name is
+    replaced (then deleted), rank 1 reads them. Both read the content the server checked
+    the request against (kept by its sha256), so both steer with it: a rank refusing
+    alone would all-gather by itself and hang the engine."""
     spec = _parse(NAMED, registry.lookup_named)
     payload = build_payload(None, spec).extra_args["capsteer"]
-    registry.put("per-layer", _npy(_rows(3)))  # replaced after the check
-    reader = VectorReader(tmp_path / "vectors", hidden_size=HIDDEN, num_layers=LAYERS)
-    rt = _runtime()
-    free, slots = len(rt.free_entries), len(rt.free_slots)
-    with pytest.raises(VectorChangedError, match="replaced after the request was checked"):
-        RequestHooks.from_payload("a", payload, 4, rt, reader)
-    # nothing half-registered: no entries, no slot, no shared spec
-    assert (len(rt.free_entries), len(rt.free_slots), rt.shared) == (free, slots, {})
+    rank0, rank1 = _ranks(tmp_path)
+    rt0, rt1 = _runtime(), _runtime()
+    first = RequestHooks.from_payload("a", payload, 4, rt0, rank0)
+    registry.put("per-layer", _npy(_rows(3)))  # replaced between the two ranks' loads
     registry.delete("one")
-    with pytest.raises(VectorChangedError, match="not readable"):
-        reader("one", spec.to_dict()["refs"][1]["sha256"])
+    second = RequestHooks.from_payload("a", payload, 4, rt1, rank1)
+    checked = _parse(_inline(_rows(1), _rows(2)[0]), None)
+    assert first.steering_key == second.steering_key == checked.sharing_key
+    for ref in spec.to_dict()["refs"]:  # the very floats, on both ranks
+        a, b = rank0(ref["name"], ref["sha256"]), rank1(ref["name"], ref["sha256"])
+        for key in (a if isinstance(a, Mapping) else {None: a}):
+            np.testing.assert_array_equal(a if key is None else a[key],
+                                          b if key is None else b[key])
     # The next request is checked against the new vector and steers with it.
-    first = {"vectors": NAMED["vectors"][:1]}
-    fresh = _parse(first, registry.lookup_named)
+    fresh = _parse({"vectors": NAMED["vectors"][:1]}, registry.lookup_named)
     hooks = RequestHooks.from_payload("b", build_payload(None, fresh).extra_args["capsteer"], 4,
-                                      rt, reader)
+                                      rt1, rank1)
     want = _parse({"vectors": _inline(_rows(3), _rows(2)[0])["vectors"][:LAYERS]}, None)
     assert hooks.steering_key == fresh.sharing_key == want.sharing_key
-    assert _parse(first, registry.lookup).sharing_key == want.sharing_key
+
+
+def test_content_gone_is_refused_alike_by_every_rank(registry, tmp_path):
+    """Content no longer kept (removed by hand, or unused past CONTENT_KEEP_SECONDS) is
+    refused by every rank with the same error, before anything is registered (request_book
+    logs it, counts it in capsteer_steering_refused_total and ends a capture with an
+    error receipt); a content file holding other bytes is refused alike too."""
+    spec = _parse(NAMED, registry.lookup_named)
+    payload = build_payload(None, spec).extra_args["capsteer"]
+    sha = spec.to_dict()["refs"][0]["sha256"]
+    registry.content_path(sha).unlink()
+    errors = []
+    for reader in _ranks(tmp_path):
+        rt = _runtime()
+        free, slots = len(rt.free_entries), len(rt.free_slots)
+        with pytest.raises(VectorChangedError, match="is not readable") as info:
+            RequestHooks.from_payload("a", payload, 4, rt, reader)
+        errors.append(str(info.value))
+        # nothing half-registered: no entries, no slot, no shared spec
+        assert (len(rt.free_entries), len(rt.free_slots), rt.shared) == (free, slots, {})
+    assert errors[0] == errors[1]
+    other = registry.lookup_named("one")  # its content file, under another sha256
+    registry.content_path(other.sha256).rename(registry.content_path(sha))
+    for reader in _ranks(tmp_path):
+        with pytest.raises(VectorChangedError, match="holds other content"):
+            reader("per-layer", sha)
+
+
+def test_old_content_goes_at_a_put_once_unused(registry, tmp_path, monkeypatch):
+    """Content files no request was checked against for CONTENT_KEEP_SECONDS go at the
+    next put or delete; a request's check keeps its content's file."""
+    old = registry.lookup_named("per-layer").sha256
+    registry.put("per-layer", _npy(_rows(3)))
+    assert registry.content_path(old).exists()  # requests checked against it may run
+    stale = time.time() - reg_mod.CONTENT_KEEP_SECONDS - 1
+    for sha in (old, registry.lookup_named("one").sha256):
+        os.utime(registry.content_path(sha), (stale, stale))
+    registry._touched.clear()  # this process's memory of touching them
+    registry.lookup_named("one")  # checked again: touched, kept
+    registry.put("third", _npy(_rows(6)[0]))
+    assert not registry.content_path(old).exists()
+    assert registry.content_path(registry.lookup_named("one").sha256).exists()
+    assert registry.names() == ["one", "per-layer", "third"]
 
 
 def test_reader_keeps_verified_content_by_sha(registry, tmp_path):
-    """Content a worker already verified stays usable by its sha256 after the name is
-    replaced (the requests checked against it were checked against exactly that)."""
+    """Content a worker already read stays usable by its sha256 after the name is replaced
+    (the requests checked against it were checked against exactly that): in memory, the
+    last `keep`, else from its content file while that is kept."""
     reader = VectorReader(tmp_path / "vectors", hidden_size=HIDDEN, num_layers=LAYERS, keep=1)
     old = registry.lookup_named("per-layer")
     np.testing.assert_array_equal(reader("per-layer", old.sha256)[5], _rows(1)[5])
@@ -129,7 +185,11 @@ def test_reader_keeps_verified_content_by_sha(registry, tmp_path):
     new = registry.lookup_named("per-layer")
     assert new.sha256 != old.sha256
     np.testing.assert_array_equal(reader("per-layer", new.sha256)[5], _rows(4)[5])
-    with pytest.raises(VectorChangedError):  # keep=1: the old content was let go
+    # keep=1: the old content was let go from memory, and is read again from its file
+    np.testing.assert_array_equal(reader("per-layer", old.sha256)[5], _rows(1)[5])
+    registry.content_path(old.sha256).unlink()
+    reader("per-layer", new.sha256)  # the kept one now
+    with pytest.raises(VectorChangedError):
         reader("per-layer", old.sha256)
 
 
@@ -161,3 +221,18 @@ def test_server_reuses_the_parse_of_a_named_field_until_the_vector_changes(regis
     # Inline floats are parsed per request (no reuse).
     body = _inline(_rows(1), _rows(2)[0])
     assert parse(body) is not parse(body)
+
+
+def test_content_files_are_written_at_the_first_check_where_missing(registry, tmp_path):
+    """A directory filled before content files existed (or whose content went unused past
+    CONTENT_KEEP_SECONDS): the server's first check of a name writes its content, which
+    every rank then reads."""
+    shutil.rmtree(tmp_path / "vectors" / reg_mod.CONTENT_DIR)
+    server = VectorRegistry(tmp_path / "vectors", hidden_size=HIDDEN, num_layers=LAYERS)
+    spec = _parse(NAMED, server.lookup_named)
+    for ref in spec.to_dict()["refs"]:
+        assert server.content_path(ref["sha256"]).exists()
+    payload = build_payload(None, spec).extra_args["capsteer"]
+    keys = {RequestHooks.from_payload("a", payload, 4, _runtime(), reader).steering_key
+            for reader in _ranks(tmp_path)}
+    assert keys == {_parse(_inline(_rows(1), _rows(2)[0]), None).sharing_key}

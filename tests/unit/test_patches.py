@@ -14,6 +14,7 @@ from capsteer.capture.manifest import publish_unreached
 from capsteer.capture.spec import parse_capture_spec
 from capsteer.engine_ext.plan import RequestHooks, build_step_plan
 from capsteer.engine_ext.runtime import STREAM, SUB, HookRuntime, hook_point
+from capsteer.hooks import ALIASES, HOOKS
 from capsteer.server.patch_sources import CaptureSources
 from capsteer.server.tracker import CaptureTracker
 from capsteer.steering import patches as patch_mod
@@ -230,3 +231,35 @@ def test_the_servers_lookup_tells_pending_failed_and_missing_apart(tmp_path):
         tracker.untrack("cap-flying")
     asyncio.run(scenario())
 
+
+
+_UNKNOWN = f"unknown hook 'nope'; accepted: {', '.join((*HOOKS, *ALIASES))}"
+_GONE = {"resid_mid": "this model's blocks are parallel: it has no resid_mid"}
+HOOK_REFUSALS = [
+    ("unknown hook, steered", {"hook": "nope", "layer": 0, "vector": [1.0] * HIDDEN},
+     _UNKNOWN),
+    ("unknown hook, patched", _item(hook="nope"), _UNKNOWN),
+    ("unavailable hook, steered", {"hook": "post_attn", "layer": 0, "vector": [1.0] * HIDDEN},
+     _GONE["resid_mid"]),
+    ("unavailable hook, patched", _item(hook="resid_mid"), _GONE["resid_mid"]),
+    ("read-only hook, steered", {"hook": "router_logits", "layer": 0, "vector": [1.0]},
+     "router_logits is read only (capture and readout): steering it is not offered"),
+    ("read-only hook, patched", _item(hook="router_logits"),
+     "op patch acts on hooks of the model's hidden size for now, not on router_logits"),
+    ("wide hook, patched", _item(hook="mlp.hook_post"),
+     "op patch acts on hooks of the model's hidden size for now, not on mlp_post"),
+]
+
+
+@pytest.mark.parametrize(("item", "reason"), [r[1:] for r in HOOK_REFUSALS],
+                         ids=[r[0] for r in HOOK_REFUSALS])
+def test_hook_refusals_read_alike_for_steered_and_patched_items(item, reason):
+    """Both item kinds parse their hook in one function (hooks.parse_item_hook): the
+    field and the reason each 400 gives stay exactly these."""
+    with pytest.raises(SteeringSpecError) as info:
+        parse_steering_spec({"vectors": [{"hook": "resid_post", "layer": 0,
+                                          "vector": [0.0] * HIDDEN}, item]},
+                            num_layers=LAYERS, hidden_size=HIDDEN, patches=_source,
+                            unavailable=_GONE)
+    assert info.value.field == "steering.vectors[1].hook"
+    assert info.value.reason == reason

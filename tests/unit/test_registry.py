@@ -544,7 +544,9 @@ def test_damaged_or_foreign_file_reported(reg):
 
 def test_atomic_write_leaves_no_temp_files(reg, monkeypatch):
     reg.put("v", npy(VEC))
-    assert os.listdir(reg.root) == ["v.safetensors"]
+    assert sorted(os.listdir(reg.root)) == [".content", "v.safetensors"]
+    kept = os.listdir(reg.root / ".content")  # the entry's content, by its sha256
+    assert len(kept) == 1
 
     def boom(src, dst):
         raise OSError("disk full")
@@ -554,7 +556,8 @@ def test_atomic_write_leaves_no_temp_files(reg, monkeypatch):
         reg.put("v", npy(STACK))
     with pytest.raises(OSError, match="disk full"):
         reg.put("w", npy(VEC))
-    assert os.listdir(reg.root) == ["v.safetensors"]
+    assert sorted(os.listdir(reg.root)) == [".content", "v.safetensors"]
+    assert os.listdir(reg.root / ".content") == kept
     np.testing.assert_array_equal(reg.lookup("v"), VEC)
 
 
