@@ -8,11 +8,10 @@ default set: capture_mlp_post (P3 at the MLP's hidden activations, d_mlp wide, >
 steer_conditional (steer's vector gated per token by a probe at every layer, >= 0.95),
 readout_probe / readout_sae16k (a one-output probe / a 16,384-feature TopK SAE, top_k 16, read
 at the middle layer's resid_post on every token, results collected in the timed batch: >= 0.97
-/ 0.90). Workloads
-on the Qwen3-0.6B shape: prefill 256 x (512 in + 64 out), decode 256 x (128 in + 512 out),
-greedy, fresh prompts every batch; after an untimed warm-up, whole batches until
---min-seconds; tokens/s = (prompt + generated) / time. vanilla and plain also generate 64
-greedy requests for `plain_identity`.
+/ 0.90). Workloads on the Qwen3-0.6B shape: prefill 256 x (512 in + 64 out), decode 256 x
+(128 in + 512 out), greedy, fresh prompts every batch; after an untimed warm-up, whole batches
+until --min-seconds; tokens/s = (prompt + generated) / time. vanilla and plain also generate
+64 greedy requests for `plain_identity`.
 
 A round's processes are alive together and take turns batch by batch (the next batch goes
 to the one with the least timed seconds in the earliest phase), so a drifting host slows
@@ -125,9 +124,8 @@ def open_engine(config: str, model: str, kw: dict[str, Any], capture_dir: Path, 
         config_section["readers_dir"] = str(capture_dir.parent / f"readers-{config}")
         perf_models.put_readers(Path(config_section["readers_dir"]), hidden)
     engine = Engine(model, capsteer_config=config_section, **kw)
-    readout = None
-    if config in READ:  # the middle layer, as the capture configs
-        readout = [{**READ[config], "hook": "resid_post", "layer": engine.num_layers // 2}]
+    readout = [{**READ[config], "hook": "resid_post", "layer": engine.num_layers // 2}] \
+        if config in READ else None  # the middle layer, as the capture configs
 
     def batch(prompts: list[list[int]], gen: int, capture: object = None,
               steer: object = None) -> dict[str, Any]:
@@ -137,11 +135,9 @@ def open_engine(config: str, model: str, kw: dict[str, Any], capture_dir: Path, 
                                            readout=readout)
                                    for p in prompts], timeout=900)
         bad = [r.receipt for r in results if r.receipt is not None and r.receipt.status != "ok"]
+        bad += [e for r in results for e in r.readout_results or () if "error" in e]
         if bad:
-            raise RuntimeError(f"{len(bad)} captures failed, e.g. {bad[0]}")
-        if readout is not None and (bad := [e for r in results for e in r.readout_results
-                                            if "error" in e]):
-            raise RuntimeError(f"{len(bad)} readouts failed, e.g. {bad[0]}")
+            raise RuntimeError(f"{len(bad)} captures or readouts failed, e.g. {bad[0]}")
         return {"cached": sum(r.num_cached_tokens for r in results),
                 "bytes": sum(r.receipt.bytes for r in results if r.receipt is not None),
                 "tokens": [r.token_ids for r in results]}
@@ -294,11 +290,9 @@ def summarize(procs: list[dict[str, Any]]) -> dict[str, Any]:
                 "paired_by_round": paired}
     out: dict[str, Any] = {"stats": stats, "ratios": ratios}
     keys: dict[str, Any] = {}
-    for key, cfg in (("p1_plain", "plain"), ("p3_capture_one_layer", "capture"),
-                     ("p3_capture_mlp_post", "capture_mlp_post"),
-                     ("steer_conditional_engine", "steer_conditional"),
-                     ("readout_probe_engine", "readout_probe"),
-                     ("readout_sae16k_engine", "readout_sae16k")):
+    named = {"plain": "p1_plain", "capture": "p3_capture_one_layer",
+             "capture_mlp_post": "p3_capture_mlp_post"}  # the others: <config>_engine
+    for key, cfg in ((named.get(c, f"{c}_engine"), c) for c in ("plain", "capture", *MORE_CONFIGS)):
         if per := ratios.get(cfg, {}):  # the min over the workloads; its bounds: the bounds' min
             lo, hi = min(r["lo"] for r in per.values()), min(r["hi"] for r in per.values())
             few = any(r["samples"] < MIN_PROCESSES for r in per.values())

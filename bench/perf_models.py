@@ -249,15 +249,13 @@ def put_readers(root: Path, hidden: int) -> None:
 
     from capsteer.steering.readers.registry import ReaderRegistry
 
-    rng = np.random.default_rng(12)
-    sae = {"W_enc": rng.standard_normal((hidden, 16384), np.float32) / hidden ** 0.5,
-           "b_enc": np.zeros(16384, np.float32), "b_dec": np.zeros(hidden, np.float32),
-           "W_dec": rng.standard_normal((16384, hidden), np.float32) / 128}
-    (root / SAE16K).mkdir(parents=True, exist_ok=True)
-    save_file(sae, str(root / SAE16K / "sae_weights.safetensors"))
-    (root / SAE16K / "cfg.json").write_text(json.dumps({
-        "architecture": "topk", "k": 64, "d_in": hidden, "d_sae": 16384,
-        "sae_lens_version": "6.5.0"}))
-    probe = io.BytesIO()
+    rng, sae_dir, probe = np.random.default_rng(12), root / SAE16K, io.BytesIO()
+    sae_dir.mkdir(parents=True, exist_ok=True)
+    save_file({"W_enc": rng.standard_normal((hidden, 16384), np.float32) / hidden ** 0.5,
+               "b_enc": np.zeros(16384, np.float32), "b_dec": np.zeros(hidden, np.float32),
+               "W_dec": rng.standard_normal((16384, hidden), np.float32) / 128},
+              str(sae_dir / "sae_weights.safetensors"))
+    (sae_dir / "cfg.json").write_text(json.dumps({"architecture": "topk", "k": 64, "d_in": hidden,
+                                                  "d_sae": 16384, "sae_lens_version": "6.5.0"}))
     np.save(probe, rng.standard_normal((1, hidden), np.float32))
     ReaderRegistry(root, hidden_size=hidden).put(PROBE, probe.getvalue(), "npy")

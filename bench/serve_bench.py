@@ -198,14 +198,10 @@ def process_cpu(root_pid: int | None, pids: bool = False) -> dict[str, Any]:
     tree, out, roles = [root_pid] if root_pid in procs else [], {}, {}
     for pid in tree:  # grows as children are found
         tree += [kid for kid, (parent, _, _) in procs.items() if parent == pid]
-        parent, name = procs[pid][:2]
-        # capture writers are the processes a worker starts (capture/writer/process.py)
-        # --api-server-count N: the root launches N API processes ("VLLM::APIServer_i")
-        role = "api" if pid == root_pid or "APIServer" in name else \
-            "engine_core" if "EngineCor" in name else \
-            "worker" if "Worker" in name else \
-            "writer" if roles.get(parent) == "worker" else "other"
-        roles[pid] = role
+        parent, name = procs[pid][:2]  # N API processes: "VLLM::APIServer_i"; writers: a
+        roles[pid] = role = "api" if pid == root_pid or "APIServer" in name else \
+            "engine_core" if "EngineCor" in name else "worker" if "Worker" in name else \
+            "writer" if roles.get(parent) == "worker" else "other"  # worker's children
         out[role] = out.get(role, pid) if pids else out.get(role, 0.0) + procs[pid][2]
     return out
 
