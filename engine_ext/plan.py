@@ -377,8 +377,9 @@ def build_step_plan(
             # Only generated tokens need recording: the prompt's are known (a prefill chunk
             # of thousands of rows would otherwise be a per-token Python loop every step).
             if pos0 + hi > prompt_len:
-                g = max(first_gen, lo)
-                gen_rows, gen_pos = all_rows[a + g: a + hi], all_pos[a + g: a + hi]
+                g = max(first_gen, lo)  # lo: every kept row (decode), no new views
+                gen_rows, gen_pos = (sel_rows, sel_pos) if g == lo else \
+                    (all_rows[a + g: a + hi], all_pos[a + g: a + hi])
             else:
                 gen_rows = None
         else:
