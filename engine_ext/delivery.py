@@ -4,11 +4,14 @@ each capture's sink in order."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import replace
 
+import numpy as np
 import torch
 
 from capsteer.capture.sink import CaptureSink
+from capsteer.engine_ext.route_arrays import route_starts
 from capsteer.engine_ext.runtime import StepPlan
 
 
@@ -202,30 +205,55 @@ def _reserve_one(route, sink: CaptureSink, src: torch.Tensor, copies: list, dire
 MAX_SLOT_COPIES = 256
 
 
-def staged_row_spans(plan: StepPlan, routes) -> tuple[list[tuple[int, int]], dict[int, slice]]:
+def staged_row_spans(plan: StepPlan, routes) -> tuple[list[tuple[int, int]], Mapping[int, slice]]:
     """The staging rows of `routes` (those the harvester carries) as merged [start, stop)
     spans, and where each route's rows land once the spans are packed back to back in the
     harvester's slot (keyed by id(route)). Routes that share or touch rows share a span;
-    more than MAX_SLOT_COPIES spans become one."""
-    spans: list[list[int]] = []
-    placed: list[tuple[int, slice, int]] = []  # (id, staging span, index of its merged span)
-    for span, rid in sorted(((_staging_span(plan, r), id(r)) for r in routes),
-                            key=lambda pair: pair[0].start):
-        if spans and span.start <= spans[-1][1]:
-            spans[-1][1] = max(spans[-1][1], span.stop)
-        else:
-            spans.append([span.start, span.stop])
-        placed.append((rid, span, len(spans) - 1))
-    if len(spans) > MAX_SLOT_COPIES:  # one copy over the gaps beats a launch per span
-        spans = [[spans[0][0], spans[-1][1]]]
-        placed = [(rid, span, 0) for rid, span, _ in placed]
-    packed_at, total = [], 0
-    for begin, end in spans:
-        packed_at.append(total - begin)  # slot row = staging row + this shift
-        total += end - begin
-    where = {rid: slice(span.start + packed_at[i], span.stop + packed_at[i])
-             for rid, span, i in placed}
-    return [(b, e) for b, e in spans], where
+    more than MAX_SLOT_COPIES spans become one. Whole arrays (hundreds of routes a decode
+    step); the per-route slices are made where they are read, on the harvester's thread."""
+    if not routes:
+        return [], {}
+    starts, lens = route_starts(routes, plan.staging_offset)
+    order = np.argsort(starts, kind="stable")
+    begin, end = starts[order], starts[order] + lens[order]
+    # A route opens a span unless it starts at or before the end of every route before it.
+    opens = np.empty(len(begin), bool)
+    opens[0] = True
+    np.greater(begin[1:], np.maximum.accumulate(end)[:-1], out=opens[1:])
+    first = np.flatnonzero(opens)
+    span_begin, span_end = begin[first], np.maximum.reduceat(end, first)
+    if len(first) > MAX_SLOT_COPIES:  # one copy over the gaps beats a launch per span
+        span_begin, span_end = span_begin[:1], span_end[-1:]
+        opens[1:] = False
+    shift = np.cumsum(span_end - span_begin) - span_end  # slot row = staging row + shift
+    routed = shift[np.cumsum(opens) - 1]
+    ids = [id(routes[i]) for i in order.tolist()]
+    return (list(zip(span_begin.tolist(), span_end.tolist(), strict=True)),
+            _PackedRows(ids, (begin + routed).tolist(), (end + routed).tolist()))
+
+
+class _PackedRows(Mapping[int, slice]):
+    """id(route) -> its rows in the harvester's packed slot, built on first use."""
+
+    def __init__(self, ids: list[int], starts: list[int], stops: list[int]) -> None:
+        self._parts: tuple | None = (ids, starts, stops)
+        self._where: dict[int, slice] = {}
+
+    def _built(self) -> dict[int, slice]:
+        if self._parts is not None:
+            ids, starts, stops = self._parts
+            self._where = {rid: slice(b, e) for rid, b, e in zip(ids, starts, stops, strict=True)}
+            self._parts = None
+        return self._where
+
+    def __getitem__(self, rid: int) -> slice:
+        return self._built()[rid]
+
+    def __iter__(self):
+        return iter(self._built())
+
+    def __len__(self) -> int:
+        return len(self._built())
 
 
 def _staging_span(plan: StepPlan, route) -> slice:

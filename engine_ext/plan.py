@@ -27,7 +27,7 @@ from capsteer.steering.spec import SteeringSpec, VectorResolve
 PROMPT, GENERATED = 0, 1
 
 
-@dataclass
+@dataclass(slots=True)  # hundreds a step: no __dict__ each
 class CaptureRoute:
     """Where one request's rows for one (kind, site) sit in this step's staging copy:
     rows `staging_offset[point] + offset` onwards, one per entry of `positions`."""
@@ -312,8 +312,9 @@ def build_step_plan(
         offset_in_req = np.arange(total, dtype=np.int64) - np.repeat(first, n_rows)
         all_rows = np.repeat(query_start_loc[at].astype(np.int64), n_rows) + offset_in_req
         all_pos = np.repeat(start_positions[at].astype(np.int64), n_rows) + offset_in_req
-        all_gen = all_pos >= np.repeat(
-            np.array([h.prompt_len for _, h in looped], np.int64), n_rows)
+        all_gen = all_pos >= np.repeat(  # position classes: host-mode steering only
+            np.array([h.prompt_len for _, h in looped], np.int64), n_rows) \
+            if host_steering else None
         # Python ints, converted once: hundreds of requests read them every step.
         n_list, first_list = n_rows.tolist(), first.tolist()
         pos0_list = start_positions[at].tolist()
@@ -322,58 +323,91 @@ def build_step_plan(
         if k <= 0:
             continue
         a = first_list[j]
-        rows, pos = all_rows[a: a + k], all_pos[a: a + k]
-        for (kind, site, cls), entry in (hooks.entries.items() if host_steering else ()):
-            generated = all_gen[a: a + k]
-            sel = rows[generated] if cls == GENERATED else rows[~generated]
-            if len(sel):
-                steer_rows[(kind, site)].append(sel)
-                steer_ents[(kind, site)].append(np.full(len(sel), entry, dtype=np.int64))
-        if hooks.patches and host_steering:
-            patching.step_rows(hooks.patches, rows, pos, patch_parts)
-        elif hooks.patches:
-            patching.step_ranks(hooks.patch_positions, rows, pos, patch_ranks)
+        pos0, prompt_len = pos0_list[j], hooks.prompt_len
+        if (host_steering and hooks.entries) or hooks.patches:
+            rows, pos = all_rows[a: a + k], all_pos[a: a + k]
+            for (kind, site, cls), entry in (hooks.entries.items() if host_steering else ()):
+                generated = all_gen[a: a + k]
+                sel = rows[generated] if cls == GENERATED else rows[~generated]
+                if len(sel):
+                    steer_rows[(kind, site)].append(sel)
+                    steer_ents[(kind, site)].append(np.full(len(sel), entry, dtype=np.int64))
+            if hooks.patches and host_steering:
+                patching.step_rows(hooks.patches, rows, pos, patch_parts)
+            elif hooks.patches:
+                patching.step_ranks(hooks.patch_positions, rows, pos, patch_ranks)
         # A request's rows are consecutive positions; `first_gen` is the index of its
-        # first generated one (k: none), so the usual position kinds need no mask.
-        pos0 = pos0_list[j]
-        first_gen = min(max(hooks.prompt_len - pos0, 0), k)
+        # first generated one (k: none), so the usual position kinds need no mask: their
+        # rows are one slice of the flat arrays (two numpy views a request and step).
+        first_gen = min(max(prompt_len - pos0, 0), k)
         if hooks.readout_id is not None:
             # One row set for all the request's items (device mode ranks rows per request);
             # each item keeps its own positions in the sink.
-            sel = _kept(hooks.readout_items[0].positions, pos, hooks.prompt_len, first_gen) \
-                if len(hooks.readout_items) == 1 else _kept_any(
-                    [item.positions for item in hooks.readout_items], pos, hooks.prompt_len)
-            if sel is not None:
-                sel_rows, sel_pos = rows[sel], pos[sel]
+            items = hooks.readout_items
+            kind = items[0].positions.kind if len(items) == 1 else None
+            if kind in _RANGES:
+                lo, hi = _range(kind, k, first_gen)
+                sel_rows, sel_pos = (all_rows[a + lo: a + hi], all_pos[a + lo: a + hi]) \
+                    if hi > lo else (None, None)
+            else:
+                pos = all_pos[a: a + k]
+                sel = _kept(items[0].positions, pos, prompt_len, first_gen) \
+                    if kind is not None else _kept_any([item.positions for item in items], pos,
+                                                       prompt_len)
+                sel_rows, sel_pos = (None, None) if sel is None else \
+                    (all_rows[a: a + k][sel], pos[sel])
+            if sel_rows is not None:
+                n_sel = len(sel_rows)
                 for point, keys in hooks.readout_points.items():
-                    routes.append(CaptureRoute(hooks.readout_id, point, keys, cap_count[point],
-                                               sel_pos, sel_rows, hooks.slot))
-                    cap_rows[point].append(sel_rows)
-                    cap_count[point] += len(sel_rows)
+                    at = cap_count[point]
+                    routes.append(CaptureRoute(hooks.readout_id, point, keys, at, sel_pos,
+                                               sel_rows, hooks.slot))
+                    if host_steering:
+                        cap_rows[point].append(sel_rows)
+                    cap_count[point] = at + n_sel
         if hooks.capture is None:
             continue
         hooks.fed_len = max(hooks.fed_len, pos0 + k)
-        sel = _kept(hooks.capture.positions, pos, hooks.prompt_len, first_gen)
-        if sel is None:
-            continue
-        sel_rows, sel_pos = rows[sel], pos[sel]
-        # Only generated tokens need recording: the prompt's are known (a prefill chunk of
-        # thousands of rows would otherwise be a per-token Python loop every step).
-        if int(sel_pos[-1]) >= hooks.prompt_len:
-            fed_gen = sel_pos >= hooks.prompt_len if int(sel_pos[0]) < hooks.prompt_len \
-                else slice(None)
-            gen_rows, gen_pos = sel_rows[fed_gen], sel_pos[fed_gen]
+        kind = hooks.capture.positions.kind
+        if kind in _RANGES:
+            lo, hi = _range(kind, k, first_gen)
+            if hi <= lo:
+                continue
+            sel_rows, sel_pos = all_rows[a + lo: a + hi], all_pos[a + lo: a + hi]
+            # Only generated tokens need recording: the prompt's are known (a prefill chunk
+            # of thousands of rows would otherwise be a per-token Python loop every step).
+            if pos0 + hi > prompt_len:
+                g = max(first_gen, lo)  # lo: every kept row (decode), no new views
+                gen_rows, gen_pos = (sel_rows, sel_pos) if g == lo else \
+                    (all_rows[a + g: a + hi], all_pos[a + g: a + hi])
+            else:
+                gen_rows = None
+        else:
+            pos = all_pos[a: a + k]
+            sel = _kept(hooks.capture.positions, pos, prompt_len, first_gen)
+            if sel is None:
+                continue
+            sel_rows, sel_pos = all_rows[a: a + k][sel], pos[sel]
+            gen_rows = None
+            if int(sel_pos[-1]) >= prompt_len:
+                fed_gen = sel_pos >= prompt_len if int(sel_pos[0]) < prompt_len \
+                    else slice(None)
+                gen_rows, gen_pos = sel_rows[fed_gen], sel_pos[fed_gen]
+        if gen_rows is not None:
             if input_ids is not None:
                 for p, t in zip(gen_pos.tolist(), input_ids[gen_rows].tolist(), strict=True):
                     hooks.tokens[p] = t
             else:  # tokens are gathered on the device and arrive with the rows
                 token_rows.append(gen_rows)
                 token_owners.append((batch_req_ids[i], gen_pos))
+        n_sel = len(sel_rows)
         for point, keys in hooks.points.items():
-            routes.append(CaptureRoute(hooks.capture_id, point, keys, cap_count[point], sel_pos,
-                                       sel_rows, hooks.slot))
-            cap_rows[point].append(sel_rows)
-            cap_count[point] += len(sel_rows)
+            at = cap_count[point]
+            routes.append(CaptureRoute(hooks.capture_id, point, keys, at, sel_pos, sel_rows,
+                                       hooks.slot))
+            if host_steering:
+                cap_rows[point].append(sel_rows)
+            cap_count[point] = at + n_sel
     plan.routes = routes
     plan.patch = patching.finish(patch_parts)
     plan.patch_ranks = patch_ranks or None
@@ -384,13 +418,24 @@ def build_step_plan(
         plan.steer[key] = (torch.from_numpy(np.concatenate(parts)),
                            torch.from_numpy(np.concatenate(steer_ents[key])))
     offset = 0
-    for key, parts in cap_rows.items():
+    for key, count in cap_count.items():  # points in order of first use
         if host_steering:  # host mode's op indexes these rows; device mode uses ranks
-            plan.capture[key] = torch.from_numpy(np.concatenate(parts))
+            plan.capture[key] = torch.from_numpy(np.concatenate(cap_rows[key]))
         plan.staging_offset[key] = offset
-        offset += cap_count[key]
+        offset += count
     plan.staging_rows = offset
     return plan
+
+
+_RANGES = ("all", "prompt", "generated")  # position kinds that keep a run of positions
+
+
+def _range(kind: str, k: int, first_gen: int) -> tuple[int, int]:
+    """[lo, hi) of a request's `k` consecutive positions a range kind keeps (none: hi <= lo);
+    `first_gen`: the index of the first generated position."""
+    if kind == "all":
+        return 0, k
+    return (first_gen, k) if kind == "generated" else (0, first_gen)
 
 
 def _kept(positions: PositionSpec, pos: np.ndarray, prompt_len: int,

@@ -37,6 +37,7 @@ from capsteer.engine_ext.families import (  # hook_point, layers_needed: re-expo
     layers_needed,  # noqa: F401
     site_count,
 )
+from capsteer.engine_ext.route_arrays import route_entries, route_ranks
 from capsteer.engine_ext.selections import (
     GATED,
     MASKED,
@@ -415,8 +416,8 @@ class HookRuntime:
             self._expand_rows(plan, n)
         if plan.routes:
             rank = np.full(n, -1, np.int64)
-            for route in plan.routes:
-                rank[route.rows] = np.arange(len(route.rows))
+            rows, ranks = route_ranks(plan.routes)
+            rank[rows] = ranks
             self._upload_into(self.tok_rank[:n], rank)
             self.ranks_set = True
         elif self.ranks_set:  # a copying step that was not reset (its forward failed)
@@ -475,19 +476,14 @@ class HookRuntime:
         """point_base = this step's routes, -1 elsewhere, by scattering only the entries
         that change: the routes' (value: first staging row) and the last step's that no
         route of this step sets again (value: -1)."""
-        routed: dict[int, int] = {}  # flat entry -> first staging row (a later route wins)
-        for route in plan.routes:
-            kind, site = route.point
-            flat = (route.slot * 2 + kind) * self.num_sites + site
-            routed[flat] = plan.staging_offset[route.point] + route.offset
-        keys = np.fromiter(routed, np.int64, len(routed))
+        keys, values = route_entries(plan.routes, plan.staging_offset, self.num_sites)
         stale = np.setdiff1d(self.point_base_set, keys)
         k = len(stale) + len(keys)
         update = np.empty((2, k), np.int64)
         update[0, :len(stale)] = stale
         update[0, len(stale):] = keys
         update[1, :len(stale)] = -1
-        update[1, len(stale):] = np.fromiter(routed.values(), np.int64, len(routed))
+        update[1, len(stale):] = values
         dev = self.point_updates[:2 * k].view(2, k)  # contiguous: one plain async copy
         self._upload_into(dev, update)
         self.point_base.view(-1).scatter_(0, dev[0], dev[1])
