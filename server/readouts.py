@@ -22,7 +22,7 @@ from typing import Any
 import msgspec
 
 from capsteer.server.responses import BodyRewriter
-from capsteer.steering.readers.collect import ReadoutValues, fed_limit
+from capsteer.steering.readers.collect import RANGES, ReadoutValues, fed_limit
 from capsteer.steering.readers.readout import ReadoutItem
 from capsteer.steering.readers.results import ResultsHub
 
@@ -57,6 +57,12 @@ class ReadoutResponder(BodyRewriter):
         self.errors: dict[int, str] = self.got.errors
         self.sent: dict[int, int] = {item.index: 0 for item in items}  # positions streamed
         self.complete: dict[int, int] = {item.index: 0 for item in items}  # all below arrived
+        # A range item's entry as bytes up to its positions, and its values' key: a chunk's
+        # entries are written as msgspec would write the entry dicts, without building them.
+        self._heads = {item.index: (_ENCODE(self._entry_head(item))[:-1] + b',"positions":[',
+                                    b'],"scores":[' if item.reader.kind == "probe"
+                                    else b'],"features":[')
+                       for item in items if item.positions.kind in RANGES}
 
     # ---- ASGI send ----
     async def send(self, message: dict) -> None:
@@ -72,6 +78,9 @@ class ReadoutResponder(BodyRewriter):
                     self._start = message
                     return
             await self._send(message)
+            return
+        if kind == "http.response.body" and self.mode == "sse":  # one coroutine less a chunk
+            await self._feed_sse(message.get("body", b""), message.get("more_body", False))
             return
         await self._route_body(message)
 
@@ -101,7 +110,10 @@ class ReadoutResponder(BodyRewriter):
     async def _feed_sse(self, chunk: bytes, more: bool) -> None:
         events = (self._pending + chunk).split(b"\n\n")
         self._pending = events.pop()
-        out = [await self._event(event) for event in events]
+        out = []
+        for event in events:  # most chunks edited at once, without a coroutine
+            now = self._event_now(event)
+            out.append(now if now is not None else await self._event(event))
         if not more and self._pending:
             out.append(self._pending)
             self._pending = b""
@@ -129,26 +141,42 @@ class ReadoutResponder(BodyRewriter):
         self._strip_token_ids(chunk)
         return b"data: " + _ENCODE(chunk)
 
+    def _event_now(self, event: bytes) -> bytes | None:
+        """`_event`'s result when it needs no wait: not a chunk, or a chunk edited as bytes
+        whose positions' results are all here; None otherwise (nothing changed)."""
+        if not event.startswith(b"data:") or event.strip() == _DONE:
+            return event
+        if self.prompt is None:
+            return None
+        parsed = _parse_chunk(event)
+        if parsed is None:
+            return None
+        new, cuts = parsed
+        limit = fed_limit(len(self.prompt), len(self.output) + len(new))
+        if not self._arrived(limit):
+            if self._inbox.records:
+                return None
+            self._hub.pump()  # as _wait_for looks at the streams before it waits
+            if not self._arrived(limit):
+                return None
+        self.output.extend(new)
+        return self._splice(event, cuts, self._entries_bytes(limit))
+
     async def _event_bytes(self, event: bytes) -> bytes | None:
         """A chunk after the prompt's, edited as bytes: its token ids read, its readout
         inserted, the ids cut unless the client asked. None: not a chunk of the usual shape
         (no choices, a prompt, several choices), so it goes the JSON way."""
-        if b'"choices":[]' in event or event.count(b'"index":') != 1:
+        parsed = _parse_chunk(event)
+        if parsed is None:
             return None
-        found = _find_value(event, _TOKEN_IDS)
-        if found is None:
-            return None
-        cuts = [found]  # spans of the keys cut: token ids, then a null prompt's ids if any
-        at = event.find(_PROMPT_IDS)
-        if at >= 0:
-            if not event.startswith(b"null", at + len(_PROMPT_IDS)):
-                return None
-            cuts.append((at, at + len(_PROMPT_IDS) + 4))
-        start, end = found[1], found[2]
-        ids = event[start + 1: end - 1] if event[start] == 91 else b""  # 91: "["
-        if ids.strip():
-            self.output.extend(map(int, ids.split(b",")))
-        entries = _ENCODE(await self._chunk_entries())
+        new, cuts = parsed
+        self.output.extend(new)
+        limit = self._fed_limit()
+        if not self._arrived(limit):
+            await self._wait_for(limit)  # returns once all arrived, or failed
+        return self._splice(event, cuts, self._entries_bytes(limit))
+
+    def _splice(self, event: bytes, cuts: list[tuple[int, ...]], entries: bytes) -> bytes:
         if not self.keep_token_ids:
             event = _cut_spans(event, cuts)
         close = event.rindex(b"}")
@@ -166,6 +194,65 @@ class ReadoutResponder(BodyRewriter):
             if entry.get("positions") or "error" in entry:
                 entries.append(entry)
         return entries
+
+    def _entries_bytes(self, limit: int) -> bytes:
+        """`_chunk_entries` encoded (the same bytes), once every item has its positions
+        below `limit` or failed (`_arrived`): range items' entries written as bytes."""
+        out = []
+        prompt, output = self.prompt or [], self.output
+        n_prompt = len(prompt)
+        for item in self.items:
+            index = item.index
+            start = self.sent[index]
+            self.sent[index] = max(start, limit)
+            head = self._heads.get(index)
+            if head is None or index in self.errors:
+                entry = self._entry(item, start, limit)
+                if entry.get("positions") or "error" in entry:
+                    out.append(_ENCODE(entry))
+                continue
+            lo, hi = _bounds(item.positions.kind, n_prompt, start, limit)
+            if lo >= hi:
+                continue
+            have = self.values[index]
+            span = range(lo, hi)
+            out.append(b"".join((
+                head[0], b",".join([b"%d" % p for p in span]), b'],"token_ids":[',
+                b",".join([b"%d" % (prompt[p] if p < n_prompt else output[p - n_prompt])
+                           for p in span]),
+                head[1], b",".join([have[p] for p in span]), b"]}")))
+        return b"[" + b",".join(out) + b"]"
+
+    def _arrived(self, limit: int) -> bool:
+        """Whether every item has its positions below `limit` (or failed), from the records
+        delivered so far; `complete` advanced as `_wait_for` does."""
+        if self._inbox.records:
+            self.got.add(self._inbox.take())
+        n_prompt = len(self.prompt or ())
+        for item in self.items:
+            index = item.index
+            start = self.complete[index]
+            if start >= limit or index in self.errors:
+                continue
+            if item.positions.kind not in RANGES:
+                lacking = self.got.missing(item, n_prompt, start, limit)
+                self.complete[index] = lacking[0] if lacking else limit
+                if lacking:
+                    return False
+                continue
+            have = self.values[index]
+            lo, hi = _bounds(item.positions.kind, n_prompt, start, limit)
+            for p in range(lo, hi):
+                if p not in have:
+                    self.complete[index] = p
+                    return False
+            self.complete[index] = limit
+        return True
+
+    @staticmethod
+    def _entry_head(item: ReadoutItem) -> dict[str, Any]:
+        return {"item": item.index, "reader": item.reader.name, "hook": item.hook,
+                "layer": item.layer}
 
     # ---- shared ----
     def _note_tokens(self, data: dict, choice: dict) -> None:
@@ -228,6 +315,33 @@ class ReadoutResponder(BodyRewriter):
             if isinstance(choice, dict):
                 choice.pop("token_ids", None)
                 choice.pop("prompt_token_ids", None)
+
+
+def _bounds(kind: str, prompt_len: int, start: int, limit: int) -> tuple[int, int]:
+    """The positions [lo, hi) in [start, limit) a range kind reads (collect.py's
+    `expected_positions`)."""
+    lo = max(start, prompt_len) if kind == "generated" else start
+    hi = min(limit, prompt_len) if kind == "prompt" else limit
+    return lo, hi
+
+
+def _parse_chunk(event: bytes) -> tuple[list[int], list[tuple[int, ...]]] | None:
+    """A chunk's new token ids and the spans of the keys to cut (token ids, then a null
+    prompt's ids if any); None: not a chunk of the usual shape (see `_event_bytes`)."""
+    if b'"choices":[]' in event or event.count(b'"index":') != 1:
+        return None
+    found = _find_value(event, _TOKEN_IDS)
+    if found is None:
+        return None
+    cuts = [found]
+    at = event.find(_PROMPT_IDS)
+    if at >= 0:
+        if not event.startswith(b"null", at + len(_PROMPT_IDS)):
+            return None
+        cuts.append((at, at + len(_PROMPT_IDS) + 4))
+    start, end = found[1], found[2]
+    ids = event[start + 1: end - 1] if event[start] == 91 else b""  # 91: "["
+    return (list(map(int, ids.split(b","))) if ids.strip() else []), cuts
 
 
 def _find_value(event: bytes, key: bytes) -> tuple[int, int, int] | None:

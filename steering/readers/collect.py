@@ -59,7 +59,11 @@ class ReadoutValues:
             if record.error is not None:
                 self.errors.setdefault(record.i, record.error)
                 continue
-            for p, value in zip(record.p, record.values, strict=True):
+            positions, values = record.p, record.values
+            if len(positions) == 1 and len(values) == 1:  # a decode step's record
+                have.setdefault(positions[0], values[0])
+                continue
+            for p, value in zip(positions, values, strict=True):
                 have.setdefault(p, value)
 
     def missing(self, item: ReadoutItem, prompt_len: int, start: int, limit: int) -> list[int]:

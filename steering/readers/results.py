@@ -32,10 +32,11 @@ ROTATE_BYTES = 64 << 20  # a stream file is replaced past this; the server delet
 _ENCODE = msgspec.json.Encoder().encode  # a worker writes one per request and step
 
 
-class Record(msgspec.Struct):
+class Record(msgspec.Struct, gc=False):
     """A record as the server reads it. Each position's scores or features stay the JSON
     the worker wrote (`msgspec.Raw`): the server only forwards them into responses, so it
-    never parses or re-encodes them."""
+    never parses or re-encodes them. Not tracked by the cycle collector (`gc=False`: a
+    record refers to no record), as 256 of them a step would wake it often."""
 
     r: str = ""
     i: int = -1
@@ -50,7 +51,7 @@ class Record(msgspec.Struct):
         return self.s if self.s is not None else self.f or []
 
 
-_DECODE = msgspec.json.Decoder(Record).decode  # the server reads every record of every readout
+_DECODE_LINES = msgspec.json.Decoder(Record).decode_lines  # every record of every readout
 
 
 def probe_record(readout_id: str, item: int, positions: list[int],
@@ -179,14 +180,18 @@ class ResultsReader:
             name = unread[0]  # a file that ends opens its successor, read in this pump too
             read.add(name)
             tail = self._tails[name]
-            data = tail.partial + tail.file.read()
+            data = tail.file.read()
             if not data:
                 continue
-            lines = data.split(b"\n")
-            tail.partial = lines.pop()
-            for line in lines:
-                if line:
-                    self._deliver(name, _DECODE(line))
+            end = data.rfind(b"\n") + 1
+            if not end:
+                tail.partial += data
+                continue
+            whole = tail.partial + data[:end] if tail.partial else data[:end]
+            tail.partial = data[end:]
+            # one call for all the lines (a step's records of every readout)
+            for record in _DECODE_LINES(whole):
+                self._deliver(name, record)
 
     def _deliver(self, name: str, record: Record) -> None:
         if record.next is not None:  # the writer moved on: this file is read to its end
@@ -248,6 +253,7 @@ class ResultsHub(ResultsReader):
         super().__init__(root, scan_s=scan_s, scan_waiting_s=scan_waiting_s)
         self.poll_s, self.idle_s = poll_s, idle_s
         self._task: asyncio.Task | None = None
+        self._waiting: dict[int, Inbox] = {}  # id -> an inbox whose response waits
 
     def open(self, readout_id: str) -> Inbox:
         inbox = super().open(readout_id)
@@ -261,14 +267,17 @@ class ResultsHub(ResultsReader):
             return
         inbox.waiter = asyncio.get_running_loop().create_future()
         inbox.deadline = time.monotonic() + timeout_s
+        self._waiting[id(inbox)] = inbox
         try:
             await inbox.waiter
         finally:
             inbox.waiter = None
+            self._waiting.pop(id(inbox), None)
 
     async def _run(self) -> None:
         while self.inboxes:
-            waiting = [inbox for inbox in self.inboxes.values() if inbox.waiter is not None]
+            # the waiting inboxes, not a walk over every open one each poll
+            waiting = list(self._waiting.values())
             self.pump(bool(waiting))
             now = time.monotonic()
             for inbox in waiting:

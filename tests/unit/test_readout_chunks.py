@@ -32,6 +32,9 @@ OUTPUT = [21, 22, 23, 24, 25]
 class JsonOnly(ReadoutResponder):
     """The reference: every chunk read and rewritten as JSON."""
 
+    def _event_now(self, event: bytes) -> bytes | None:
+        return None
+
     async def _event_bytes(self, event: bytes) -> bytes | None:
         return None
 
