@@ -13,7 +13,7 @@ import dataclasses
 import json
 import uuid
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +29,7 @@ from capsteer.steering.readers.readout import (
     ReadoutSpecError,
     parse_readout,
 )
+from capsteer.steering.selections import SELECTION_FIELDS
 from capsteer.steering.spec import (
     SteeringSpec,
     SteeringSpecError,
@@ -38,9 +39,10 @@ from capsteer.steering.spec import (
 
 HOOK_FIELDS = ("capture", "capture_wait", "steering", "readout")
 # Item fields a reusable (names-only) steering field may hold: each is plain data, so the
-# field's text, the model and the named entries decide the parse.
+# field's text, the model and the named entries (vectors, and the readers of `when` gates)
+# decide the parse.
 _PLAIN_ITEM_FIELDS = frozenset({"hook", "layer", "layers", "vector", "scale", "op", "value",
-                                "positions"})
+                                "positions", "when", *SELECTION_FIELDS})
 _SPEC_MEMO_SIZE = 256
 
 
@@ -174,7 +176,7 @@ def parse_hook_fields(
     if raw_steering is not None:
         try:
             if lookup is not None and _names_only(raw_steering):
-                steering = _SPEC_MEMO.parse(raw_steering, shape, lookup)
+                steering = _SPEC_MEMO.parse(raw_steering, shape, lookup, reader_tensors)
             else:
                 steering = parse_steering_spec(raw_steering, num_layers=shape.num_layers,
                                                hidden_size=shape.hidden_size, lookup=lookup,
@@ -244,42 +246,58 @@ def _names_only(raw: object) -> bool:
 
 class _SpecMemo:
     """Parsed names-only steering fields, reused while every entry they name is the same
-    object in the registry's cache (a replaced or removed vector is a new object, or an
-    error): a request steering every layer with a named vector then costs one registry
-    check per name instead of a parse, a check of every vector and a new wire form."""
+    object in its registry's cache (a replaced or removed vector or reader is a new object,
+    or an error): a request steering every layer with a named vector, gated or not, then
+    costs one registry check per name instead of a parse, a check of every vector, the
+    gates' arithmetic and a new wire form."""
 
     def __init__(self, size: int) -> None:
         self._specs: OrderedDict[tuple, tuple[SteeringSpec | None, tuple]] = OrderedDict()
         self._size = size
 
-    def parse(self, raw: Mapping, shape: ModelShape, lookup: VectorLookup) -> SteeringSpec | None:
-        owner = getattr(lookup, "__self__", None)
+    def parse(self, raw: Mapping, shape: ModelShape, lookup: VectorLookup,
+              readers: ReaderGetter | None = None) -> SteeringSpec | None:
         key = (json.dumps(raw, sort_keys=True), shape.num_layers, shape.hidden_size,
                tuple(sorted(shape.unavailable.items())), tuple(sorted(shape.hook_widths.items())),
-               owner if owner is not None else lookup,
-               getattr(lookup, "__func__", None))
+               *_identity(lookup), *_identity(readers))
         hit = self._specs.get(key)
         if hit is not None:
             try:
-                same = all(lookup(name) is found for name, found in hit[1])
+                same = all(get(name) is found for get, name, found in _bound(
+                    hit[1], lookup, readers))
             except Exception:  # gone or unusable now: the parse below reports it
                 same = False
             if same:
                 self._specs.move_to_end(key)
                 return hit[0]
-        seen: list[tuple[str, object]] = []
+        seen: list[tuple[int, str, object]] = []
 
-        def recording(name: str) -> object:
-            found = lookup(name)
-            seen.append((name, found))
-            return found
+        def recording(which: int, get: Callable[[str], Any]) -> Callable[[str], Any]:
+            def inner(name: str) -> object:
+                found = get(name)
+                seen.append((which, name, found))
+                return found
+            return inner
         spec = parse_steering_spec(raw, num_layers=shape.num_layers,
-                                   hidden_size=shape.hidden_size, lookup=recording,
-                                   unavailable=shape.unavailable, widths=shape.hook_widths)
+                                   hidden_size=shape.hidden_size, lookup=recording(0, lookup),
+                                   unavailable=shape.unavailable, widths=shape.hook_widths,
+                                   readers=None if readers is None else recording(1, readers))
         self._specs[key] = (spec, tuple(seen))
         while len(self._specs) > self._size:
             self._specs.popitem(last=False)
         return spec
+
+
+def _identity(get: Callable | None) -> tuple[object, object]:
+    """A lookup's identity for a memo key: a bound method's object and function (a fresh
+    bound method object per attribute access is the same lookup)."""
+    owner = getattr(get, "__self__", None)
+    return (owner if owner is not None else get), getattr(get, "__func__", None)
+
+
+def _bound(seen: tuple, lookup: Callable, readers: Callable | None) -> list[tuple]:
+    """(lookup, name, what it returned then) for each name a memoized parse looked up."""
+    return [(lookup if which == 0 else readers, name, found) for which, name, found in seen]
 
 
 _SPEC_MEMO = _SpecMemo(_SPEC_MEMO_SIZE)

@@ -5,6 +5,7 @@ sha256), never another vector stored under that name meanwhile."""
 from __future__ import annotations
 
 import io
+import json
 import os
 import shutil
 import time
@@ -19,6 +20,7 @@ from capsteer.engine_ext.plan import RequestHooks
 from capsteer.engine_ext.runtime import HookRuntime
 from capsteer.server.fields import FieldError, ModelShape, parse_hook_fields
 from capsteer.steering import registry as reg_mod
+from capsteer.steering.readers.registry import ReaderRegistry
 from capsteer.steering.registry import VectorChangedError, VectorReader, VectorRegistry
 from capsteer.steering.spec import SteeringSpec, parse_steering_spec
 
@@ -221,6 +223,38 @@ def test_server_reuses_the_parse_of_a_named_field_until_the_vector_changes(regis
     # Inline floats are parsed per request (no reuse).
     body = _inline(_rows(1), _rows(2)[0])
     assert parse(body) is not parse(body)
+
+
+def test_server_reuses_the_parse_of_a_gated_field_until_its_reader_changes(registry, tmp_path):
+    """A names-only field whose items carry a `when` on a named probe is parsed once too:
+    reused while the vector and the reader are the same, parsed again (a new gate) once
+    the reader is replaced, and refused once it is gone."""
+    shape = ModelShape(LAYERS, HIDDEN, 4096, 2)
+    readers = ReaderRegistry(tmp_path / "readers", hidden_size=HIDDEN)
+    probe = {"weight": [[0.5] * HIDDEN], "bias": [0.25]}
+    readers.put("probe", json.dumps(probe).encode(), "json")
+    gated = {"vectors": [{**NAMED["vectors"][0], "when": {"reader": {"name": "probe"},
+                                                          "index": 0, "above": 0.5}}]}
+
+    def parse() -> SteeringSpec:
+        body = {"model": "m", "prompt": "x", "steering": gated}
+        hooks = parse_hook_fields(body, shape, lookup=registry.lookup_named,
+                                  default_layout="packed", capture_default=None,
+                                  reader_tensors=readers.tensors)
+        assert hooks.steering is not None
+        return hooks.steering
+
+    first = parse()
+    assert parse() is first
+    fresh = parse_steering_spec(gated, num_layers=LAYERS, hidden_size=HIDDEN,
+                                lookup=registry.lookup_named, readers=readers.tensors)
+    assert first.sharing_key == fresh.sharing_key  # the memo holds the same parse
+    readers.put("probe", json.dumps({**probe, "bias": [-0.75]}).encode(), "json")
+    replaced = parse()
+    assert replaced is not first and replaced.sharing_key != first.sharing_key
+    readers.delete("probe")
+    with pytest.raises(FieldError, match="probe"):
+        parse()
 
 
 def test_content_files_are_written_at_the_first_check_where_missing(registry, tmp_path):
