@@ -80,11 +80,6 @@ def _prompts(seed: int, n: int, length: int, vocab: int) -> list[list[int]]:
     return np.random.default_rng(seed).integers(10, vocab, size=(n, length)).tolist()
 
 
-def _identity_prompts(device: str, vocab: int) -> list[list[int]]:
-    (n, (lo, hi), _), rng = IDENTITY[device], np.random.default_rng(12)
-    return [rng.integers(10, vocab, size=int(rng.integers(lo, hi + 1))).tolist() for _ in range(n)]
-
-
 class Turns:
     """A process's side of the turn protocol (want, go, done); by hand (no --ctl-fd): no waits."""
 
@@ -180,7 +175,9 @@ def run_process(a: argparse.Namespace) -> dict[str, Any]:
                            "min_seconds": a.min_seconds, "paired": True, "workloads": {}}
     if a.config in ("vanilla", "plain") and a.identity:
         with turns.turn(0):
-            prompts = _identity_prompts(a.device, shape.vocab)
+            (n_id, (lo, hi), _), rng = IDENTITY[a.device], np.random.default_rng(12)
+            prompts = [rng.integers(10, shape.vocab, size=int(rng.integers(lo, hi + 1))).tolist()
+                       for _ in range(n_id)]
             out["identity_tokens"] = batch(prompts, gen_id)["tokens"]
     for w_index, (name, (n, prompt, gen)) in enumerate(workloads.items()):
         seed0 = {"prefill": 1_000, "decode": 2_000}[name]

@@ -1,6 +1,7 @@
 """The shape of the house, checked so that it stays as docs/architecture.md describes:
-no import cycle between capsteer's modules, no product module over 600 lines, and every
-import inside a function says why it is not at the top of its module."""
+no import cycle between capsteer's modules, no product module over 600 lines, every
+import inside a function says why it is not at the top of its module, and bench/ stays a
+small harness (at most 10 Python files and 3,000 lines)."""
 
 from __future__ import annotations
 
@@ -50,6 +51,15 @@ def test_no_product_module_over_600_lines():
     long = {str(p.relative_to(ROOT)): n for p in product_modules().values()
             if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, f"over {MAX_LINES} lines: {long}"
+
+
+def test_bench_stays_a_small_harness():
+    """bench/ answers a user's questions with one harness each; an investigation's script
+    goes once its conclusion is recorded (docs/performance.md), so the harness stays small."""
+    files = sorted((ROOT / "bench").glob("*.py"))
+    lines = sum(len(p.read_text().splitlines()) for p in files)
+    assert len(files) <= 10 and lines <= 3000, (
+        f"bench/ holds {len(files)} Python files and {lines} lines (at most 10 and 3,000)")
 
 
 def _block_has_reason(lines: list[str], lineno: int) -> bool:
