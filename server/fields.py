@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -29,7 +30,6 @@ from capsteer.steering.readers.readout import (
     ReadoutSpecError,
     parse_readout,
 )
-from capsteer.steering.selections import SELECTION_FIELDS
 from capsteer.steering.spec import (
     SteeringSpec,
     SteeringSpecError,
@@ -38,11 +38,6 @@ from capsteer.steering.spec import (
 )
 
 HOOK_FIELDS = ("capture", "capture_wait", "steering", "readout")
-# Item fields a reusable (names-only) steering field may hold: each is plain data, so the
-# field's text, the model and the named entries (vectors, and the readers of `when` gates)
-# decide the parse.
-_PLAIN_ITEM_FIELDS = frozenset({"hook", "layer", "layers", "vector", "scale", "op", "value",
-                                "positions", "when", *SELECTION_FIELDS})
 _SPEC_MEMO_SIZE = 256
 
 
@@ -176,7 +171,7 @@ def parse_hook_fields(
     if raw_steering is not None:
         try:
             if lookup is not None and _names_only(raw_steering):
-                steering = _SPEC_MEMO.parse(raw_steering, shape, lookup, reader_tensors)
+                steering = _SPEC_MEMO.parse(raw_steering, shape, lookup, reader_tensors, readers)
             else:
                 steering = parse_steering_spec(raw_steering, num_layers=shape.num_layers,
                                                hidden_size=shape.hidden_size, lookup=lookup,
@@ -229,15 +224,14 @@ def _check_readout_request(body: Mapping[str, Any], readout: list[ReadoutItem],
 
 
 def _names_only(raw: object) -> bool:
-    """Whether a steering field names all its vectors (no floats, nothing but plain fields):
-    such fields repeat verbatim across requests and their parse can be reused."""
+    """Whether a steering field names all its vectors (no floats: every item's `vector` is
+    `{"name": ...}`, so no inline vector, SAE feature or patch source): such fields repeat
+    verbatim across requests and their parse can be reused."""
     if not isinstance(raw, Mapping) or set(raw) != {"vectors"} or not isinstance(
             raw["vectors"], list) or not raw["vectors"]:
         return False
     for item in raw["vectors"]:
-        if not isinstance(item, Mapping) or not set(item) <= _PLAIN_ITEM_FIELDS:
-            return False
-        vector = item.get("vector")
+        vector = item.get("vector") if isinstance(item, Mapping) else None
         if not (isinstance(vector, Mapping) and set(vector) == {"name"}
                 and isinstance(vector["name"], str)):
             return False
@@ -245,46 +239,63 @@ def _names_only(raw: object) -> bool:
 
 
 class _SpecMemo:
-    """Parsed names-only steering fields, reused while every entry they name is the same
-    object in its registry's cache (a replaced or removed vector or reader is a new object,
-    or an error): a request steering every layer with a named vector, gated or not, then
-    costs one registry check per name instead of a parse, a check of every vector, the
-    gates' arithmetic and a new wire form."""
+    """Parsed names-only steering fields, reused while every entry they name is unchanged:
+    a vector is the same object in the registry's cache, a `when` gate's reader has the
+    same content sha256 (a replaced or removed entry differs, or raises). A request
+    steering every layer with a named vector, gated or not, then costs one registry check
+    per name instead of a parse, a check of every vector, the gates' arithmetic and a new
+    wire form. Reader tensors are never kept here (an SAE can be GBs); the middleware also
+    parses off the event loop (patches), hence the lock."""
 
     def __init__(self, size: int) -> None:
         self._specs: OrderedDict[tuple, tuple[SteeringSpec | None, tuple]] = OrderedDict()
         self._size = size
+        self._lock = threading.Lock()
 
     def parse(self, raw: Mapping, shape: ModelShape, lookup: VectorLookup,
-              readers: ReaderGetter | None = None) -> SteeringSpec | None:
+              readers: ReaderGetter | None = None,
+              reader_shapes: ReaderLookup | None = None) -> SteeringSpec | None:
+        """`readers`: the reader tensors `when` gates read; `reader_shapes`: the same
+        registry's shapes, whose sha256 tells a reader unchanged (without them, a field
+        whose gates name readers is parsed every time)."""
         key = (json.dumps(raw, sort_keys=True), shape.num_layers, shape.hidden_size,
                tuple(sorted(shape.unavailable.items())), tuple(sorted(shape.hook_widths.items())),
-               *_identity(lookup), *_identity(readers))
-        hit = self._specs.get(key)
+               *_identity(lookup), *_identity(reader_shapes))
+        with self._lock:
+            hit = self._specs.get(key)
         if hit is not None:
             try:
-                same = all(get(name) is found for get, name, found in _bound(
-                    hit[1], lookup, readers))
+                same = all(lookup(name) is found if which == 0
+                           else reader_shapes is not None and reader_shapes(name).sha256 == found
+                           for which, name, found in hit[1])
             except Exception:  # gone or unusable now: the parse below reports it
                 same = False
             if same:
-                self._specs.move_to_end(key)
+                with self._lock:
+                    if key in self._specs:
+                        self._specs.move_to_end(key)
                 return hit[0]
         seen: list[tuple[int, str, object]] = []
 
-        def recording(which: int, get: Callable[[str], Any]) -> Callable[[str], Any]:
-            def inner(name: str) -> object:
-                found = get(name)
-                seen.append((which, name, found))
-                return found
-            return inner
+        def vector(name: str) -> object:
+            found = lookup(name)
+            seen.append((0, name, found))
+            return found
+
+        def reader(name: str) -> object:
+            found = readers(name)
+            # its sha256 as the registry reports it now (None: cannot be told, not reused)
+            seen.append((1, name, None if reader_shapes is None else reader_shapes(name).sha256))
+            return found
         spec = parse_steering_spec(raw, num_layers=shape.num_layers,
-                                   hidden_size=shape.hidden_size, lookup=recording(0, lookup),
+                                   hidden_size=shape.hidden_size, lookup=vector,
                                    unavailable=shape.unavailable, widths=shape.hook_widths,
-                                   readers=None if readers is None else recording(1, readers))
-        self._specs[key] = (spec, tuple(seen))
-        while len(self._specs) > self._size:
-            self._specs.popitem(last=False)
+                                   readers=None if readers is None else reader)
+        if all(found is not None for which, _, found in seen if which == 1):
+            with self._lock:
+                self._specs[key] = (spec, tuple(seen))
+                while len(self._specs) > self._size:
+                    self._specs.popitem(last=False)
         return spec
 
 
@@ -293,11 +304,6 @@ def _identity(get: Callable | None) -> tuple[object, object]:
     bound method object per attribute access is the same lookup)."""
     owner = getattr(get, "__self__", None)
     return (owner if owner is not None else get), getattr(get, "__func__", None)
-
-
-def _bound(seen: tuple, lookup: Callable, readers: Callable | None) -> list[tuple]:
-    """(lookup, name, what it returned then) for each name a memoized parse looked up."""
-    return [(lookup if which == 0 else readers, name, found) for which, name, found in seen]
 
 
 _SPEC_MEMO = _SpecMemo(_SPEC_MEMO_SIZE)

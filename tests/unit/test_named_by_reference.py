@@ -227,25 +227,31 @@ def test_server_reuses_the_parse_of_a_named_field_until_the_vector_changes(regis
 
 def test_server_reuses_the_parse_of_a_gated_field_until_its_reader_changes(registry, tmp_path):
     """A names-only field whose items carry a `when` on a named probe is parsed once too:
-    reused while the vector and the reader are the same, parsed again (a new gate) once
-    the reader is replaced, and refused once it is gone."""
+    reused while the vector and the reader's content are the same (the reader's tensors
+    neither loaded again nor kept by the memo), parsed again (a new gate) once the reader
+    is replaced, and refused once it is gone."""
     shape = ModelShape(LAYERS, HIDDEN, 4096, 2)
     readers = ReaderRegistry(tmp_path / "readers", hidden_size=HIDDEN)
     probe = {"weight": [[0.5] * HIDDEN], "bias": [0.25]}
     readers.put("probe", json.dumps(probe).encode(), "json")
     gated = {"vectors": [{**NAMED["vectors"][0], "when": {"reader": {"name": "probe"},
                                                           "index": 0, "above": 0.5}}]}
+    loads: list[str] = []
+
+    def tensors(name: str):
+        loads.append(name)
+        return readers.tensors(name)
 
     def parse() -> SteeringSpec:
         body = {"model": "m", "prompt": "x", "steering": gated}
         hooks = parse_hook_fields(body, shape, lookup=registry.lookup_named,
                                   default_layout="packed", capture_default=None,
-                                  reader_tensors=readers.tensors)
+                                  readers=readers.lookup, reader_tensors=tensors)
         assert hooks.steering is not None
         return hooks.steering
 
     first = parse()
-    assert parse() is first
+    assert parse() is first and loads == ["probe"]
     fresh = parse_steering_spec(gated, num_layers=LAYERS, hidden_size=HIDDEN,
                                 lookup=registry.lookup_named, readers=readers.tensors)
     assert first.sharing_key == fresh.sharing_key  # the memo holds the same parse
