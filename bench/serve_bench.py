@@ -189,19 +189,20 @@ def process_cpu(root_pid: int | None, pids: bool = False) -> dict[str, Any]:
     """CPU seconds so far of the server's processes by role, from /proc: where a case's host
     time goes, and whether one (the API server's event loop) is saturated (busy near 1.0).
     `pids`: each role's first process id instead."""
-    procs = {}  # pid -> (parent, name, cpu seconds)
+    procs = {}  # pid -> (parent, name, cpu seconds, command line)
     for stat in Path("/proc").glob("[0-9]*/stat") if root_pid else ():
         with contextlib.suppress(OSError):
             name, _, rest = stat.read_text().partition("(")[2].rpartition(")")
             f = rest.split()
-            procs[int(stat.parent.name)] = (int(f[1]), name, (int(f[11]) + int(f[12])) / 100)
+            procs[int(stat.parent.name)] = (int(f[1]), name, (int(f[11]) + int(f[12])) / 100,
+                                            (stat.parent / "cmdline").read_bytes())
     tree, out, roles = [root_pid] if root_pid in procs else [], {}, {}
     for pid in tree:  # grows as children are found
-        tree += [kid for kid, (parent, _, _) in procs.items() if parent == pid]
-        parent, name = procs[pid][:2]  # N API processes: "VLLM::APIServer_i"; writers: a
+        tree += [kid for kid, (parent, *_) in procs.items() if parent == pid]
+        name = procs[pid][1]  # N API processes: "VLLM::APIServer_i"; writers: by command line
         roles[pid] = role = "api" if pid == root_pid or "APIServer" in name else \
             "engine_core" if "EngineCor" in name else "worker" if "Worker" in name else \
-            "writer" if roles.get(parent) == "worker" else "other"  # worker's children
+            "writer" if b"capsteer.capture.writer.child" in procs[pid][3] else "other"
         out[role] = out.get(role, pid) if pids else out.get(role, 0.0) + procs[pid][2]
     return out
 

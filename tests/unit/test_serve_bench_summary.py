@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -81,16 +82,29 @@ def test_verdicts_need_three_rounds_and_every_round_on_one_side():
 BURN = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.4: pass\n"
 
 
+def _named(comm: str, child_argv_tail: str) -> subprocess.Popen:
+    """A process whose name (comm) is `comm`, with one child burning CPU whose command line
+    ends with `child_argv_tail`; it leads its own process group."""
+    return subprocess.Popen([sys.executable, "-c", (
+        "import ctypes, subprocess, sys, time\n"
+        f"ctypes.CDLL(None).prctl(15, {comm.encode()!r}, 0, 0, 0)\n"  # PR_SET_NAME
+        f"subprocess.Popen([sys.executable, '-c', {BURN + 'time.sleep(30)'!r},"
+        f" {child_argv_tail!r}])\n"
+        "time.sleep(30)")], start_new_session=True)
+
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
+
+
 @pytest.mark.proc
 def test_process_cpu_counts_the_server_tree_by_role():
-    """The root is the API; a process named like vLLM's worker is `worker`, its own child
-    (a capture writer) `writer`, any other child `other`; CPU time is seen to grow."""
-    worker = subprocess.Popen([sys.executable, "-c", (
-        "import ctypes, subprocess, sys, time\n"
-        "ctypes.CDLL(None).prctl(15, b'VllmWorker-0', 0, 0, 0)\n"  # PR_SET_NAME: its comm
-        f"subprocess.Popen([sys.executable, '-c', {BURN + 'time.sleep(30)'!r}])\n"
-        "time.sleep(30)")])
-    other = subprocess.Popen([sys.executable, "-c", BURN + "time.sleep(30)"])
+    """The root is the API; processes named like vLLM's engine core and worker are
+    `engine_core` and `worker`; a capture writer (by its command line) is `writer` whoever
+    started it (on one GPU the engine core runs the worker and starts the writers); any
+    other process, a worker's child too, is `other`. CPU time is seen to grow."""
+    core = _named("VLLM::EngineCor", "capsteer.capture.writer.child")  # -m <the writer>
+    worker = _named("VllmWorker-0", "not-a-writer")
     try:
         deadline = time.monotonic() + 20
         while (got := sb.process_cpu(os.getpid())).get("writer", 0.0) < 0.3 \
@@ -99,9 +113,10 @@ def test_process_cpu_counts_the_server_tree_by_role():
             time.sleep(0.05)
         roles = sb.process_cpu(os.getpid(), pids=True)
         assert roles["api"] == os.getpid() and roles["worker"] == worker.pid
-        assert roles["other"] == other.pid
+        assert roles["engine_core"] == core.pid
+        assert _parent(roles["writer"]) == core.pid and _parent(roles["other"]) == worker.pid
         assert sb.process_cpu(None) == {}
     finally:
-        for child in (worker, other):
-            child.kill()
+        for child in (core, worker):
+            os.killpg(child.pid, signal.SIGKILL)
             child.wait()
