@@ -26,6 +26,7 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable
 
+from capsteer.config.errors import CapsteerError
 from capsteer.config.server import ServerSettings
 from capsteer.engine_ext.payload import EXTRA_ARGS_KEY, new_capture_id, new_readout_id
 from capsteer.server import metrics, openapi, routes
@@ -231,7 +232,7 @@ class CapsteerMiddleware:
                                         None if header is None else header.decode("latin-1"))
             encoded = json.dumps(rewrite_body(body, hooks, capture_id, dir_time,
                                               record_id, readout_id)).encode()
-        except FieldError as exc:
+        except CapsteerError as exc:  # a bad field (400), or a store that failed (503)
             await send_json(send, *exception_body(exc))
             return
         except RecursionError:  # parsed just under the limit, a few frames deeper to write

@@ -60,6 +60,7 @@ CONTENT_DIR = ".content"  # content files by sha256 (a dot name: never listed as
 # A content file untouched this long is removed at the next put or delete; each request
 # checked against it touches it when it is older than a quarter of this.
 CONTENT_KEEP_SECONDS = 3600.0
+CONTENT_RETRY_SECONDS = 1.0  # after a failed content write, requests are refused this long
 _SHA_RE = re.compile(r"[0-9a-f]{64}")
 logger = logging.getLogger("vllm.capsteer")  # under vLLM's configured logger
 FILE_KIND = "capsteer-steering-vector/1"
@@ -79,6 +80,14 @@ class VectorNotFoundError(errors.NotFound, KeyError):
 
 class VectorRegistryError(VectorFormatError):
     """A stored vector that this model cannot use (other width/layers, damaged file)."""
+
+
+class VectorContentError(errors.StorageError, OSError):
+    """The server could not keep a named vector's content where the workers read it (its
+    disk refused the write): the request is refused (503) rather than run unsteered."""
+
+    status = 503
+    param = "steering"
 
 
 class VectorChangedError(errors.NotFound, LookupError):
@@ -125,6 +134,8 @@ class VectorRegistry:
         self._lock = threading.Lock()
         self.read_only = read_only
         self._touched: dict[str, float] = {}  # content sha256 -> when this process kept it
+        # content sha256 -> (when its write failed, the refusal's reason)
+        self._content_failed: dict[str, tuple[float, str]] = {}
         if not read_only:
             self.root.mkdir(parents=True, exist_ok=True)
             remove_stale_temps(self.root)
@@ -284,11 +295,16 @@ class VectorRegistry:
     def _keep_content(self, named: NamedVectors, strict: bool = False) -> None:
         """Make `named`'s content readable by its sha256 for at least CONTENT_KEEP_SECONDS
         / 2 more (written if missing, touched when older than a quarter of that). A
-        failure raises when `strict` (an upload), else is logged (a request's check)."""
+        failure raises OSError when `strict` (an upload), else VectorContentError (a
+        request's check: refused, never run unsteered), at once again for
+        CONTENT_RETRY_SECONDS after a failed write (no disk work per refused request)."""
         now = time.time()
         if now - self._touched.get(named.sha256, 0.0) < CONTENT_KEEP_SECONDS / 4:
             return
         path = self.content_path(named.sha256)
+        failed = self._content_failed.get(named.sha256)
+        if failed is not None and now - failed[0] < CONTENT_RETRY_SECONDS and not strict:
+            raise VectorContentError(failed[1])
         try:
             try:
                 os.utime(path)
@@ -299,13 +315,17 @@ class VectorRegistry:
                            else {f"layer.{k}": np.asarray(v) for k, v in value.items()})
                 blob = _save(tensors, {"format": FILE_KIND, "name": named.name})
                 publish_atomic(path.parent, path, lambda tmp: Path(tmp).write_bytes(blob))
-        except OSError:  # every worker then refuses the request alike (logged, counted)
+        except OSError as exc:
             if strict:
                 raise
-            logger.exception("capsteer: cannot keep vector %r's content at %s; requests "
-                             "naming it run unsteered", named.name, path)
-            return
+            reason = (f"the server cannot keep vector {named.name!r}'s content for its "
+                      f"workers ({exc.strerror or exc}); retry later")
+            logger.error("capsteer: %s (at %s)", reason, path)
+            with self._lock:
+                self._content_failed[named.sha256] = (now, reason)
+            raise VectorContentError(reason) from exc
         with self._lock:  # checks run on the event loop and in threads (patch reads)
+            self._content_failed.pop(named.sha256, None)
             self._touched[named.sha256] = now
             if len(self._touched) > 4 * self._cache_entries:  # forget the oldest half
                 for sha, _ in sorted(self._touched.items(), key=lambda kv: kv[1])[

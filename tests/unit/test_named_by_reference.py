@@ -4,12 +4,14 @@ sha256), never another vector stored under that name meanwhile."""
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import os
 import shutil
 import time
 from collections.abc import Mapping
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,6 +20,7 @@ import torch
 from capsteer.engine_ext.payload import build_payload
 from capsteer.engine_ext.plan import RequestHooks
 from capsteer.engine_ext.runtime import HookRuntime
+from capsteer.server.errors import exception_body
 from capsteer.server.fields import FieldError, ModelShape, parse_hook_fields
 from capsteer.steering import registry as reg_mod
 from capsteer.steering.readers.registry import ReaderRegistry
@@ -276,3 +279,36 @@ def test_content_files_are_written_at_the_first_check_where_missing(registry, tm
     keys = {RequestHooks.from_payload("a", payload, 4, _runtime(), reader).steering_key
             for reader in _ranks(tmp_path)}
     assert keys == {_parse(_inline(_rows(1), _rows(2)[0]), None).sharing_key}
+
+
+def test_a_content_write_the_disk_refuses_refuses_the_request(registry, tmp_path, monkeypatch):
+    """Content the server cannot write for its workers (a full disk) refuses the request
+    with a 503 naming `steering`, never lets it run unsteered; for CONTENT_RETRY_SECONDS
+    later requests are refused without touching the disk, then the write is tried again."""
+    shutil.rmtree(tmp_path / "vectors" / reg_mod.CONTENT_DIR)
+    server = VectorRegistry(tmp_path / "vectors", hidden_size=HIDDEN, num_layers=LAYERS)
+    tries: list[Path] = []
+
+    def full_disk(folder, path, write):
+        tries.append(path)
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(reg_mod, "publish_atomic", full_disk)
+    shape = ModelShape(LAYERS, HIDDEN, 4096, 2)
+
+    def check() -> None:
+        parse_hook_fields({"model": "m", "prompt": "x", "steering": NAMED}, shape,
+                          lookup=server.lookup_named, default_layout="packed",
+                          capture_default=None)
+    with pytest.raises(reg_mod.VectorContentError, match="No space left") as refused:
+        check()
+    status, body = exception_body(refused.value)
+    assert status == 503 and json.loads(body)["error"]["param"] == "steering"
+    assert len(tries) == 1
+    with pytest.raises(reg_mod.VectorContentError):
+        check()
+    assert len(tries) == 1  # refused again at once, no second write
+    monkeypatch.undo()  # the disk has room again, and the retry wait is over
+    monkeypatch.setattr(reg_mod, "CONTENT_RETRY_SECONDS", 0.0)
+    check()
+    assert all(server.content_path(ref["sha256"]).exists()
+               for ref in _parse(NAMED, server.lookup_named).to_dict()["refs"])
