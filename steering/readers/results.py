@@ -16,6 +16,7 @@ follows for that item), or `{"next": name}`, the last line of a file its writer 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import threading
 import time
@@ -52,6 +53,25 @@ class Record(msgspec.Struct, gc=False):
 
 
 _DECODE_LINES = msgspec.json.Decoder(Record).decode_lines  # every record of every readout
+_DECODE_ONE = msgspec.json.Decoder(Record).decode
+logger = logging.getLogger("vllm.capsteer")
+
+
+def _decode(lines: bytes, stream: str) -> list[Record]:
+    """A read's records in one call (a step's records of every readout); a line that is
+    not a record (a torn or foreign write) is skipped alone, logged, never the others."""
+    try:
+        return _DECODE_LINES(lines)
+    except msgspec.DecodeError:
+        pass
+    out = []
+    for line in filter(None, lines.splitlines()):
+        try:
+            out.append(_DECODE_ONE(line))
+        except msgspec.DecodeError as exc:
+            logger.error("capsteer: skipped a malformed readout record in %s (%s): %.80r",
+                         stream, exc, line)
+    return out
 
 
 def probe_record(readout_id: str, item: int, positions: list[int],
@@ -189,8 +209,7 @@ class ResultsReader:
                 continue
             whole = tail.partial + data[:end] if tail.partial else data[:end]
             tail.partial = data[end:]
-            # one call for all the lines (a step's records of every readout)
-            for record in _DECODE_LINES(whole):
+            for record in _decode(whole, name):
                 self._deliver(name, record)
 
     def _deliver(self, name: str, record: Record) -> None:
@@ -278,7 +297,10 @@ class ResultsHub(ResultsReader):
         while self.inboxes:
             # the waiting inboxes, not a walk over every open one each poll
             waiting = list(self._waiting.values())
-            self.pump(bool(waiting))
+            try:
+                self.pump(bool(waiting))
+            except Exception:  # e.g. a stream file unreadable: the waits still time out
+                logger.exception("capsteer: reading the readout streams failed")
             now = time.monotonic()
             for inbox in waiting:
                 if inbox.records or now >= inbox.deadline:

@@ -146,6 +146,34 @@ def test_the_hub_delivers_each_record_once_across_rotations(tmp_path):
     assert len(files) == 2 and all(str(os.getpid()) in f for f in files)
 
 
+def test_a_malformed_line_costs_only_itself_and_never_stops_the_hub(tmp_path, monkeypatch):
+    """A line that is not a record (a torn or foreign write) is skipped alone: the records
+    around it, in the same read, still arrive; and a read that fails outright leaves the
+    hub's task running, so a waiting response still gets its records or its timeout."""
+    root = tmp_path / "ro"
+    stream = ResultsStream(root)
+
+    async def main() -> tuple[list, list]:
+        hub = ResultsHub(root, scan_s=0.0)
+        inbox = hub.open("ro-a")
+        stream.append(error_record("ro-a", 0, "x") + b'{"r": "ro-a", "i": \n'
+                      + error_record("ro-a", 1, "y"))
+        await asyncio.wait_for(hub.wait(inbox, 0.5), 5)  # a dead hub task: never woken
+        first = [r.i for r in inbox.take()]
+        real_pump = hub.pump
+        monkeypatch.setattr(hub, "pump", lambda waiting=True: 1 / 0)
+        await asyncio.sleep(0.05)  # the task polls, and its pumps fail
+        monkeypatch.setattr(hub, "pump", real_pump)
+        stream.append(error_record("ro-a", 2, "z"))
+        await asyncio.wait_for(hub.wait(inbox, 0.5), 5)
+        then = [r.i for r in inbox.take()]
+        hub.stop()
+        return first, then
+
+    first, then = asyncio.run(main())
+    assert first == [0, 1] and then == [2]
+
+
 def test_the_hub_sweeps_stream_files_of_dead_writers(tmp_path):
     root = tmp_path / "ro"
     root.mkdir()
