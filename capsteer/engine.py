@@ -194,7 +194,7 @@ class Engine:
                 if self._private is None:
                     self._private = tempfile.mkdtemp(prefix="capsteer-engine-")
                     self._cleanup = weakref.finalize(self, shutil.rmtree, self._private, True)
-                extra["capsteer"][key] = f"{self._private}/{key.removesuffix('_dir')}s"
+                extra["capsteer"][key] = f"{self._private}/{key.removesuffix('_dir')}"
         self.readout_dir: str = extra["capsteer"]["readout_dir"]
         self.readers_dir: str = extra["capsteer"]["readers_dir"]
         mark_launcher()  # its engine processes exit if this process is killed
@@ -336,31 +336,35 @@ class Engine:
                 awaited[len(prompts) - 1] = payload.capture_id
             if readout_id is not None:
                 readouts[len(prompts) - 1] = (readout_id, items)
-        collector = self._readouts() if readouts else None
-        for readout_id, items in readouts.values():  # records are kept from here on
-            collector.open(readout_id, items)
         # Manifests are read while the batch runs: a capture closed mid-batch is found
         # then, not in a serial pass over every manifest after the last output.
         poller = _ReceiptPoller(self.capture_dir, {
             cid: relative_dir(cid, spec.tag, payload_dir_time[cid])
             for cid, d, spec in zip(capture_ids, durable, specs, strict=True) if cid and d})
+        collector = self._readouts() if readouts else None
         try:
+            for readout_id, items in readouts.values():  # records are kept from here on
+                collector.open(readout_id, items)
             if awaited:
                 outputs = self._run_reporting_ends(prompts, params, awaited)
             else:
                 outputs = self.llm.generate(prompts, params, use_tqdm=False)
+            deadline = time.monotonic() + timeout  # one wait for every kind of result
+
+            def left() -> float:
+                return max(deadline - time.monotonic(), 0.0)
             captures = self._collect(
-                [c for c, d in zip(capture_ids, durable, strict=True) if c and not d], timeout)
+                [c for c, d in zip(capture_ids, durable, strict=True) if c and not d], left())
             read = {} if collector is None else dict(zip(readouts, collector.collect(
                 [Finished(rid, items, list(outputs[i].prompt_token_ids or []),
                           list(outputs[i].outputs[0].token_ids))
-                 for i, (rid, items) in readouts.items()], timeout), strict=True))
+                 for i, (rid, items) in readouts.items()], left()), strict=True))
         except BaseException:
             poller.stop()
             if collector is not None:
                 collector.discard([rid for rid, _ in readouts.values()])
             raise
-        receipts = poller.wait(timeout)
+        receipts = poller.wait(left())
         results = []
         for i, (out, cid, spec) in enumerate(zip(outputs, capture_ids, specs, strict=True)):
             completion = out.outputs[0]
