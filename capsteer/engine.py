@@ -38,11 +38,14 @@ from capsteer.engine_ext.payload import (
     new_readout_id,
 )
 from capsteer.engine_ext.vllm.version import hooks_code_hash
-from capsteer.hooks import READOUT, hook_use
 from capsteer.steering.conditions import ReaderGetter
 from capsteer.steering.patches import PatchGetter
 from capsteer.steering.readers.collect import Finished, ReadoutCollector
-from capsteer.steering.readers.readout import ReadoutItem, ReadoutSpecError, parse_readout
+from capsteer.steering.readers.readout import (
+    ReadoutItem,
+    check_readout_request,
+    parse_readout,
+)
 from capsteer.steering.readers.registry import ReaderRegistry
 from capsteer.steering.spec import SteeringSpec, VectorLookup, parse_steering_spec
 
@@ -272,15 +275,8 @@ class Engine:
             items = parse_readout(req.readout, num_layers=self.num_layers,
                                   hidden_size=self.hidden_size, lookup=self.readers.lookup,
                                   widths=self.hook_widths)
-        for item in items:
-            for key in (item.hook, hook_use(item.hook, READOUT)):
-                if key in self.unavailable:
-                    raise ReadoutSpecError(f"readout[{item.index}].hook", self.unavailable[key])
-        if req.capture not in (None, False):
-            raise ReadoutSpecError("readout", "a request reads out or captures, not both yet: "
-                                              "send the capture as a request of its own")
-        if int(req.sampling.get("n", 1) or 1) > 1:
-            raise ReadoutSpecError("n", "readout needs n=1 (one sequence per request)")
+        check_readout_request(items, self.unavailable, captures=req.capture not in (None, False),
+                              one_sequence=int(req.sampling.get("n", 1) or 1) == 1)
         return items
 
     def _readouts(self) -> ReadoutCollector:

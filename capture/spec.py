@@ -22,6 +22,14 @@ from capsteer.hooks import HookNameError, canonical_hook
 from capsteer.hooks import parse_layers as hooks_parse_layers
 
 POSITION_KINDS: tuple[str, ...] = ("all", "prompt", "generated", "last_prompt", "last", "explicit")
+RANGE_KINDS: tuple[str, ...] = ("all", "prompt", "generated")  # kinds keeping a run of positions
+
+
+def range_bounds(kind: str, prompt_len: int, start: int, limit: int) -> tuple[int, int]:
+    """[lo, hi) of the positions in [start, limit) a range kind keeps (none: hi <= lo)."""
+    lo = max(start, prompt_len) if kind == "generated" else start
+    hi = min(limit, prompt_len) if kind == "prompt" else limit
+    return lo, hi
 LAYOUTS: tuple[str, ...] = ("packed", "per_file")
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 _DTYPE_ALIASES: dict[str, str] = {

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from capsteer.capture.paths import validate_capture_id
-from capsteer.capture.spec import CaptureSpec, PositionSpec
+from capsteer.capture.spec import RANGE_KINDS, CaptureSpec, PositionSpec, range_bounds
 from capsteer.engine_ext import patches as patching
 from capsteer.engine_ext.payload import decode_payload, parse_readout_payload
 from capsteer.engine_ext.runtime import STREAM, SUB, HookRuntime, StepPlan, hook_point
@@ -345,13 +345,13 @@ def build_step_plan(
             # each item keeps its own positions in the sink.
             items = hooks.readout_items
             kind = items[0].positions.kind if len(items) == 1 else None
-            if kind in _RANGES:
-                lo, hi = _range(kind, k, first_gen)
+            if kind in RANGE_KINDS:
+                lo, hi = range_bounds(kind, first_gen, 0, k)
                 sel_rows, sel_pos = (all_rows[a + lo: a + hi], all_pos[a + lo: a + hi]) \
                     if hi > lo else (None, None)
             else:
                 pos = all_pos[a: a + k]
-                sel = _kept(items[0].positions, pos, prompt_len, first_gen) \
+                sel = _kept(items[0].positions, pos, prompt_len) \
                     if kind is not None else _kept_any([item.positions for item in items], pos,
                                                        prompt_len)
                 sel_rows, sel_pos = (None, None) if sel is None else \
@@ -369,8 +369,8 @@ def build_step_plan(
             continue
         hooks.fed_len = max(hooks.fed_len, pos0 + k)
         kind = hooks.capture.positions.kind
-        if kind in _RANGES:
-            lo, hi = _range(kind, k, first_gen)
+        if kind in RANGE_KINDS:
+            lo, hi = range_bounds(kind, first_gen, 0, k)
             if hi <= lo:
                 continue
             sel_rows, sel_pos = all_rows[a + lo: a + hi], all_pos[a + lo: a + hi]
@@ -384,7 +384,7 @@ def build_step_plan(
                 gen_rows = None
         else:
             pos = all_pos[a: a + k]
-            sel = _kept(hooks.capture.positions, pos, prompt_len, first_gen)
+            sel = _kept(hooks.capture.positions, pos, prompt_len)
             if sel is None:
                 continue
             sel_rows, sel_pos = all_rows[a: a + k][sel], pos[sel]
@@ -427,27 +427,9 @@ def build_step_plan(
     return plan
 
 
-_RANGES = ("all", "prompt", "generated")  # position kinds that keep a run of positions
-
-
-def _range(kind: str, k: int, first_gen: int) -> tuple[int, int]:
-    """[lo, hi) of a request's `k` consecutive positions a range kind keeps (none: hi <= lo);
-    `first_gen`: the index of the first generated position."""
-    if kind == "all":
-        return 0, k
-    return (first_gen, k) if kind == "generated" else (0, first_gen)
-
-
-def _kept(positions: PositionSpec, pos: np.ndarray, prompt_len: int,
-          first_gen: int) -> slice | np.ndarray | None:
-    """Which of a request's consecutive positions `pos` a position spec keeps: a slice for
-    the range kinds (no mask a step for hundreds of decoding requests), else a mask; None
-    when it keeps none. `first_gen`: the index of the first generated position."""
-    kind = positions.kind
-    if kind in ("all", "prompt", "generated"):
-        lo, hi = (first_gen, len(pos)) if kind == "generated" else \
-            (0, first_gen) if kind == "prompt" else (0, len(pos))
-        return slice(lo, hi) if hi > lo else None
+def _kept(positions: PositionSpec, pos: np.ndarray, prompt_len: int) -> np.ndarray | None:
+    """Which of a request's positions `pos` a position spec of no range kind keeps (the
+    range kinds take a slice: `range_bounds`), as a mask; None when it keeps none."""
     mask = positions.candidate(pos, prompt_len)
     return mask if mask.any() else None
 

@@ -25,6 +25,7 @@ import torch
 
 from capsteer.capture import metrics
 from capsteer.capture.sink import CaptureEnd, CaptureRequest, CaptureSink
+from capsteer.capture.spec import RANGE_KINDS, range_bounds
 from capsteer.steering.readers import results
 from capsteer.steering.readers.kinds import (
     LinearProbe,
@@ -38,7 +39,6 @@ from capsteer.steering.readers.registry import ReaderRegistry
 
 logger = logging.getLogger("vllm.capsteer")
 _READERS_KEPT = 32  # loaded readers kept on the device (an SAE can be hundreds of MB)
-_RANGES = ("all", "prompt", "generated")  # position kinds that keep a run of positions
 
 
 @dataclass
@@ -201,7 +201,7 @@ class ReadoutSink(CaptureSink):
         for state, item, head, route, span in items:
             positions = route.positions
             kind = item.positions.kind
-            if len(positions) == 1 and kind in _RANGES:  # a decode step: one position
+            if len(positions) == 1 and kind in RANGE_KINDS:  # a decode step: one position
                 p = int(positions[0])
                 if p < state.sent_upto.get(item.index, 0) or (
                         kind == "generated" and p < state.prompt_len) or (
@@ -263,9 +263,8 @@ class ReadoutSink(CaptureSink):
         sent = state.sent_upto.get(item.index, 0)
         kind, n = item.positions.kind, len(positions)
         first = int(positions[0]) if n else 0
-        if kind in _RANGES and n and int(positions[-1]) - first == n - 1:
-            lo = max(sent, state.prompt_len) if kind == "generated" else sent
-            hi = state.prompt_len if kind == "prompt" else first + n
+        if kind in RANGE_KINDS and n and int(positions[-1]) - first == n - 1:
+            lo, hi = range_bounds(kind, state.prompt_len, sent, first + n)
             at: range | np.ndarray = range(min(max(lo - first, 0), n), min(max(hi - first, 0), n))
             if len(at):
                 state.sent_upto[item.index] = first + at.stop

@@ -27,9 +27,13 @@ def route_ranks(routes: Sequence[Any]) -> tuple[np.ndarray, np.ndarray]:
 def route_starts(routes: Sequence[Any], staging_offset: Mapping[tuple[int, int], int]
                  ) -> tuple[np.ndarray, np.ndarray]:
     """Each route's first staging row and its row count."""
-    m = len(routes)
-    starts = np.fromiter([staging_offset[r.point] + r.offset for r in routes], np.int64, m)
-    return starts, np.fromiter([len(r.positions) for r in routes], np.int64, m)
+    return _starts(routes, staging_offset), np.fromiter([len(r.positions) for r in routes],
+                                                        np.int64, len(routes))
+
+
+def _starts(routes: Sequence[Any], staging_offset: Mapping[tuple[int, int], int]) -> np.ndarray:
+    return np.fromiter([staging_offset[r.point] + r.offset for r in routes], np.int64,
+                       len(routes))
 
 
 def route_entries(routes: Sequence[Any], staging_offset: Mapping[tuple[int, int], int],
@@ -39,7 +43,7 @@ def route_entries(routes: Sequence[Any], staging_offset: Mapping[tuple[int, int]
     m = len(routes)
     slots = np.fromiter([r.slot for r in routes], np.int64, m)
     points = np.array([r.point for r in routes], np.int64).reshape(m, 2)
-    starts = np.fromiter([staging_offset[r.point] + r.offset for r in routes], np.int64, m)
+    starts = _starts(routes, staging_offset)
     flat = (slots * 2 + points[:, 0]) * num_sites + points[:, 1]
     keys, last = np.unique(flat[::-1], return_index=True)  # each entry's last occurrence
     return keys, starts[::-1][last]

@@ -21,13 +21,13 @@ from typing import Any
 from capsteer.capture.spec import CaptureSpec, SpecError, parse_capture_spec
 from capsteer.capture.writer.budget import estimate_bytes
 from capsteer.engine_ext.payload import EXTRA_ARGS_KEY, build_payload
-from capsteer.hooks import READOUT, hook_use
 from capsteer.steering.conditions import ReaderGetter
 from capsteer.steering.patches import PatchGetter
 from capsteer.steering.readers.readout import (
     ReaderLookup,
     ReadoutItem,
     ReadoutSpecError,
+    check_readout_request,
     parse_readout,
 )
 from capsteer.steering.spec import (
@@ -190,9 +190,12 @@ def parse_hook_fields(
             readout = parse_readout(body["readout"], num_layers=shape.num_layers,
                                     hidden_size=shape.hidden_size, lookup=readers,
                                     widths=shape.hook_widths)
+            n = body.get("n", 1)
+            check_readout_request(readout, shape.unavailable, captures=capture is not None,
+                                  one_sequence=n is None or str(n).strip() == "1")
         except ReadoutSpecError as exc:
             raise FieldError(exc.field, exc.reason) from None
-        _check_readout_request(body, readout, capture, shape)
+        _check_readout_request(body)
     stream = body.get("stream") is True
     options = body.get("stream_options")
     if options is not None and not isinstance(options, Mapping):
@@ -202,19 +205,9 @@ def parse_hook_fields(
                       body.get("return_token_ids") is True)
 
 
-def _check_readout_request(body: Mapping[str, Any], readout: list[ReadoutItem],
-                           capture: CaptureSpec | None, shape: ModelShape) -> None:
-    """What a readout needs of the rest of the request (400 naming the field otherwise)."""
-    for item in readout:
-        for key in (item.hook, hook_use(item.hook, READOUT)):
-            if key in shape.unavailable:
-                raise FieldError(f"readout[{item.index}].hook", shape.unavailable[key])
-    if capture is not None:
-        raise FieldError("readout", "a request reads out or captures, not both yet: send the "
-                         "capture as a request of its own")
-    n = body.get("n", 1)
-    if n is not None and str(n).strip() != "1":
-        raise FieldError("n", "readout needs n=1 (one sequence per request)")
+def _check_readout_request(body: Mapping[str, Any]) -> None:
+    """What a readout needs of the HTTP request's own fields beyond check_readout_request
+    (400 naming the field otherwise)."""
     if body.get("best_of") not in (None, 1):
         raise FieldError("best_of", "readout needs best_of=1")
     if _prompt_count(body.get("prompt")) > 1:

@@ -21,8 +21,9 @@ from typing import Any
 
 import msgspec
 
+from capsteer.capture.spec import RANGE_KINDS, range_bounds
 from capsteer.server.responses import BodyRewriter
-from capsteer.steering.readers.collect import RANGES, ReadoutValues, fed_limit
+from capsteer.steering.readers.collect import ReadoutValues, fed_limit
 from capsteer.steering.readers.readout import ReadoutItem
 from capsteer.steering.readers.results import ResultsHub
 
@@ -62,7 +63,7 @@ class ReadoutResponder(BodyRewriter):
         self._heads = {item.index: (_ENCODE(self._entry_head(item))[:-1] + b',"positions":[',
                                     b'],"scores":[' if item.reader.kind == "probe"
                                     else b'],"features":[')
-                       for item in items if item.positions.kind in RANGES}
+                       for item in items if item.positions.kind in RANGE_KINDS}
 
     # ---- ASGI send ----
     async def send(self, message: dict) -> None:
@@ -211,7 +212,7 @@ class ReadoutResponder(BodyRewriter):
                 if entry.get("positions") or "error" in entry:
                     out.append(_ENCODE(entry))
                 continue
-            lo, hi = _bounds(item.positions.kind, n_prompt, start, limit)
+            lo, hi = range_bounds(item.positions.kind, n_prompt, start, limit)
             if lo >= hi:
                 continue
             have = self.values[index]
@@ -234,14 +235,14 @@ class ReadoutResponder(BodyRewriter):
             start = self.complete[index]
             if start >= limit or index in self.errors:
                 continue
-            if item.positions.kind not in RANGES:
+            if item.positions.kind not in RANGE_KINDS:
                 lacking = self.got.missing(item, n_prompt, start, limit)
                 self.complete[index] = lacking[0] if lacking else limit
                 if lacking:
                     return False
                 continue
             have = self.values[index]
-            lo, hi = _bounds(item.positions.kind, n_prompt, start, limit)
+            lo, hi = range_bounds(item.positions.kind, n_prompt, start, limit)
             for p in range(lo, hi):
                 if p not in have:
                     self.complete[index] = p
@@ -315,14 +316,6 @@ class ReadoutResponder(BodyRewriter):
             if isinstance(choice, dict):
                 choice.pop("token_ids", None)
                 choice.pop("prompt_token_ids", None)
-
-
-def _bounds(kind: str, prompt_len: int, start: int, limit: int) -> tuple[int, int]:
-    """The positions [lo, hi) in [start, limit) a range kind reads (collect.py's
-    `expected_positions`)."""
-    lo = max(start, prompt_len) if kind == "generated" else start
-    hi = min(limit, prompt_len) if kind == "prompt" else limit
-    return lo, hi
 
 
 def _parse_chunk(event: bytes) -> tuple[list[int], list[tuple[int, ...]]] | None:

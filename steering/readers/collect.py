@@ -19,10 +19,10 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from capsteer.capture.spec import RANGE_KINDS, range_bounds
 from capsteer.steering.readers.readout import ReadoutItem
 from capsteer.steering.readers.results import Record, ResultsReader
 
-RANGES = ("all", "prompt", "generated")  # position kinds whose positions are a range
 _DECODE_RAW = msgspec.json.decode  # a position's scores as Python lists (the engine's)
 
 
@@ -34,10 +34,8 @@ def fed_limit(prompt_len: int, output_len: int) -> int:
 def expected_positions(item: ReadoutItem, prompt_len: int, start: int, limit: int) -> list[int]:
     """The positions in [start, limit) the item reads."""
     kind = item.positions.kind
-    if kind in RANGES:
-        lo = max(start, prompt_len) if kind == "generated" else start
-        hi = min(limit, prompt_len) if kind == "prompt" else limit
-        return list(range(lo, hi))
+    if kind in RANGE_KINDS:
+        return list(range(*range_bounds(kind, prompt_len, start, limit)))
     span = np.arange(start, limit, dtype=np.int64)
     return span[item.positions.candidate(span, prompt_len)].tolist()
 

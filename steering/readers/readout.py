@@ -31,8 +31,10 @@ import torch
 from capsteer.capture.spec import PositionSpec, SpecError, parse_positions
 from capsteer.config import errors
 from capsteer.hooks import (
+    READOUT,
     HookNameError,
     canonical_hook,
+    hook_use,
     hook_width_text,
     parse_tl_hook_name,
     resolve_layer,
@@ -288,3 +290,19 @@ def _threshold(value: object, field: str) -> float:
             or not math.isfinite(value):
         raise ReadoutSpecError(field, f"expected a finite number, got {value!r}")
     return float(value)
+
+
+def check_readout_request(items: list[ReadoutItem], unavailable: Mapping[str, str], *,
+                          captures: bool, one_sequence: bool) -> None:
+    """What a readout needs of the rest of its request, checked alike by the server and
+    the in-process Engine (ReadoutSpecError naming the field): hooks this model offers for
+    reading, no capture beside it, one sequence."""
+    for item in items:
+        for key in (item.hook, hook_use(item.hook, READOUT)):
+            if key in unavailable:
+                raise ReadoutSpecError(f"readout[{item.index}].hook", unavailable[key])
+    if captures:
+        raise ReadoutSpecError("readout", "a request reads out or captures, not both yet: send "
+                                          "the capture as a request of its own")
+    if not one_sequence:
+        raise ReadoutSpecError("n", "readout needs n=1 (one sequence per request)")
