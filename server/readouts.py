@@ -235,19 +235,9 @@ class ReadoutResponder(BodyRewriter):
             start = self.complete[index]
             if start >= limit or index in self.errors:
                 continue
-            if item.positions.kind not in RANGE_KINDS:
-                lacking = self.got.missing(item, n_prompt, start, limit)
-                self.complete[index] = lacking[0] if lacking else limit
-                if lacking:
-                    return False
-                continue
-            have = self.values[index]
-            lo, hi = range_bounds(item.positions.kind, n_prompt, start, limit)
-            for p in range(lo, hi):
-                if p not in have:
-                    self.complete[index] = p
-                    return False
-            self.complete[index] = limit
+            self.complete[index] = upto = self.got.complete_upto(item, n_prompt, start, limit)
+            if upto < limit:
+                return False
         return True
 
     @staticmethod
@@ -280,12 +270,10 @@ class ReadoutResponder(BodyRewriter):
                 start = self.complete[item.index]
                 if item.index in self.errors or start >= limit:
                     continue
-                lacking = self.got.missing(item, len(self.prompt or ()), start, limit)
-                if lacking:
-                    self.complete[item.index] = lacking[0]
+                upto = self.got.complete_upto(item, len(self.prompt or ()), start, limit)
+                self.complete[item.index] = upto
+                if upto < limit:
                     missing.append(item)
-                else:
-                    self.complete[item.index] = limit
             if not missing:
                 return
             if not pumped:  # look at the streams at once before waiting for the hub's poll

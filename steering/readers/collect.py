@@ -64,13 +64,20 @@ class ReadoutValues:
             for p, value in zip(positions, values, strict=True):
                 have.setdefault(p, value)
 
-    def missing(self, item: ReadoutItem, prompt_len: int, start: int, limit: int) -> list[int]:
-        """The positions in [start, limit) the item reads and has no values for yet ([]
-        once it failed)."""
+    def complete_upto(self, item: ReadoutItem, prompt_len: int, start: int, limit: int) -> int:
+        """The first position in [start, limit) the item reads and has no value for yet,
+        else `limit` (every one arrived, or the item failed). Callers keep it as the next
+        `start`, so a stream's positions are each looked at once."""
         if item.index in self.errors:
-            return []
+            return limit
         have = self.values[item.index]
-        return [p for p in expected_positions(item, prompt_len, start, limit) if p not in have]
+        kind = item.positions.kind
+        wanted = range(*range_bounds(kind, prompt_len, start, limit)) if kind in RANGE_KINDS \
+            else expected_positions(item, prompt_len, start, limit)
+        for p in wanted:
+            if p not in have:
+                return p
+        return limit
 
     def entry(self, item: ReadoutItem, prompt: Sequence[int], output: Sequence[int],
               start: int, limit: int,
@@ -148,10 +155,10 @@ class ReadoutCollector:
                     start = complete[(n, item.index)]
                     if start >= limit:
                         continue
-                    missing = values.missing(item, len(d.prompt), start, limit)
-                    complete[(n, item.index)] = missing[0] if missing else limit
-                    if missing:
-                        lacking.append((d.readout_id, item.index, missing[0]))
+                    upto = values.complete_upto(item, len(d.prompt), start, limit)
+                    complete[(n, item.index)] = upto
+                    if upto < limit:
+                        lacking.append((d.readout_id, item.index, upto))
             if not lacking:
                 break
             if time.monotonic() >= deadline:
