@@ -62,12 +62,6 @@ STEP_TOKENS = {"cuda": 2048, "cpu": 512}  # max_num_batched_tokens, the same for
 DD_MIB = {"cuda": 4096, "cpu": 256}
 
 
-def disk_rate(directory: Path, mib: int) -> float:
-    """MB/s of storage.py's `dd conv=fsync` into `directory` (its write+fsync loop without dd)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    return storage.dd_rate(directory, mib) or storage.loop_rate(directory, mib)
-
-
 def parse_slots(text: str | None, total: int) -> list[int]:
     """'1-6', '7-12', '1,5,9' -> slot numbers (1-based); None -> all."""
     if not text:
@@ -216,7 +210,8 @@ def _p3all(a: argparse.Namespace, batch: Callable[..., dict], capture_dir: Path)
     """All layers x all prompt positions, durable: MB/s vs the disk's fsync'd dd rate."""
     (n, prompt, gen), vocab = WORKLOADS[a.device]["prefill"], perf_models.SHAPES[a.shape].vocab
     spec = {"hooks": ["resid_post"], "layers": "all", "positions": "prompt", "layout": "packed"}
-    dd_before = disk_rate(capture_dir / "dd", DD_MIB[a.device])
+    (dd := capture_dir / "dd").mkdir(parents=True, exist_ok=True)  # storage.py's dd, else its loop
+    dd_before = storage.dd_rate(dd, DD_MIB[a.device]) or storage.loop_rate(dd, DD_MIB[a.device])
     batch(_prompts(3_999, max(4, n // 16), prompt, vocab), gen, spec)  # warm-up
     perf_models.fresh_dir(capture_dir)
     times: list[float] = []
@@ -229,7 +224,8 @@ def _p3all(a: argparse.Namespace, batch: Callable[..., dict], capture_dir: Path)
         nbytes += batch(prompts, gen, spec)["bytes"]
         times.append(time.perf_counter() - t)
     perf_models.fresh_dir(capture_dir)
-    dd_after = disk_rate(capture_dir / "dd", DD_MIB[a.device])
+    dd.mkdir(parents=True, exist_ok=True)
+    dd_after = storage.dd_rate(dd, DD_MIB[a.device]) or storage.loop_rate(dd, DD_MIB[a.device])
     disk, rate = max(dd_before, dd_after), nbytes / sum(times) / 1e6
     return {"batches": len(times), "seconds": sum(times), "bytes": nbytes, "mb_s": rate,
             "disk_dd_mb_s": [dd_before, dd_after], "disk_mb_s": disk, "ratio": rate / disk,

@@ -14,15 +14,12 @@ fields). After an untimed warm-up, the cases (vanilla runs plain and short):
   readout_probe / readout_sae16k   a probe / a 16k-feature TopK SAE read at that layer,
                 every token, streamed; steer_conditional  steer_all gated by the probe
 
-distinct_N runs `vllm.benchmarks.serve.benchmark` (the CLI's function: the same requests,
-timing and percentiles) with each sample's `request_overrides`. Ratios: each capsteer case
-over vanilla's plain (short over short, req/s) of the same shape and round; distinct_256
-over distinct_1. Figures: the median over rounds, spread min-max; a key's worst shape.
-
-Commands (a GPU round, --merge, a CPU smoke run, --attach to running servers):
-bench/README.md.
-Writes <out>/raw/r<round>-<shape>-<config>.json, <out>/serve-bench.json (per-case medians,
-ratios, the serve_* keys) and its PNG; `--summary` records the keys in summary.json.
+distinct_N runs `vllm.benchmarks.serve.benchmark` with each sample's `request_overrides`
+(capsteer's steering table sized for N specs of every layer; a case where a request ran
+unsteered has no figure). Ratios: each capsteer case over vanilla's plain (short over
+short) of its shape and round; distinct_256 over distinct_1; median over rounds, spread
+min-max, worst shape. Commands: bench/README.md. Writes <out>/raw/*.json, serve-bench.json
+and its PNG (`--summary`: the serve_* keys into summary.json).
 """
 
 from __future__ import annotations
@@ -58,6 +55,7 @@ from capsteer.server.process import ManagedServer, free_port
 CONFIGS = ("vanilla", "capsteer")
 VECTOR_NAME = "serve-bench"
 DISTINCT = (1, 32, 256)
+REFUSED = "capsteer_steering_refused_total"
 STEER_SCALE = 0.5
 VECTOR_STD = 0.05  # small: a random-weight model keeps finite activations when steered
 CASE_NAMES = ("plain", "short", "steer_all", *(f"distinct_{n}" for n in DISTINCT),
@@ -253,7 +251,7 @@ def distinct_run(args: argparse.Namespace, n: int, hidden: int) -> dict[str, Any
 def capsteer_counts(url: str) -> dict[str, float]:
     """capsteer's counters on /metrics: captures by status, steered requests, bytes in flight."""
     names = ("capsteer_capture_requests_total", "capsteer_steering_requests_total",
-             "capsteer_capture_inflight_bytes")
+             "capsteer_capture_inflight_bytes", REFUSED)
     lines = httpx.get(url + "/metrics", timeout=30).text.splitlines()
     return {line.rpartition(" ")[0].replace('"', ""): float(line.rpartition(" ")[2])
             for line in lines if line.startswith(names)}
@@ -301,6 +299,8 @@ def drive(config: str, url: str, model: str, a: argparse.Namespace, raw_dir: Pat
     # a case with a failed request has no figure (the summary would compare unlike work)
     failures = {name: f"{row['failed']} failed, {row['completed']} completed"
                 for name, row in got.items() if row["failed"] or not row["completed"]}
+    failures.update({name: f"{n:.0f} requests ran unsteered (steering table full)" for name, row
+                     in got.items() if (n := row["capsteer_counts"].get(REFUSED, 0.0))})
     failures.update({job["case"]: f"client exited {proc.returncode} before it ran"
                      for job in jobs[1:] if job["case"] not in got and proc.returncode})
     for name, why in failures.items():
@@ -324,9 +324,11 @@ def server_argv(config: str, model: Path, shape: str, a: argparse.Namespace, por
     argv += a.server_flags
     if config == "vanilla":
         return [*argv, "--vanilla"]
+    specs = max(DISTINCT) * json.loads((model / "config.json").read_text())["num_hidden_layers"]
     return [*argv, "--capture-dir", str(a.work / "captures"), "--steering-dir",
-            str(a.work / "vectors"), "--readers-dir", str(a.work / "readers"),
-            "--admin-key", a.admin_key, *a.capsteer_flags]
+            str(a.work / "vectors"), "--readers-dir", str(a.work / "readers"), "--admin-key",
+            a.admin_key, "--additional-config", json.dumps({"capsteer": {  # + steer_all's...
+                "max_steering_entries": specs + 1024}}), *a.capsteer_flags]
 
 
 def model_for(shape: str, a: argparse.Namespace) -> Path:

@@ -79,6 +79,26 @@ def test_verdicts_need_three_rounds_and_every_round_on_one_side():
     assert sb.verdict(1.06, 1.09, "<= 1.05", 3) == "missed"
 
 
+def test_the_managed_capsteer_server_holds_every_distinct_spec_at_once(tmp_path):
+    """distinct_256 runs 256 specs of every layer at once: the managed capsteer server's
+    steering table is sized for them (the default fills at ~146 28-layer specs, and the
+    rest would run unsteered), as `capsteer serve` hands it to the workers; vanilla gets no
+    such flag."""
+    from capsteer.engine_ext.worker_config import WorkerConfig  # the workers' reading of it
+    from capsteer.server.launch import take_additional_config
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"num_hidden_layers": 28}))
+    a = sb.parse(["--device", "cpu", "--work", str(tmp_path)])
+    a.admin_key = "k"
+    argv = sb.server_argv("capsteer", model, "demo", a, 8000)
+    _, extra = take_additional_config(argv)
+    entries = WorkerConfig.from_section(extra["capsteer"]).max_steering_entries
+    assert entries >= max(sb.DISTINCT) * 28 > WorkerConfig().max_steering_entries
+    assert "--additional-config" not in sb.server_argv("vanilla", model, "demo", a, 8000)
+
+
 BURN = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.4: pass\n"
 
 
