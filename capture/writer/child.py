@@ -46,6 +46,7 @@ from capsteer.capture.writer.protocol import (
     Writes,
     dumps,
     loads,
+    ring_positions,
 )
 from capsteer.capture.writer.ring import HEADER
 
@@ -226,7 +227,7 @@ def _serve(sock_fd: int, ctl_fd: int, ring_fd: int, config: dict[str, Any]) -> N
             if 2 * nbytes >= ring_bytes:  # CaptureWriter.write copies rows of a larger
                 rows = rows.clone()       # storage; the parent keeps writes below half
             try:
-                writer.write(cid, hook, layer, pos, rows)  # copies the rows out
+                writer.write(cid, hook, layer, ring_positions(pos), rows)  # copies the rows out
             except Exception as exc:  # the capture ends with an error, the step goes on
                 log.exception("capsteer writer process: write for %s failed", cid)
                 writer.abort(cid, f"rows could not be taken: {type(exc).__name__}: {exc}")

@@ -195,7 +195,7 @@ class ProcessCaptureWriter(CaptureSink):
                 started = time.perf_counter()
                 copy_rows(self._ring[offset:offset + nbytes].view(dtype).view(shape), rows)
                 self.copy_s += time.perf_counter() - started
-            self._queue_locked((capture_id, hook, int(layer), pos, dtype, shape,
+            self._queue_locked((capture_id, hook, int(layer), pos.tobytes(), dtype, shape,
                                 HEADER + offset, end))
 
     def end_step(self) -> None:
@@ -331,7 +331,7 @@ class ProcessCaptureWriter(CaptureSink):
                 self._fallback.write(capture_id, hook, layer, pos, reserved.rows)
                 return
             self.device_writes += 1
-            self._queue_locked((capture_id, hook, int(layer), pos, reserved.dtype,
+            self._queue_locked((capture_id, hook, int(layer), pos.tobytes(), reserved.dtype,
                                 reserved.shape, reserved.offset,
                                 -reserved.end if frees else None))
 

@@ -27,10 +27,17 @@ from capsteer.capture.sink import CaptureEnd, CaptureRequest
 log = logging.getLogger(__name__)
 
 # One write's rows in a ring: (capture_id, hook, layer, positions, dtype, shape, offset,
-# end). `offset` counts from the start of the shared memory; `end` is the copy ring's
-# logical end, minus the device ring's, or None when the same rows follow under another
-# key. A plain tuple: a step sends hundreds and each costs its pickling.
-RingWrite = tuple[str, str, int, np.ndarray, torch.dtype, tuple[int, ...], int, "int | None"]
+# end). `positions` are int64 bytes (`ring_positions`): a step sends hundreds of writes,
+# and pickling an ndarray each cost 14x the rest of the message. `offset` counts from the
+# start of the shared memory; `end` is the copy ring's logical end, minus the device
+# ring's, or None when the same rows follow under another key. A plain tuple, for the
+# same reason.
+RingWrite = tuple[str, str, int, bytes, torch.dtype, tuple[int, ...], int, "int | None"]
+
+
+def ring_positions(data: bytes) -> np.ndarray:
+    """A RingWrite's positions as the int64 array they were (read-only)."""
+    return np.frombuffer(data, dtype=np.int64)
 
 
 class Open(NamedTuple):
