@@ -23,7 +23,7 @@ import msgspec
 
 from capsteer.capture.spec import RANGE_KINDS, range_bounds
 from capsteer.server.responses import BodyRewriter
-from capsteer.steering.readers.collect import ReadoutValues, fed_limit
+from capsteer.steering.readers.collect import ReadoutValues, entry_head, fed_limit
 from capsteer.steering.readers.readout import ReadoutItem
 from capsteer.steering.readers.results import ResultsHub
 
@@ -60,7 +60,7 @@ class ReadoutResponder(BodyRewriter):
         self.complete: dict[int, int] = {item.index: 0 for item in items}  # all below arrived
         # A range item's entry as bytes up to its positions, and its values' key: a chunk's
         # entries are written as msgspec would write the entry dicts, without building them.
-        self._heads = {item.index: (_ENCODE(self._entry_head(item))[:-1] + b',"positions":[',
+        self._heads = {item.index: (_ENCODE(entry_head(item))[:-1] + b',"positions":[',
                                     b'],"scores":[' if item.reader.kind == "probe"
                                     else b'],"features":[')
                        for item in items if item.positions.kind in RANGE_KINDS}
@@ -239,11 +239,6 @@ class ReadoutResponder(BodyRewriter):
             if upto < limit:
                 return False
         return True
-
-    @staticmethod
-    def _entry_head(item: ReadoutItem) -> dict[str, Any]:
-        return {"item": item.index, "reader": item.reader.name, "hook": item.hook,
-                "layer": item.layer}
 
     # ---- shared ----
     def _note_tokens(self, data: dict, choice: dict) -> None:

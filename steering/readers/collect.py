@@ -31,13 +31,21 @@ def fed_limit(prompt_len: int, output_len: int) -> int:
     return prompt_len + max(output_len - 1, 0)
 
 
-def expected_positions(item: ReadoutItem, prompt_len: int, start: int, limit: int) -> list[int]:
-    """The positions in [start, limit) the item reads."""
+def expected_positions(item: ReadoutItem, prompt_len: int, start: int,
+                       limit: int) -> Sequence[int]:
+    """The positions in [start, limit) the item reads, in order (a range for the range
+    kinds)."""
     kind = item.positions.kind
     if kind in RANGE_KINDS:
-        return list(range(*range_bounds(kind, prompt_len, start, limit)))
+        return range(*range_bounds(kind, prompt_len, start, limit))
     span = np.arange(start, limit, dtype=np.int64)
     return span[item.positions.candidate(span, prompt_len)].tolist()
+
+
+def entry_head(item: ReadoutItem) -> dict[str, Any]:
+    """The fields that open an item's `readout_results` entry."""
+    return {"item": item.index, "reader": item.reader.name, "hook": item.hook,
+            "layer": item.layer}
 
 
 class ReadoutValues:
@@ -71,10 +79,7 @@ class ReadoutValues:
         if item.index in self.errors:
             return limit
         have = self.values[item.index]
-        kind = item.positions.kind
-        wanted = range(*range_bounds(kind, prompt_len, start, limit)) if kind in RANGE_KINDS \
-            else expected_positions(item, prompt_len, start, limit)
-        for p in wanted:
+        for p in expected_positions(item, prompt_len, start, limit):
             if p not in have:
                 return p
         return limit
@@ -84,8 +89,7 @@ class ReadoutValues:
               decode: Callable[[msgspec.Raw], Any] | None = None) -> dict[str, Any]:
         """The item's `readout_results` entry for positions [start, limit): the values as
         the worker wrote them, or `decode`d."""
-        entry: dict[str, Any] = {"item": item.index, "reader": item.reader.name,
-                                 "hook": item.hook, "layer": item.layer}
+        entry = entry_head(item)
         if item.index in self.errors:
             entry["error"] = self.errors[item.index]
             return entry
