@@ -210,8 +210,11 @@ def _p3all(a: argparse.Namespace, batch: Callable[..., dict], capture_dir: Path)
     """All layers x all prompt positions, durable: MB/s vs the disk's fsync'd dd rate."""
     (n, prompt, gen), vocab = WORKLOADS[a.device]["prefill"], perf_models.SHAPES[a.shape].vocab
     spec = {"hooks": ["resid_post"], "layers": "all", "positions": "prompt", "layout": "packed"}
-    (dd := capture_dir / "dd").mkdir(parents=True, exist_ok=True)  # storage.py's dd, else its loop
-    dd_before = storage.dd_rate(dd, DD_MIB[a.device]) or storage.loop_rate(dd, DD_MIB[a.device])
+
+    def disk() -> float:  # MB/s of storage.py's `dd conv=fsync`, else its write+fsync loop
+        (dd := capture_dir / "dd").mkdir(parents=True, exist_ok=True)
+        return storage.dd_rate(dd, DD_MIB[a.device]) or storage.loop_rate(dd, DD_MIB[a.device])
+    dd_before = disk()
     batch(_prompts(3_999, max(4, n // 16), prompt, vocab), gen, spec)  # warm-up
     perf_models.fresh_dir(capture_dir)
     times: list[float] = []
@@ -224,8 +227,7 @@ def _p3all(a: argparse.Namespace, batch: Callable[..., dict], capture_dir: Path)
         nbytes += batch(prompts, gen, spec)["bytes"]
         times.append(time.perf_counter() - t)
     perf_models.fresh_dir(capture_dir)
-    dd.mkdir(parents=True, exist_ok=True)
-    dd_after = storage.dd_rate(dd, DD_MIB[a.device]) or storage.loop_rate(dd, DD_MIB[a.device])
+    dd_after = disk()
     disk, rate = max(dd_before, dd_after), nbytes / sum(times) / 1e6
     return {"batches": len(times), "seconds": sum(times), "bytes": nbytes, "mb_s": rate,
             "disk_dd_mb_s": [dd_before, dd_after], "disk_mb_s": disk, "ratio": rate / disk,
