@@ -194,11 +194,11 @@ def process_cpu(root_pid: int | None, pids: bool = False) -> dict[str, Any]:
             f = rest.split()
             procs[int(stat.parent.name)] = (int(f[1]), name, (int(f[11]) + int(f[12])) / 100,
                                             (stat.parent / "cmdline").read_bytes())
-    tree, out, roles = [root_pid] if root_pid in procs else [], {}, {}
+    tree, out = [root_pid] if root_pid in procs else [], {}
     for pid in tree:  # grows as children are found
         tree += [kid for kid, (parent, *_) in procs.items() if parent == pid]
         name = procs[pid][1]  # N API processes: "VLLM::APIServer_i"; writers: by command line
-        roles[pid] = role = "api" if pid == root_pid or "APIServer" in name else \
+        role = "api" if pid == root_pid or "APIServer" in name else \
             "engine_core" if "EngineCor" in name else "worker" if "Worker" in name else \
             "writer" if b"capsteer.capture.writer.child" in procs[pid][3] else "other"
         out[role] = out.get(role, pid) if pids else out.get(role, 0.0) + procs[pid][2]
@@ -299,7 +299,7 @@ def drive(config: str, url: str, model: str, a: argparse.Namespace, raw_dir: Pat
     # a case with a failed request has no figure (the summary would compare unlike work)
     failures = {name: f"{row['failed']} failed, {row['completed']} completed"
                 for name, row in got.items() if row["failed"] or not row["completed"]}
-    failures.update({name: f"{n:.0f} requests ran unsteered (steering table full)" for name, row
+    failures.update({name: f"{n:.0f} requests ran unsteered ({REFUSED})" for name, row
                      in got.items() if (n := row["capsteer_counts"].get(REFUSED, 0.0))})
     failures.update({job["case"]: f"client exited {proc.returncode} before it ran"
                      for job in jobs[1:] if job["case"] not in got and proc.returncode})
